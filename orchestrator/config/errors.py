@@ -1,0 +1,81 @@
+"""ConfigError and the helpers that phrase problems as `key.path = value: rule`.
+
+Every configuration problem is one line naming the key path (as the user
+writes it: `pipeline.stages[1].mesh.model`), the offending value and the rule
+it breaks. A `ConfigError` carries all problems found in one pass, one per line.
+"""
+from __future__ import annotations
+
+import difflib
+from typing import Any, Iterable, Sequence
+
+__all__ = ["ConfigError", "Problem", "fmt_path", "fmt_value", "problem", "suggest"]
+
+_MISSING = object()
+
+
+class ConfigError(ValueError):
+    """An invalid job or cluster configuration.
+
+    Attributes:
+      problems: one line per problem, each `key.path = value: rule`.
+      source: the file (or "<dict>") the configuration came from, if known.
+    """
+
+    def __init__(self, problems: str | Sequence[str], source: str | None = None):
+        self.problems: tuple[str, ...] = (problems,) if isinstance(problems, str) else tuple(problems)
+        self.source = source
+        super().__init__(self._format())
+
+    def _format(self) -> str:
+        head = f"{self.source}: " if self.source else ""
+        if len(self.problems) == 1:
+            return head + self.problems[0]
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        return f"{head}{len(self.problems)} configuration problems:\n{lines}"
+
+
+class Problem(ValueError):
+    """Raised inside validators: a rule broken at `sub` (a path below the field)."""
+
+    def __init__(self, rule: str, sub: Sequence[str | int] = (), value: Any = _MISSING):
+        super().__init__(rule)
+        self.rule, self.sub, self.value = rule, tuple(sub), value
+
+    @property
+    def has_value(self) -> bool:
+        return self.value is not _MISSING
+
+
+def fmt_path(loc: Iterable[str | int]) -> str:
+    """`('pipeline', 'stages', 1, 'mesh')` → `pipeline.stages[1].mesh`."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else str(part)
+    return out or "<top level>"
+
+
+def fmt_value(value: Any, limit: int = 120) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def problem(loc: Iterable[str | int] | str, value: Any, rule: str) -> str:
+    """One problem line; pass `value=None`-like `_MISSING` via `problem_nv` to omit it."""
+    path = loc if isinstance(loc, str) else fmt_path(loc)
+    if value is _MISSING:
+        return f"{path}: {rule}"
+    return f"{path} = {fmt_value(value)}: {rule}"
+
+
+def problem_nv(loc: Iterable[str | int] | str, rule: str) -> str:
+    return problem(loc, _MISSING, rule)
+
+
+def suggest(word: Any, choices: Iterable[str], prefix: str = "; ") -> str:
+    """`"; did you mean 'x'?"` for the closest choice, or "" when nothing is close."""
+    close = difflib.get_close_matches(str(word), sorted(set(choices)), n=1, cutoff=0.6)
+    return f"{prefix}did you mean {close[0]!r}?" if close else ""

@@ -1,0 +1,127 @@
+"""The pipeline executor: a thin dispatcher over a lowered, validated schedule.
+
+Basic flow:
+  start():  one actor per host of each stage (placement.actor_options), then
+            for multi-host stages the stage's coordinator address from its host
+            0, then `setup` on all actors at once, then `connect` neighbours.
+  step(i):  ONE `run_step` call per actor per step. Each actor runs its own
+            lowered action list and exchanges tensors directly with its
+            neighbours (pushes into their mailboxes); the driver only waits, with
+            a deadline, and collects losses and spans. It makes no scheduling
+            decisions and never touches a tensor.
+  shutdown(): bounded `shutdown` call, then kill every actor and remove the
+            placement group — also after errors and Ctrl-C.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from orchestrator import placement
+from orchestrator.waiting import wait_all
+from stages.worker import StageWorker, WorkerConfig
+
+
+@dataclass
+class StepResult:
+    step: int
+    loss: float
+    wall_s: float
+    spans: list          # (stage, host, action, start, end)
+
+
+class PipelineExecutor:
+    def __init__(self, checked, lowered, data_source, run: str):
+        self.checked, self.lowered, self.data, self.run = checked, lowered, data_source, run
+        t = checked.cluster.timeouts
+        self.timeouts = {"init_s": t.init_s, "step_s": t.step_s, "shutdown_s": t.shutdown_s,
+                         "jax_distributed_init_s": t.jax_distributed_init_s}
+        self.pg = None
+        self.actors: list[list] = []     # [stage][host]
+        self.labels: list[list[str]] = []
+        self.info: list[dict] = []
+
+    # -- lifecycle ---------------------------------------------------------
+    def worker_config(self, stage, host: int) -> WorkerConfig:
+        job = self.checked.job
+        grid = self.lowered.actions[stage.index]
+        return WorkerConfig(
+            run=self.run, stage=stage.index, host=host, stage_hosts=len(stage.hosts),
+            cluster_host=stage.hosts[host], layers=tuple(stage.layers), mesh=dict(stage.mesh),
+            layout=dict(stage.layout), spec=self.checked.model, data=self.data,
+            microbatches=job.pipeline.microbatches,
+            optimizer=(job.optimizer.name, dict(job.optimizer.args)), seed=job.run.seed,
+            actions=tuple(str(a) for a in grid if a is not None), num_stages=len(self.checked.stages),
+            timeouts=dict(self.timeouts))
+
+    def start(self) -> None:
+        import ray
+
+        self.pg = placement.reserve(self.checked, f"{self.run}/pg", self.timeouts["init_s"])
+        remote = ray.remote(StageWorker)
+        for stage in self.checked.stages:
+            row, names = [], []
+            for host in range(len(stage.hosts)):
+                opts = placement.actor_options(self.checked, stage, host, self.pg, self.run)
+                row.append(remote.options(**opts).remote(self.worker_config(stage, host)))
+                names.append(f"stage {stage.index} host {host}")
+            self.actors.append(row)
+            self.labels.append(names)
+        coords = []
+        for row, names in zip(self.actors, self.labels):
+            if len(row) > 1:
+                coords.append(wait_all([row[0].coordinator_address.remote()], self.timeouts["init_s"],
+                                       "picking the stage coordinator", names[:1])[0])
+            else:
+                coords.append(None)
+        refs, labels = [], []
+        for row, names, coord in zip(self.actors, self.labels, coords):
+            refs += [a.setup.remote(coord) for a in row]
+            labels += names
+        self.info = wait_all(refs, self.timeouts["init_s"], "stage setup", labels)
+        refs = []
+        for s, row in enumerate(self.actors):
+            prev = self.actors[s - 1] if s > 0 else []
+            nxt = self.actors[s + 1] if s + 1 < len(self.actors) else []
+            refs += [a.connect.remote(prev, nxt) for a in row]
+        wait_all(refs, self.timeouts["init_s"], "connecting stages", labels)
+
+    def shutdown(self) -> None:
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        flat = [a for row in self.actors for a in row]
+        if flat:
+            try:
+                ray.wait([a.shutdown.remote() for a in flat], num_returns=len(flat),
+                         timeout=self.timeouts["shutdown_s"])
+            except Exception:  # noqa: BLE001 - best effort; the kill below is what counts
+                pass
+        for a in flat:
+            ray.kill(a, no_restart=True)
+        self.actors = []
+        if self.pg is not None:
+            remove_placement_group(self.pg)
+            self.pg = None
+
+    # -- running -----------------------------------------------------------
+    def step(self, step: int) -> StepResult:
+        import time
+
+        t0 = time.perf_counter()
+        flat = [(a, lbl) for row, names in zip(self.actors, self.labels) for a, lbl in zip(row, names)]
+        outs = wait_all([a.run_step.remote(step) for a, _ in flat], self.timeouts["step_s"],
+                        f"step {step}", [lbl for _, lbl in flat])
+        wall = time.perf_counter() - t0
+        losses = next(o["losses"] for o in outs if "losses" in o)
+        spans = [(o["stage"], o["host"], *span) for o in outs for span in o["spans"]]
+        return StepResult(step=step, loss=sum(losses) / len(losses), wall_s=wall, spans=spans)
+
+    def param_norms(self) -> dict[str, float]:
+        refs, labels = [], []
+        for row, names in zip(self.actors, self.labels):
+            refs += [a.param_norms.remote() for a in row]
+            labels += names
+        norms: dict[str, float] = {}
+        for part in wait_all(refs, self.timeouts["step_s"], "param norms", labels):
+            norms.update(part)
+        return dict(sorted(norms.items()))

@@ -1,0 +1,50 @@
+"""A keyed, thread-safe inbox with deadlines: where neighbours' pushes land.
+
+Senders call the receiving actor's `deliver(key, payload)` (an I/O concurrency
+group, so it runs while the compute thread executes the schedule); the compute
+thread `take`s by key when it reaches the matching RECV action. Keys carry the
+step, so nothing from one step can be mistaken for another's. A take that
+outlives its deadline raises `TimeoutError` naming the key: no wait is unbounded.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Hashable
+
+
+class Mailbox:
+    def __init__(self, owner: str = ""):
+        self._items: dict[Hashable, Any] = {}
+        self._cv = threading.Condition()
+        self._owner = owner
+        self._closed: str | None = None
+
+    def put(self, key: Hashable, value: Any) -> None:
+        with self._cv:
+            if key in self._items:
+                raise KeyError(f"{self._owner}: duplicate delivery for {key!r}")
+            self._items[key] = value
+            self._cv.notify_all()
+
+    def take(self, key: Hashable, timeout: float) -> Any:
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while key not in self._items:
+                if self._closed:
+                    raise RuntimeError(f"{self._owner}: mailbox closed ({self._closed}) while waiting for {key!r}")
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(f"{self._owner}: nothing arrived for {key!r} within {timeout:.0f} s "
+                                       f"(pending: {sorted(map(str, self._items))[:8]})")
+                self._cv.wait(remaining)
+            return self._items.pop(key)
+
+    def close(self, reason: str) -> None:
+        with self._cv:
+            self._closed = reason
+            self._cv.notify_all()
+
+    def __len__(self) -> int:
+        with self._cv:
+            return len(self._items)

@@ -1,0 +1,59 @@
+"""Shared fixtures: one embedded local Ray per test session, and leak checks.
+
+Ray is started once (starting it costs seconds) with more logical CPUs than the
+machine has cores: stage actors reserve fractional CPUs and mostly wait on each
+other. Tests that use it check that they leave no actor or placement group.
+"""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address="local", num_cpus=8, include_dashboard=False, namespace="meshpipe-tests",
+                 logging_level="WARNING")
+    yield ray
+    ray.shutdown()
+
+
+def alive_actors() -> list:
+    from ray.util.state import list_actors
+
+    return list_actors(filters=[("state", "=", "ALIVE")])
+
+
+def live_placement_groups() -> list:
+    from ray.util.state import list_placement_groups
+
+    return [pg for pg in list_placement_groups() if pg.state != "REMOVED"]
+
+
+def wait_until(cond, timeout: float = 30.0, what: str = "condition"):
+    """Poll `cond` until it returns truthy or the deadline passes (never a fixed sleep)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = cond()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def no_leaks(ray_local):
+    """Asserts the test leaves no live actor or placement group behind."""
+    yield
+    wait_until(lambda: not alive_actors(), 30, "all actors to exit")
+    wait_until(lambda: not live_placement_groups(), 30, "all placement groups to be removed")
