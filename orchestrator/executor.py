@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from orchestrator import placement
+from orchestrator.edges import stage_geoms
 from orchestrator.waiting import wait_all
 from stages.worker import StageWorker, WorkerConfig
 
@@ -44,6 +45,8 @@ class PipelineExecutor:
     def worker_config(self, stage, host: int) -> WorkerConfig:
         job = self.checked.job
         grid = self.lowered.actions[stage.index]
+        geoms = stage_geoms(self.checked)
+        s = stage.index
         return WorkerConfig(
             run=self.run, stage=stage.index, host=host, stage_hosts=len(stage.hosts),
             cluster_host=stage.hosts[host], layers=tuple(stage.layers), mesh=dict(stage.mesh),
@@ -51,13 +54,16 @@ class PipelineExecutor:
             microbatches=job.pipeline.microbatches,
             optimizer=(job.optimizer.name, dict(job.optimizer.args)), seed=job.run.seed,
             actions=tuple(str(a) for a in grid if a is not None), num_stages=len(self.checked.stages),
-            timeouts=dict(self.timeouts))
+            timeouts=dict(self.timeouts), hosts=tuple(stage.hosts), devices_per_host=stage.devices_per_host,
+            prev_geom=geoms[s - 1] if s > 0 else None,
+            next_geom=geoms[s + 1] if s + 1 < len(geoms) else None)
 
     def start(self) -> None:
         import ray
 
         self.pg = placement.reserve(self.checked, f"{self.run}/pg", self.timeouts["init_s"])
-        remote = ray.remote(StageWorker)
+        # the mailbox ("io") accepts pushes while the default group runs the step
+        remote = ray.remote(concurrency_groups={"io": 4})(StageWorker)
         for stage in self.checked.stages:
             row, names = [], []
             for host in range(len(stage.hosts)):

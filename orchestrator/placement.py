@@ -91,7 +91,5 @@ def actor_options(checked, stage, host: int, pg, run: str) -> dict:
             placement_group=pg, placement_group_bundle_index=bundle,
             placement_group_capture_child_tasks=False),
         "runtime_env": {"env_vars": env},
-        "concurrency_groups": {"io": 4},
         "max_restarts": 0,
-        "max_concurrency": 1,
     }

@@ -35,12 +35,17 @@ class ParamDef:
 
 @dataclass(frozen=True)
 class LayerSpec:
-    """A layer: a name, a kind its model's implementation knows, its parameters."""
+    """A layer: a name, a kind its model's implementation knows, its parameters.
+
+    `out_axes` names the output activation's dims (batch first); `out_shape` is
+    its per-example shape (everything after the batch dim).
+    """
 
     name: str
     kind: str
     params: Mapping[str, ParamDef]
     out_axes: tuple[str | None, ...]
+    out_shape: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

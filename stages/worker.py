@@ -48,6 +48,10 @@ class WorkerConfig:
     actions: tuple[str, ...]
     num_stages: int
     timeouts: dict[str, float] = field(default_factory=dict)
+    hosts: tuple[int, ...] = (0,)   # cluster host index of each host of this stage
+    devices_per_host: int = 1
+    prev_geom: Any = None           # orchestrator.edges.StageGeom of the neighbours (None at the ends)
+    next_geom: Any = None
     pin_cpus: tuple[int, ...] | None = None
 
     @property
@@ -94,6 +98,10 @@ class StageWorker:
         n = int(np.prod(list(cfg.mesh.values())))
         if devices.size != n:
             raise RuntimeError(f"{cfg.who}: mesh {cfg.mesh} needs {n} devices, the stage has {devices.size}")
+        owners = [d.process_index for d in devices]
+        if owners != sorted(owners) or owners.count(cfg.host) != cfg.devices_per_host:
+            raise RuntimeError(f"{cfg.who}: jax device order {owners} is not host-major with "
+                               f"{cfg.devices_per_host} devices per host")
         self.mesh = Mesh(devices.reshape(tuple(cfg.mesh.values())), tuple(cfg.mesh))
         self.prog = StageProgram(cfg.spec, load_impl(cfg.spec), *cfg.layers, microbatches=cfg.microbatches,
                                  optimizer=make_optimizer(*cfg.optimizer), mesh=self.mesh, layout=cfg.layout)
@@ -102,6 +110,10 @@ class StageWorker:
         from stages.transport import make_transport
 
         self.transport = make_transport(self)
+        mbs = cfg.data.global_batch // cfg.microbatches
+        start, stop = cfg.layers
+        self.in_shape = (mbs, *cfg.spec.layers[start - 1].out_shape) if start > 0 else None
+        self.out_shape = (mbs, *cfg.spec.layers[stop - 1].out_shape)
         jax.block_until_ready(self.params)
         import ray
 
@@ -174,13 +186,15 @@ class StageWorker:
                 dp = prog.bwd_w(self.params, residuals.pop(mb), dys.pop(mb, None))
                 self.grads = jax.block_until_ready(prog.accumulate(self.grads, dp))
             elif kind == "RECV_F":
-                inputs[mb] = self.transport.recv((step, "F", mb), prog.input_sharding(), timeout)
+                inputs[mb] = self.transport.recv((step, "F", mb), self.in_shape, np.float32,
+                                                 prog.input_sharding(), "prev", timeout)
             elif kind == "RECV_B":
-                dys[mb] = self.transport.recv((step, "B", mb), prog.output_sharding(), timeout)
+                dys[mb] = self.transport.recv((step, "B", mb), self.out_shape, np.float32,
+                                              prog.output_sharding(), "next", timeout)
             elif kind == "SEND_F":
-                self.transport.send((step, "F", mb), outputs.pop(mb), self.next)
+                self.transport.send((step, "F", mb), outputs.pop(mb), "next")
             elif kind == "SEND_B":
-                self.transport.send((step, "B", mb), dxs.pop(mb), self.prev)
+                self.transport.send((step, "B", mb), dxs.pop(mb), "prev")
             elif kind == "OPT":
                 self.params, self.opt_state, self.grads = prog.update(self.params, self.opt_state, self.grads)
                 jax.block_until_ready(self.params)

@@ -147,8 +147,8 @@ def _build_model(job: JobConfig) -> ModelSpec:
     if defaults is not None:
         for k, v in args.items():
             if k not in defaults:
-                probs.add(f"model.args.{k}", v, f"unknown argument of model {name!r}"
-                          f"{suggest(k, defaults)}; valid: {', '.join(sorted(defaults))}")
+                probs.add(f"model.args.{k}", v, f"unknown argument of model {name!r} (valid: "
+                          f"{', '.join(sorted(defaults))}){suggest(k, defaults)}")
             elif isinstance(defaults[k], int) and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 probs.add(f"model.args.{k}", v, "must be an integer >= 1")
         if probs:
@@ -160,14 +160,17 @@ def _build_model(job: JobConfig) -> ModelSpec:
         if name not in BUILTIN and ":" not in name:
             raise ConfigError(problem("model.name", name, f"unknown model; built-in models are "
                                       f"{', '.join(sorted(BUILTIN))}{suggest(name, BUILTIN)}")) from None
-        valid = f"; valid: {', '.join(sorted(defaults))}" if defaults else ""
+        valid = f" (valid: {', '.join(sorted(defaults))})" if defaults else ""
         raise ConfigError(problem(f"model.args.{key}", args.get(key), f"unknown argument of model "
-                                  f"{name!r}{suggest(key, defaults or ())}{valid}")) from None
+                                  f"{name!r}{valid}{suggest(key, defaults or ())}")) from None
     except (ImportError, AttributeError) as e:
         raise ConfigError(problem("model.name", name, f"cannot import the model factory: {e}")) from None
     except (ValueError, TypeError) as e:
         if seq_len is None and "seq_len" in str(e):
             raise ConfigError(problem("data.seq_len", None, f"required by model {name!r} ({e})")) from None
+        if builtin is None:
+            raise ConfigError(problem("model.name", name, f"the model factory failed: "
+                                      f"{type(e).__name__}: {e}")) from None
         raise ConfigError(problem("model.args", dict(args), f"invalid model arguments: {e}")) from None
 
 
@@ -220,19 +223,22 @@ def _check_layers(job: JobConfig, model: ModelSpec, probs: _Problems) -> bool:
     for i, st in enumerate(job.pipeline.stages):
         if len(st.chunks) != v:
             form = "[start, stop]" if v == 1 else f"a list of {v} [start, stop] ranges"
-            probs.add(f"pipeline.stages[{i}].layers", list(st.layers), f"pipeline.virtual_stages is "
+            probs.add(f"pipeline.stages[{i}].layers", _plain(st.layers), f"pipeline.virtual_stages is "
                       f"{v}, so each stage needs {form} (one per virtual stage)")
             ok = False
     if not ok:
         return False
     # Virtual stage k = chunk j of stage i with k = j * p + i; they must tile [0, num_layers).
     order = sorted(((j * p + i, i, j) for i in range(p) for j in range(v)))
-    expect, what = 0, _model_layers(model)
-    prev = None
+    expect, what, owner = 0, _model_layers(model), None
+
+    def label(i: int, j: int) -> str:
+        return f"stage {i}" if v == 1 else f"stage {i} chunk {j} (virtual stage {j * p + i})"
+
     for k, i, j in order:
         start, stop = job.pipeline.stages[i].chunks[j]
         key = f"pipeline.stages[{i}].layers" + (f"[{j}]" if v > 1 else "")
-        where = f"stage {prev[1]} ends at layer {expect}" if prev else "the first stage must start at 0"
+        where = f"{owner} ends at layer {expect}" if owner else "the first stage must start at 0"
         if start > expect:
             probs.add(key, [start, stop], f"gap: layers [{expect}, {start}) are in no stage ({where}); "
                       f"ranges must be contiguous; {what}")
@@ -244,10 +250,11 @@ def _check_layers(job: JobConfig, model: ModelSpec, probs: _Problems) -> bool:
         if stop > model.num_layers:
             probs.add(key, [start, stop], f"stop {stop} is past the model's last layer; {what}")
             return False
-        expect, prev = max(expect, stop), (k, i)
+        if stop > expect:
+            expect, owner = stop, label(i, j)
     if expect < model.num_layers:
         i = order[-1][1]
-        probs.add(f"pipeline.stages[{i}].layers", list(job.pipeline.stages[i].layers),
+        probs.add(f"pipeline.stages[{i}].layers", _plain(job.pipeline.stages[i].layers),
                   f"stages cover layers [0, {expect}) but must cover all of [0, {model.num_layers}); "
                   f"{what}")
         ok = False
@@ -259,8 +266,9 @@ def _check_hosts_meshes(job: JobConfig, cluster: ClusterConfig, probs: _Problems
     total = sum(st.hosts for st in stages)
     if total > cluster.hosts:
         per = ", ".join(f"stage {i}: {st.hosts}" for i, st in enumerate(stages))
-        probs.add("pipeline.stages", f"{len(stages)} stages", f"more stages than hosts can hold: the "
-                  f"stages need {total} hosts ({per}) but the cluster offers cluster.hosts = {cluster.hosts}")
+        probs.add("pipeline.stages[*].hosts", [st.hosts for st in stages], f"more stages than hosts "
+                  f"can hold: the stages need {total} hosts ({per}) but the cluster offers "
+                  f"cluster.hosts = {cluster.hosts}")
     assigned, first = [], 0
     for i, st in enumerate(stages):
         assigned.append(tuple(range(first, first + st.hosts)))
@@ -333,8 +341,8 @@ def _check_layout_names(job: JobConfig, model: ModelSpec, probs: _Problems) -> l
                for i, st in enumerate(stages)]):
         for name, rule in layout.items():
             if name not in logical:
-                probs.add(f"{src}.{name}", _json_rule(rule), f"unknown logical axis"
-                          f"{suggest(name, logical)}; model {model.name!r} names: {', '.join(sorted(logical))}")
+                probs.add(f"{src}.{name}", _json_rule(rule), f"unknown logical axis (model "
+                          f"{model.name!r} names: {', '.join(sorted(logical))}){suggest(name, logical)}")
                 ok = False
             for a in rule_axes(rule):
                 if a not in axes:
@@ -344,6 +352,11 @@ def _check_layout_names(job: JobConfig, model: ModelSpec, probs: _Problems) -> l
     if not ok:
         return None
     return [stage_layout(job.layout, st.layout, st.mesh) for st in stages]
+
+
+def _plain(value: Any) -> Any:
+    """Tuples (as stored) → lists (as written in YAML), for messages."""
+    return [_plain(x) for x in value] if isinstance(value, (tuple, list)) else value
 
 
 def _json_rule(rule: Rule) -> Any:

@@ -218,11 +218,13 @@ class PipelineConfig(_Frozen):
     schedule: str = "1f1b"
     microbatches: PosInt
     virtual_stages: PosInt = 1
-    stages: Annotated[tuple[StageConfig, ...], Field(min_length=1)]
+    stages: tuple[StageConfig, ...]
 
     @field_validator("stages", mode="before")
     @classmethod
     def _stages(cls, v: Any) -> Any:
+        if isinstance(v, (list, tuple)) and not v:
+            raise Problem("must list at least one stage")
         return tuple(v) if isinstance(v, list) else v
 
 
@@ -419,9 +421,11 @@ def _convert(exc: ValidationError, root: type[BaseModel]) -> list[str]:
         cause = (err.get("ctx") or {}).get("error")
         if isinstance(cause, Problem):
             value = cause.value if cause.has_value else err.get("input")
+            value = list(value) if isinstance(value, tuple) else value
             out.append(problem(loc + cause.sub, value, cause.rule))
             continue
-        out.append(problem(loc, err.get("input"), _rule_for(err)))
+        value = err.get("input")
+        out.append(problem(loc, list(value) if isinstance(value, tuple) else value, _rule_for(err)))
     return out
 
 

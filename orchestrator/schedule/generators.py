@@ -66,7 +66,7 @@ def gpipe(p: int, m: int, v: int = 1) -> Schedule:
 
     Example:
       >>> print(gpipe(2, 2).grid())
-      [['0F0', '0F1', '.', '.', '0B0', '0B1'], ['.', '1F0', '1F1', '1B0', '1B1']]
+      [['0F0', '0F1', '.', '.', '0B0', '0B1'], ['.', '1F0', '1F1', '1B0', '1B1', '.']]
     """
     check_params("gpipe", p, m, v)
     orders = []
@@ -83,7 +83,7 @@ def one_f_one_b(p: int, m: int, v: int = 1) -> Schedule:
 
     Example:
       >>> print(one_f_one_b(2, 2).grid())
-      [['0F0', '0F1', '.', '0B0', '.', '0B1'], ['.', '1F0', '1B0', '1F1', '1B1']]
+      [['0F0', '0F1', '.', '0B0', '.', '0B1'], ['.', '1F0', '1B0', '1F1', '1B1', '.']]
     """
     check_params("1f1b", p, m, v)
     orders = []

@@ -39,7 +39,7 @@ def add_comms(schedule: Schedule) -> Schedule:
     Example:
       >>> from orchestrator.schedule import generate
       >>> add_comms(generate("gpipe", 2, 1)).grid()
-      [['0F0', '0SEND_F0', '.', '.', '.', '0RECV_B0', '0B0'], ['.', '.', '1RECV_F0', '1F0', '1B0', '.', '.', '1SEND_B0']]
+      [['0F0', '0SEND_F0', '.', '.', '.', '.', '0RECV_B0', '0B0'], ['.', '.', '1RECV_F0', '1F0', '1B0', '1SEND_B0', '.', '.']]
     """
     if schedule.lowered:
         raise ScheduleError(f"add_comms: schedule {schedule.name!r} already has comm actions")

@@ -33,9 +33,9 @@ def render_grid(schedule: Schedule, mark: Iterable[tuple[int, int]] | None = Non
       >>> from orchestrator.schedule import generate
       >>> print(render_grid(generate("1f1b", 2, 2), mark=[(1, 2)]))
       1f1b p=2 m=2 v=1 compute-only, 6 slots, [x] marks the faulty cell
-      slot    0    1  2      3    4    5
-      s0    0F0  0F1  .    0B0    .  0B1
-      s1      .  1F0  1B0  [1F1]  1B1    .
+      slot    0    1      2    3    4    5
+      s0    0F0  0F1      .  0B0    .  0B1
+      s1      .  1F0  [1B0]  1F1  1B1    .
     """
     marked = set(mark or ())
     grid = schedule.grid()
@@ -142,11 +142,11 @@ def render_png(sim: Any, schedule: Schedule, path: str, title: str | None = None
     step = float(sim.step_time) or 1.0
     most = max([sum(1 for a, _, _ in boxes if a.stage == s) for s in range(p)] or [1])
     fig_w = min(max(8.0, 1.5 + 0.32 * most), 36.0)
-    fig_h = 1.6 + 0.55 * p
-    fig = Figure(figsize=(fig_w, fig_h), dpi=120)
+    fig_h = 1.8 + 0.5 * p
+    fig = Figure(figsize=(fig_w, fig_h), dpi=120, layout="constrained")
     FigureCanvasAgg(fig)
-    ax = fig.add_axes((0.06, 0.2 if p < 4 else 0.14, 0.92, 0.62 if p < 4 else 0.7))
-    axes_w_in = fig_w * 0.92
+    ax = fig.add_subplot()
+    axes_w_in = fig_w - 1.2                       # minus the stage labels' margin
     used: dict[tuple[Kind, int], str] = {}
     for a, t0, t1 in boxes:
         color = _shade(COLORS[a.kind], a.chunk, v)
@@ -157,10 +157,10 @@ def render_png(sim: Any, schedule: Schedule, path: str, title: str | None = None
             continue
         label = str(a.microbatch)
         box_pt = (t1 - t0) / step * axes_w_in * 72
-        size = min(9.0, box_pt / (0.62 * len(label) + 0.4), 0.55 * 72 * 0.8 * fig_h / (p + 2))
+        size = min(9.0, box_pt / (0.62 * len(label) + 0.4))
         if size >= 4:
-            ax.text((t0 + t1) / 2, a.stage, label, ha="center", va="center",
-                    fontsize=size, color="white" if a.chunk < 2 else "black")
+            ax.text((t0 + t1) / 2, a.stage, label, ha="center", va="center", fontsize=size,
+                    color="black" if _lightness(color) > 0.6 else "white")
     ax.set_yticks(range(p), [f"stage {s}" for s in range(p)])
     ax.set_ylim(p - 0.5, -0.5)
     ax.set_xlim(0, step)
@@ -170,10 +170,10 @@ def render_png(sim: Any, schedule: Schedule, path: str, title: str | None = None
     for side in ("top", "right"):
         ax.spines[side].set_visible(False)
     order = [Kind.F, Kind.B, Kind.I, Kind.W, Kind.OPT]
-    handles = [Patch(color=color, label=_legend_label(k, c, v))
-               for (k, c), color in sorted(used.items(), key=lambda kc: (order.index(kc[0][0]), kc[0][1]))]
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.06 if p >= 4 else -0.12),
-              ncol=min(len(handles), 8), frameon=False, fontsize=8)
+    handles = [Patch(color=color, label=_legend_label(k, c, v)) for (k, c), color
+               in sorted(used.items(), key=lambda kc: (order.index(kc[0][0]), kc[0][1]))]
+    fig.legend(handles=handles, loc="outside lower center", ncol=min(len(handles), 8),
+               frameon=False, fontsize=8)
     head = title or f"{schedule.name}  p={p} m={schedule.m}" + (f" v={v}" if v > 1 else "")
     ax.set_title(f"{head}   step time {step:.4g}   bubble {float(sim.bubble_fraction):.1%}",
                  fontsize=11, loc="left")
@@ -188,10 +188,15 @@ def _legend_label(kind: Kind, chunk: int, v: int) -> str:
     return _NAMES[kind] + (f" chunk {chunk}" if v > 1 and kind is not Kind.OPT else "")
 
 
+def _lightness(color: str) -> float:
+    r, g, b = (int(color[i:i + 2], 16) / 255 for i in (1, 3, 5))
+    return 0.299 * r + 0.587 * g + 0.114 * b
+
+
 def _shade(color: str, chunk: int, v: int) -> str:
     """Mix `color` with white: chunk 0 full colour, later chunks lighter."""
     if v <= 1 or chunk == 0:
         return color
-    mix = 0.6 * chunk / (v - 1) if v > 1 else 0.0
+    mix = 0.6 * chunk / (v - 1)
     rgb = [int(color[i:i + 2], 16) for i in (1, 3, 5)]
     return "#" + "".join(f"{round(c + (255 - c) * mix):02x}" for c in rgb)

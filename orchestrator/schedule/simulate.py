@@ -42,7 +42,7 @@ class SimResult:
     spans: list[tuple[Action, Number, Number]]
 
 
-def simulate(lowered: Schedule, costs: Costs, transfer: Number | Sequence[Number] = 0.0) -> SimResult:
+def simulate(lowered: Schedule, costs: Costs, transfer: Number | Sequence[Number] = 0) -> SimResult:
     """Play a lowered schedule on all stages.
 
     Args:
@@ -63,8 +63,8 @@ def simulate(lowered: Schedule, costs: Costs, transfer: Number | Sequence[Number
     Example:
       >>> from orchestrator.schedule import generate, lower
       >>> r = simulate(lower(generate("1f1b", p=2, m=2)), {"F": 1, "B": 1})
-      >>> r.step_time, r.bubble_fraction, r.peak_inflight
-      (6, 0.3333333333333333, [2, 1])
+      >>> r.step_time, round(r.bubble_fraction, 4), r.peak_inflight
+      (6, 0.3333, [2, 1])
     """
     if not lowered.lowered:
         raise ScheduleError(f"simulate needs a lowered schedule; {lowered.name!r} is compute-only: "

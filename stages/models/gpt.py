@@ -28,7 +28,7 @@ def spec(args: dict[str, Any], seq_len: int | None = None) -> ModelSpec:
     layers = [LayerSpec("embed", "embed", {
         "tok": ParamDef((v, d), ("vocab", "embed"), scale=0.02),
         "pos": ParamDef((seq_len, d), (None, "embed"), scale=0.01),
-    }, act)]
+    }, act, (seq_len, d))]
     for i in range(a["blocks"]):
         layers.append(LayerSpec(f"block{i}", "block", {
             "ln1": ParamDef((d,), ("embed",), "ones"),
@@ -39,10 +39,10 @@ def spec(args: dict[str, Any], seq_len: int | None = None) -> ModelSpec:
             "ln2": ParamDef((d,), ("embed",), "ones"),
             "w1": ParamDef((d, h), ("embed", "mlp"), scale=d**-0.5),
             "w2": ParamDef((h, d), ("mlp", "embed"), scale=h**-0.5 / 2),
-        }, act))
+        }, act, (seq_len, d)))
     layers.append(LayerSpec("head", "head", {
         "lnf": ParamDef((d,), ("embed",), "ones"),
         "unembed": ParamDef((d, v), ("embed", "vocab"), scale=d**-0.5),
-    }, ("batch", "seq", "vocab")))
+    }, ("batch", "seq", "vocab"), (seq_len, v)))
     return ModelSpec("gpt", tuple(layers), "stages.models.gpt_impl:impl", (seq_len,), "int32",
                      ("batch", "seq"), (seq_len,), "int32", {**a, "seq_len": seq_len})

@@ -20,15 +20,15 @@ def spec(args: dict[str, Any], seq_len: int | None = None) -> ModelSpec:
     d_in, d, h, d_out = a["d_in"], a["d_model"], a["d_mlp"], a["d_out"]
     act = ("batch", "embed")
     layers = [LayerSpec("in", "in", {"w": ParamDef((d_in, d), (None, "embed"), scale=d_in**-0.5),
-                                     "b": ParamDef((d,), ("embed",), "zeros")}, act)]
+                                     "b": ParamDef((d,), ("embed",), "zeros")}, act, (d,))]
     for i in range(a["blocks"]):
         layers.append(LayerSpec(f"block{i}", "block", {
             "scale": ParamDef((d,), ("embed",), "ones"),
             "w1": ParamDef((d, h), ("embed", "mlp"), scale=d**-0.5),
             "b1": ParamDef((h,), ("mlp",), "zeros"),
             "w2": ParamDef((h, d), ("mlp", "embed"), scale=h**-0.5 / 2),
-        }, act))
+        }, act, (d,)))
     layers.append(LayerSpec("out", "out", {"w": ParamDef((d, d_out), ("embed", None), scale=d**-0.5)},
-                            ("batch", None)))
+                            ("batch", None), (d_out,)))
     return ModelSpec("mlp", tuple(layers), "stages.models.mlp_impl:impl", (d_in,), "float32",
                      ("batch", None), (d_out,), "float32", a)
