@@ -16,13 +16,22 @@ ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @pytest.fixture(scope="session")
 def ray_local():
     import ray
 
     if not ray.is_initialized():
-        ray.init(address="local", num_cpus=8, include_dashboard=False, namespace="meshpipe-tests",
-                 logging_level="WARNING")
+        # the dashboard serves the state API the leak checks use; loopback only, any free port
+        ray.init(address="local", num_cpus=8, include_dashboard=True, dashboard_host="127.0.0.1",
+                 dashboard_port=_free_port(), namespace="meshpipe-tests", logging_level="WARNING")
     yield ray
     ray.shutdown()
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from orchestrator.config import (Checked, ClusterConfig, ConfigError, JobConfig, StagePlan,
+from orchestrator.config import (Checked, ClusterConfig, ConfigError, StagePlan,
                                  apply_overrides, check_job, check_output_dir, load_cluster,
                                  load_job, parse_cluster, parse_job)
 from orchestrator.config import check as check_mod
@@ -122,6 +122,13 @@ def test_overrides_and_free_form_keys():
     assert mlp["layout"] == {"batch": "data", "mlp": "model", "embed": "data"}
     assert raw(GPT)["run"]["steps"] == 50  # input untouched
     assert load_job(GPT, ["run.steps=3"]).run.steps == 3
+
+
+def test_cluster_overrides():
+    c = load_cluster(LOCAL, ["timeouts.step_s=5", "resources_per_host.slice_a=1", "hosts=8"])
+    assert (c.timeouts.step_s, c.resources_per_host, c.hosts) == (5.0, {"slice_a": 1.0}, 8)
+    has_all(error_of(load_cluster, LOCAL, ["timeouts.stepp_s=5"]), "timeouts.stepp_s", "unknown key",
+            "did you mean 'step_s'")
 
 
 def test_optimizer_learning_rate_exponent_form(tmp_path):
@@ -243,6 +250,8 @@ CHECK_CASES = [
     (["pipeline.schedule=1f1bb"], ["pipeline.schedule", "'1f1bb'", "unknown schedule", "did you mean '1f1b'"]),
     (["pipeline.virtual_stages=2", "pipeline.stages.0.layers=[[0, 1], [2, 3]]",
       "pipeline.stages.1.layers=[[1, 2], [3, 4]]"], ["pipeline.virtual_stages", "= 2", "'1f1b'", "rejects"]),
+    (["pipeline.schedule=interleaved-1f1b", "pipeline.microbatches=3", "data.global_batch=12"],
+     ["pipeline.microbatches", "= 3", "'interleaved-1f1b'", "m=3"]),
     # 6. layout
     (["layout.batchh=data"], ["layout.batchh", "'data'", "unknown logical axis", "did you mean 'batch'"]),
     (["layout.batch=dta"], ["layout.batch", "'dta'", "in no stage's mesh", "did you mean 'data'"]),
@@ -253,13 +262,14 @@ CHECK_CASES = [
     (["model.args.heads=3", "model.args.d_model=66"],
      ["layout.heads", "'model'", "not divisible", "02.block1/wq", "(66, 3, 22)", "'heads'", "model"]),
     (["model.args.d_mlp=255"], ["layout.mlp", "'model'", "not divisible", "02.block1/w1", "255"]),
-    (["pipeline.stages.1.layout.mlp=null", "pipeline.stages.1.layout.embed=model", "model.args.d_model=66",
-      "model.args.heads=2"], ["pipeline.stages[1].layout.embed", "'model'", "not divisible", "'embed'", "66"]),
+    (["pipeline.stages.1.layout.mlp=null", "pipeline.stages.1.layout.embed=model", "model.args.d_model=63",
+      "model.args.heads=3"], ["pipeline.stages[1].layout.embed", "'model'", "not divisible", "'embed'", "63"]),
     (["layout.seq=model", "data.seq_len=33"], ["layout.seq", "'model'", "not divisible", "activation", "33"]),
     # 7. model, data, optimizer
     (["model.args.dmodel=8"], ["model.args.dmodel", "= 8", "unknown argument", "did you mean 'd_model'"]),
     (["model.args.d_model='64'"], ["model.args.d_model", "'64'", "integer >= 1"]),
-    (["model.args.blocks=0"], ["model.args.blocks", "= 0", "integer >= 1"]),
+    (["model.args.blocks=-1"], ["model.args.blocks", "= -1", "integer >= 0"]),
+    (["model.args.heads=0"], ["model.args.heads", "= 0", "integer >= 1"]),
     (["model.name=nosuchpkg.mod:make"], ["model.name", "'nosuchpkg.mod:make'", "cannot import"]),
     (["data.seq_len=null"], ["data.seq_len", "None", "required"]),
     (["data.path=examples/data/nope.txt"], ["data.path", "'examples/data/nope.txt'", "file not found"]),

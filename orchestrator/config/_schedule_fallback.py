@@ -17,10 +17,12 @@ SCHEDULES = {"gpipe": None, "1f1b": None, "eager-1f1b": None, "interleaved-1f1b"
 
 
 def check_params(name: str, p: int, m: int, v: int = 1) -> None:
-    """Basic rules: known name, p, m, v >= 1, v > 1 only for interleaved-1f1b."""
+    """Basic rules: known name; p, m, v >= 1; v > 1 and m % p == 0 for interleaved-1f1b."""
     if name not in SCHEDULES:
         raise ScheduleError(f"unknown schedule {name!r}; known: {', '.join(sorted(SCHEDULES))}")
     if p < 1 or m < 1 or v < 1:
         raise ScheduleError(f"p={p}, m={m}, v={v}: all must be >= 1")
     if v != 1 and name != "interleaved-1f1b":
         raise ScheduleError(f"virtual stages v={v} need the 'interleaved-1f1b' schedule; {name!r} runs v=1")
+    if name == "interleaved-1f1b" and m % p:
+        raise ScheduleError(f"interleaved-1f1b needs m divisible by p: got m={m}, p={p}")

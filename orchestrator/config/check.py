@@ -149,8 +149,10 @@ def _build_model(job: JobConfig) -> ModelSpec:
             if k not in defaults:
                 probs.add(f"model.args.{k}", v, f"unknown argument of model {name!r} (valid: "
                           f"{', '.join(sorted(defaults))}){suggest(k, defaults)}")
-            elif isinstance(defaults[k], int) and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-                probs.add(f"model.args.{k}", v, "must be an integer >= 1")
+            elif isinstance(defaults[k], int):
+                low = 0 if k == "blocks" else 1  # zero blocks is a valid (tiny) model; sizes are not
+                if not isinstance(v, int) or isinstance(v, bool) or v < low:
+                    probs.add(f"model.args.{k}", v, f"must be an integer >= {low}")
         if probs:
             raise ConfigError(probs)
     try:
@@ -317,15 +319,21 @@ def _check_schedule(job: JobConfig, probs: _Problems) -> None:
     try:
         check_params(pc.schedule, p, m, v)
     except schedule_error as e:
-        text = str(e)
-        low = text.lower()
+        def ok(m2: int, v2: int) -> bool:
+            try:
+                check_params(pc.schedule, p, m2, v2)
+                return True
+            except schedule_error:
+                return False
+
+        # Name the key to change: find which single parameter, changed, makes the schedule valid.
         key, value = "pipeline.schedule", pc.schedule
-        if "virtual" in low or "v=" in low:
+        if v != 1 and ok(m, 1):
             key, value = "pipeline.virtual_stages", v
-        elif "microbatch" in low or "m=" in low:
+        elif any(ok(m2, v) for m2 in (p * v, 2 * p * v, 4 * p * v, m * p * v)):
             key, value = "pipeline.microbatches", m
         probs.add(key, value, f"schedule {pc.schedule!r} rejects p={p} stages, m={m} microbatches, "
-                  f"v={v} virtual stages: {text}")
+                  f"v={v} virtual stages: {e}")
 
 
 # ----------------------------------------------------------------------------- layout

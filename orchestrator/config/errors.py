@@ -9,7 +9,7 @@ from __future__ import annotations
 import difflib
 from typing import Any, Iterable, Sequence
 
-__all__ = ["ConfigError", "Problem", "fmt_path", "fmt_value", "problem", "suggest"]
+__all__ = ["ConfigError", "Problem", "fmt_path", "fmt_value", "problem", "problem_nv", "suggest"]
 
 _MISSING = object()
 
@@ -64,7 +64,12 @@ def fmt_value(value: Any, limit: int = 120) -> str:
 
 
 def problem(loc: Iterable[str | int] | str, value: Any, rule: str) -> str:
-    """One problem line; pass `value=None`-like `_MISSING` via `problem_nv` to omit it."""
+    """One problem line: `key.path = value: rule` (see `problem_nv` for lines without a value).
+
+    Example:
+        >>> problem(("pipeline", "stages", 1, "mesh", "model"), 0, "must be >= 1")
+        'pipeline.stages[1].mesh.model = 0: must be >= 1'
+    """
     path = loc if isinstance(loc, str) else fmt_path(loc)
     if value is _MISSING:
         return f"{path}: {rule}"
@@ -72,6 +77,7 @@ def problem(loc: Iterable[str | int] | str, value: Any, rule: str) -> str:
 
 
 def problem_nv(loc: Iterable[str | int] | str, rule: str) -> str:
+    """One problem line without a value: `key.path: rule` (missing or unknown keys)."""
     return problem(loc, _MISSING, rule)
 
 

@@ -10,7 +10,6 @@ Validation errors are converted into `ConfigError`s, one line per problem:
 """
 from __future__ import annotations
 
-import math
 import re
 import typing
 from typing import Annotated, Any, ClassVar, Literal, Mapping, Optional, Union

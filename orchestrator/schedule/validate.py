@@ -151,7 +151,9 @@ def _check_comms(schedule: Schedule, where: dict[Action, tuple[int, int]]) -> No
             _fail(schedule, "sends-match-receives", f"{a} has no partner: nothing crosses "
                   f"stages there (pipeline end or same physical stage)", [(s, t)])
         if peer not in where:
-            _fail(schedule, "sends-match-receives", f"{a} has no matching {peer}", [(s, t)])
+            other = _comm_compute(schedule, where, peer)      # the compute missing its partner
+            _fail(schedule, "sends-match-receives", f"{a} has no matching {peer}",
+                  [(s, t)] + ([where[other]] if other in where else []))
         compute = _comm_compute(schedule, where, a)
         ct = where[compute][1]
         if a.kind in (Kind.SEND_F, Kind.SEND_B) and ct > t:
