@@ -54,14 +54,17 @@ class PipelineExecutor:
             microbatches=job.pipeline.microbatches,
             optimizer=(job.optimizer.name, dict(job.optimizer.args)), seed=job.run.seed,
             actions=tuple(str(a) for a in grid if a is not None), num_stages=len(self.checked.stages),
-            timeouts=dict(self.timeouts), hosts=tuple(stage.hosts), devices_per_host=stage.devices_per_host,
+            timeouts=dict(self.timeouts), fail_setup=_injected_failure(stage.index, host), hosts=tuple(stage.hosts), devices_per_host=stage.devices_per_host,
             prev_geom=geoms[s - 1] if s > 0 else None,
             next_geom=geoms[s + 1] if s + 1 < len(geoms) else None)
 
     def start(self) -> None:
         import ray
 
+        from ray.util import placement_group_table
+
         self.pg = placement.reserve(self.checked, f"{self.run}/pg", self.timeouts["init_s"])
+        bundle_nodes = placement_group_table(self.pg).get("bundles_to_node_id", {})
         # the mailbox ("io") accepts pushes while the default group runs the step
         remote = ray.remote(concurrency_groups={"io": 4})(StageWorker)
         for stage in self.checked.stages:
@@ -84,6 +87,9 @@ class PipelineExecutor:
             refs += [a.setup.remote(coord) for a in row]
             labels += names
         self.info = wait_all(refs, self.timeouts["init_s"], "stage setup", labels)
+        for rec in self.info:
+            bundle = self.checked.stages[rec["stage"]].hosts[rec["host"]]
+            rec["bundle"], rec["bundle_node_id"] = bundle, bundle_nodes.get(bundle)
         refs = []
         for s, row in enumerate(self.actors):
             prev = self.actors[s - 1] if s > 0 else []
@@ -131,3 +137,13 @@ class PipelineExecutor:
         for part in wait_all(refs, self.timeouts["step_s"], "param norms", labels):
             norms.update(part)
         return dict(sorted(norms.items()))
+
+
+def _injected_failure(stage: int, host: int) -> str | None:
+    """Test-only fault injection: MESHPIPE_TEST_FAIL_SETUP="<stage>:<host>" makes that host's setup fail."""
+    import os
+
+    target = os.environ.get("MESHPIPE_TEST_FAIL_SETUP")
+    if target and target == f"{stage}:{host}":
+        return f"injected setup failure (MESHPIPE_TEST_FAIL_SETUP={target})"
+    return None

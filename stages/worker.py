@@ -53,6 +53,7 @@ class WorkerConfig:
     prev_geom: Any = None           # orchestrator.edges.StageGeom of the neighbours (None at the ends)
     next_geom: Any = None
     pin_cpus: tuple[int, ...] | None = None
+    fail_setup: str | None = None   # test-only fault injection: setup raises this message
 
     @property
     def who(self) -> str:
@@ -83,6 +84,8 @@ class StageWorker:
     def setup(self, coordinator: str | None = None) -> dict:
         cfg = self.cfg
         t0 = time.perf_counter()
+        if cfg.fail_setup:
+            raise RuntimeError(f"{cfg.who}: {cfg.fail_setup}")
         import jax
 
         if cfg.stage_hosts > 1:

@@ -174,6 +174,13 @@ def test_schedule_check_params_is_called(local, monkeypatch):
     has_all(msg, "pipeline.schedule", "'zb-h1'", "unknown schedule", "1f1b, gpipe")
 
 
+def test_schedule_fallback_when_package_absent(local, monkeypatch):
+    monkeypatch.setitem(sys.modules, "orchestrator.schedule", None)  # import now fails
+    check_job(load_job(GPT), local)
+    msg = error_of(check_job, load_job(GPT, ["pipeline.schedule=1f1bb"]), local)
+    has_all(msg, "pipeline.schedule", "'1f1bb'", "unknown schedule", "interleaved-1f1b")
+
+
 # ----------------------------------------------------------------------------- bad inputs
 # (overrides on examples/gpt.yaml, expected fragments: key path, value, rule keyword)
 

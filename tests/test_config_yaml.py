@@ -129,17 +129,22 @@ def test_parse_rejects_non_mapping():
 # loader (like YAML 1.2) reads them back as floats; see orchestrator/safe_yaml.py.
 _CHARS = st.characters(exclude_categories=("Cc", "Cs", "Zl", "Zp"))  # PyYAML's dumper mangles these
 _EXP_FLOAT = re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$")
+
+
+def _text(n: int):
+    return st.text(_CHARS, max_size=n).filter(lambda s: not _EXP_FLOAT.match(s))
+
+
 json_like = st.recursive(
     st.none() | st.booleans() | st.integers(-10**9, 10**9)
     | st.floats(allow_nan=False, allow_infinity=False, width=32)
-    | st.text(_CHARS, max_size=8).filter(lambda s: not _EXP_FLOAT.match(s)),
-    lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(_CHARS, max_size=6), kids, max_size=4),
+    | _text(8),
+    lambda kids: st.lists(kids, max_size=4) | st.dictionaries(_text(6), kids, max_size=4),
     max_leaves=12)
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.dictionaries(st.text(_CHARS, max_size=6).filter(lambda s: not _EXP_FLOAT.match(s)), json_like,
-                       max_size=4))
+@given(st.dictionaries(_text(6), json_like, max_size=4))
 def test_roundtrip_plain_documents(doc):
     text = yaml.safe_dump(doc, allow_unicode=True)
     assert safe_load_text(text) == yaml.safe_load(text) == doc

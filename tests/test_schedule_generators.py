@@ -122,7 +122,8 @@ def test_unit_cost_bubble_is_p_minus_1_over_m_plus_p_minus_1(name, p, m):
     assert r.step_time == 2 * (m + p - 1)
 
 
-@pytest.mark.parametrize("p, k", [(1, 1), (1, 3), (2, 1), (2, 4), (3, 2), (4, 1), (4, 2), (4, 4), (8, 2)])
+@pytest.mark.parametrize("p, k", [(1, 1), (1, 3), (2, 1), (2, 4), (3, 2), (4, 1), (4, 2), (4, 4),
+                                  (8, 2)])
 @pytest.mark.parametrize("v", [1, 2, 3, 4])
 def test_unit_cost_interleaved_bubble(p, k, v):
     m = p * k

@@ -40,7 +40,8 @@ def golden_text(name, p, m, v):
     sim = simulate(low, costs)
     return "\n".join([
         f"# golden schedule: {name} p={p} m={m} v={v}",
-        "# regenerate: MESHPIPE_UPDATE_GOLDEN=1 .venv/bin/python -m pytest tests/test_schedule_golden.py",
+        "# regenerate: MESHPIPE_UPDATE_GOLDEN=1 .venv/bin/python -m pytest "
+        "tests/test_schedule_golden.py",
         f"# unit costs ({'F=1, I=W=1/2' if name == 'zb-h1' else f'F=B=1/{v}'}, no transfer): "
         f"step_time={sim.step_time} bubble={sim.bubble_fraction} peak_inflight={sim.peak_inflight}",
         "",

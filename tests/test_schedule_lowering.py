@@ -7,7 +7,8 @@ from orchestrator.schedule import (
 from orchestrator.schedule.ir import COMM, comm_peer
 
 CASES = [("gpipe", 3, 4, 1), ("1f1b", 4, 8, 1), ("1f1b", 4, 2, 1), ("eager-1f1b", 3, 5, 1),
-         ("interleaved-1f1b", 2, 4, 2), ("interleaved-1f1b", 3, 6, 3), ("interleaved-1f1b", 1, 2, 3),
+         ("interleaved-1f1b", 2, 4, 2), ("interleaved-1f1b", 3, 6, 3),
+         ("interleaved-1f1b", 1, 2, 3),
          ("zb-h1", 4, 6, 1), ("zb-h1", 1, 3, 1)]
 
 

@@ -42,7 +42,8 @@ def test_generated_lowered_schedules_validate_and_never_deadlock(case, data):
     low = lower(sched)
     validate(low)
     costs = data.draw(costs_for(p))
-    transfer = data.draw(st.one_of(st.floats(0, 2), st.lists(st.floats(0, 2), min_size=p, max_size=p)))
+    transfer = data.draw(st.one_of(st.floats(0, 2),
+                                   st.lists(st.floats(0, 2), min_size=p, max_size=p)))
     r = simulate(low, costs, transfer)
     assert len(r.spans) == sum(1 for _ in low.cells())
     assert 0 <= r.bubble_fraction < 1
@@ -121,8 +122,8 @@ def test_any_swap_is_rejected_or_still_runs(case, lowered, rnd: random.Random):
         return
     runnable = broken if broken.lowered else lower(broken)
     validate(runnable)
-    simulate(runnable, [{"F": rnd.uniform(0.1, 3), "B": rnd.uniform(0.1, 3)} for _ in range(sched.p)],
-             transfer=rnd.uniform(0, 1))
+    costs = [{"F": rnd.uniform(0.1, 3), "B": rnd.uniform(0.1, 3)} for _ in range(sched.p)]
+    simulate(runnable, costs, transfer=rnd.uniform(0, 1))
 
 
 @SOME

@@ -5,7 +5,9 @@ import sys
 
 import pytest
 
-from orchestrator.schedule import generate, lower, render_grid, render_png, simulate, to_chrome_trace
+from orchestrator.schedule import (
+    generate, lower, render_grid, render_png, simulate, to_chrome_trace,
+)
 
 
 def test_grid_is_aligned_with_stages_as_rows():

@@ -72,7 +72,8 @@ def test_complete_and_exactly_once():
 
 
 def test_b_or_i_and_w():
-    sched = edit(generate("1f1b", 1, 1), 0, lambda row: row + [Action.parse("0I0"), Action.parse("0W0")])
+    split = [Action.parse("0I0"), Action.parse("0W0")]
+    sched = edit(generate("1f1b", 1, 1), 0, lambda row: row + split)
     rejects(sched, "B-or-IW", "0B0")
 
 
@@ -110,7 +111,8 @@ def test_comm_where_nothing_crosses():
 
 
 def test_send_before_its_producer():
-    rejects(swap(lower(generate("1f1b", 2, 2)), 0, "0F1", "0SEND_F1"), "send-after-produce", "0SEND_F1")
+    low = lower(generate("1f1b", 2, 2))
+    rejects(swap(low, 0, "0F1", "0SEND_F1"), "send-after-produce", "0SEND_F1")
 
 
 def test_recv_after_its_consumer():

@@ -12,10 +12,12 @@ see `lowering`).
 Orders, per stage s (p stages, m microbatches, v chunks):
   gpipe            all m forwards, then all m backwards.
   1f1b             PipeDream-flush: min(p-1-s, m) warmup forwards, then 1F1B.
-  eager-1f1b       Alpa's overlap-friendly 1F1B: min(2(p-1-s), m) warmup
-                   forwards, i.e. one extra warmup forward per later stage, so
-                   each forward result has a slot of slack before the next
-                   stage needs it (the send can overlap compute). Costs up to
+  eager-1f1b       Alpa's overlap-friendly 1F1B (jaxpp's Eager1F1B):
+                   min(2(p-1-s), m) warmup forwards, i.e. 1f1b's warmup plus
+                   one extra forward per later stage, so in the steady phase a
+                   forward's output is sent a forward-backward pair before the
+                   next stage needs it and the send overlaps compute. Same step
+                   time as 1f1b without transfer cost, shorter with it; up to
                    2(p-s)-1 stashed activations instead of p-s.
   interleaved-1f1b Megatron: v chunks per stage; forwards go round the stages
                    in groups of p microbatches per chunk; warmup
@@ -24,7 +26,9 @@ Orders, per stage s (p stages, m microbatches, v chunks):
   zb-h1            Zero-bubble H1: 1f1b with B split into I (input grad, on
                    the critical path) then W (weight grad); stage s runs each W
                    `s` backwards late so the W fill the cooldown bubbles; peak
-                   stash stays <= p, the peak of 1f1b's stage 0.
+                   stash stays <= p, the peak of 1f1b's stage 0. With F=1,
+                   I=W=1/2 and m >= p the bubble is the paper's
+                   (p-1)/(2m+p-1), against 1f1b's (p-1)/(m+p-1).
 
 Parameter rules (`check_params`): p >= 1, m >= 1, v >= 1; v must be 1 except
 for interleaved-1f1b, which needs m divisible by p. m < p is allowed for
@@ -110,7 +114,7 @@ def eager_one_f_one_b(p: int, m: int, v: int = 1) -> Schedule:
     return _place("eager-1f1b", p, m, 1, orders)
 
 
-def interleaved_one_f_one_b(p: int, m: int, v: int = 2) -> Schedule:
+def interleaved_one_f_one_b(p: int, m: int, v: int) -> Schedule:
     """Interleaved 1F1B (Megatron): v chunks per stage, virtual stage = chunk * p + stage.
 
     The k-th forward of a stage is microbatch ``(k // (p*v)) * p + k % p`` on
@@ -142,8 +146,9 @@ def zb_h1(p: int, m: int, v: int = 1) -> Schedule:
     """Zero-bubble H1: 1F1B with B split into I then W; stage s runs each W s backwards late.
 
     Example:
-      >>> print(zb_h1(2, 2).grid())
-      [['0F0', '0F1', '.', '0I0', '0W0', '0I1', '0W1'], ['.', '1F0', '1I0', '1F1', '1I1', '1W0', '1W1']]
+      >>> for row in zb_h1(2, 2).grid(): print(row)
+      ['0F0', '0F1', '.', '0I0', '0W0', '0I1', '0W1']
+      ['.', '1F0', '1I0', '1F1', '1I1', '1W0', '1W1']
     """
     check_params("zb-h1", p, m, v)
     orders = []

@@ -90,7 +90,8 @@ def to_chrome_trace(sim: Any, schedule: Schedule, time_scale: float = 1e6) -> di
       >>> from orchestrator.schedule import generate, lower, simulate
       >>> low = lower(generate("gpipe", 2, 1))
       >>> trace = to_chrome_trace(simulate(low, {"F": 1, "B": 2}), low)
-      >>> [(e["name"], e["pid"], e["ts"], e["dur"]) for e in trace["traceEvents"] if e["ph"] == "X"][:2]
+      >>> xs = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+      >>> [(e["name"], e["pid"], e["ts"], e["dur"]) for e in xs[:2]]
       [('F0', 0, 0.0, 1000000.0), ('SEND_F0', 0, 1000000.0, 0.0)]
     """
     events: list[dict] = []
