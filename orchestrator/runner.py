@@ -29,7 +29,7 @@ def load_text(checked) -> bytes | None:
     data = checked.job.data
     if data.source != "text":
         return None
-    return Path(data.path).read_bytes()
+    return Path(checked.data_path or data.path).read_bytes()
 
 
 def step_line(rec: dict, samples: int) -> str:
