@@ -10,6 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
+from orchestrator.edges import edges_json
 from orchestrator.schedule import Schedule, SimResult, generate, lower, render_grid, simulate, validate
 from stages.layout import format_layout
 
@@ -38,6 +41,13 @@ def make_plan(checked) -> Plan:
     return Plan(checked, lowered, simulate(lowered, costs), costs)
 
 
+def cross_host_axes(mesh: dict[str, int], devices_per_host: int) -> list[str]:
+    """Mesh axes along which neighbouring devices sit on different hosts (their collectives cross hosts)."""
+    shape = tuple(mesh.values())
+    hosts = np.arange(int(np.prod(shape))).reshape(shape) // devices_per_host
+    return [name for i, name in enumerate(mesh) if shape[i] > 1 and np.any(np.diff(hosts, axis=i) != 0)]
+
+
 def plan_json(plan: Plan) -> dict:
     checked, job = plan.checked, plan.checked.job
     stages = []
@@ -49,6 +59,7 @@ def plan_json(plan: Plan) -> dict:
             "hosts": list(s.hosts),
             "devices_per_host": s.devices_per_host,
             "mesh": dict(s.mesh),
+            "cross_host_axes": cross_host_axes(dict(s.mesh), s.devices_per_host),
             "layout": {k: (list(v) if isinstance(v, tuple) else v) for k, v in s.layout.items()},
             "params": checked.model.param_count(*s.layers),
         })
@@ -61,6 +72,7 @@ def plan_json(plan: Plan) -> dict:
             "virtual_stages": job.pipeline.virtual_stages,
             "grid": plan.schedule.grid(),
         },
+        "edges": edges_json(checked),
         "simulated": {
             "costs": plan.costs,
             "step_time": plan.sim.step_time,
@@ -80,8 +92,20 @@ def plan_text(plan: Plan) -> str:
         names = [checked.model.layers[i].name for i in range(*s.layers)]
         mesh = " × ".join(f"{k}={v}" for k, v in s.mesh.items())
         lines.append(f"  stage {s.index}: layers [{s.layers[0]}, {s.layers[1]}) {','.join(names)}")
+        crossing = cross_host_axes(dict(s.mesh), s.devices_per_host)
         lines.append(f"    hosts {list(s.hosts)} × {s.devices_per_host} devices  mesh {mesh}  "
                      f"layout {format_layout(s.layout) or '(replicated)'}")
+        if len(s.hosts) > 1:
+            lines.append(f"    multi-host submesh: {len(s.hosts)} jax processes; axes crossing hosts: "
+                         f"{', '.join(crossing) or 'none'}")
+    edges = edges_json(checked)
+    if edges:
+        lines += ["", "resharding per stage edge (one microbatch; cross-host bytes / lower bound):"]
+    for e in edges:
+        f, b = e["forward"], e["backward"]
+        lines.append(f"  {e['edge'][0]}→{e['edge'][1]} {tuple(e['shape'])} {e['src_spec']} → {e['dst_spec']}: "
+                     f"forward {f['cross_host_bytes']:,} B / {f['lower_bound_bytes']:,} B in {f['tiles']} tiles, "
+                     f"backward {b['cross_host_bytes']:,} B / {b['lower_bound_bytes']:,} B")
     lines += ["", f"schedule {job.pipeline.schedule} (lowered):", render_grid(plan.schedule), "",
               f"simulated (costs ∝ parameters): bubble {plan.sim.bubble_fraction:.3f}; per stage "
               + ", ".join(f"{b:.3f}" for b in plan.sim.bubble_per_stage),

@@ -36,16 +36,23 @@ def ray_local():
     ray.shutdown()
 
 
+def _address() -> str:
+    """The connected cluster's address: other Ray instances may run on this machine too."""
+    import ray
+
+    return ray.get_runtime_context().gcs_address
+
+
 def alive_actors() -> list:
     from ray.util.state import list_actors
 
-    return list_actors(filters=[("state", "=", "ALIVE")])
+    return list_actors(address=_address(), filters=[("state", "=", "ALIVE")])
 
 
 def live_placement_groups() -> list:
     from ray.util.state import list_placement_groups
 
-    return [pg for pg in list_placement_groups() if pg.state != "REMOVED"]
+    return [pg for pg in list_placement_groups(address=_address()) if pg.state != "REMOVED"]
 
 
 def wait_until(cond, timeout: float = 30.0, what: str = "condition"):

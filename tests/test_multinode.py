@@ -19,7 +19,7 @@ import pytest
 from orchestrator.config import check_job, parse_cluster, parse_job
 from orchestrator.runner import run_job
 from orchestrator.waiting import StageFailure
-from tests.conftest import wait_until
+from tests.conftest import _address, wait_until
 
 pytestmark = pytest.mark.multinode
 
@@ -73,7 +73,8 @@ def job(tmp_path, name="gpt-multihost", steps=4):
 def _actors_gone(run: str):
     from ray.util.state import list_actors
 
-    return not [a for a in list_actors(filters=[("state", "=", "ALIVE")]) if (a.name or "").startswith(run)]
+    alive = list_actors(address=_address(), filters=[("state", "=", "ALIVE")])
+    return not [a for a in alive if (a.name or "").startswith(run)]
 
 
 def _pgs_gone():
@@ -99,7 +100,7 @@ def test_two_host_stage_matches_reference_and_spans_nodes(cluster, tmp_path):
     assert [workers[(0, h)]["devices"] for h in (0, 1)] == [4, 4]
     assert [workers[(0, h)]["local_devices"] for h in (0, 1)] == [2, 2]
     # each actor ran on its bundle's node (Ray state API), and stage 0 spans two nodes
-    by_name = {a.name: a for a in list_actors(filters=[("name", "!=", "")], detail=True)}
+    by_name = {a.name: a for a in list_actors(address=_address(), filters=[("name", "!=", "")], detail=True)}
     for (stage, host), w in workers.items():
         actor = by_name[f"gpt-multihost/stage{stage}/host{host}"]
         assert actor.node_id == w["bundle_node_id"] == w["node_id"]

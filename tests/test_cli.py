@@ -1,0 +1,96 @@
+"""The `meshpipe` command line: plan without Ray, bad input before anything starts, a real run."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from orchestrator.config import check_job, load_cluster, load_job, parse_cluster, parse_job
+from orchestrator.plan import make_plan, plan_json
+from orchestrator.runner import run_job
+from orchestrator.waiting import StageFailure
+from tests.conftest import ROOT
+
+CALL = ("import sys; from orchestrator.cli import main\n"
+        "try:\n    main(sys.argv[1:])\n"
+        "except SystemExit as e:\n    code = e.code\n"
+        "else:\n    code = 0\n"
+        "print('RAY_IMPORTED=%s' % ('ray' in sys.modules), file=sys.stderr)\n"
+        "sys.exit(code)\n")
+
+
+def meshpipe(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run the CLI in a fresh interpreter and report whether it imported ray."""
+    return subprocess.run([sys.executable, "-c", CALL, *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+
+
+def test_plan_json_needs_no_ray_and_describes_the_job():
+    out = meshpipe("plan", "examples/gpt.yaml", "--json")
+    assert out.returncode == 0, out.stderr
+    assert "RAY_IMPORTED=False" in out.stderr
+    plan = json.loads(out.stdout)
+    assert [s["mesh"] for s in plan["stages"]] == [{"data": 2}, {"model": 2}]
+    assert [s["layers"] for s in plan["stages"]] == [[0, 2], [2, 4]]
+    assert plan["stages"][0]["layout"] == {"batch": "data"}
+    assert plan["schedule"]["name"] == "1f1b" and plan["schedule"]["microbatches"] == 4
+    assert len(plan["schedule"]["grid"]) == 2
+    assert 0 < plan["simulated"]["bubble_fraction"] < 1
+    assert plan["simulated"]["peak_inflight"] == [2, 1]
+    edge = plan["edges"][0]
+    assert edge["forward"]["cross_host_bytes"] == edge["forward"]["lower_bound_bytes"] > 0
+    # the same plan as computed in-process (what summary.json embeds)
+    checked = check_job(load_job(str(ROOT / "examples/gpt.yaml")),
+                        load_cluster(str(ROOT / "cluster_configs/local.yaml")))
+    assert plan == json.loads(json.dumps(plan_json(make_plan(checked))))
+
+
+def test_plan_text_shows_placement_grid_and_bubble():
+    out = meshpipe("plan", "examples/mlp.yaml")
+    assert out.returncode == 0, out.stderr
+    for text in ("stage 0", "stage 2", "mesh model=2", "0F0", "2OPT", "bubble", "peak in-flight"):
+        assert text in out.stdout
+
+
+def test_bad_config_exits_2_before_ray(tmp_path):
+    out = meshpipe("run", "examples/gpt.yaml", "--set", "pipeline.microbatchs=8")
+    assert out.returncode == 2
+    assert "pipeline.microbatchs" in out.stderr and "microbatches" in out.stderr
+    assert "RAY_IMPORTED=False" in out.stderr
+
+
+def test_mesh_not_matching_devices_rejected_before_ray():
+    out = meshpipe("run", "examples/gpt.yaml", "--set", "pipeline.stages[1].mesh.model=4")
+    assert out.returncode == 2
+    assert "pipeline.stages[1].mesh" in out.stderr and "RAY_IMPORTED=False" in out.stderr
+
+
+@pytest.mark.ray
+def test_cli_run_on_embedded_ray_writes_summary(tmp_path):
+    out = meshpipe("run", "examples/mlp.yaml", "--set", "run.steps=2", "--set", f"run.output_dir={tmp_path}",
+                   timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("loss") >= 2
+    summary = json.loads((tmp_path / "mlp-tiny" / "summary.json").read_text()) \
+        if (tmp_path / "mlp-tiny").exists() else json.loads(next(tmp_path.glob("*/summary.json")).read_text())
+    assert len(summary["losses"]) == 2 and summary["mode"] == "pipeline"
+
+
+@pytest.mark.ray
+def test_failed_setup_names_stage_and_leaves_nothing(tmp_path, no_leaks, monkeypatch):
+    monkeypatch.setenv("MESHPIPE_TEST_FAIL_SETUP", "1:0")
+    raw = {
+        "run": {"name": "fails", "steps": 1, "output_dir": str(tmp_path)},
+        "model": {"name": "mlp", "args": {"blocks": 2}},
+        "data": {"source": "synthetic", "global_batch": 8},
+        "optimizer": {"name": "sgd", "args": {"learning_rate": 0.1}},
+        "pipeline": {"schedule": "1f1b", "microbatches": 2,
+                     "stages": [{"layers": [0, 2], "mesh": {"data": 2}}, {"layers": [2, 4], "mesh": {"data": 2}}]},
+        "layout": {"batch": "data"},
+    }
+    checked = check_job(parse_job(raw), parse_cluster({"hosts": 4, "devices_per_host": 2}))
+    with pytest.raises(StageFailure, match="stage 1 host 0.*injected setup failure"):
+        run_job(checked, echo=lambda s: None)

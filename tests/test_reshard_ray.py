@@ -1,0 +1,165 @@
+"""Cross-mesh resharding on Ray with simulated devices, through the pipeline's own transport.
+
+A random tensor leaves one stage actor with that stage's sharding and arrives on
+another stage whose mesh and layout differ; what arrives must be bit-identical
+to the numpy source, shard by shard, at the global positions JAX reports
+(`Shard.index`) — no tolerance: resharding moves bytes, it computes nothing.
+
+Each row of CASES is a pair of stage geometries (logical axes ("batch", "seq",
+"embed") mapped to mesh axes by each stage's layout) and runs in both
+directions: "forward" is SEND_F / RECV_F (transport direction "next" on the
+sender), "backward" the gradient way (direction "prev"), as in a pipeline.
+
+Actors (`stages.reshard_probe.ReshardProbe`, running `stages.transport.RayTransport`)
+are shared by the whole module: two single-host stages with 8 simulated devices
+each (a case's mesh uses the first prod(mesh) of them), and one 2-host stage of
+2 + 2 devices joined by jax.distributed, so that a destination with hosts (1, 2)
+gets one object per host and checks only its own addressable shards.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from orchestrator.edges import StageGeom, edge_plan
+from orchestrator.reshard import shard_boxes
+from stages.reshard_probe import ReshardProbe, probe_options, random_array
+from tests.conftest import alive_actors, wait_until
+
+pytestmark = pytest.mark.ray
+
+AXES = ("batch", "seq", "embed")
+SHAPE = (16, 6, 24)
+TIMEOUT = 60.0
+
+
+def one_host(mesh: dict, layout: dict, host: int) -> StageGeom:
+    return StageGeom.of(mesh, (host,), int(np.prod(list(mesh.values()))), layout)
+
+
+# name -> (geometry of stage A, geometry of stage B, dtype); A is always the single-host actor "a";
+# B is actor "b" (host 1), or the two-host stage "pair" when its geometry has two hosts.
+CASES = {
+    "2x2-vs-4x1": (one_host({"data": 2, "model": 2}, {"batch": "data", "embed": "model"}, 0),
+                   one_host({"data": 4, "model": 1}, {"batch": "data", "embed": "model"}, 1), np.float32),
+    "replicated-vs-sharded": (one_host({"data": 4}, {}, 0),
+                              one_host({"data": 4}, {"batch": "data"}, 1), np.float32),
+    "1-vs-8": (one_host({"data": 1}, {"batch": "data"}, 0),
+               one_host({"data": 2, "model": 4}, {"batch": "data", "embed": "model"}, 1), np.int32),
+    "transposed-spec": (one_host({"data": 2, "model": 4}, {"batch": "data", "embed": "model"}, 0),
+                        one_host({"data": 2, "model": 4}, {"batch": "model", "embed": "data"}, 1), np.float32),
+    "two-axes-on-one-dim": (one_host({"data": 4, "model": 2}, {"embed": ("data", "model")}, 0),
+                            one_host({"model": 2, "data": 4}, {"embed": ("model", "data"), "batch": None}, 1),
+                            np.float32),
+    "1-host-vs-2-hosts": (one_host({"data": 2, "model": 2}, {"batch": "data", "embed": "model"}, 0),
+                          StageGeom.of({"data": 2, "model": 2}, (1, 2), 2, {"batch": "data"}), np.float32),
+}
+# what the brief's table calls each direction, for reading failures
+ALIASES = {("replicated-vs-sharded", "backward"): "sharded->replicated",
+           ("1-vs-8", "backward"): "8->1", ("2x2-vs-4x1", "backward"): "4x1->2x2",
+           ("1-host-vs-2-hosts", "backward"): "2 hosts->1 host"}
+
+
+class Probes:
+    """The module's actors, by role; `close` kills them all (idempotent)."""
+
+    def __init__(self, ray):
+        remote = ray.remote(concurrency_groups={"io": 4})(ReshardProbe)
+        self.ray = ray
+        self.a = remote.options(**probe_options(8)).remote("stage A host 0")
+        self.b = remote.options(**probe_options(8)).remote("stage B host 0")
+        self.pair = [remote.options(**probe_options(2)).remote(f"stage B host {i}") for i in range(2)]
+        coord = ray.get(self.pair[0].coordinator_address.remote(), timeout=TIMEOUT)
+        worlds = ray.get([p.init_distributed.remote(coord, 2, i, 30) for i, p in enumerate(self.pair)],
+                         timeout=TIMEOUT)
+        assert [w["process"] for w in worlds] == [0, 1]
+
+    def stage_b(self, geom: StageGeom) -> list:
+        return self.pair if len(geom.hosts) == 2 else [self.b]
+
+    def close(self) -> None:
+        actors = [self.a, self.b, *self.pair]
+        try:
+            self.ray.wait([x.shutdown.remote() for x in actors], num_returns=len(actors), timeout=10)
+        finally:
+            for x in actors:
+                self.ray.kill(x, no_restart=True)
+
+
+@pytest.fixture(scope="module")
+def probes(ray_local):
+    p = Probes(ray_local)
+    yield p
+    p.close()
+    wait_until(lambda: not alive_actors(), 30, "the probe actors to exit")
+
+
+def assert_bits_equal(got: np.ndarray, want: np.ndarray, what: str) -> None:
+    assert got.dtype == want.dtype and got.shape == want.shape, \
+        f"{what}: got {got.dtype}{list(got.shape)}, want {want.dtype}{list(want.shape)}"
+    if got.tobytes() != want.tobytes():
+        bad = np.argwhere(got.view(np.uint8) != want.view(np.uint8))
+        raise AssertionError(f"{what}: {len(bad)} bytes differ, first at {bad[0].tolist()}")
+
+
+def move(probes: Probes, name: str, direction: str, seed: int) -> None:
+    """Configure both stages for CASES[name], move one tensor `direction`, check every receiver."""
+    ray = probes.ray
+    geom_a, geom_b, dtype = CASES[name]
+    a, b = [probes.a], probes.stage_b(geom_b)
+    ray.get([x.configure.remote(geom_a, i, AXES, next_geom=geom_b, next=b) for i, x in enumerate(a)]
+            + [x.configure.remote(geom_b, i, AXES, prev_geom=geom_a, prev=a) for i, x in enumerate(b)],
+            timeout=TIMEOUT)
+    if direction == "forward":
+        (src_geom, senders, send_dir), (dst_geom, receivers, recv_dir) = (geom_a, a, "next"), (geom_b, b, "prev")
+    else:
+        (src_geom, senders, send_dir), (dst_geom, receivers, recv_dir) = (geom_b, b, "prev"), (geom_a, a, "next")
+    key = (seed, direction, 0)
+    recvs = [x.recv.remote(key, SHAPE, dtype, recv_dir, TIMEOUT) for x in receivers]
+    sends = [x.send.remote(key, seed, SHAPE, dtype, send_dir, TIMEOUT) for x in senders]
+    sent, got = ray.get(sends, timeout=TIMEOUT), ray.get(recvs, timeout=TIMEOUT)
+
+    want = random_array(seed, SHAPE, dtype)
+    plan = edge_plan(src_geom, dst_geom, AXES, SHAPE, dtype)
+    dst_side = plan.dst
+    boxes = shard_boxes(dst_side, SHAPE)
+    for host_index, (host, out) in enumerate(zip(dst_geom.hosts, got)):
+        where = f"{name} {direction} ({ALIASES.get((name, direction), '')}), destination host {host}"
+        assert out["sharding_ok"], f"{where}: the array does not carry the destination sharding"
+        # JAX's shard positions on this host are exactly the plan's boxes for this host's devices
+        expected_boxes = sorted(boxes[d] for d in dst_side.devices_on(host))
+        assert sorted(index for index, _ in out["shards"]) == expected_boxes, where
+        for index, data in out["shards"]:
+            assert_bits_equal(data, want[tuple(slice(lo, hi) for lo, hi in index)], f"{where}, shard {index}")
+        if len(dst_geom.hosts) == 1:
+            assert_bits_equal(out["full"], want, f"{where}, whole array")
+        else:
+            assert out["full"] is None, f"{where}: one host of two cannot hold the whole array"
+    # every byte crossed once and only what the destination lacked: the plan's lower bound
+    assert sum(s["sent_bytes"] for s in sent) == plan.cross_host_bytes == plan.lower_bound_bytes
+    # one delivery per (source host, destination host) pair with tiles, all taken; nothing left over
+    assert ray.get([x.pending.remote() for x in receivers], timeout=TIMEOUT) == [0] * len(receivers)
+
+
+@pytest.mark.parametrize("direction", ["forward", "backward"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_tensor_arrives_bit_identical(probes, name, direction):
+    seed = 1000 * list(CASES).index(name) + (direction == "backward")
+    move(probes, name, direction, seed)
+
+
+def test_two_destination_hosts_get_one_object_each(probes):
+    """1 host -> hosts (1, 2): each destination host is sent to once, only its half of the batch."""
+    geom_a, geom_b, dtype = CASES["1-host-vs-2-hosts"]
+    plan = edge_plan(geom_a, geom_b, AXES, SHAPE, dtype)
+    assert sorted(plan.sends[0]) == [1, 2]
+    half = int(np.prod(SHAPE)) * np.dtype(dtype).itemsize // 2
+    assert [sum(t.nbytes for t in plan.sends[0][h]) for h in (1, 2)] == [half, half]
+    # both devices of a host want the same half: each tile has two targets, sent once
+    assert all(len(t.targets) == 2 for h in (1, 2) for t in plan.sends[0][h])
+    move(probes, "1-host-vs-2-hosts", "forward", seed=7)
+
+
+def test_probe_actors_leave_nothing_behind(probes, no_leaks):
+    """Last in the module: kill the shared actors; `no_leaks` checks none survives."""
+    probes.close()
