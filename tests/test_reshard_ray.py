@@ -53,6 +53,9 @@ CASES = {
                             np.float32),
     "1-host-vs-2-hosts": (one_host({"data": 2, "model": 2}, {"batch": "data", "embed": "model"}, 0),
                           StageGeom.of({"data": 2, "model": 2}, (1, 2), 2, {"batch": "data"}), np.float32),
+    "1-host-vs-2-hosts-transposed": (one_host({"data": 4}, {"batch": "data"}, 0),
+                                     StageGeom.of({"data": 2, "model": 2}, (1, 2), 2,
+                                                  {"batch": "model", "embed": "data"}), np.float32),
 }
 # what the brief's table calls each direction, for reading failures
 ALIASES = {("replicated-vs-sharded", "backward"): "sharded->replicated",
@@ -123,8 +126,9 @@ def move(probes: Probes, name: str, direction: str, seed: int) -> None:
     plan = edge_plan(src_geom, dst_geom, AXES, SHAPE, dtype)
     dst_side = plan.dst
     boxes = shard_boxes(dst_side, SHAPE)
-    for host_index, (host, out) in enumerate(zip(dst_geom.hosts, got)):
-        where = f"{name} {direction} ({ALIASES.get((name, direction), '')}), destination host {host}"
+    for host, out in zip(dst_geom.hosts, got):
+        alias = ALIASES.get((name, direction))
+        where = f"{name} {direction}{f' ({alias})' if alias else ''}, destination host {host}"
         assert out["sharding_ok"], f"{where}: the array does not carry the destination sharding"
         # JAX's shard positions on this host are exactly the plan's boxes for this host's devices
         expected_boxes = sorted(boxes[d] for d in dst_side.devices_on(host))
