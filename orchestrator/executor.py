@@ -116,17 +116,39 @@ class PipelineExecutor:
             self.pg = None
 
     # -- running -----------------------------------------------------------
-    def step(self, step: int) -> StepResult:
-        import time
+    def steps(self, count: int, ahead: int = 1):
+        """Run `count` steps, yielding a StepResult as each completes.
 
-        t0 = time.perf_counter()
+        Up to `ahead` further steps are already queued on the actors while the
+        driver collects one, so the driver's round trip is off the critical path
+        (an actor runs its queued `run_step` calls in order; mailbox keys carry
+        the step). A step's wall time is the time between consecutive completions.
+        """
+        import time
+        from collections import deque
+
         flat = [(a, lbl) for row, names in zip(self.actors, self.labels) for a, lbl in zip(row, names)]
-        outs = wait_all([a.run_step.remote(step) for a, _ in flat], self.timeouts["step_s"],
-                        f"step {step}", [lbl for _, lbl in flat])
-        wall = time.perf_counter() - t0
-        losses = next(o["losses"] for o in outs if "losses" in o)
-        spans = [(o["stage"], o["host"], *span) for o in outs for span in o["spans"]]
-        return StepResult(step=step, loss=sum(losses) / len(losses), wall_s=wall, spans=spans)
+        labels = [lbl for _, lbl in flat]
+        queued: deque = deque()
+
+        def submit(i: int) -> None:
+            queued.append((i, [a.run_step.remote(i) for a, _ in flat]))
+
+        last = time.perf_counter()
+        for i in range(min(count, 1 + ahead)):
+            submit(i)
+        nxt = len(queued)
+        while queued:
+            i, refs = queued.popleft()
+            outs = wait_all(refs, self.timeouts["step_s"], f"step {i}", labels)
+            if nxt < count:
+                submit(nxt)
+                nxt += 1
+            now = time.perf_counter()
+            wall, last = now - last, now
+            losses = next(o["losses"] for o in outs if "losses" in o)
+            spans = [(o["stage"], o["host"], *span) for o in outs for span in o["spans"]]
+            yield StepResult(step=i, loss=sum(losses) / len(losses), wall_s=wall, spans=spans)
 
     def param_norms(self) -> dict[str, float]:
         refs, labels = [], []

@@ -87,8 +87,8 @@ def _run_pipeline(checked, plan, source, on_step) -> tuple[dict, dict]:
         t0 = time.perf_counter()
         ex.start()
         startup = time.perf_counter() - t0
-        for step in range(job.run.steps):
-            r = ex.step(step)
+        for r in ex.steps(job.run.steps):
+            step = r.step
             losses.append(r.loss)
             times.append(r.wall_s)
             spans.append(r.spans)

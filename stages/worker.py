@@ -66,7 +66,9 @@ class StageWorker:
         self.inbox = Mailbox(cfg.who)
         self.prev: list = []
         self.next: list = []
-        self._pending: list = []
+        from orchestrator.schedule import Action
+
+        self.actions = [Action.parse(text) for text in cfg.actions]
         if cfg.pin_cpus:
             os.sched_setaffinity(0, cfg.pin_cpus)
 
@@ -142,8 +144,6 @@ class StageWorker:
     def run_step(self, step: int) -> dict:
         import jax
 
-        from orchestrator.schedule import Action
-
         cfg, prog = self.cfg, self.prog
         timeout = cfg.timeouts.get("step_s", 600.0)
         x_all = y_all = None
@@ -156,8 +156,7 @@ class StageWorker:
         dxs: dict = {}
         losses: dict[int, Any] = {}
         spans = []
-        for text in cfg.actions:
-            a = Action.parse(text)
+        for a in self.actions:
             kind, mb = a.kind.value, a.microbatch
             t0 = time.time()
             if kind == "F":
@@ -202,8 +201,8 @@ class StageWorker:
                 self.params, self.opt_state, self.grads = prog.update(self.params, self.opt_state, self.grads)
                 jax.block_until_ready(self.params)
             else:
-                raise ValueError(f"{cfg.who}: cannot execute action {text!r}")
-            spans.append((text, t0, time.time()))
+                raise ValueError(f"{cfg.who}: cannot execute action {a}")
+            spans.append((str(a), t0, time.time()))
         self.transport.flush(timeout)
         out = {"stage": cfg.stage, "host": cfg.host, "spans": spans}
         if prog.last:

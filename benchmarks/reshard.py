@@ -1,0 +1,495 @@
+"""Cross-mesh reshard throughput: the pipeline's RayTransport beside a raw object-store push.
+
+Run:  python -m benchmarks.reshard [--quick]
+Writes benchmarks/results/reshard.{md,json} and prints the markdown.
+
+For every case (two stage geometries, a float32 tensor with logical axes
+("batch", "embed")) and size (16 MiB, 64 MiB; --quick: 16 MiB, fewer repeats),
+between the same sender and receiver actors (`stages.reshard_probe`), the
+median over repeats of the time from the sender's first instruction to the
+receiver holding its result (one monotonic clock: the actors share a machine):
+
+  transport  `RayTransport.send` / `.recv` exactly as a stage runs them: the
+             sender reads its shards, `pack`s the tiles per destination host and
+             pushes them as ONE call argument; the receiver takes them from its
+             mailbox, `assemble`s, `device_put`s and builds the jax.Array.
+  raw        the same bytes per (source host, destination host) as ONE numpy
+             buffer: sender `ray.put`, ref pushed into the receiver's mailbox,
+             receiver `ray.get`. Moves bytes, builds nothing: the ceiling.
+  proto-arg  a prototype of a faster transport (below), tiles as the call argument.
+  proto-put  the same prototype, but the sender `ray.put`s the tile list and pushes the ref.
+
+The prototype changes two things only. Sender: non-contiguous tiles are made
+contiguous before serialisation (Ray pickles a non-contiguous array in-band,
+which costs extra copies on both ends and loses 64-byte alignment). Receiver:
+a destination shard that is exactly one received tile is `device_put` straight
+from the (64-byte aligned, read-only) object-store buffer, and every other
+shard is assembled into a 64-byte aligned buffer. On XLA:CPU `device_put` of a
+64-byte aligned C-contiguous numpy array aliases it (no copy) while an
+unaligned one is copied slowly (numpy's allocator gives 16-byte alignment).
+
+Columns: `ratio` = raw time / transport time (throughput ratio, target >= 0.9);
+`bytes/lb` = plan.cross_host_bytes / plan.lower_bound_bytes (target 1.0). The
+transport's time is split into send (sender: shards, pack, serialise + put),
+arrive (t0 -> mailbox take returned, slowest receiver) and build (take -> jax.Array);
+a separate profile re-runs each receiver step on the received payload.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from orchestrator.edges import StageGeom, edge_plan
+from stages.mailbox import Mailbox
+from stages.reshard_probe import ReshardProbe, probe_options, random_array
+
+AXES = ("batch", "embed")
+VARIANTS = ("transport", "raw", "proto-arg", "proto-put")
+TIMEOUT = 120.0
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def one_host(mesh: dict, layout: dict, host: int) -> StageGeom:
+    return StageGeom.of(mesh, (host,), int(np.prod(list(mesh.values()))), layout)
+
+
+_2X2 = one_host({"data": 2, "model": 2}, {"batch": "data", "embed": "model"}, 0)
+_4X1 = one_host({"data": 4, "model": 1}, {"batch": "data", "embed": "model"}, 1)
+_REPL = one_host({"data": 4}, {}, 0)
+_SHARD = one_host({"data": 4}, {"batch": "data"}, 1)
+_ONE = one_host({"data": 1}, {"batch": "data"}, 0)
+_EIGHT = one_host({"data": 2, "model": 4}, {"batch": "data", "embed": "model"}, 1)
+_T_SRC = one_host({"data": 2, "model": 4}, {"batch": "data", "embed": "model"}, 0)
+_T_DST = one_host({"data": 2, "model": 4}, {"batch": "model", "embed": "data"}, 1)
+_PAIR = StageGeom.of({"data": 2, "model": 2}, (1, 2), 2, {"batch": "data"})
+
+# name -> (geometry of stage A (actor "a"), geometry of stage B ("b", or the 2-host "pair"), direction);
+# "forward" moves A -> B (SEND_F), "backward" B -> A (SEND_B), as in a pipeline.
+CASES = {
+    "2x2->4x1": (_2X2, _4X1, "forward"),
+    "replicated->sharded": (_REPL, _SHARD, "forward"),
+    "sharded->replicated": (_REPL, _SHARD, "backward"),
+    "1->8": (_ONE, _EIGHT, "forward"),
+    "8->1": (_ONE, _EIGHT, "backward"),
+    "transposed spec": (_T_SRC, _T_DST, "forward"),
+    "1 host->2 hosts": (_2X2, _PAIR, "forward"),
+    "2 hosts->1 host": (_2X2, _PAIR, "backward"),
+}
+
+
+def _median(xs):
+    return statistics.median(xs) if xs else float("nan")
+
+
+def _aligned_empty(shape, dtype, align: int = 64) -> np.ndarray:
+    dtype = np.dtype(dtype)
+    n = int(np.prod(shape)) * dtype.itemsize
+    raw = np.empty(n + align, np.uint8)
+    off = (-raw.ctypes.data) % align
+    return raw[off:off + n].view(dtype).reshape(shape)
+
+
+def _zero_copy_ok(a: np.ndarray) -> bool:
+    return a.flags.c_contiguous and a.ctypes.data % 64 == 0
+
+
+def assemble_fast(plan, dst_host: int, received: dict) -> dict:
+    """`reshard.assemble`, but whole-shard tiles are used as they arrived and the rest go to aligned buffers."""
+    tiles = plan.recvs.get(dst_host, ())
+    arrays = [a for s in sorted(plan.sends) for a in received.get(s, ())]
+    if len(arrays) != len(tiles):
+        raise ValueError(f"host {dst_host} expects {len(tiles)} tiles, got {len(arrays)}")
+    out: dict = {}
+    for tile, array in zip(tiles, arrays):
+        if tile.shape == plan.dst_shard_shape and _zero_copy_ok(array):
+            for dev, _ in tile.targets:
+                out[dev] = array
+    whole = set(out)
+    for d in plan.dst.devices_on(dst_host):
+        if d not in out:
+            out[d] = _aligned_empty(plan.dst_shard_shape, plan.dtype)
+    for tile, array in zip(tiles, arrays):
+        for dev, where in tile.targets:
+            if dev not in whole:
+                out[dev][where] = array
+    return out
+
+
+class TimedMailbox(Mailbox):
+    """A Mailbox that notes when each take returned and keeps the last payloads (for profiling)."""
+
+    def __init__(self, owner: str):
+        super().__init__(owner)
+        self.taken_at: dict = {}
+        self.kept: dict = {}
+
+    def take(self, key, timeout):
+        value = super().take(key, timeout)
+        self.taken_at[key] = time.perf_counter()
+        self.kept[key[-1]] = value
+        return value
+
+
+class BenchProbe(ReshardProbe):
+    """A `ReshardProbe` with timed sends/receives of one cached source array, per variant."""
+
+    def __init__(self, name: str):
+        super().__init__(name)
+        self.inbox = TimedMailbox(name)
+        self._armed = threading.Event()
+        self._array = None
+        self._raw: dict = {}
+        self._seed_shape = None
+        self._inflight: list = []
+
+    # -- sender ----------------------------------------------------------------
+    def prepare(self, seed: int, shape, direction: str) -> None:
+        """Build the source jax.Array and, per destination host, one raw buffer of the plan's bytes."""
+        self._array = self.source_array(seed, shape, np.float32)
+        self._seed_shape = (seed, tuple(shape))
+        plan = self._plan(direction, shape, sending=True)
+        self._raw = {}
+        for dst_host, tiles in plan.sends.get(self.transport.me, {}).items():
+            nbytes = sum(t.nbytes for t in tiles)
+            if nbytes:
+                buf = _aligned_empty((nbytes,), np.uint8)
+                buf[:] = 1
+                self._raw[dst_host] = buf
+
+    def _plan(self, direction: str, shape, sending: bool):
+        t = self.transport
+        peer = t.peer_geom[direction]
+        src, dst = (t.geom, peer) if sending else (peer, t.geom)
+        return edge_plan(src, dst, t.axes[direction], tuple(shape), np.float32)
+
+    def _push(self, direction: str, dst_host: int, key, payload) -> None:
+        peers = self.next if direction == "next" else self.prev
+        peer = peers[self.transport.peer_geom[direction].hosts.index(dst_host)]
+        self._inflight.append(peer.deliver.options(concurrency_group="io").remote((*key, self.transport.me),
+                                                                                 payload))
+
+    def timed_send(self, key, direction: str, variant: str) -> dict:
+        import ray
+
+        from orchestrator.reshard import pack
+
+        key = tuple(key)
+        t0 = time.perf_counter()
+        if variant == "transport":
+            self.transport.send(key, self._array, direction)
+        elif variant == "raw":
+            for dst_host, buf in self._raw.items():
+                self._push(direction, dst_host, key, [ray.put(buf)])
+        else:
+            plan = self._plan(direction, self._array.shape, sending=True)
+            me = self.transport.me
+            by_device = {self.transport.flat[s.device.id]: s for s in self._array.addressable_shards}
+            for dst_host, tiles in plan.sends.get(me, {}).items():
+                if not tiles:
+                    continue
+                shards = {d: np.asarray(by_device[d].data) for d in {t.src_device for t in tiles}}
+                payload = [p if p.flags.c_contiguous else np.ascontiguousarray(p)
+                           for p in pack(plan, me, dst_host, shards)]
+                self._push(direction, dst_host, key, [ray.put(payload)] if variant == "proto-put" else payload)
+        t1 = time.perf_counter()
+        self.transport.flush(TIMEOUT)
+        if self._inflight:
+            ray.get(self._inflight, timeout=TIMEOUT)
+            self._inflight.clear()
+        return {"t0": t0, "send_s": t1 - t0}
+
+    def profile_send(self, direction: str, reps: int = 3) -> dict:
+        """Sender steps one by one, medians: read shards, pack, serialise into the object store."""
+        import ray
+
+        from orchestrator.reshard import pack
+
+        plan = self._plan(direction, self._array.shape, sending=True)
+        me = self.transport.me
+        by_device = {self.transport.flat[s.device.id]: s for s in self._array.addressable_shards}
+        out = {"shards_s": [], "pack_s": [], "put_s": [], "contig_put_s": [], "noncontig_tiles": 0}
+        for _ in range(reps):
+            ts = {"shards_s": 0.0, "pack_s": 0.0, "put_s": 0.0, "contig_put_s": 0.0}
+            for dst_host, tiles in plan.sends.get(me, {}).items():
+                if not tiles:
+                    continue
+                a = time.perf_counter()
+                shards = {d: np.asarray(by_device[d].data) for d in {t.src_device for t in tiles}}
+                b = time.perf_counter()
+                payload = pack(plan, me, dst_host, shards)
+                c = time.perf_counter()
+                ref = ray.put(payload)
+                d = time.perf_counter()
+                contig = [p if p.flags.c_contiguous else np.ascontiguousarray(p) for p in payload]
+                ref2 = ray.put(contig)
+                e = time.perf_counter()
+                del ref, ref2
+                ts["shards_s"] += b - a
+                ts["pack_s"] += c - b
+                ts["put_s"] += d - c
+                ts["contig_put_s"] += e - d
+                out["noncontig_tiles"] = sum(not p.flags.c_contiguous for p in payload)
+            for k, v in ts.items():
+                out[k].append(v)
+        return {k: _median(v) if isinstance(v, list) else v for k, v in out.items()}
+
+    def warm_store(self, mib: int, times: int = 2) -> None:
+        """Touch the object store's memory once, so the first case does not pay its page faults."""
+        import ray
+
+        for _ in range(times):
+            buf = np.ones(mib * 2**20, np.uint8)
+            ref = ray.put(buf)
+            del ref, buf
+
+    # -- receiver ----------------------------------------------------------------
+    def wait_armed(self, timeout: float) -> bool:
+        return self._armed.wait(timeout)
+
+    def timed_recv(self, key, shape, direction: str, variant: str, verify: bool = False) -> dict:
+        import jax
+        import ray
+
+        key, shape = tuple(key), tuple(shape)
+        sharding = self.sharding()
+        self.inbox.kept.clear()
+        self._armed.set()
+        try:
+            if variant == "transport":
+                array = self.transport.recv(key, shape, np.float32, sharding, direction, TIMEOUT)
+            else:
+                plan = self._plan(direction, shape, sending=False)
+                me = self.transport.me
+                received = {}
+                for src, per_dst in plan.sends.items():
+                    if per_dst.get(me):
+                        got = self.inbox.take((*key, src), TIMEOUT)
+                        received[src] = ray.get(got[0]) if variant in ("raw", "proto-put") else got
+                if variant == "raw":
+                    array = received
+                else:
+                    local = assemble_fast(plan, me, received)
+                    arrays = [jax.device_put(local[i], d) for i, d in self.transport.local]
+                    array = jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+            if variant != "raw":
+                jax.block_until_ready(array)
+            t_end = time.perf_counter()
+        finally:
+            self._armed.clear()
+        taken = [v for k, v in self.inbox.taken_at.items() if k[:len(key)] == key]
+        out = {"t_end": t_end, "taken": max(taken) if taken else t_end}
+        self.inbox.taken_at.clear()
+        if verify and variant != "raw":
+            seed, _ = self._seed_for_verify
+            want = random_array(seed, shape)
+            out["ok"] = all(np.asarray(s.data).tobytes() == want[s.index].tobytes()
+                            for s in array.addressable_shards)
+            out["aliased"] = sum(np.shares_memory(np.asarray(s.data), np.asarray(s2.data))
+                                 for s in array.addressable_shards for s2 in array.addressable_shards
+                                 if s is not s2)
+        return out
+
+    def expect_seed(self, seed: int) -> None:
+        self._seed_for_verify = (seed, None)
+
+    def profile_recv(self, shape, direction: str, reps: int = 3) -> dict:
+        """Receiver steps on the last transport payload, medians: assemble, device_put, make_array; and the fast path."""
+        import jax
+
+        from orchestrator.reshard import assemble
+
+        plan = self._plan(direction, tuple(shape), sending=False)
+        me = self.transport.me
+        received = dict(self.inbox.kept)
+        sharding = self.sharding()
+        out = {k: [] for k in ("assemble_s", "device_put_s", "make_array_s", "fast_assemble_s",
+                               "fast_device_put_s", "aligned_frac")}
+        for _ in range(reps):
+            a = time.perf_counter()
+            local = assemble(plan, me, received)
+            b = time.perf_counter()
+            aligned = sum(local[i].ctypes.data % 64 == 0 for i, _ in self.transport.local) / len(self.transport.local)
+            arrays = jax.block_until_ready([jax.device_put(local[i], d) for i, d in self.transport.local])
+            c = time.perf_counter()
+            jax.block_until_ready(jax.make_array_from_single_device_arrays(tuple(shape), sharding, arrays))
+            d = time.perf_counter()
+            fast = assemble_fast(plan, me, received)
+            e = time.perf_counter()
+            jax.block_until_ready([jax.device_put(fast[i], dev) for i, dev in self.transport.local])
+            f = time.perf_counter()
+            for k, v in zip(out, (b - a, c - b, d - c, e - d, f - e, aligned)):
+                out[k].append(v)
+        self.inbox.kept.clear()
+        return {k: _median(v) for k, v in out.items()}
+
+
+class Bench:
+    """The actors: "a" (8 devices), "b" (8 devices), "pair" (2 hosts × 2 devices, jax.distributed)."""
+
+    def __init__(self, ray):
+        remote = ray.remote(concurrency_groups={"io": 4})(BenchProbe)
+        self.ray = ray
+        self.a = remote.options(**probe_options(8)).remote("stage A host 0")
+        self.b = remote.options(**probe_options(8)).remote("stage B host 0")
+        self.pair = [remote.options(**probe_options(2)).remote(f"stage B host {i}") for i in range(2)]
+        coord = ray.get(self.pair[0].coordinator_address.remote(), timeout=TIMEOUT)
+        ray.get([p.init_distributed.remote(coord, 2, i, 60) for i, p in enumerate(self.pair)], timeout=TIMEOUT)
+        ray.get([x.warm_store.remote(256) for x in (self.a, self.b, *self.pair)], timeout=TIMEOUT)
+
+    def close(self) -> None:
+        actors = [self.a, self.b, *self.pair]
+        try:
+            self.ray.wait([x.shutdown.remote() for x in actors], num_returns=len(actors), timeout=10)
+        finally:
+            for x in actors:
+                self.ray.kill(x, no_restart=True)
+
+    def run_case(self, name: str, shape: tuple, reps: int, seed: int) -> dict:
+        ray = self.ray
+        geom_a, geom_b, direction = CASES[name]
+        a, b = [self.a], (self.pair if len(geom_b.hosts) == 2 else [self.b])
+        ray.get([x.configure.remote(geom_a, i, AXES, next_geom=geom_b, next=b) for i, x in enumerate(a)]
+                + [x.configure.remote(geom_b, i, AXES, prev_geom=geom_a, prev=a) for i, x in enumerate(b)],
+                timeout=TIMEOUT)
+        if direction == "forward":
+            senders, receivers, sdir, rdir, src, dst = a, b, "next", "prev", geom_a, geom_b
+        else:
+            senders, receivers, sdir, rdir, src, dst = b, a, "prev", "next", geom_b, geom_a
+        plan = edge_plan(src, dst, AXES, shape, np.float32)
+        ray.get([x.prepare.remote(seed, shape, sdir) for x in senders]
+                + [x.expect_seed.remote(seed) for x in receivers], timeout=TIMEOUT)
+
+        def once(variant: str, key: tuple, verify: bool = False) -> dict:
+            rrefs = [x.timed_recv.remote(key, shape, rdir, variant, verify) for x in receivers]
+            if not all(ray.get([x.wait_armed.options(concurrency_group="io").remote(TIMEOUT)
+                                for x in receivers], timeout=TIMEOUT)):
+                raise TimeoutError(f"{name}: receivers never started waiting")
+            sent = ray.get([x.timed_send.remote(key, sdir, variant) for x in senders], timeout=TIMEOUT)
+            got = ray.get(rrefs, timeout=TIMEOUT)
+            t0 = min(s["t0"] for s in sent)
+            return {"total_s": max(g["t_end"] for g in got) - t0,
+                    "send_s": max(s["send_s"] for s in sent),
+                    "arrive_s": max(g["taken"] for g in got) - t0,
+                    "build_s": max(g["t_end"] - g["taken"] for g in got),
+                    "ok": all(g.get("ok", True) for g in got),
+                    "aliased_shards": sum(g.get("aliased", 0) for g in got)}
+
+        checks = {v: once(v, (seed, "warm", v), verify=True) for v in VARIANTS}
+        bad = [v for v, c in checks.items() if not c["ok"]]
+        if bad:
+            raise AssertionError(f"{name} {shape}: variants {bad} delivered wrong data")
+        runs: dict = {v: [] for v in VARIANTS}
+        for r in range(reps):
+            for v in VARIANTS:
+                runs[v].append(once(v, (seed, r, v)))
+        # profile the transport's steps on one more transport payload
+        rrefs = [x.timed_recv.remote((seed, "prof"), shape, rdir, "transport") for x in receivers]
+        ray.get([x.wait_armed.options(concurrency_group="io").remote(TIMEOUT) for x in receivers],
+                timeout=TIMEOUT)
+        ray.get([x.timed_send.remote((seed, "prof"), sdir, "transport") for x in senders], timeout=TIMEOUT)
+        ray.get(rrefs, timeout=TIMEOUT)
+        prof_recv = ray.get([x.profile_recv.remote(shape, rdir) for x in receivers], timeout=TIMEOUT)
+        prof_send = ray.get([x.profile_send.remote(sdir) for x in senders], timeout=TIMEOUT)
+
+        med = {v: {k: _median([x[k] for x in runs[v]]) for k in ("total_s", "send_s", "arrive_s", "build_s")}
+               for v in VARIANTS}
+        mib = plan.cross_host_bytes / 2**20
+        return {
+            "case": name, "shape": list(shape), "mib": int(np.prod(shape)) * 4 / 2**20,
+            "src": plan.src.describe(), "dst": plan.dst.describe(),
+            "src_hosts": list(src.hosts), "dst_hosts": list(dst.hosts), "tiles": len(plan.tiles),
+            "cross_host_bytes": plan.cross_host_bytes, "lower_bound_bytes": plan.lower_bound_bytes,
+            "bytes_ratio": plan.cross_host_bytes / plan.lower_bound_bytes if plan.lower_bound_bytes else 1.0,
+            "reps": reps, "median": med,
+            "throughput_mib_s": {v: mib / med[v]["total_s"] for v in VARIANTS},
+            "ratio": med["raw"]["total_s"] / med["transport"]["total_s"],
+            "ratio_proto_arg": med["raw"]["total_s"] / med["proto-arg"]["total_s"],
+            "ratio_proto_put": med["raw"]["total_s"] / med["proto-put"]["total_s"],
+            "aliased_shards_proto": checks["proto-arg"]["aliased_shards"],
+            "profile_send": _max_dicts(prof_send), "profile_recv": _max_dicts(prof_recv),
+            "all_runs": runs,
+        }
+
+
+def _max_dicts(ds: list[dict]) -> dict:
+    return {k: max(d[k] for d in ds) for k in ds[0]}
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:.1f}"
+
+
+def markdown(results: list[dict], meta: dict) -> str:
+    lines = [f"# Reshard benchmark ({meta['mode']})", "",
+             f"{meta['when']}, {meta['machine']}; jax {meta['jax']}, ray {meta['ray']}; "
+             f"median of {meta['reps']} repeats; times in ms; ratio = raw / transport time "
+             f"(throughput ratio, target >= 0.9); bytes/lb target 1.0.", "",
+             "| case | MiB | tiles | bytes/lb | transport | raw | **ratio** | proto-arg | ratio | proto-put | ratio |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in results:
+        m = r["median"]
+        lines.append(f"| {r['case']} | {r['mib']:.0f} | {r['tiles']} | {r['bytes_ratio']:.3f} | "
+                     f"{_ms(m['transport']['total_s'])} | {_ms(m['raw']['total_s'])} | **{r['ratio']:.2f}** | "
+                     f"{_ms(m['proto-arg']['total_s'])} | {r['ratio_proto_arg']:.2f} | "
+                     f"{_ms(m['proto-put']['total_s'])} | {r['ratio_proto_put']:.2f} |")
+    lines += ["", "Where the transport's time goes (ms; send/arrive/build from the timed runs, "
+              "the rest from a step-by-step profile on the same payload):", "",
+              "| case | MiB | send | arrive | build | pack | serialise+put | (contiguous first) | assemble | "
+              "device_put | (aligned shards) | make_array | fast assemble | fast device_put |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in results:
+        t, ps, pr = r["median"]["transport"], r["profile_send"], r["profile_recv"]
+        lines.append(f"| {r['case']} | {r['mib']:.0f} | {_ms(t['send_s'])} | {_ms(t['arrive_s'])} | "
+                     f"{_ms(t['build_s'])} | {_ms(ps['pack_s'] + ps['shards_s'])} | {_ms(ps['put_s'])} | "
+                     f"{_ms(ps['contig_put_s'])} | {_ms(pr['assemble_s'])} | {_ms(pr['device_put_s'])} | "
+                     f"{pr['aligned_frac']:.0%} | "
+                     f"{_ms(pr['make_array_s'])} | {_ms(pr['fast_assemble_s'])} | "
+                     f"{_ms(pr['fast_device_put_s'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> None:
+    import jax
+    import ray
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="16 MiB only, 3 repeats")
+    ap.add_argument("--cases", default="", help="comma-separated case names (default: all)")
+    args = ap.parse_args(argv)
+    sizes = [(2048, 2048)] if args.quick else [(2048, 2048), (4096, 4096)]
+    reps = 3 if args.quick else 5
+    names = [n.strip() for n in args.cases.split(",") if n.strip()] or list(CASES)
+    ray.init(address="local", num_cpus=8, include_dashboard=False, namespace="meshpipe-bench",
+             logging_level="ERROR")
+    bench = Bench(ray)
+    results = []
+    try:
+        for shape in sizes:
+            for i, name in enumerate(names):
+                t = time.perf_counter()
+                results.append(bench.run_case(name, shape, reps, seed=100 + i))
+                r = results[-1]
+                print(f"  {name:22s} {r['mib']:3.0f} MiB  ratio {r['ratio']:.2f}  proto {r['ratio_proto_arg']:.2f}"
+                      f"/{r['ratio_proto_put']:.2f}  ({time.perf_counter() - t:.1f} s)", flush=True)
+    finally:
+        bench.close()
+        ray.shutdown()
+    meta = {"mode": "quick" if args.quick else "full", "when": time.strftime("%Y-%m-%d %H:%M"),
+            "machine": f"{platform.machine()}, {__import__('os').cpu_count()} cpus",
+            "jax": jax.__version__, "ray": ray.__version__, "reps": reps}
+    md = markdown(results, meta)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "reshard.md").write_text(md)
+    (RESULTS / "reshard.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
