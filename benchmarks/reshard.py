@@ -1,10 +1,10 @@
 """Cross-mesh reshard throughput: the pipeline's RayTransport beside a raw object-store push.
 
-Run:  python -m benchmarks.reshard [--quick]
+Run:  python -m benchmarks.reshard [--quick] [--cases NAME,NAME]
 Writes benchmarks/results/reshard.{md,json} and prints the markdown.
 
 For every case (two stage geometries, a float32 tensor with logical axes
-("batch", "embed")) and size (16 MiB, 64 MiB; --quick: 16 MiB, fewer repeats),
+("batch", "embed")) and size (16 MiB, 64 MiB; --quick: 16 MiB, 3 repeats),
 between the same sender and receiver actors (`stages.reshard_probe`), the
 median over repeats of the time from the sender's first instruction to the
 receiver holding its result (one monotonic clock: the actors share a machine):
@@ -16,23 +16,28 @@ receiver holding its result (one monotonic clock: the actors share a machine):
   raw        the same bytes per (source host, destination host) as ONE numpy
              buffer: sender `ray.put`, ref pushed into the receiver's mailbox,
              receiver `ray.get`. Moves bytes, builds nothing: the ceiling.
-  proto-arg  a prototype of a faster transport (below), tiles as the call argument.
-  proto-put  the same prototype, but the sender `ray.put`s the tile list and pushes the ref.
+  recv-fix   the transport's sender unchanged; the receiver (a) assembles into
+             64-byte aligned buffers and (b) uses a received tile that is a whole
+             destination shard as it is, without assembling it.
+  proto-arg  prototype sender + recv-fix receiver: when one source host supplies
+             all of a destination host's data (always so from a 1-host stage), the
+             sender ships that host's distinct destination SHARDS, gathered into
+             64-byte aligned buffers (a tile that already is a whole contiguous
+             shard is shipped as is); otherwise the tiles, made contiguous. One
+             call argument per destination host, as now.
+  proto-put  the same, but the sender `ray.put`s the payload and pushes the ref.
 
-The prototype changes two things only. Sender: non-contiguous tiles are made
-contiguous before serialisation (Ray pickles a non-contiguous array in-band,
-which costs extra copies on both ends and loses 64-byte alignment). Receiver:
-a destination shard that is exactly one received tile is `device_put` straight
-from the (64-byte aligned, read-only) object-store buffer, and every other
-shard is assembled into a 64-byte aligned buffer. On XLA:CPU `device_put` of a
-64-byte aligned C-contiguous numpy array aliases it (no copy) while an
-unaligned one is copied slowly (numpy's allocator gives 16-byte alignment).
+Why these: on XLA:CPU `device_put` of a 64-byte aligned C-contiguous numpy
+array aliases it (no copy), while an unaligned one is copied, slowly; numpy's
+allocator gives 16-byte alignment (so `assemble`'s output is aligned by luck),
+Ray's object store gives 64. And Ray pickles a non-contiguous array in-band,
+which costs extra copies on both ends and loses the alignment.
 
-Columns: `ratio` = raw time / transport time (throughput ratio, target >= 0.9);
+Columns: `ratio` = raw time / variant time (throughput ratio, target >= 0.9);
 `bytes/lb` = plan.cross_host_bytes / plan.lower_bound_bytes (target 1.0). The
 transport's time is split into send (sender: shards, pack, serialise + put),
 arrive (t0 -> mailbox take returned, slowest receiver) and build (take -> jax.Array);
-a separate profile re-runs each receiver step on the received payload.
+a separate profile re-runs each step on one payload.
 """
 from __future__ import annotations
 
@@ -51,7 +56,7 @@ from stages.mailbox import Mailbox
 from stages.reshard_probe import ReshardProbe, probe_options, random_array
 
 AXES = ("batch", "embed")
-VARIANTS = ("transport", "raw", "proto-arg", "proto-put")
+VARIANTS = ("transport", "raw", "recv-fix", "proto-arg", "proto-put")
 TIMEOUT = 120.0
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -122,6 +127,44 @@ def assemble_fast(plan, dst_host: int, received: dict) -> dict:
     return out
 
 
+def ship_shards(plan, src_host: int, dst_host: int, shards: dict) -> tuple:
+    """Prototype payload for `dst_host`: its distinct destination shards when `src_host` supplies them all.
+
+    Returns ("shards", [(dst devices, array)]) — one aligned array per distinct
+    destination block on `dst_host` (a tile that is a whole contiguous shard is
+    used as is) — or ("tiles", [contiguous tile arrays]) in plan order.
+    """
+    from orchestrator.reshard import pack, shard_boxes
+
+    tiles = plan.sends[src_host][dst_host]
+    arrays = pack(plan, src_host, dst_host, shards)
+    if any(t.src_host != src_host for t in plan.recvs[dst_host]):
+        return ("tiles", [a if a.flags.c_contiguous else np.ascontiguousarray(a) for a in arrays])
+    boxes = shard_boxes(plan.dst, plan.shape)
+    groups: dict = {}
+    for d in plan.dst.devices_on(dst_host):
+        groups.setdefault(boxes[d], []).append(d)
+    out = []
+    for devs in groups.values():
+        pieces = [(a, where) for t, a in zip(tiles, arrays) for dev, where in t.targets if dev == devs[0]]
+        if len(pieces) == 1 and pieces[0][0].shape == plan.dst_shard_shape and pieces[0][0].flags.c_contiguous:
+            buf = pieces[0][0]
+        else:
+            buf = _aligned_empty(plan.dst_shard_shape, plan.dtype)
+            for a, where in pieces:
+                buf[where] = a
+        out.append((tuple(devs), buf))
+    return ("shards", out)
+
+
+def local_shards(plan, dst_host: int, received: dict) -> dict:
+    """Receiver side of the prototype: dst device -> numpy shard, from tiles or shipped shards."""
+    shipped = [p for p in received.values() if isinstance(p, tuple) and p[0] == "shards"]
+    if shipped:
+        return {d: a for devs, a in shipped[0][1] for d in devs}
+    return assemble_fast(plan, dst_host, {s: p[1] if isinstance(p, tuple) else p for s, p in received.items()})
+
+
 class TimedMailbox(Mailbox):
     """A Mailbox that notes when each take returned and keeps the last payloads (for profiling)."""
 
@@ -187,6 +230,8 @@ class BenchProbe(ReshardProbe):
         elif variant == "raw":
             for dst_host, buf in self._raw.items():
                 self._push(direction, dst_host, key, [ray.put(buf)])
+        elif variant == "recv-fix":
+            self.transport.send(key, self._array, direction)
         else:
             plan = self._plan(direction, self._array.shape, sending=True)
             me = self.transport.me
@@ -195,8 +240,7 @@ class BenchProbe(ReshardProbe):
                 if not tiles:
                     continue
                 shards = {d: np.asarray(by_device[d].data) for d in {t.src_device for t in tiles}}
-                payload = [p if p.flags.c_contiguous else np.ascontiguousarray(p)
-                           for p in pack(plan, me, dst_host, shards)]
+                payload = ship_shards(plan, me, dst_host, shards)
                 self._push(direction, dst_host, key, [ray.put(payload)] if variant == "proto-put" else payload)
         t1 = time.perf_counter()
         self.transport.flush(TIMEOUT)
@@ -206,7 +250,12 @@ class BenchProbe(ReshardProbe):
         return {"t0": t0, "send_s": t1 - t0}
 
     def profile_send(self, direction: str, reps: int = 3) -> dict:
-        """Sender steps one by one, medians: read shards, pack, serialise into the object store."""
+        """Sender steps one by one (medians, summed over destination hosts).
+
+        shards+pack: read shards and cut tile views (the transport); put: serialise the
+        transport's payload into the object store (what a call argument costs);
+        gather: the prototype's `ship_shards`; gather_put: serialise its payload.
+        """
         import ray
 
         from orchestrator.reshard import pack
@@ -214,31 +263,35 @@ class BenchProbe(ReshardProbe):
         plan = self._plan(direction, self._array.shape, sending=True)
         me = self.transport.me
         by_device = {self.transport.flat[s.device.id]: s for s in self._array.addressable_shards}
-        out = {"shards_s": [], "pack_s": [], "put_s": [], "contig_put_s": [], "noncontig_tiles": 0}
+        steps = ("pack_s", "put_s", "gather_s", "gather_put_s")
+        out: dict = {k: [] for k in steps}
+        noncontig = 0
         for _ in range(reps):
-            ts = {"shards_s": 0.0, "pack_s": 0.0, "put_s": 0.0, "contig_put_s": 0.0}
+            ts = dict.fromkeys(steps, 0.0)
             for dst_host, tiles in plan.sends.get(me, {}).items():
                 if not tiles:
                     continue
-                a = time.perf_counter()
-                shards = {d: np.asarray(by_device[d].data) for d in {t.src_device for t in tiles}}
-                b = time.perf_counter()
+                t = [time.perf_counter()]
+                shards = {d: np.asarray(by_device[d].data) for d in {x.src_device for x in tiles}}
                 payload = pack(plan, me, dst_host, shards)
-                c = time.perf_counter()
+                t.append(time.perf_counter())
                 ref = ray.put(payload)
-                d = time.perf_counter()
-                contig = [p if p.flags.c_contiguous else np.ascontiguousarray(p) for p in payload]
-                ref2 = ray.put(contig)
-                e = time.perf_counter()
-                del ref, ref2
-                ts["shards_s"] += b - a
-                ts["pack_s"] += c - b
-                ts["put_s"] += d - c
-                ts["contig_put_s"] += e - d
-                out["noncontig_tiles"] = sum(not p.flags.c_contiguous for p in payload)
+                t.append(time.perf_counter())
+                noncontig = sum(not p.flags.c_contiguous for p in payload)
+                del ref, payload
+                t.append(time.perf_counter())
+                proto = ship_shards(plan, me, dst_host, shards)
+                t.append(time.perf_counter())
+                ref = ray.put(proto)
+                t.append(time.perf_counter())
+                del ref, proto
+                ts["pack_s"] += t[1] - t[0]
+                ts["put_s"] += t[2] - t[1]
+                ts["gather_s"] += t[4] - t[3]
+                ts["gather_put_s"] += t[5] - t[4]
             for k, v in ts.items():
                 out[k].append(v)
-        return {k: _median(v) if isinstance(v, list) else v for k, v in out.items()}
+        return {**{k: _median(v) for k, v in out.items()}, "noncontig_tiles": noncontig}
 
     def warm_store(self, mib: int, times: int = 2) -> None:
         """Touch the object store's memory once, so the first case does not pay its page faults."""
@@ -275,7 +328,7 @@ class BenchProbe(ReshardProbe):
                 if variant == "raw":
                     array = received
                 else:
-                    local = assemble_fast(plan, me, received)
+                    local = local_shards(plan, me, received)
                     arrays = [jax.device_put(local[i], d) for i, d in self.transport.local]
                     array = jax.make_array_from_single_device_arrays(shape, sharding, arrays)
             if variant != "raw":
@@ -300,7 +353,7 @@ class BenchProbe(ReshardProbe):
         self._seed_for_verify = (seed, None)
 
     def profile_recv(self, shape, direction: str, reps: int = 3) -> dict:
-        """Receiver steps on the last transport payload, medians: assemble, device_put, make_array; and the fast path."""
+        """Receiver steps on the last transport payload (medians): the transport's and recv-fix's."""
         import jax
 
         from orchestrator.reshard import assemble
@@ -309,22 +362,26 @@ class BenchProbe(ReshardProbe):
         me = self.transport.me
         received = dict(self.inbox.kept)
         sharding = self.sharding()
-        out = {k: [] for k in ("assemble_s", "device_put_s", "make_array_s", "fast_assemble_s",
-                               "fast_device_put_s", "aligned_frac")}
+        out: dict = {k: [] for k in ("assemble_s", "device_put_s", "make_array_s", "aligned_frac",
+                                     "fix_assemble_s", "fix_device_put_s")}
         for _ in range(reps):
-            a = time.perf_counter()
+            t0 = time.perf_counter()
             local = assemble(plan, me, received)
-            b = time.perf_counter()
-            aligned = sum(local[i].ctypes.data % 64 == 0 for i, _ in self.transport.local) / len(self.transport.local)
+            t1 = time.perf_counter()
             arrays = jax.block_until_ready([jax.device_put(local[i], d) for i, d in self.transport.local])
-            c = time.perf_counter()
+            t2 = time.perf_counter()
             jax.block_until_ready(jax.make_array_from_single_device_arrays(tuple(shape), sharding, arrays))
-            d = time.perf_counter()
-            fast = assemble_fast(plan, me, received)
-            e = time.perf_counter()
-            jax.block_until_ready([jax.device_put(fast[i], dev) for i, dev in self.transport.local])
-            f = time.perf_counter()
-            for k, v in zip(out, (b - a, c - b, d - c, e - d, f - e, aligned)):
+            t3 = time.perf_counter()
+            out["aligned_frac"].append(np.mean([local[i].ctypes.data % 64 == 0 for i, _ in self.transport.local]))
+            del local, arrays
+            t4 = time.perf_counter()
+            fixed = assemble_fast(plan, me, received)
+            t5 = time.perf_counter()
+            arrays = jax.block_until_ready([jax.device_put(fixed[i], d) for i, d in self.transport.local])
+            t6 = time.perf_counter()
+            del fixed, arrays
+            for k, v in zip(("assemble_s", "device_put_s", "make_array_s", "fix_assemble_s", "fix_device_put_s"),
+                            (t1 - t0, t2 - t1, t3 - t2, t5 - t4, t6 - t5)):
                 out[k].append(v)
         self.inbox.kept.clear()
         return {k: _median(v) for k, v in out.items()}

@@ -54,7 +54,7 @@ class PipelineExecutor:
             microbatches=job.pipeline.microbatches,
             optimizer=(job.optimizer.name, dict(job.optimizer.args)), seed=job.run.seed,
             actions=tuple(str(a) for a in grid if a is not None), num_stages=len(self.checked.stages),
-            timeouts=dict(self.timeouts), fail_setup=_injected_failure(stage.index, host), hosts=tuple(stage.hosts), devices_per_host=stage.devices_per_host,
+            timeouts=dict(self.timeouts), pin_cpus=self.checked.cluster.pin_cpus, fail_setup=_injected_failure(stage.index, host), hosts=tuple(stage.hosts), devices_per_host=stage.devices_per_host,
             prev_geom=geoms[s - 1] if s > 0 else None,
             next_geom=geoms[s + 1] if s + 1 < len(geoms) else None)
 

@@ -52,7 +52,7 @@ class WorkerConfig:
     devices_per_host: int = 1
     prev_geom: Any = None           # orchestrator.edges.StageGeom of the neighbours (None at the ends)
     next_geom: Any = None
-    pin_cpus: tuple[int, ...] | None = None
+    pin_cpus: bool = False          # pin this process to core (cluster_host mod cores) before jax loads
     fail_setup: str | None = None   # test-only fault injection: setup raises this message
 
     @property
@@ -70,7 +70,8 @@ class StageWorker:
 
         self.actions = [Action.parse(text) for text in cfg.actions]
         if cfg.pin_cpus:
-            os.sched_setaffinity(0, cfg.pin_cpus)
+            cores = sorted(os.sched_getaffinity(0))
+            os.sched_setaffinity(0, {cores[cfg.cluster_host % len(cores)]})
 
     # -- lifecycle ---------------------------------------------------------
     def coordinator_address(self) -> str:

@@ -268,6 +268,7 @@ class ClusterConfig(_Frozen):
     num_cpus: Optional[PosInt] = None
     dashboard_host: str = "127.0.0.1"
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    pin_cpus: bool = False   # pin each host actor to one core of its node (host index mod cores)
     timeouts: TimeoutsConfig = Field(default_factory=TimeoutsConfig)
 
     RESERVED_RESOURCES: ClassVar[frozenset[str]] = frozenset({"CPU", "GPU", "TPU", "memory",
