@@ -14,7 +14,7 @@ Basic flow:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from orchestrator import placement
 from orchestrator.edges import stage_geoms
@@ -28,6 +28,7 @@ class StepResult:
     loss: float
     wall_s: float
     spans: list          # (stage, host, action, start, end)
+    stats: list = field(default_factory=list)   # per actor: {stage, host, **telemetry.stage_stats}
 
 
 class PipelineExecutor:
@@ -71,6 +72,7 @@ class PipelineExecutor:
             row, names = [], []
             for host in range(len(stage.hosts)):
                 opts = placement.actor_options(self.checked, stage, host, self.pg, self.run)
+                opts["namespace"] = f"meshpipe-{self.run}"   # also when the driver attached elsewhere
                 row.append(remote.options(**opts).remote(self.worker_config(stage, host)))
                 names.append(f"stage {stage.index} host {host}")
             self.actors.append(row)
@@ -148,7 +150,8 @@ class PipelineExecutor:
             wall, last = now - last, now
             losses = next(o["losses"] for o in outs if "losses" in o)
             spans = [(o["stage"], o["host"], *span) for o in outs for span in o["spans"]]
-            yield StepResult(step=i, loss=sum(losses) / len(losses), wall_s=wall, spans=spans)
+            stats = [{"stage": o["stage"], "host": o["host"], **o.get("stats", {})} for o in outs]
+            yield StepResult(step=i, loss=sum(losses) / len(losses), wall_s=wall, spans=spans, stats=stats)
 
     def param_norms(self) -> dict[str, float]:
         refs, labels = [], []

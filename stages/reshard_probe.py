@@ -111,6 +111,7 @@ class ReshardProbe:
         self.mesh = None
         self.transport = None
         self.axes: tuple = ()
+        self.delivered: list = []
         self._stage_hosts = 1
 
     # -- lifecycle -----------------------------------------------------------
@@ -158,10 +159,13 @@ class ReshardProbe:
         return {"mesh": [d.id for d in devices], "local": [i for i, _ in self.transport.local]}
 
     def deliver(self, key, payload) -> None:
+        self.delivered.append(tuple(key))
         self.inbox.put(key, payload)
 
-    def pending(self) -> int:
-        return len(self.inbox)
+    def mailbox_state(self) -> dict:
+        """Keys delivered since the last call (then forgotten) and how many items wait untaken."""
+        keys, self.delivered = self.delivered, []
+        return {"delivered": keys, "pending": len(self.inbox)}
 
     def shutdown(self) -> None:
         self.inbox.close("shutdown")

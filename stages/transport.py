@@ -60,6 +60,7 @@ class RayTransport(Transport):
         me = jax.process_index()
         self.local = [(i, d) for i, d in enumerate(devices) if d.process_index == me]
         self.sent_bytes = 0
+        self.sent_bytes_to = {"prev": 0, "next": 0}   # the same, per neighbour (telemetry)
         self._inflight: list = []
 
     def _peers(self, direction: str) -> list:
@@ -76,6 +77,7 @@ class RayTransport(Transport):
             shards = {d: np.asarray(by_device[d].data) for d in {t.src_device for t in tiles}}
             payload = pack(plan, self.me, dst_host, shards)
             self.sent_bytes += sum(p.nbytes for p in payload)
+            self.sent_bytes_to[direction] += sum(p.nbytes for p in payload)
             peer = peers[peer_geom.hosts.index(dst_host)]
             self._inflight.append(peer.deliver.options(concurrency_group="io").remote((*key, self.me), payload))
 

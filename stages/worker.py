@@ -4,7 +4,9 @@ Basic flow (driven by `orchestrator.executor`):
   1. `__init__` runs in a fresh process whose env (XLA_FLAGS device count,
      JAX_PLATFORMS) was set by the actor's runtime_env before jax is imported.
   2. `setup(coordinator)` — for a multi-host stage, joins the stage's own JAX
-     world (`jax.distributed.initialize`, bounded timeout); builds the stage's
+     world as the platform's backend planned it (`orchestrator.backends.jaxinit`:
+     explicit coordinator on CPU/GPU, auto-detection on whole TPU slices;
+     bounded timeout); builds the stage's
      named `Mesh`, the jitted programs, parameters and optimizer state.
   3. `connect(prev, next)` — handles of the neighbouring stages' actors.
   4. `run_step(step)` — executes this stage's lowered action list for one step:
@@ -91,10 +93,15 @@ class StageWorker:
             raise RuntimeError(f"{cfg.who}: {cfg.fail_setup}")
         import jax
 
-        if cfg.stage_hosts > 1:
-            jax.distributed.initialize(coordinator_address=coordinator, num_processes=cfg.stage_hosts,
-                                       process_id=cfg.host,
-                                       initialization_timeout=int(cfg.timeouts.get("jax_distributed_init_s", 60)))
+        from orchestrator.telemetry import watch_compiles
+
+        watch_compiles()   # sums jax compile time in this process, for stage_stats
+
+        from orchestrator.backends.jaxinit import initialize as join_submesh
+
+        # as the platform's backend planned it (MESHPIPE_JAX_INIT): explicit coordinator, TPU auto-detect, none
+        join_submesh(cfg.stage_hosts, cfg.host, coordinator, cfg.timeouts.get("jax_distributed_init_s", 60),
+                     who=cfg.who)
         from jax.sharding import Mesh
 
         from stages.models.base import load_impl
@@ -205,7 +212,9 @@ class StageWorker:
                 raise ValueError(f"{cfg.who}: cannot execute action {a}")
             spans.append((str(a), t0, time.time()))
         self.transport.flush(timeout)
-        out = {"stage": cfg.stage, "host": cfg.host, "spans": spans}
+        from orchestrator.telemetry import stage_stats
+
+        out = {"stage": cfg.stage, "host": cfg.host, "spans": spans, "stats": stage_stats(self)}
         if prog.last:
             out["losses"] = [float(losses[i]) for i in range(cfg.microbatches)]
         return out

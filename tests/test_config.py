@@ -2,8 +2,9 @@
 
 Pure tests (no Ray, no jax arrays). Each bad-input case asserts that the
 ConfigError message contains the key path, the offending value and a keyword of
-the rule broken. `test_bad_input_suite_under_python_O` reruns this file (and
-the YAML loader tests) under `python -O` to prove no check relies on `assert`.
+the rule broken. `test_bad_input_suite_under_python_O` reruns this file, the
+YAML loader tests and tests/test_bad_input.py under `python -O` to prove no
+check relies on `assert`.
 """
 from __future__ import annotations
 
@@ -387,7 +388,7 @@ def test_python_tag_in_job_file_never_runs(tmp_path):
 @pytest.mark.skipif(sys.flags.optimize > 0, reason="already running under python -O")
 def test_bad_input_suite_under_python_O():
     r = subprocess.run([sys.executable, "-O", "-m", "pytest", "tests/test_config.py",
-                        "tests/test_config_yaml.py", "-q", "-p", "no:cacheprovider"],
+                        "tests/test_config_yaml.py", "tests/test_bad_input.py", "-q", "-p", "no:cacheprovider"],
                        cwd=REPO, capture_output=True, text=True, timeout=300)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out

@@ -67,7 +67,7 @@ def assert_same_training(pipe: dict, ref: dict):
                                [ref["param_norms"][n] for n in names], rtol=RTOL, atol=ATOL)
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "eager-1f1b", "zb-h1"])
 def test_gpt_two_stages_different_meshes_matches_reference(tmp_path, no_leaks, schedule):
     pipe, ref = run_both(gpt_job(tmp_path, schedule))
     assert_same_training(pipe, ref)

@@ -27,8 +27,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 
+from orchestrator.backends import driver_cpu_only, get_backend
 from orchestrator.config.errors import ConfigError, problem, suggest
 from orchestrator.config.schema import ClusterConfig, JobConfig, Rule
+from orchestrator.private_fs import private_dir
+from orchestrator.redact import redact
 from stages.layout import partition_spec, rule_axes, shard_count, stage_layout
 from stages.models import BUILTIN, build_spec
 from stages.spec import ModelSpec, param_name
@@ -105,9 +108,12 @@ class Checked:
         return sum(len(s.hosts) for s in self.stages)
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-able summary (for summary.json)."""
+        """Plain JSON-able summary (for summary.json), secrets redacted (`orchestrator.redact`).
+
+        `job.to_dict()` / `cluster.to_dict()` keep the real values (they round-trip).
+        """
         m = self.model
-        return {
+        return redact({
             "job": self.job.to_dict(),
             "cluster": self.cluster.to_dict(),
             "model": {"name": m.name, "impl": m.impl, "num_layers": m.num_layers,
@@ -117,7 +123,7 @@ class Checked:
             "data_path": self.data_path,
             "stages": [dict(s.to_dict(), params=sum(m.param_count(a, b) for a, b in s.chunks))
                        for s in self.stages],
-        }
+        })
 
     def to_json(self, indent: int = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent)
@@ -195,6 +201,7 @@ def _check_data(job: JobConfig, model: ModelSpec, probs: _Problems) -> Optional[
 
 
 def _check_optimizer(job: JobConfig, probs: _Problems) -> None:
+    driver_cpu_only()  # optax imports jax: the driver's jax stays on the CPU (never grabs a GPU/TPU)
     import optax  # allowed here: pure Python lookup of the optimizer function
 
     name, args = job.optimizer.name, job.optimizer.args
@@ -291,6 +298,9 @@ def _check_hosts_meshes(job: JobConfig, cluster: ClusterConfig, probs: _Problems
                       f"hosts × {cluster.cpus_per_host} CPUs = {need:g} CPUs, but the embedded Ray "
                       f"will see {cpus}; the placement group would wait forever (lower cpus_per_host "
                       "or set num_cpus)")
+    if total <= cluster.hosts:  # the platform's legal submesh shapes (e.g. TPU slices / aligned subslices)
+        for key, value, rule in get_backend(cluster).check_stages(assigned):
+            probs.add(key, value, rule)
     return assigned
 
 
@@ -482,7 +492,7 @@ def check_job(job: JobConfig, cluster: ClusterConfig) -> Checked:
 
 
 def check_output_dir(job: JobConfig) -> Path:
-    """Make sure `<run.output_dir>` exists (created if needed) and is writable.
+    """Make sure `<run.output_dir>` exists (created if needed, owner-only) and is writable.
 
     Returns the run directory `<output_dir>/<run.name>` (not created here).
     Touches the disk, so the runner calls it just before starting anything.
@@ -493,7 +503,7 @@ def check_output_dir(job: JobConfig) -> Path:
     out = Path(job.run.output_dir)
     run_dir = out / job.run.name
     try:
-        out.mkdir(parents=True, exist_ok=True)
+        private_dir(out, tighten=False)  # components it creates are 0o700; existing ones untouched
     except OSError as e:
         raise ConfigError(problem("run.output_dir", job.run.output_dir,
                                   f"cannot be created: {e.strerror or e}")) from None

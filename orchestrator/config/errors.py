@@ -3,11 +3,17 @@
 Every configuration problem is one line naming the key path (as the user
 writes it: `pipeline.stages[1].mesh.model`), the offending value and the rule
 it breaks. A `ConfigError` carries all problems found in one pass, one per line.
+
+Secrets never reach a message: `problem` redacts the value of a key that looks
+secret (`env_vars.HF_TOKEN`, `model.args.api_key`) and secret-looking values
+anywhere, and `ConfigError` scrubs every line once more (`orchestrator.redact`).
 """
 from __future__ import annotations
 
 import difflib
 from typing import Any, Iterable, Sequence
+
+from orchestrator.redact import redact, redact_text
 
 __all__ = ["ConfigError", "Problem", "fmt_path", "fmt_value", "problem", "problem_nv", "suggest"]
 
@@ -23,8 +29,9 @@ class ConfigError(ValueError):
     """
 
     def __init__(self, problems: str | Sequence[str], source: str | None = None):
-        self.problems: tuple[str, ...] = (problems,) if isinstance(problems, str) else tuple(problems)
-        self.source = source
+        lines = (problems,) if isinstance(problems, str) else tuple(problems)
+        self.problems: tuple[str, ...] = tuple(redact_text(p) for p in lines)
+        self.source = redact_text(source) if source else source
         super().__init__(self._format())
 
     def _format(self) -> str:
@@ -73,7 +80,14 @@ def problem(loc: Iterable[str | int] | str, value: Any, rule: str) -> str:
     path = loc if isinstance(loc, str) else fmt_path(loc)
     if value is _MISSING:
         return f"{path}: {rule}"
-    return f"{path} = {fmt_value(value)}: {rule}"
+    return f"{path} = {fmt_value(redact(value, _last_key(loc)))}: {rule}"
+
+
+def _last_key(loc: Iterable[str | int] | str) -> str | None:
+    """The last named key of a location (`env_vars.HF_TOKEN` → `HF_TOKEN`)."""
+    parts = loc.replace("[", ".").split(".") if isinstance(loc, str) else [str(p) for p in loc]
+    names = [p for p in parts if p and not p.rstrip("]").isdigit()]
+    return names[-1] if names else None
 
 
 def problem_nv(loc: Iterable[str | int] | str, rule: str) -> str:

@@ -11,7 +11,7 @@ import os
 from typing import Iterable, Optional
 
 from orchestrator.config.errors import ConfigError
-from orchestrator.config.overrides import apply_overrides
+from orchestrator.config.overrides import apply_overrides, shown
 from orchestrator.config.schema import ClusterConfig, JobConfig, parse_cluster, parse_job
 from orchestrator.safe_yaml import YamlError, safe_load_file
 
@@ -27,7 +27,7 @@ def load_raw(path: str | os.PathLike) -> dict:
 
 
 def _source(path, overrides) -> str:
-    return str(path) + (f" (with overrides {list(overrides)})" if overrides else "")
+    return str(path) + (f" (with overrides {[shown(o) for o in overrides]})" if overrides else "")
 
 
 def load_job(path: str | os.PathLike, overrides: Optional[Iterable[str]] = None) -> JobConfig:

@@ -18,12 +18,13 @@ from typing import Any, Iterable, Mapping
 
 from pydantic import BaseModel
 
-from orchestrator.config.errors import ConfigError, fmt_path, suggest
-from orchestrator.config.schema import JobConfig, field_kind
+from orchestrator.config.errors import ConfigError, fmt_path, fmt_value, suggest
+from orchestrator.config.schema import JobConfig, field_kind, unknown_key_hint
+from orchestrator.redact import REDACTED, is_secret_key, redact
 from orchestrator.safe_yaml import YamlError, safe_load_value
 from stages.layout import parse_layout
 
-__all__ = ["apply_overrides", "parse_key_path"]
+__all__ = ["apply_overrides", "parse_key_path", "shown"]
 
 _SEGMENT_RE = re.compile(r"^([^\[\]]*)((?:\[\d+\])*)$")
 
@@ -47,8 +48,27 @@ def parse_key_path(key: str) -> list[str | int]:
     return tokens
 
 
+def shown(item: str) -> str:
+    """An override as it may be printed: the value of a secret-looking key is redacted.
+
+    Example:
+        >>> shown("cluster.env_vars.HF_TOKEN=hf_x"), shown("run.steps=3")
+        ('cluster.env_vars.HF_TOKEN=<redacted>', 'run.steps=3')
+    """
+    if not isinstance(item, str) or "=" not in item:
+        return item
+    key, _, _ = item.partition("=")
+    parts = key.strip().replace("[", ".").split(".")
+    return f"{key}={REDACTED}" if any(is_secret_key(p) for p in parts) else item
+
+
+def _shown_value(node: Any, path: list) -> str:
+    names = [t for t in path if isinstance(t, str)]
+    return fmt_value(redact(node, names[-1] if names else None))
+
+
 def _fail(item: str, path: list, rule: str) -> ConfigError:
-    return ConfigError(f"override {item!r}: {fmt_path(path)}: {rule}")
+    return ConfigError(f"override {shown(item)!r}: {fmt_path(path)}: {rule}")
 
 
 def _set(root: dict, tokens: list, value: Any, schema: type[BaseModel], item: str) -> None:
@@ -58,10 +78,11 @@ def _set(root: dict, tokens: list, value: Any, schema: type[BaseModel], item: st
         here, last = tokens[: i + 1], i == len(tokens) - 1
         if kind == "model":
             if not isinstance(node, dict):
-                raise _fail(item, tokens[:i], f"is {node!r}, not a mapping; set it whole instead")
+                raise _fail(item, tokens[:i],
+                            f"is {_shown_value(node, tokens[:i])}, not a mapping; set it whole instead")
             fields = list(cls.model_fields)
             if not isinstance(tok, str) or tok not in cls.model_fields:
-                hint = suggest(tok, fields) or f"; valid keys: {', '.join(fields)}"
+                hint = suggest(tok, fields) or unknown_key_hint(schema, tuple(here), fields)
                 raise _fail(item, here, f"unknown key{hint}")
             child_kind, child_cls = field_kind(cls, tok)
             if last:
@@ -86,7 +107,7 @@ def _set(root: dict, tokens: list, value: Any, schema: type[BaseModel], item: st
                                         f"{fmt_path(here)}=<value>")
         elif kind == "list":
             if not isinstance(node, list):
-                raise _fail(item, tokens[:i], f"is {node!r}, not a list; set it whole instead")
+                raise _fail(item, tokens[:i], f"is {_shown_value(node, tokens[:i])}, not a list; set it whole instead")
             if not isinstance(tok, int):
                 raise _fail(item, here, f"expected a list index (0..{len(node) - 1}), got {tok!r}")
             if not 0 <= tok < len(node):
@@ -97,7 +118,8 @@ def _set(root: dict, tokens: list, value: Any, schema: type[BaseModel], item: st
             node, kind = node[tok], "model"
         else:  # free-form mapping: any key, created on demand
             if not isinstance(node, dict):
-                raise _fail(item, tokens[:i], f"is {node!r}, not a mapping; set it whole instead")
+                raise _fail(item, tokens[:i],
+                            f"is {_shown_value(node, tokens[:i])}, not a mapping; set it whole instead")
             key = str(tok)
             if last:
                 node[key] = value
@@ -122,17 +144,17 @@ def apply_overrides(raw: Mapping[str, Any], overrides: Iterable[str] | None,
     out = copy.deepcopy(dict(raw))
     for item in overrides or ():
         if not isinstance(item, str) or "=" not in item:
-            raise ConfigError(f"override {item!r}: malformed; write key.path=value, e.g. run.steps=3")
+            raise ConfigError(f"override {shown(item)!r}: malformed; write key.path=value, e.g. run.steps=3")
         key, _, text = item.partition("=")
         key = key.strip()
         try:
             tokens = parse_key_path(key)
         except ValueError as e:
-            raise ConfigError(f"override {item!r}: {e}; write key.path=value, e.g. "
+            raise ConfigError(f"override {shown(item)!r}: {e}; write key.path=value, e.g. "
                               "pipeline.stages[1].mesh.model=2") from None
         try:
             value = safe_load_value(text, source=f"override {key}")
         except YamlError as e:
-            raise ConfigError(f"override {item!r}: {key}: value is not valid safe YAML: {e}") from None
+            raise ConfigError(f"override {shown(item)!r}: {key}: value is not valid safe YAML: {e}") from None
         _set(out, tokens, value, schema, item)
     return out

@@ -16,14 +16,17 @@ from typing import Annotated, Any, ClassVar, Literal, Mapping, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from orchestrator.config.errors import ConfigError, Problem, problem, problem_nv, suggest
+from orchestrator.backends import get_backend
+from orchestrator.backends.tpu_topology import TpuTypeError, geometry
+from orchestrator.config.errors import ConfigError, Problem, fmt_value, problem, problem_nv, suggest
+from orchestrator.redact import redact
 from stages.layout import parse_layout
 from stages.models import BUILTIN
 
 __all__ = [
     "RunConfig", "ModelConfig", "DataConfig", "OptimizerConfig", "StageConfig", "PipelineConfig",
-    "JobConfig", "TimeoutsConfig", "ClusterConfig", "parse_job", "parse_cluster", "field_kind",
-    "NAME_RE", "Rule",
+    "JobConfig", "TimeoutsConfig", "ClusterConfig", "GpuConfig", "TpuConfig", "parse_job", "parse_cluster", "field_kind",
+    "NAME_RE", "Rule", "key_homes", "unknown_key_hint",
 ]
 
 PosInt = Annotated[int, Field(ge=1)]
@@ -54,6 +57,11 @@ def _layout_value(value: Any) -> dict[str, Rule]:
     if value is None:
         return {}
     if isinstance(value, str):
+        names = [p.partition(":")[0].strip() for p in value.split(";") if p.strip()]
+        dups = sorted({n for n in names if names.count(n) > 1})
+        if dups:
+            raise Problem(f"logical axis {dups[0]!r} has more than one rule in the layout text; "
+                          "write each logical axis once")
         try:
             rules = parse_layout(value)
         except ValueError as e:
@@ -256,6 +264,46 @@ class TimeoutsConfig(_Frozen):
     jax_distributed_init_s: PosFloat = 60.0
 
 
+class GpuConfig(_Frozen):
+    """`gpu:` (platform gpu, optional) — what the GPU nodes are and how XLA uses their memory."""
+
+    gpus_per_node: Optional[PosInt] = None       # checked against devices_per_host at load (null: at placement)
+    accelerator_type: Optional[str] = None       # Ray's accelerator_type:<T> resource, e.g. H100 (null: any)
+    memory_fraction: Optional[float] = None      # XLA_PYTHON_CLIENT_MEM_FRACTION (null: XLA's default, 0.75)
+    preallocate: bool = True                     # XLA_PYTHON_CLIENT_PREALLOCATE
+
+    @field_validator("memory_fraction")
+    @classmethod
+    def _fraction(cls, v: Optional[float]) -> Optional[float]:
+        if v is not None and not 0 < v <= 1:
+            raise Problem("must be in (0, 1]: the fraction of each GPU's memory XLA may use")
+        return v
+
+    @field_validator("accelerator_type")
+    @classmethod
+    def _accelerator_type(cls, v: Optional[str]) -> Optional[str]:
+        if v is not None and not re.match(r"^[A-Za-z0-9][A-Za-z0-9._-]*$", v):
+            raise Problem("must be a Ray accelerator type name, e.g. H100, A100, L4 (see ray.util.accelerators)")
+        return v
+
+
+class TpuConfig(_Frozen):
+    """`tpu:` (platform tpu, required) — the TPU slice type the cluster is made of."""
+
+    type: str                                   # GCP accelerator type, e.g. v5litepod-16, v6e-16, v4-16
+    topology: str                               # chips, e.g. 4x4 (v5e/v6e) or 2x2x2 (v4/v5p)
+    slices: PosInt = 1                          # slices of that type (more than 1: stages across slices / DCN)
+    chips_per_host: Optional[PosInt] = None     # override Ray's default (4, or 8 for single-VM v5e/v6e)
+
+    @model_validator(mode="after")
+    def _geometry(self) -> "TpuConfig":
+        try:
+            geometry(self.type, self.topology, self.chips_per_host)
+        except TpuTypeError as e:
+            raise Problem(str(e), (e.key,), getattr(self, e.key)) from None
+        return self
+
+
 class ClusterConfig(_Frozen):
     """A cluster (`cluster.yaml`): which Ray, what platform, how many hosts of how many devices."""
 
@@ -267,12 +315,18 @@ class ClusterConfig(_Frozen):
     resources_per_host: dict[str, NonNegFloat] = Field(default_factory=dict)
     num_cpus: Optional[PosInt] = None
     dashboard_host: str = "127.0.0.1"
+    node_ip_address: str = "127.0.0.1"  # embedded Ray only: 127.0.0.1 keeps every Ray port on loopback
+    env_vars: dict[str, str] = Field(default_factory=dict, repr=False)  # stage actors' env; redacted in output
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
     pin_cpus: bool = False   # pin each host actor to one core of its node (host index mod cores)
     timeouts: TimeoutsConfig = Field(default_factory=TimeoutsConfig)
+    gpu: Optional[GpuConfig] = None   # platform gpu only
+    tpu: Optional[TpuConfig] = None   # platform tpu only (required there)
 
     RESERVED_RESOURCES: ClassVar[frozenset[str]] = frozenset({"CPU", "GPU", "TPU", "memory",
                                                                "object_store_memory"})
+    MESHPIPE_ENV: ClassVar[frozenset[str]] = frozenset({"XLA_FLAGS", "JAX_PLATFORMS",
+                                                         "PYTHONUNBUFFERED", "MESHPIPE_JAX_INIT"})
 
     @field_validator("address")
     @classmethod
@@ -295,12 +349,39 @@ class ClusterConfig(_Frozen):
                                   "accelerators from platform/devices_per_host", (k,), v[k])
         return v
 
-    @field_validator("dashboard_host")
+    @field_validator("dashboard_host", "node_ip_address")
     @classmethod
     def _dashboard_host(cls, v: str) -> str:
         if not v or any(c.isspace() for c in v) or "\x00" in v:
             raise Problem("must be a host name or IP address (no spaces), e.g. 127.0.0.1")
         return v
+
+    @field_validator("node_ip_address")
+    @classmethod
+    def _node_ip(cls, v: str) -> str:
+        if v in ("0.0.0.0", "::", "[::]"):
+            raise Problem("must be the address other machines reach this one at (Ray advertises it), "
+                          "not a wildcard; 127.0.0.1 (the default) keeps every Ray port on loopback")
+        return v
+
+    @field_validator("env_vars", mode="before")
+    @classmethod
+    def _env_vars(cls, v: Any) -> Any:
+        """Environment variables for every stage actor (Ray runtime_env); numbers become strings."""
+        if not isinstance(v, Mapping):
+            return v
+        out = {}
+        for k, val in v.items():
+            if not isinstance(k, str) or not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", k):
+                raise Problem("must be an environment variable name (letters, digits, '_'; not "
+                              "starting with a digit)", (k,), val)
+            if k in cls.MESHPIPE_ENV:
+                raise Problem(f"{k} is set by meshpipe for each actor (simulated devices, platform); "
+                              "it cannot be overridden here", (k,), val)
+            if isinstance(val, bool) or not isinstance(val, (str, int, float)):
+                raise Problem("must be a string (quote it: environment values are text)", (k,), val)
+            out[k] = str(val)
+        return out
 
     @model_validator(mode="after")
     def _cpus(self) -> "ClusterConfig":
@@ -312,6 +393,20 @@ class ClusterConfig(_Frozen):
             raise Problem(f"too few CPUs: hosts × cpus_per_host = {self.hosts} × {self.cpus_per_host} "
                           f"= {need:g} CPUs do not fit in num_cpus = {self.num_cpus}; the placement "
                           "group would wait forever", ("num_cpus",), self.num_cpus)
+        return self
+
+    @model_validator(mode="after")
+    def _platform(self) -> "ClusterConfig":
+        """The platform's section and its backend's cluster rules (orchestrator.backends)."""
+        for name in ("gpu", "tpu"):
+            if getattr(self, name) is not None and self.platform != name:
+                raise Problem(f"only for platform: {name} (this cluster is platform: {self.platform}); "
+                              "remove it", (name,), getattr(self, name).model_dump(mode="json"))
+        if self.platform == "tpu" and self.tpu is None:
+            raise Problem("required for platform: tpu: the slice type, e.g. {type: v5litepod-16, "
+                          "topology: 4x4}", ("tpu",), None)
+        for key, value, rule in get_backend(self).check_cluster()[:1]:
+            raise Problem(rule, tuple(key.split(".")), value)
         return self
 
     def to_dict(self) -> dict[str, Any]:
@@ -351,6 +446,38 @@ def field_kind(cls: type[BaseModel], name: str) -> tuple[str, Any]:
     if origin is dict or tp is dict:
         return "free", None
     return "leaf", None
+
+
+def key_homes(root: type[BaseModel], name: Any, prefix: str = "") -> list[str]:
+    """Every section of the schema that has a key `name` (`steps` → `['run']`).
+
+    Example:
+        >>> key_homes(JobConfig, "global_batch"), key_homes(JobConfig, "hosts")
+        (['data'], ['pipeline.stages[i]'])
+    """
+    out: list[str] = []
+    for field in root.model_fields:
+        kind, cls = field_kind(root, field)
+        if kind not in ("model", "list"):
+            continue
+        path = (f"{prefix}.{field}" if prefix else field) + ("[i]" if kind == "list" else "")
+        if name in cls.model_fields:
+            out.append(path)
+        out += key_homes(cls, name, path)
+    return out
+
+
+def unknown_key_hint(root: type[BaseModel], loc: tuple, valid: list[str]) -> str:
+    """`"; did you mean 'x'?"`, or where the key belongs when it is misplaced, or the valid keys."""
+    name = loc[-1]
+    homes = key_homes(root, name)
+    if name in root.model_fields and loc[:-1]:
+        homes.insert(0, "the top level")
+    if homes:
+        where = homes[0] if len(homes) == 1 else ", ".join(homes[:-1]) + " or " + homes[-1]
+        first = str(name) if homes[0] == "the top level" else f"{homes[0]}.{name}"
+        return f"; '{name}' is a key of {where} (wrong nesting?), e.g. {first}"
+    return suggest(name, valid) or (f"; valid keys: {', '.join(valid)}" if valid else "")
 
 
 def _model_at(root: type[BaseModel], loc: tuple) -> Optional[type[BaseModel]]:
@@ -409,8 +536,9 @@ def _convert(exc: ValidationError, root: type[BaseModel]) -> list[str]:
         if t == "extra_forbidden":
             cls = _model_at(root, loc)
             valid = list(cls.model_fields) if cls else []
-            hint = suggest(loc[-1], valid) or (f"; valid keys: {', '.join(valid)}" if valid else "")
-            out.append(f"{problem_nv(loc, 'unknown key' + hint)} (value {err.get('input')!r})")
+            hint = suggest(loc[-1], valid) or unknown_key_hint(root, loc, valid)
+            value = fmt_value(redact(err.get("input"), loc[-1]))
+            out.append(f"{problem_nv(loc, 'unknown key' + hint)} (value {value})")
             continue
         if t == "missing":
             out.append(problem_nv(loc, "required key is missing"))

@@ -1,0 +1,255 @@
+"""Shared pieces of the pipeline benchmark: sizes, machine facts, span statistics, simulation, tables.
+
+Pure except `machine_info` (reads /proc and package versions) and
+`run_child` (starts a Python subprocess with a deadline). No ray, no jax, no
+torch at import time.
+
+Sizes: one GPT (`stages/models/gpt.py`) per size, cut into two stages of
+equal block count (stage 0 = embed + first half of the blocks, stage 1 = the
+rest + head); the microbatch size is fixed per size, so the global batch is
+m × microbatch. `small` and `large` aim at ≈ 4 ms and ≈ 30 ms per forward
+action on one core of this 2-core machine; `tiny` makes every action ≈ free,
+so a step's time is almost all orchestration.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Iterable, Sequence
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = Path(__file__).resolve().parent / "results"
+SCHEDULES = ("gpipe", "1f1b", "eager-1f1b", "zb-h1", "interleaved-1f1b")
+COMPUTE_KINDS = ("F", "B", "I", "W", "OPT")
+LEARNING_RATE = 1e-3
+
+
+@dataclass(frozen=True)
+class Size:
+    """One benchmark model size: GPT arguments, sequence length and microbatch size."""
+
+    name: str
+    d_model: int
+    d_mlp: int
+    heads: int
+    vocab: int
+    blocks: int
+    seq: int
+    mbs: int          # sequences per microbatch
+
+    def model_args(self) -> dict:
+        return {"vocab": self.vocab, "d_model": self.d_model, "heads": self.heads,
+                "d_mlp": self.d_mlp, "blocks": self.blocks}
+
+    def cut(self) -> int:
+        """First layer of stage 1: layers are embed, block0 … block{n-1}, head."""
+        return 1 + self.blocks // 2
+
+    def num_layers(self) -> int:
+        return self.blocks + 2
+
+    def flops_per_token_fwd(self) -> int:
+        """Matmul flops of one forward per token (2 per multiply-add), attention scores included."""
+        d, h, v, s = self.d_model, self.d_mlp, self.vocab, self.seq
+        block = 2 * (4 * d * d + 2 * d * h) + 2 * 2 * s * d   # qkvo + mlp + (QK^T, AV) averaged
+        return self.blocks * block + 2 * d * v
+
+    def describe(self) -> str:
+        return (f"GPT d_model={self.d_model} d_mlp={self.d_mlp} heads={self.heads} vocab={self.vocab} "
+                f"blocks={self.blocks} seq={self.seq}, microbatch {self.mbs} sequences")
+
+
+SIZES = {
+    "tiny": Size("tiny", d_model=16, d_mlp=32, heads=2, vocab=32, blocks=2, seq=8, mbs=2),
+    "small": Size("small", d_model=128, d_mlp=512, heads=4, vocab=256, blocks=4, seq=64, mbs=4),
+    "large": Size("large", d_model=256, d_mlp=1024, heads=4, vocab=256, blocks=4, seq=64, mbs=12),
+}
+
+
+# ----------------------------------------------------------------------------- statistics
+
+def median(xs: Iterable[float]) -> float:
+    xs = list(xs)
+    return statistics.median(xs) if xs else float("nan")
+
+
+def spread(xs: Sequence[float]) -> float:
+    """(p90 − p10) / median: how noisy a series was (0 = steady)."""
+    xs = sorted(xs)
+    if len(xs) < 3:
+        return float("nan")
+    q = statistics.quantiles(xs, n=10)
+    return (q[-1] - q[0]) / statistics.median(xs)
+
+
+def kind_of(action_text: str) -> str:
+    """'1SEND_F3' -> 'SEND_F', '0OPT' -> 'OPT', '1F3c1' -> 'F'."""
+    from orchestrator.schedule import Action
+
+    return Action.parse(action_text).kind.value
+
+
+def span_costs(steps_spans: list[list[tuple]], p: int) -> list[dict[str, float]]:
+    """Per stage, the median duration (s) of each compute kind over all given steps' spans.
+
+    `steps_spans`: for each measured step, its spans (stage, host, action, start, end).
+    Only host 0 of each stage counts (all hosts of a stage run the same actions).
+    """
+    per: list[dict[str, list[float]]] = [{} for _ in range(p)]
+    for spans in steps_spans:
+        for stage, host, text, start, end in spans:
+            kind = kind_of(text)
+            if host == 0 and kind in COMPUTE_KINDS:
+                per[stage].setdefault(kind, []).append(end - start)
+    return [{k: median(v) for k, v in d.items()} for d in per]
+
+
+def span_totals(steps_spans: list[list[tuple]], p: int) -> list[dict[str, float]]:
+    """Per stage, the median over steps of the summed span time of each kind (s per step)."""
+    per: list[dict[str, list[float]]] = [{} for _ in range(p)]
+    for spans in steps_spans:
+        sums: list[dict[str, float]] = [{} for _ in range(p)]
+        for stage, host, text, start, end in spans:
+            if host == 0:
+                k = kind_of(text)
+                sums[stage][k] = sums[stage].get(k, 0.0) + (end - start)
+        for s in range(p):
+            for k, v in sums[s].items():
+                per[s].setdefault(k, []).append(v)
+    return [{k: median(v) for k, v in d.items()} for d in per]
+
+
+# ----------------------------------------------------------------------------- simulation
+
+def sim_costs(costs: list[dict[str, float]], opt: bool = True) -> list[dict[str, float]]:
+    """Measured per-stage costs in the form `simulate` accepts (F, and B or I+W; OPT optional)."""
+    out = []
+    for c in costs:
+        d = {k: v for k, v in c.items() if k in ("F", "B", "I", "W")}
+        if "B" not in d and not ("I" in d and "W" in d):
+            d["B"] = 0.0
+        d.setdefault("F", 0.0)
+        if opt:
+            d["OPT"] = c.get("OPT", 0.0)
+        out.append(d)
+    return out
+
+
+def compute_actions_per_stage(lowered) -> int:
+    """The most compute actions (F, B, I, W, OPT) any one stage runs in a step."""
+    return max(sum(1 for a in row if a is not None and a.kind.value in COMPUTE_KINDS)
+               for row in lowered.actions)
+
+
+def critical_path_actions(sim, lowered) -> int:
+    """Compute actions on the simulated critical path (walk back from the last action to finish).
+
+    From an action, the path goes to the previous action of the same stage,
+    except at a RECV that waited: there it jumps to the matching SEND.
+    """
+    from orchestrator.schedule.ir import RECVS, comm_peer
+
+    rows: list[list] = [[] for _ in range(lowered.p)]
+    where = {}
+    for a, start, end in sim.spans:
+        where[a] = (a.stage, len(rows[a.stage]))
+        rows[a.stage].append((a, start, end))
+    stage = max(range(lowered.p), key=lambda s: rows[s][-1][2] if rows[s] else 0)
+    i, count = len(rows[stage]) - 1, 0
+    while i >= 0:
+        a, start, end = rows[stage][i]
+        if a.kind.value in COMPUTE_KINDS:
+            count += 1
+        if a.kind in RECVS and end > start:
+            stage, i = where[comm_peer(a, lowered.p, lowered.v)]
+        else:
+            i -= 1
+    return count
+
+
+# ----------------------------------------------------------------------------- machine, output
+
+def machine_info() -> dict:
+    mem_gib = float("nan")
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                mem_gib = int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+
+    def version(mod: str) -> str:
+        from importlib import metadata
+
+        try:
+            return metadata.version(mod)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    return {"when": time.strftime("%Y-%m-%d %H:%M"), "nproc": os.cpu_count(),
+            "affinity": len(os.sched_getaffinity(0)), "mem_gib": round(mem_gib, 1), "cpu": cpu,
+            "python": platform.python_version(), "jax": version("jax"), "jaxlib": version("jaxlib"),
+            "ray": version("ray"), "optax": version("optax"), "torch": version("torch"),
+            "load_start": os.getloadavg()}
+
+
+def md_table(headers: Sequence[str], rows: Iterable[Sequence], align: str | None = None) -> str:
+    """A markdown table; `align` is one char per column ('l' or 'r'; default: first left, rest right)."""
+    align = align or "l" + "r" * (len(headers) - 1)
+    lines = ["| " + " | ".join(headers) + " |",
+             "|" + "|".join(":---" if a == "l" else "---:" for a in align) + "|"]
+    for r in rows:
+        lines.append("| " + " | ".join(str(c) for c in r) + " |")
+    return "\n".join(lines)
+
+
+def fmt(x, digits: int = 2, unit: str = "") -> str:
+    if x is None or (isinstance(x, float) and x != x):
+        return "–"
+    return f"{x:.{digits}f}{unit}"
+
+
+def run_child(args: list[str], timeout: float, cpus: Sequence[int] | None = None) -> dict:
+    """Run `python -m <args>` from the repo root; its last stdout line is JSON, returned parsed.
+
+    `cpus` pins the child (sched_setaffinity before exec, so before jax or torch
+    start their thread pools). Raises RuntimeError with the child's stderr tail
+    on failure, subprocess.TimeoutExpired at the deadline (the child is killed).
+    """
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    env.pop("XLA_FLAGS", None)
+    pre = (lambda: os.sched_setaffinity(0, set(cpus))) if cpus else None
+    proc = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout, preexec_fn=pre)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
+    if proc.returncode != 0 or not lines:
+        tail = "\n".join(proc.stderr.strip().splitlines()[-8:])
+        raise RuntimeError(f"`python -m {' '.join(args)}` exited {proc.returncode}: {tail}")
+    return json.loads(lines[-1])
+
+
+def to_jsonable(x):
+    if hasattr(x, "__dataclass_fields__"):
+        return asdict(x)
+    if isinstance(x, float) and x != x:
+        return None
+    if isinstance(x, dict):
+        return {str(k): to_jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [to_jsonable(v) for v in x]
+    return x

@@ -1,0 +1,266 @@
+"""meshpipe's side of the pipeline benchmark: pipelined runs on Ray, the plain-JAX baseline, memory.
+
+Pipelined runs (`measure_pipeline`): one job per (size, schedule, m) — the GPT
+of `benchmarks.common.SIZES`, 2 stages, each 1 host × 1 simulated device,
+mesh {data: 1} — run by `orchestrator.executor.PipelineExecutor` in the
+driver's Ray session, shut down in `finally`. By default each stage actor is
+pinned to its own core (`WorkerConfig.pin_cpus`, stage s → core s mod nproc;
+set by a benchmark subclass of the executor, which does not set it itself), so
+the two stages never share a core and each XLA sees one thread. The first
+`warmup` steps (compile) are dropped; the rest give:
+  step_s     median driver wall time between step completions (`StepResult.wall_s`;
+             the executor queues the next step before collecting, so this is
+             the pipeline's throughput period);
+  costs      per stage, median duration of each compute kind (F, B, I, W, OPT)
+             over all measured spans;
+  ideal_s    `simulate(lowered, costs)` step time, transfers free;
+  totals     per stage, median per-step summed span time of each kind.
+
+Plain JAX (`plain_jax`, run in a child process with a given CPU affinity so
+XLA sizes its thread pool for those cores): the whole model, the same global
+batch and microbatch size, gradient accumulation over the m microbatches with
+`lax.scan` of `value_and_grad` plus the optax (adam) update in ONE jit, on
+2 cores (and on 1 core for the split-compilation comparison). Also timed: one
+fused forward+backward of one microbatch (jit of value_and_grad), and the
+update alone.
+
+Memory (`residual_bytes`): per stage, the bytes of the residuals its jitted
+forward keeps per microbatch until the backward (`jax.eval_shape` of
+`StageProgram.fwd`; parameters are not among them by construction) plus the
+stage's output activation; × the simulator's peak in-flight microbatches.
+
+Run a child by hand: `python -m benchmarks.pipeline plain-jax small 8 6`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import time
+
+from benchmarks.common import (
+    LEARNING_RATE, SIZES, Size, compute_actions_per_stage, critical_path_actions, median, sim_costs,
+    span_costs, span_totals, spread,
+)
+
+TIMEOUTS = {"init_s": 180.0, "step_s": 180.0, "shutdown_s": 30.0, "jax_distributed_init_s": 30.0}
+
+
+def job_dict(size: Size, schedule: str, m: int, steps: int, name: str) -> dict:
+    cut, n = size.cut(), size.num_layers()
+    v = 2 if schedule == "interleaved-1f1b" else 1
+    if v == 1:
+        stages = [{"layers": [0, cut], "mesh": {"data": 1}}, {"layers": [cut, n], "mesh": {"data": 1}}]
+    else:   # chunks: stage 0 holds virtual stages 0 and 2, stage 1 holds 1 and 3
+        q = [0, 2, cut, cut + (n - cut) // 2, n]
+        stages = [{"layers": [[q[0], q[1]], [q[2], q[3]]], "mesh": {"data": 1}},
+                  {"layers": [[q[1], q[2]], [q[3], q[4]]], "mesh": {"data": 1}}]
+    return {
+        "run": {"name": name, "steps": steps, "seed": 0, "output_dir": "/tmp/meshpipe-bench"},
+        "model": {"name": "gpt", "args": size.model_args()},
+        "data": {"source": "synthetic", "global_batch": size.mbs * m, "seq_len": size.seq},
+        "optimizer": {"name": "adam", "args": {"learning_rate": LEARNING_RATE}},
+        "pipeline": {"schedule": schedule, "microbatches": m, "virtual_stages": v, "stages": stages},
+        "layout": {"batch": "data"},
+    }
+
+
+CLUSTER = {"address": None, "platform": "cpu", "hosts": 2, "devices_per_host": 1, "cpus_per_host": 1.0,
+           "timeouts": TIMEOUTS}
+
+
+def checked_job(size: Size, schedule: str, m: int, steps: int):
+    from orchestrator.config import check_job, parse_cluster, parse_job
+
+    name = f"bench-{size.name}-{schedule}-m{m}"
+    return check_job(parse_job(job_dict(size, schedule, m, steps, name)), parse_cluster(CLUSTER))
+
+
+def _executor_class(pin: bool):
+    from orchestrator.executor import PipelineExecutor
+
+    class BenchExecutor(PipelineExecutor):
+        """Pins stage s to core s mod nproc when the executor has not pinned it itself."""
+
+        def worker_config(self, stage, host):
+            cfg = super().worker_config(stage, host)
+            if pin and getattr(cfg, "pin_cpus", None) is None and hasattr(cfg, "pin_cpus"):
+                cfg = dataclasses.replace(cfg, pin_cpus=(stage.index % (os.cpu_count() or 1),))
+            return cfg
+
+    return BenchExecutor
+
+
+def measure_pipeline(size: Size, schedule: str, m: int, *, steps: int, warmup: int, pin: bool = True) -> dict:
+    """One pipelined run in the connected Ray session; a dict of raw measurements (see module doc)."""
+    from orchestrator.plan import make_plan
+    from orchestrator.schedule import simulate
+    from stages.data import make_source
+
+    rec: dict = {"size": size.name, "schedule": schedule, "m": m, "p": 2, "pinned": pin}
+    try:
+        checked = checked_job(size, schedule, m, warmup + steps)
+        plan = make_plan(checked)
+    except Exception as e:  # noqa: BLE001 - an unsupported configuration is a result, not a crash
+        return {**rec, "status": f"unsupported (config): {_first_line(e)}"}
+    source = make_source(checked.model, "synthetic", checked.job.data.global_batch, 0)
+    ex = _executor_class(pin)(checked, plan.schedule, source, f"bench-{size.name}-{schedule}-m{m}")
+    walls, spans, losses = [], [], []
+    t0 = time.perf_counter()
+    try:
+        ex.start()
+        rec["startup_s"] = time.perf_counter() - t0
+        for r in ex.steps(warmup + steps):
+            if r.step >= warmup:
+                walls.append(r.wall_s)
+                spans.append(r.spans)
+            losses.append(r.loss)
+    except Exception as e:  # noqa: BLE001
+        return {**rec, "status": f"unsupported (runtime): {_first_line(e)}"}
+    finally:
+        ex.shutdown()
+    p = plan.schedule.p
+    costs = span_costs(spans, p)
+    sim = simulate(plan.schedule, sim_costs(costs))
+    sim0 = simulate(plan.schedule, sim_costs(costs, opt=False))
+    totals = span_totals(spans, p)
+    step = median(walls)
+    return {
+        **rec, "status": "ok", "steps": len(walls), "step_s": step, "step_spread": spread(walls),
+        "walls_s": walls, "costs": costs, "totals": totals,
+        "ideal_s": sim.step_time, "ideal_no_opt_s": sim0.step_time,
+        "busy_s": [sum(t.get(k, 0.0) for k in ("F", "B", "I", "W")) for t in totals],
+        "efficiency": sim.step_time / step,
+        "compute_actions_per_stage": compute_actions_per_stage(plan.schedule),
+        "critical_path_actions": critical_path_actions(sim, plan.schedule),
+        "peak_inflight": list(sim.peak_inflight),
+        "losses": losses,
+        "example_spans": [list(s) for s in spans[len(spans) // 2]] if spans else [],
+        "ideal_spans": [(a.stage, str(a), start, end) for a, start, end in sim.spans],
+    }
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
+
+
+# ----------------------------------------------------------------------------- plain JAX (child process)
+
+def plain_jax(size: Size, m: int, steps: int) -> dict:
+    """The plain single-process step (one jit: scan of value_and_grad over m microbatches + adam)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    from stages.data import make_source, microbatch
+    from stages.models import build_spec
+    from stages.models.base import init_layer, layer_key, load_impl
+
+    spec = build_spec("gpt", size.model_args(), size.seq)
+    impl = load_impl(spec)
+    params = [jax.jit(lambda k, layer=layer: init_layer(layer, k))(layer_key(0, i))
+              for i, layer in enumerate(spec.layers)]
+    tx = optax.adam(LEARNING_RATE)
+    opt_state = tx.init(params)
+
+    def loss_fn(p, x, y):
+        for layer, lp in zip(spec.layers, p):
+            x = impl.apply(layer, lp, x)
+        return impl.loss(x, y)
+
+    grad_fn = jax.value_and_grad(loss_fn)
+
+    def train_step(p, s, xs, ys):
+        def body(acc, xy):
+            loss, g = grad_fn(p, *xy)
+            return jax.tree.map(jnp.add, acc, g), loss
+        zero = jax.tree.map(jnp.zeros_like, p)
+        g, losses = jax.lax.scan(body, zero, (xs, ys))
+        g = jax.tree.map(lambda t: t / m, g)
+        updates, s = tx.update(g, s, p)
+        return optax.apply_updates(p, updates), s, jnp.mean(losses)
+
+    def update(p, s, g):
+        updates, s = tx.update(g, s, p)
+        return optax.apply_updates(p, updates), s
+
+    step_jit = jax.jit(train_step, donate_argnums=(0, 1))
+    mb_jit = jax.jit(grad_fn)
+    upd_jit = jax.jit(update, donate_argnums=(0, 1))
+    source = make_source(spec, "synthetic", size.mbs * m, 0)
+
+    def batch(i):
+        x, y = source.batch(i)
+        return (jnp.asarray(x.reshape(m, size.mbs, *x.shape[1:])), jnp.asarray(y.reshape(m, size.mbs, *y.shape[1:])))
+
+    step_times, losses = [], []
+    warm = 2
+    for i in range(warm + steps):
+        xs, ys = batch(i)
+        t = time.perf_counter()
+        params, opt_state, loss = step_jit(params, opt_state, xs, ys)
+        jax.block_until_ready(params)
+        if i >= warm:
+            step_times.append(time.perf_counter() - t)
+        losses.append(float(loss))
+    x0, y0 = source.batch(0)
+    x1, y1 = jnp.asarray(microbatch(x0, 0, m)), jnp.asarray(microbatch(y0, 0, m))
+    mb_times = []
+    for i in range(warm + max(steps, 5)):
+        t = time.perf_counter()
+        out = mb_jit(params, x1, y1)
+        jax.block_until_ready(out)
+        if i >= warm:
+            mb_times.append(time.perf_counter() - t)
+    g = out[1]
+    upd_times = []
+    for i in range(warm + max(steps, 5)):
+        t = time.perf_counter()
+        params, opt_state = upd_jit(params, opt_state, g)
+        jax.block_until_ready(params)
+        if i >= warm:
+            upd_times.append(time.perf_counter() - t)
+    return {"size": size.name, "m": m, "cores": len(os.sched_getaffinity(0)), "step_s": median(step_times),
+            "step_spread": spread(step_times), "fused_mb_s": median(mb_times), "update_s": median(upd_times),
+            "losses": losses}
+
+
+# ----------------------------------------------------------------------------- memory (driver, shapes only)
+
+def residual_bytes(size: Size) -> list[dict]:
+    """Per stage of the 2-stage cut: bytes kept per in-flight microbatch (residuals, output activation)."""
+    import jax
+    import jax.numpy as jnp
+
+    from stages.models import build_spec
+    from stages.models.base import load_impl
+    from stages.program import StageProgram, make_optimizer
+
+    spec = build_spec("gpt", size.model_args(), size.seq)
+    out = []
+    for start, stop in ((0, size.cut()), (size.cut(), size.num_layers())):
+        prog = StageProgram(spec, load_impl(spec), start, stop, microbatches=1,
+                            optimizer=make_optimizer("adam", {"learning_rate": LEARNING_RATE}))
+        params = jax.eval_shape(lambda: prog.init_params(0))
+        x = (jax.ShapeDtypeStruct((size.mbs, size.seq), jnp.int32) if start == 0
+             else jax.ShapeDtypeStruct((size.mbs, size.seq, size.d_model), jnp.float32))
+        labels = jax.ShapeDtypeStruct((size.mbs, size.seq), jnp.int32) if prog.last else None
+        y, res = jax.eval_shape(prog.fwd, params, x, labels)
+        nbytes = lambda t: sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(t))  # noqa: E731
+        out.append({"layers": [start, stop], "residual_bytes": nbytes(res), "output_bytes": nbytes(y),
+                    "param_bytes": nbytes(params), "residual_leaves": len(jax.tree.leaves(res))})
+    return out
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) == 4 and argv[0] == "plain-jax":
+        print(json.dumps(plain_jax(SIZES[argv[1]], int(argv[2]), int(argv[3]))))
+        return
+    raise SystemExit("usage: python -m benchmarks.pipeline plain-jax SIZE M STEPS")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,644 @@
+"""Pipeline benchmark: meshpipe's schedules beside their own ideal, plain JAX and torch.distributed.pipelining.
+
+Run:  python -m benchmarks.run [--quick] [--only SECTION[,SECTION]] [--no-pin]
+Writes benchmarks/results/pipeline.{md,json} and pipeline_*.png (--quick:
+pipeline.quick.* — a validation run never overwrites a full one) and prints
+the markdown. With --only, the other sections are kept from the existing
+JSON of the same mode, so one section can be re-measured alone.
+
+Sections (all in one run, on one machine, so the RATIOS are comparable):
+  pipeline  meshpipe, GPT `small` and `large` (benchmarks/common.py), 2 stages
+            × 1 host × 1 device, every schedule, m ∈ {4, 8}
+  overhead  meshpipe, GPT `tiny` (actions ≈ free), m = 8, every runnable schedule
+  jax       plain JAX baselines (child processes: 2 cores, and 1 core for the
+            split-compilation comparison)
+  torch     torch.distributed.pipelining (1F1B, GPipe) on the same shapes, and
+            plain torch; skipped with a note when torch is not installed
+  memory    predicted peak activation memory per stage (shapes only)
+Derived tables (efficiency, overhead, breakdown, ratios) are computed from
+whichever sections are present; the definitions are written into the markdown
+(`DEFINITIONS`). Every Ray run shuts its actors down (`PipelineExecutor.shutdown`
+in `finally`), the Ray session is shut down at the end, every remote wait has
+a deadline, every child process has a timeout.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+from benchmarks import common
+from benchmarks.common import RESULTS, SCHEDULES, SIZES, fmt, md_table, median, run_child, sim_costs
+
+SECTIONS = ("pipeline", "overhead", "jax", "torch", "memory")
+P = 2
+
+MODES = {
+    "full": {"sizes": ["small", "large"], "ms": [4, 8], "schedules": list(SCHEDULES), "steps": 10, "warmup": 3,
+             "overhead": {"size": "tiny", "m": 8, "schedules": ["gpipe", "1f1b", "eager-1f1b", "zb-h1"],
+                          "steps": 30},
+             "torch_schedules": ["1f1b", "gpipe"], "jax_steps": 8},
+    "quick": {"sizes": ["small"], "ms": [4], "schedules": list(SCHEDULES), "steps": 4, "warmup": 2,
+              "overhead": {"size": "tiny", "m": 4, "schedules": ["1f1b"], "steps": 10},
+              "torch_schedules": ["1f1b", "gpipe"], "jax_steps": 4},
+}
+
+DEFINITIONS = """\
+All times are medians; a run's first `warmup` steps (compilation) are dropped. p = 2 stages.
+
+- **step** — meshpipe: driver wall time between consecutive step completions (the executor keeps one
+  more step queued on the actors, so this is the throughput period); torch: time between consecutive
+  step ends (pipeline `step()` + adam) on rank 0; plain: one jitted / eager step.
+- **action costs** — meshpipe: per stage and kind (F, B, I, W, OPT), the median span duration over all
+  measured steps (spans come from the actors: `StepResult.spans`); torch: the median in-pipeline time of
+  the stage's `forward_one_chunk` (+ the loss on the last stage) = F, `backward_one_chunk` = B and adam
+  `step()` = OPT (timing wrappers on the stage instance; a standalone timing is reported as a check).
+- **ideal** — `orchestrator.schedule.simulate` of the lowered schedule with those costs, OPT included,
+  transfers free: the step a runtime with zero orchestration and transfer cost would take.
+- **efficiency** = ideal ÷ step (1.0 = the runtime adds nothing to the schedule's own bubble).
+- **overhead per action** = (step − ideal) ÷ N, N = compute actions (F, B, I, W, OPT) in one stage's
+  list per step (2m + 1 for gpipe / 1f1b, 3m + 1 for zb-h1); **per critical-path action**: the same
+  excess ÷ the compute actions on the simulated critical path (2m + 3 for 1f1b at p = 2).
+- **bound** = m ÷ (m + p − 1): the throughput fraction of a perfect 1F1B / GPipe pipeline relative to
+  one process using all p cores, if that process scaled perfectly. **vs plain** = plain step ÷ pipeline
+  step with the same model, global batch and microbatches (a throughput ratio); **of bound** = vs plain ÷
+  bound.
+- **loss breakdown** of one pipelined step T (shares of T, summing to 1): *useful* = m × f₁ ÷ p, f₁ = plain
+  JAX fused forward+backward of one microbatch on ONE core; *split penalty* = m × (Σₛ(Fₛ + Bₛ) − f₁) ÷ p,
+  the cost of compiling forward and backward separately per stage instead of one fused program
+  (zb-h1: Bₛ = Iₛ + Wₛ); *imbalance* = busiest stage's compute − mean stage compute; *bubble* =
+  ideal without OPT − busiest stage's compute; *optimizer* = ideal − ideal without OPT; *transfers* = mean
+  over stages of (SEND + RECV span time − the stage's idle time in the ideal schedule), clipped to
+  [0, T − ideal] — RECV spans include waiting caused by the peer's own delays, so this is an upper bound
+  on transfer cost; *orchestration* = T − ideal − transfers (Python between actions, Ray calls, step
+  boundaries; a lower bound).
+- **peak activation memory** (predicted) = simulator's peak in-flight microbatches per stage × residual
+  bytes per microbatch (outputs of the stage's jitted forward that the backward needs, parameters
+  excluded, via `jax.eval_shape` of `StageProgram.fwd`).
+"""
+
+
+# ----------------------------------------------------------------------------- measuring
+
+def _ray_session():
+    import ray
+
+    if not ray.is_initialized():
+        # more logical CPUs than cores: the 2 stage bundles take 1 each, the driver needs none
+        ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level=logging.WARNING,
+                 namespace="meshpipe-bench")
+        return True
+    return False
+
+
+def measure_pipeline(cfg: dict, pin: bool, echo) -> list[dict]:
+    from benchmarks.pipeline import measure_pipeline as one
+
+    out = []
+    for size in cfg["sizes"]:
+        for m in cfg["ms"]:
+            for sched in cfg["schedules"]:
+                t = time.perf_counter()
+                rec = one(SIZES[size], sched, m, steps=cfg["steps"], warmup=cfg["warmup"], pin=pin)
+                echo(_progress(rec, time.perf_counter() - t))
+                out.append(rec)
+    return out
+
+
+def measure_overhead(cfg: dict, pin: bool, echo) -> list[dict]:
+    from benchmarks.pipeline import measure_pipeline as one
+
+    oc, out = cfg["overhead"], []
+    for sched in oc["schedules"]:
+        t = time.perf_counter()
+        rec = one(SIZES[oc["size"]], sched, oc["m"], steps=oc["steps"], warmup=cfg["warmup"], pin=pin)
+        echo(_progress(rec, time.perf_counter() - t))
+        out.append(rec)
+    return out
+
+
+def _progress(rec: dict, took: float) -> str:
+    head = f"  {rec['size']:>5} {rec['schedule']:<16} m={rec['m']}"
+    if rec.get("status") != "ok":
+        return f"{head}  {rec.get('status')}  ({took:.0f} s)"
+    return (f"{head}  step {rec['step_s'] * 1e3:7.1f} ms  ideal {rec['ideal_s'] * 1e3:7.1f} ms  "
+            f"eff {rec['efficiency']:.2f}  ({took:.0f} s)")
+
+
+def measure_jax(cfg: dict, echo) -> list[dict]:
+    out = []
+    ncpu = os.cpu_count() or 1
+    for size in cfg["sizes"]:
+        for m in cfg["ms"]:
+            rec = _child(["benchmarks.pipeline", "plain-jax", size, str(m), str(cfg["jax_steps"])],
+                         list(range(ncpu)), echo)
+            out.append({**rec, "size": size, "m": m})
+        # one core: the fused forward+backward per microbatch for the split-compilation comparison
+        m = min(cfg["ms"])
+        rec = _child(["benchmarks.pipeline", "plain-jax", size, str(m), str(cfg["jax_steps"])], [0], echo)
+        out.append({**rec, "size": size, "m": m})
+    return out
+
+
+def _child(args: list[str], cpus: list[int], echo, timeout: float = 600) -> dict:
+    t = time.perf_counter()
+    try:
+        rec = run_child(args, timeout, cpus)
+        rec["status"] = "ok"
+    except Exception as e:  # noqa: BLE001 - a failed baseline is reported, not fatal
+        rec = {"status": f"failed: {str(e).strip().splitlines()[-1][:300] if str(e).strip() else e!r}"}
+    rec["cores"] = len(cpus)
+    echo(f"  {' '.join(args[1:]):<32} on {len(cpus)} core(s): "
+         + (f"step {rec['step_s'] * 1e3:.1f} ms" if rec["status"] == "ok" else rec["status"])
+         + f"  ({time.perf_counter() - t:.0f} s)")
+    return rec
+
+
+def measure_torch(cfg: dict, echo) -> dict:
+    from benchmarks import torch_pipe
+
+    if not torch_pipe.available():
+        return {"status": "skipped: torch is not installed (optional: .venv/bin/pip install torch==2.13.0)"}
+    scheds = ",".join(cfg["torch_schedules"])
+    pipe, plain = [], []
+    ncpu = os.cpu_count() or 1
+    runs = [(size, cfg["ms"]) for size in cfg["sizes"]] + [(cfg["overhead"]["size"], [cfg["overhead"]["m"]])]
+    for size, ms in runs:
+        t = time.perf_counter()
+        try:
+            recs = run_child(["benchmarks.torch_pipe", "pipe", size, ",".join(map(str, ms)), scheds,
+                              str(cfg["steps"] if size != "tiny" else cfg["overhead"]["steps"]),
+                              str(cfg["warmup"])], timeout=600)
+            for r in recs:
+                r["status"] = "ok"
+                echo(f"  torch {size:>5} {r['schedule']:<6} m={r['m']}  step {r['step_s'] * 1e3:7.1f} ms")
+            pipe += recs
+        except Exception as e:  # noqa: BLE001
+            echo(f"  torch {size} failed: {e}")
+            pipe.append({"size": size, "status": f"failed: {str(e)[-300:]}"})
+        echo(f"  ({time.perf_counter() - t:.0f} s)")
+        if size == "tiny":
+            continue
+        for m in ms:
+            rec = _child(["benchmarks.torch_pipe", "plain", size, str(m), str(cfg["jax_steps"])],
+                         list(range(ncpu)), echo)
+            plain.append({**rec, "size": size, "m": m})
+    return {"status": "ok", "pipe": pipe, "plain": plain}
+
+
+def measure_memory(cfg: dict) -> list[dict]:
+    from benchmarks.pipeline import residual_bytes
+    from orchestrator.schedule import generate, lower, simulate
+
+    out = []
+    for size in cfg["sizes"]:
+        stages = residual_bytes(SIZES[size])
+        for m in cfg["ms"]:
+            for sched in ("gpipe", "1f1b", "eager-1f1b", "zb-h1"):
+                low = lower(generate(sched, P, m))
+                peak = simulate(low, {"F": 1, "B": 2}).peak_inflight
+                for s, st in enumerate(stages):
+                    out.append({"size": size, "m": m, "schedule": sched, "stage": s, "peak_inflight": peak[s],
+                                **st, "peak_activation_bytes": peak[s] * st["residual_bytes"]})
+    return out
+
+
+# ----------------------------------------------------------------------------- deriving
+
+def _jax(raw: dict, size: str, m: int | None, cores: int) -> dict | None:
+    for r in raw.get("jax", {}).get("records", []):
+        if r.get("status") == "ok" and r["size"] == size and r["cores"] == cores and (m is None or r["m"] == m):
+            return r
+    return None
+
+
+def _fb(c: dict) -> float:
+    return c.get("F", 0.0) + (c["B"] if "B" in c else c.get("I", 0.0) + c.get("W", 0.0))
+
+
+def derive_meshpipe(rec: dict, raw: dict) -> dict:
+    """Efficiency, overhead, ratios and the loss breakdown of one pipelined run."""
+    step, ideal, m = rec["step_s"], rec["ideal_s"], rec["m"]
+    d = {"efficiency": ideal / step, "overhead_ms": (step - ideal) / rec["compute_actions_per_stage"] * 1e3,
+         "overhead_cp_ms": (step - ideal) / rec["critical_path_actions"] * 1e3, "bound": m / (m + P - 1)}
+    plain = _jax(raw, rec["size"], m, os.cpu_count() or 1)
+    if plain:
+        d["vs_plain"] = plain["step_s"] / step
+        d["of_bound"] = d["vs_plain"] / d["bound"]
+    costs = rec["costs"]
+    busy = [m * _fb(c) for c in costs]
+    one = _jax(raw, rec["size"], None, 1)
+    f1 = one["fused_mb_s"] if one else None
+    fb_sum = sum(_fb(c) for c in costs)
+    idle = [ideal - b - c.get("OPT", 0.0) for b, c in zip(busy, costs)]
+    comm = [sum(v for k, v in t.items() if k.startswith(("SEND", "RECV"))) for t in rec["totals"]]
+    excess = sum(c - i for c, i in zip(comm, idle)) / len(comm)
+    transfers = min(max(0.0, excess), max(0.0, step - ideal))
+    parts = {
+        "useful": m * f1 / P if f1 else None,
+        "split": m * (fb_sum - f1) / P if f1 else None,
+        "compute": m * fb_sum / P,
+        "imbalance": max(busy) - sum(busy) / len(busy),
+        "bubble": rec["ideal_no_opt_s"] - max(busy),
+        "optimizer": ideal - rec["ideal_no_opt_s"],
+        "transfers": transfers,
+        "orchestration": step - ideal - transfers,
+    }
+    d["breakdown_s"] = parts
+    d["breakdown_share"] = {k: (v / step if v is not None else None) for k, v in parts.items()}
+    d["fused_mb_1core_s"], d["split_fb_sum_s"] = f1, fb_sum
+    return d
+
+
+def derive_torch(rec: dict, raw: dict) -> dict:
+    from orchestrator.schedule import generate, lower, simulate
+
+    low = lower(generate(rec["schedule"], P, rec["m"]))
+    sim = simulate(low, sim_costs(rec["costs"]))
+    step = rec["step_s"]
+    d = {"ideal_s": sim.step_time, "efficiency": sim.step_time / step,
+         "overhead_ms": (step - sim.step_time) / common.compute_actions_per_stage(low) * 1e3,
+         "overhead_cp_ms": (step - sim.step_time) / common.critical_path_actions(sim, low) * 1e3,
+         "bound": rec["m"] / (rec["m"] + P - 1)}
+    for r in raw.get("torch", {}).get("plain", []):
+        if r.get("status") == "ok" and r["size"] == rec["size"] and r["m"] == rec["m"]:
+            d["vs_plain"] = r["step_s"] / step
+            d["of_bound"] = d["vs_plain"] / d["bound"]
+    return d
+
+
+def derive(raw: dict) -> dict:
+    out: dict = {"pipeline": [], "overhead": [], "torch": []}
+    for sec in ("pipeline", "overhead"):
+        for r in raw.get(sec, {}).get("records", []):
+            if r.get("status") == "ok":
+                out[sec].append({"key": [r["size"], r["schedule"], r["m"]], **derive_meshpipe(r, raw)})
+    for r in raw.get("torch", {}).get("pipe", []):
+        if r.get("status") == "ok":
+            out["torch"].append({"key": [r["size"], r["schedule"], r["m"]], **derive_torch(r, raw)})
+    return out
+
+
+# ----------------------------------------------------------------------------- rendering
+
+def _find(items, size, sched, m):
+    return next((x for x in items if x["key"] == [size, sched, m]), None)
+
+
+def render(raw: dict, der: dict, mode: str, plots: list[str]) -> str:
+    mi = raw["machine"]
+    load = raw.get("load_end")
+    lines = [f"# Pipeline benchmark ({mode})", "",
+             f"{mi['when']}; {mi['cpu']}, nproc {mi['nproc']}, {mi['mem_gib']} GiB; python {mi['python']}, "
+             f"jax {mi['jax']} (jaxlib {mi['jaxlib']}), ray {mi['ray']}, optax {mi['optax']}, torch {mi['torch']}. "
+             f"Load average at start {tuple(round(x, 1) for x in mi['load_start'])}"
+             + (f", at end {tuple(round(x, 1) for x in load)}" if load else "") + ". "
+             f"Stage actors / torch ranks pinned one per core: {raw.get('pinned', True)}.", "",
+             "> Numbers from a shared, loaded machine are noisy (see *spread* = (p90 − p10) ÷ median of the "
+             "step times): compare ratios measured in the same run, and rerun on a quiet machine before quoting "
+             "digits.", "", "Models: " + "; ".join(f"`{n}` = {SIZES[n].describe()}" for n in
+                                                      sorted({r['size'] for sec in ('pipeline', 'overhead')
+                                                              for r in raw.get(sec, {}).get('records', [])}
+                                                             | {"tiny"})) + ". Stage 0 = embed + first half of "
+             "the blocks, stage 1 = the other blocks + head; global batch = m × microbatch.", "",
+             "## Definitions", "", DEFINITIONS]
+    lines += _render_efficiency(raw, der)
+    lines += _render_overhead(raw, der)
+    lines += _render_breakdown(raw, der)
+    lines += _render_plain(raw, der)
+    lines += _render_torch(raw, der)
+    lines += _render_memory(raw)
+    if plots:
+        lines += ["## Plots", ""] + [f"![{Path(p).stem}]({Path(p).name})" for p in plots] + [""]
+    return "\n".join(lines)
+
+
+def _render_efficiency(raw, der) -> list[str]:
+    recs = raw.get("pipeline", {}).get("records", [])
+    if not recs:
+        return []
+    rows = []
+    for r in recs:
+        d = _find(der["pipeline"], r["size"], r["schedule"], r["m"])
+        if r.get("status") != "ok":
+            rows.append([r["size"], r["m"], r["schedule"], "–", "–", "–", "–", "–", r["status"]])
+            continue
+        c = r["costs"]
+        fb = " / ".join(f"{x.get('F', 0) * 1e3:.1f}" for x in c)
+        rows.append([r["size"], r["m"], r["schedule"], fb, fmt(r["step_s"] * 1e3, 1), fmt(r["ideal_s"] * 1e3, 1),
+                     f"**{d['efficiency']:.3f}**", fmt(r["step_spread"]), "ok"])
+    for d, r in _torch_pairs(raw, der):
+        if r["size"] == "tiny":
+            continue
+        fb = " / ".join(f"{x['F'] * 1e3:.1f}" for x in r["costs"])
+        rows.append([r["size"], r["m"], f"torch {r['schedule']}", fb, fmt(r["step_s"] * 1e3, 1),
+                     fmt(d["ideal_s"] * 1e3, 1), f"**{d['efficiency']:.3f}**", fmt(r["step_spread"]), "ok"])
+    rows.sort(key=lambda x: (list(SIZES).index(x[0]), x[1]))
+    return ["## 1. Pipeline efficiency", "",
+            "Target ≥ 0.95 at `large`. F = median forward action per stage (stage 0 / stage 1).", "",
+            md_table(["size", "m", "schedule", "F ms", "step ms", "ideal ms", "efficiency", "spread", "status"],
+                     rows, "lrlrrrrrl"), ""]
+
+
+def _torch_pairs(raw, der):
+    for r in raw.get("torch", {}).get("pipe", []):
+        if r.get("status") == "ok":
+            yield _find(der["torch"], r["size"], r["schedule"], r["m"]), r
+
+
+def _render_overhead(raw, der) -> list[str]:
+    recs = raw.get("overhead", {}).get("records", [])
+    if not recs:
+        return []
+    rows = []
+    for r in recs:
+        if r.get("status") != "ok":
+            rows.append([f"meshpipe {r['schedule']}", r["m"], "–", "–", "–", "–", "–", r["status"]])
+            continue
+        d = _find(der["overhead"], r["size"], r["schedule"], r["m"])
+        rows.append([f"meshpipe {r['schedule']}", r["m"], fmt(r["step_s"] * 1e3), fmt(r["ideal_s"] * 1e3),
+                     r["compute_actions_per_stage"], f"**{d['overhead_ms']:.3f}**", fmt(d["overhead_cp_ms"], 3),
+                     fmt(r["step_spread"])])
+    for d, r in _torch_pairs(raw, der):
+        if r["size"] == "tiny":
+            from orchestrator.schedule import generate, lower
+
+            n = common.compute_actions_per_stage(lower(generate(r["schedule"], P, r["m"])))
+            rows.append([f"torch {r['schedule']}", r["m"], fmt(r["step_s"] * 1e3), fmt(d["ideal_s"] * 1e3), n,
+                         f"**{d['overhead_ms']:.3f}**", fmt(d["overhead_cp_ms"], 3), fmt(r["step_spread"])])
+    return ["## 2. Orchestration overhead per action", "",
+            "GPT `tiny`: every action is ≈ free, so step − ideal is the runtime's own cost. Target ≤ 0.3 ms "
+            "per action.", "",
+            md_table(["runtime", "m", "step ms", "ideal ms", "N", "overhead ms/action", "ms/critical-path action",
+                      "spread"], rows), ""]
+
+
+BREAKDOWN_KEYS = ("useful", "split", "imbalance", "bubble", "optimizer", "transfers", "orchestration")
+
+
+def _render_breakdown(raw, der) -> list[str]:
+    rows = []
+    for d in der["pipeline"]:
+        size, sched, m = d["key"]
+        if sched != "1f1b":
+            continue
+        s = d["breakdown_share"]
+        rows.append([size, m, sched] + [fmt(s[k]) if s.get(k) is not None else "–" for k in BREAKDOWN_KEYS]
+                    + [fmt(d.get("vs_plain"))])
+    if not rows:
+        return []
+    note = ("" if any(d.get("fused_mb_1core_s") for d in der["pipeline"]) else
+            " (*useful* and *split* need the `jax` section's 1-core run; missing here.)")
+    return ["## 3. Where a pipelined step goes (1F1B)", "",
+            "Shares of the measured step T; they sum to 1. *plain JAX* = plain 2-core step ÷ T, for scale." + note,
+            "", md_table(["size", "m", "schedule", "useful", "split penalty", "imbalance", "bubble", "optimizer",
+                          "transfers", "orchestration", "plain JAX"], rows, "lrl" + "r" * 8), ""]
+
+
+def _render_plain(raw, der) -> list[str]:
+    recs = raw.get("jax", {}).get("records", [])
+    if not recs:
+        return []
+    rows = []
+    for d in der["pipeline"]:
+        size, sched, m = d["key"]
+        if "vs_plain" not in d:
+            continue
+        plain = _jax(raw, size, m, os.cpu_count() or 1)
+        rows.append([size, m, sched, fmt(plain["step_s"] * 1e3, 1),
+                     fmt(next(r for r in raw["pipeline"]["records"] if [r["size"], r["schedule"], r["m"]] == d["key"])
+                         ["step_s"] * 1e3, 1), f"**{d['vs_plain']:.3f}**", fmt(d["bound"], 3),
+                     f"**{d['of_bound']:.3f}**"])
+    base = []
+    for r in recs:
+        if r.get("status") == "ok":
+            base.append([r["size"], r["m"], r["cores"], fmt(r["step_s"] * 1e3, 1), fmt(r["fused_mb_s"] * 1e3, 2),
+                         fmt(r["update_s"] * 1e3, 2), fmt(r["step_spread"])])
+        else:
+            base.append([r.get("size"), r.get("m"), r.get("cores"), r["status"], "", "", ""])
+    out = ["## 4. meshpipe vs plain JAX", "",
+           "Plain JAX: the whole model, same global batch and microbatches, `lax.scan` of `value_and_grad` + "
+           "adam in ONE jit, in a child process whose CPU affinity is the given cores (XLA sizes its thread "
+           "pool from it). Target: of bound ≥ 0.9 at `large`, m = 8.", ""]
+    if rows:
+        out += [md_table(["size", "m", "schedule", "plain ms", "pipeline ms", "vs plain", "bound", "of bound"], rows,
+                         "lrlrrrrr"), ""]
+    out += ["Baselines (step = whole jitted step; fused mb = one microbatch's jitted forward+backward; update = adam "
+            "alone):", "", md_table(["size", "m", "cores", "step ms", "fused mb ms", "update ms", "spread"], base), ""]
+    return out
+
+
+def _render_torch(raw, der) -> list[str]:
+    t = raw.get("torch")
+    if not t:
+        return []
+    if t.get("status") != "ok":
+        return ["## 5. vs torch.distributed.pipelining", "", f"Skipped: {t['status']}", ""]
+    rows = []
+    for d, r in _torch_pairs(raw, der):
+        if r["size"] == "tiny":
+            continue
+        mp = _find(der["pipeline"], r["size"], r["schedule"], r["m"])
+        rec = next((x for x in raw.get("pipeline", {}).get("records", []) if x.get("status") == "ok"
+                    and [x["size"], x["schedule"], x["m"]] == [r["size"], r["schedule"], r["m"]]), None)
+        rows.append([r["size"], r["m"], r["schedule"], fmt(mp["efficiency"], 3) if mp else "–",
+                     fmt(d["efficiency"], 3), fmt(mp["overhead_cp_ms"], 3) if mp else "–",
+                     fmt(d["overhead_cp_ms"], 3), fmt(mp.get("of_bound") if mp else None, 3),
+                     fmt(d.get("of_bound"), 3),
+                     fmt(r["step_s"] / rec["step_s"], 2) if rec else "–",
+                     " / ".join(f"{c['F'] * 1e3:.1f}÷{a['F'] * 1e3:.1f}, {c['B'] * 1e3:.1f}÷{a['B'] * 1e3:.1f}"
+                                for c, a in zip(r["costs"], r["standalone"]))])
+    failed = [r for r in t["pipe"] if r.get("status") != "ok"]
+    out = ["## 5. vs torch.distributed.pipelining", "",
+           "torch 2 ranks (gloo, 1 thread each, pinned one per core), same GPT shapes (same FLOPs, not the same "
+           "parameters). *of bound* uses each framework's own plain baseline (plain torch: 2 threads, Python "
+           "microbatch loop + adam). *torch ÷ meshpipe step* > 1 means meshpipe is faster in absolute terms "
+           "(kernels differ: XLA vs ATen). *in-run÷standalone F, B*: torch's in-pipeline F and B (used for its "
+           "ideal) vs the same timed standalone, per rank (stage 0 / stage 1), ms.", ""]
+    if rows:
+        out += [md_table(["size", "m", "schedule", "meshpipe eff", "torch eff", "meshpipe ms/cp action",
+                          "torch ms/cp action", "meshpipe of bound", "torch of bound", "torch ÷ meshpipe step",
+                          "in-run÷standalone F, B"], rows, "lrl" + "r" * 8), ""]
+    plain = [[r["size"], r["m"], r.get("threads", "–"), fmt(r.get("step_s", float("nan")) * 1e3, 1),
+              fmt(r.get("step_spread"))] for r in t["plain"] if r.get("status") == "ok"]
+    if plain:
+        out += ["Plain torch:", "", md_table(["size", "m", "threads", "step ms", "spread"], plain), ""]
+    out += [f"torch run failed: {r['status']}" for r in failed]
+    return out
+
+
+def _render_memory(raw) -> list[str]:
+    recs = raw.get("memory", {}).get("records", [])
+    if not recs:
+        return []
+    rows = []
+    for r in recs:
+        rows.append([r["size"], r["m"], r["schedule"], r["stage"], r["peak_inflight"],
+                     fmt(r["residual_bytes"] / 2**20, 2), fmt(r["peak_activation_bytes"] / 2**20, 1),
+                     fmt(r["param_bytes"] / 2**20, 1)])
+    return ["## 6. Peak activation memory per stage (predicted)", "",
+            "Not measured on the actors (needs a worker hook, see the notes); predicted = peak in-flight "
+            "microbatches (simulator) × residual bytes per microbatch. zb-h1 also keeps each microbatch's "
+            "output gradient between I and W (not counted).", "",
+            md_table(["size", "m", "schedule", "stage", "peak in-flight", "residual MiB/mb", "peak MiB",
+                      "params MiB"], rows, "lrlrrrrr"), ""]
+
+
+# ----------------------------------------------------------------------------- plots
+
+def make_plots(raw: dict, der: dict, suffix: str) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    files = []
+    if der["pipeline"] or der["torch"]:
+        groups = sorted({(d["key"][0], d["key"][2]) for d in der["pipeline"] + der["torch"] if d["key"][0] != "tiny"},
+                        key=lambda g: (list(SIZES).index(g[0]), g[1]))
+        series = [("meshpipe " + s, der["pipeline"], s) for s in SCHEDULES] + \
+                 [("torch " + s, der["torch"], s) for s in ("1f1b", "gpipe")]
+        series = [x for x in series if any(d["key"][1] == x[2] for d in x[1])]
+        fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(groups) * max(1, len(series)) / 3), 4))
+        w = 0.8 / max(1, len(series))
+        for j, (label, items, sched) in enumerate(series):
+            xs, ys = [], []
+            for i, (size, m) in enumerate(groups):
+                d = _find(items, size, sched, m)
+                if d:
+                    xs.append(i + j * w)
+                    ys.append(d["efficiency"])
+            ax.bar(xs, ys, w, label=label, hatch="//" if label.startswith("torch") else None)
+        ax.axhline(0.95, color="k", ls="--", lw=1, label="target 0.95")
+        ax.set_xticks([i + 0.4 - w / 2 for i in range(len(groups))], [f"{s}, m={m}" for s, m in groups])
+        ax.set_ylabel("efficiency = ideal / measured step")
+        ax.set_ylim(0, 1.1)
+        ax.legend(fontsize=7, ncol=2)
+        ax.set_title("Pipeline efficiency (2 stages)")
+        fig.tight_layout()
+        files.append(_save(fig, f"pipeline_efficiency{suffix}.png"))
+    rows = [d for d in der["pipeline"] if d["key"][1] == "1f1b"]
+    if rows:
+        fig, ax = plt.subplots(figsize=(7, 0.6 * len(rows) + 1.6))
+        keys = [k for k in BREAKDOWN_KEYS if any(d["breakdown_share"].get(k) is not None for d in rows)]
+        if "useful" not in keys:
+            keys = ["compute"] + keys
+        left = [0.0] * len(rows)
+        for k in keys:
+            vals = [max(0.0, d["breakdown_share"].get(k) or 0.0) for d in rows]
+            ax.barh(range(len(rows)), vals, left=left, label=k)
+            left = [a + b for a, b in zip(left, vals)]
+        ax.set_yticks(range(len(rows)), [f"{d['key'][0]} m={d['key'][2]}" for d in rows])
+        ax.set_xlabel("share of the measured 1F1B step")
+        ax.legend(fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.25))
+        ax.set_title("Where a pipelined step goes")
+        fig.tight_layout()
+        files.append(_save(fig, f"pipeline_breakdown{suffix}.png"))
+    ok = [r for r in raw.get("pipeline", {}).get("records", []) if r.get("status") == "ok" and r["schedule"] == "1f1b"]
+    if ok:
+        r = max(ok, key=lambda x: (list(SIZES).index(x["size"]), x["m"]))
+        files.append(_timeline(plt, r, f"pipeline_timeline{suffix}.png"))
+    return files
+
+
+COLORS = {"F": "tab:blue", "B": "tab:orange", "I": "tab:orange", "W": "tab:olive", "OPT": "tab:red",
+          "SEND_F": "tab:gray", "SEND_B": "tab:gray", "RECV_F": "lightgray", "RECV_B": "lightgray"}
+
+
+def _timeline(plt, rec: dict, name: str) -> str:
+    spans = rec["example_spans"]
+    t0 = min(s[3] for s in spans)
+    fig, ax = plt.subplots(figsize=(10, 2.6))
+    for stage, _host, text, start, end in spans:
+        k = common.kind_of(text)
+        ax.barh(2 * stage + 1, (end - start) * 1e3, left=(start - t0) * 1e3, color=COLORS.get(k, "k"),
+                edgecolor="white", lw=0.3)
+    for stage, text, start, end in rec["ideal_spans"]:
+        k = common.kind_of(text)
+        if end > start:
+            ax.barh(2 * stage, (end - start) * 1e3, left=start * 1e3, color=COLORS.get(k, "k"),
+                    edgecolor="white", lw=0.3, alpha=0.6)
+    ax.set_yticks(range(4), ["stage 0 ideal", "stage 0 measured", "stage 1 ideal", "stage 1 measured"])
+    ax.invert_yaxis()
+    ax.set_xlabel("ms (blue F, orange B, red OPT, grey send/recv)")
+    ax.set_title(f"One measured step vs the ideal: {rec['size']}, 1F1B, m={rec['m']} "
+                 f"(step {rec['step_s'] * 1e3:.0f} ms, ideal {rec['ideal_s'] * 1e3:.0f} ms)")
+    fig.tight_layout()
+    return _save(fig, name)
+
+
+def _save(fig, name: str) -> str:
+    import matplotlib.pyplot as plt
+
+    path = RESULTS / name
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path)
+
+
+# ----------------------------------------------------------------------------- main
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="small size, m=4, few steps (< 3 min)")
+    ap.add_argument("--only", default="", help=f"comma-separated sections of {','.join(SECTIONS)}")
+    ap.add_argument("--no-pin", action="store_true", help="do not pin stage actors / torch ranks to cores")
+    args = ap.parse_args(argv)
+    mode = "quick" if args.quick else "full"
+    only = [s for s in args.only.split(",") if s] or list(SECTIONS)
+    bad = set(only) - set(SECTIONS)
+    if bad:
+        ap.error(f"--only: unknown section(s) {sorted(bad)}; choose from {', '.join(SECTIONS)}")
+    cfg, pin = MODES[mode], not args.no_pin
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    stem = "pipeline" if mode == "full" else "pipeline.quick"
+    suffix = "" if mode == "full" else ".quick"
+    json_path = RESULTS / f"{stem}.json"
+    raw: dict = {}
+    if args.only and json_path.exists():
+        raw = json.loads(json_path.read_text()).get("raw", {})
+    raw.update({"machine": common.machine_info(), "mode": mode, "pinned": pin, "config": cfg})
+
+    def echo(msg: str) -> None:
+        print(msg, flush=True)
+
+    t0 = time.perf_counter()
+    started = False
+    try:
+        if "pipeline" in only or "overhead" in only:
+            started = _ray_session()
+        for sec in only:
+            echo(f"[{sec}] {time.perf_counter() - t0:.0f} s")
+            when = {"when": time.strftime("%H:%M:%S"), "load": os.getloadavg()}
+            if sec == "pipeline":
+                raw[sec] = {**when, "records": measure_pipeline(cfg, pin, echo)}
+            elif sec == "overhead":
+                raw[sec] = {**when, "records": measure_overhead(cfg, pin, echo)}
+            elif sec == "jax":
+                raw[sec] = {**when, "records": measure_jax(cfg, echo)}
+            elif sec == "torch":
+                raw[sec] = {**when, **measure_torch(cfg, echo)}
+            elif sec == "memory":
+                raw[sec] = {**when, "records": measure_memory(cfg)}
+    finally:
+        if started:
+            import ray
+
+            ray.shutdown()
+    raw["load_end"] = os.getloadavg()
+    raw["elapsed_s"] = time.perf_counter() - t0
+    der = derive(raw)
+    plots = make_plots(raw, der, suffix)
+    md = render(raw, der, mode, plots)
+    (RESULTS / f"{stem}.md").write_text(md + "\n")
+    json_path.write_text(json.dumps(common.to_jsonable({"raw": raw, "derived": der}), indent=1))
+    print(md)
+    echo(f"wrote {RESULTS / (stem + '.md')}, {json_path} and {len(plots)} plot(s) in {raw['elapsed_s']:.0f} s")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

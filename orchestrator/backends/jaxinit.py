@@ -1,0 +1,140 @@
+"""How a stage process joins its submesh's JAX world, as data; and the two places that act on it.
+
+Basic flow:
+  driver   `backend.jax_init(...)` → a `JaxInit` value → serialised into the
+           actor's environment (`MESHPIPE_JAX_INIT`) by `placement.actor_options`;
+           `driver_cpu_only()` keeps any jax the driver imports on the CPU.
+  worker   `initialize(stage_hosts, host, coordinator, timeout_s)` reads the
+           value back and calls `jax.distributed.initialize` accordingly, then
+           checks that jax gave this process the index the plan expects.
+
+Modes:
+  none      one process per submesh: no `jax.distributed` at all.
+  explicit  coordinator address (host 0 of the stage picks a free port),
+            num_processes, process_id[, local_device_ids] — CPU (gloo), GPU
+            (NCCL) and TPU subslices.
+  auto      `jax.distributed.initialize()` without arguments: JAX's cluster
+            auto-detection (on Cloud TPU: worker id, worker list and, across
+            slices, the MEGASCALE_* variables) — whole TPU slices.
+
+Nothing here imports ray or (at module level) jax.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass
+from typing import Optional
+
+__all__ = ["JaxInit", "ENV_KEY", "initialize", "driver_cpu_only"]
+
+ENV_KEY = "MESHPIPE_JAX_INIT"
+_MODES = ("none", "explicit", "auto")
+
+
+@dataclass(frozen=True)
+class JaxInit:
+    """How one stage process initialises jax across the hosts of its submesh.
+
+    Attributes:
+      mode: "none" | "explicit" | "auto" (see the module docstring).
+      num_processes: processes in the submesh's JAX world (the stage's hosts).
+      process_id: this process's index there (= its host index in the stage).
+      local_device_ids: devices this process drives (GPU: 0..n-1 of the GPUs
+        Ray made visible); None lets jax use every visible device.
+
+    Example:
+        >>> JaxInit.from_env(JaxInit("explicit", 2, 1, (0, 1)).to_env())
+        JaxInit(mode='explicit', num_processes=2, process_id=1, local_device_ids=(0, 1))
+    """
+
+    mode: str = "none"
+    num_processes: int = 1
+    process_id: int = 0
+    local_device_ids: Optional[tuple[int, ...]] = None
+
+    def __post_init__(self):
+        if self.mode not in _MODES:
+            raise ValueError(f"JaxInit.mode {self.mode!r} must be one of {_MODES}")
+        if not 0 <= self.process_id < self.num_processes:
+            raise ValueError(f"JaxInit.process_id {self.process_id} is outside [0, {self.num_processes})")
+
+    def to_env(self) -> str:
+        return json.dumps({"mode": self.mode, "num_processes": self.num_processes,
+                           "process_id": self.process_id,
+                           "local_device_ids": list(self.local_device_ids)
+                           if self.local_device_ids is not None else None}, sort_keys=True)
+
+    @staticmethod
+    def from_env(text: str) -> "JaxInit":
+        d = json.loads(text)
+        ids = d.get("local_device_ids")
+        return JaxInit(d["mode"], int(d["num_processes"]), int(d["process_id"]),
+                       tuple(ids) if ids is not None else None)
+
+    def kwargs(self, coordinator: Optional[str], timeout_s: float) -> dict:
+        """Keyword arguments for `jax.distributed.initialize` ({} for mode "none": no call at all)."""
+        if self.mode == "none":
+            return {}
+        kw = {"initialization_timeout": int(timeout_s)}
+        if self.mode == "explicit":
+            if not coordinator:
+                raise ValueError("explicit jax.distributed initialisation needs a coordinator address")
+            kw.update(coordinator_address=coordinator, num_processes=self.num_processes,
+                      process_id=self.process_id)
+            if self.local_device_ids is not None:
+                kw["local_device_ids"] = list(self.local_device_ids)
+        return kw
+
+    def to_dict(self) -> dict:
+        return json.loads(self.to_env())
+
+
+def _spec(stage_hosts: int, host: int) -> JaxInit:
+    text = os.environ.get(ENV_KEY)
+    if text:
+        return JaxInit.from_env(text)
+    # an actor created without a backend's env (older callers): the CPU/GPU default
+    return JaxInit("explicit", stage_hosts, host) if stage_hosts > 1 else JaxInit()
+
+
+def initialize(stage_hosts: int, host: int, coordinator: Optional[str], timeout_s: float,
+               who: str = "") -> JaxInit:
+    """Worker side: join this stage's JAX world as the placement planned it.
+
+    Raises:
+      RuntimeError: jax assigned a different process index or count than planned
+        (e.g. TPU auto-detection saw another worker id than the bundle's).
+    """
+    spec = _spec(stage_hosts, host)
+    if spec.num_processes != stage_hosts or spec.process_id != host:
+        raise RuntimeError(f"{who}: placement planned process {spec.process_id} of {spec.num_processes}, "
+                           f"but this is host {host} of a {stage_hosts}-host stage")
+    if spec.mode == "none":
+        return spec
+    import jax
+
+    jax.distributed.initialize(**spec.kwargs(coordinator, timeout_s))
+    got = (jax.process_index(), jax.process_count())
+    if got != (spec.process_id, spec.num_processes):
+        raise RuntimeError(f"{who}: jax.distributed ({spec.mode}) made this process {got[0]} of {got[1]}; "
+                           f"the plan needs {spec.process_id} of {spec.num_processes} (on TPU the process "
+                           "index is the TPU worker id: the host bundle is on the wrong worker)")
+    return spec
+
+
+def driver_cpu_only() -> None:
+    """Keep any jax the driver uses (optax lookups, `--reference`) off accelerators.
+
+    The driver never needs an accelerator, and on a TPU VM initialising jax's TPU
+    backend would grab the chips the stage actors need. Call before jax is imported;
+    if it already is, the platform is switched too (effective until first use).
+    """
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    jax = sys.modules.get("jax")
+    if jax is not None and hasattr(jax, "config"):
+        try:
+            jax.config.update("jax_platforms", "cpu")
+        except Exception:  # noqa: BLE001 - backends already initialised: nothing more to do
+            pass

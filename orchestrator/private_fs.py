@@ -1,0 +1,78 @@
+"""Owner-only directories and files for runs and checkpoints, whatever the umask.
+
+`mkdir(mode=0o700)` alone is not enough: the mode is masked by the umask, and
+`parents=True` creates the parents with default permissions. `private_dir`
+creates each missing component itself and `chmod`s it to 0o700 (directories
+that already existed are left alone, so pointing `run.output_dir` at `/tmp`
+never changes `/tmp`); `write_private` writes a file atomically with 0o600.
+
+Example:
+    >>> import tempfile, pathlib
+    >>> d = private_dir(pathlib.Path(tempfile.mkdtemp()) / "runs" / "demo")
+    >>> oct(d.stat().st_mode & 0o777), oct(d.parent.stat().st_mode & 0o777)
+    ('0o700', '0o700')
+    >>> oct(write_private(d / "summary.json", "{}").stat().st_mode & 0o777)
+    '0o600'
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+__all__ = ["DIR_MODE", "FILE_MODE", "private_dir", "write_private"]
+
+DIR_MODE = 0o700
+FILE_MODE = 0o600
+
+
+def private_dir(path: str | os.PathLike, *, tighten: bool = True) -> Path:
+    """Create `path` (and missing parents) with mode 0o700; return it.
+
+    Args:
+      path: the directory.
+      tighten: also set 0o700 on `path` itself if it already existed and this
+        user owns it (a run directory from an earlier run); parents that
+        already existed are never changed.
+
+    Raises:
+      OSError: a component cannot be created (or exists and is not a directory).
+    """
+    path = Path(path)
+    missing = []
+    p = path
+    while not p.exists() and p != p.parent:
+        missing.append(p)
+        p = p.parent
+    for d in reversed(missing):
+        try:
+            d.mkdir(mode=DIR_MODE)
+        except FileExistsError:
+            if not d.is_dir():
+                raise
+            continue  # created concurrently by someone else: not ours to chmod
+        os.chmod(d, DIR_MODE)
+    if not path.is_dir():
+        raise NotADirectoryError(f"{path} exists and is not a directory")
+    if tighten and not missing:
+        st = path.stat()
+        if st.st_uid == os.geteuid() and st.st_mode & 0o777 != DIR_MODE:
+            os.chmod(path, DIR_MODE)
+    return path
+
+
+def write_private(path: str | os.PathLike, data: str | bytes) -> Path:
+    """Write `data` to `path` atomically (temp file + rename) with mode 0o600."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    raw = data.encode() if isinstance(data, str) else data
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), FILE_MODE)
+    try:
+        os.fchmod(fd, FILE_MODE)  # the mode passed to open() is masked by the umask; this is not
+        with os.fdopen(fd, "wb") as f:
+            fd = -1
+            f.write(raw)
+    finally:
+        if fd >= 0:
+            os.close(fd)
+    os.replace(tmp, path)
+    return path

@@ -1,0 +1,335 @@
+"""`meshpipe submit` against a real, separately started Ray head with token authentication.
+
+Isolation (why these tests may share a pytest process with the `ray_local` ones):
+  - the head is `ray start --head --block` in its own session, own --temp-dir
+    (short, under /tmp: Ray's socket paths must stay < 108 bytes) and free
+    ports for everything, including the dashboard agent and the metrics export
+    port. Nothing here calls `ray.init`: submit runs as a subprocess and this
+    process talks HTTP only (Jobs SDK, state REST API, metrics endpoint), always
+    with the token header.
+  - stopping: SIGTERM to the `--block` process, which tears down the Ray
+    processes it started (Ray's own shutdown hook); then any process still
+    carrying this head's token path in its environment (only ours do) is killed
+    by pid. Never `ray stop`, which would stop every Ray on the machine.
+  - auth as Ray sets it by default: RAY_AUTH_MODE=token, with a fresh token in
+    a file named by RAY_AUTH_TOKEN_PATH (so ~/.ray/auth_token is neither needed
+    nor touched). `RAY_metrics_report_interval_ms=2000` makes metrics visible
+    within seconds (Ray's default is 10 s).
+One submitted run (MLP example, 3 steps) is observed while it runs (actors,
+metrics) and reused by every check below.
+"""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from orchestrator.metrics import parse_prometheus
+from orchestrator.schedule import Action, Kind
+
+pytestmark = pytest.mark.ray
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+RUN = "mlp-tiny"
+STAGES, MICROBATCHES, STEPS = 3, 4, 3
+ACTORS = {f"{RUN}/stage{s}/host0" for s in range(STAGES)}
+METRICS = {   # name as scraped → tag keys it must carry (besides Ray's own)
+    "ray_meshpipe_step_time_s": {"run"},
+    "ray_meshpipe_samples_per_s": {"run"},
+    "ray_meshpipe_bubble_measured": {"run"},
+    "ray_meshpipe_bubble_simulated": {"run"},
+    "ray_meshpipe_restarts": {"run"},
+    "ray_meshpipe_steps_done": {"run"},
+    "ray_meshpipe_busy_fraction": {"run", "stage", "host"},
+    "ray_meshpipe_memory_bytes": {"run", "stage", "host", "source"},
+    "ray_meshpipe_compile_time_s": {"run", "stage", "host"},
+    "ray_meshpipe_reshard_bytes_total": {"run", "stage", "host", "edge"},
+}
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _poll(cond, timeout: float, what: str, every: float = 0.2):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = cond()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(every)
+
+
+@dataclass
+class Head:
+    dashboard: str
+    metrics_url: str
+    token: str
+    token_path: str
+    tmp: str
+    proc: subprocess.Popen
+
+    def get(self, path: str, timeout: float = 10.0):
+        req = urllib.request.Request(self.dashboard + path, headers={"Authorization": f"Bearer {self.token}"})
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read())
+
+    def env(self, **extra) -> dict:
+        """Environment for a meshpipe subprocess: the head's token via RAY_AUTH_TOKEN_PATH only."""
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("RAY_ADDRESS", "RAY_AUTH_TOKEN", "RAY_AUTH_MODE", "RAY_API_SERVER_ADDRESS")}
+        env.update(RAY_AUTH_TOKEN_PATH=self.token_path, PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}")
+        env.update(extra)
+        return env
+
+    def alive_actors(self) -> dict[str, str]:
+        q = urllib.parse.urlencode({"limit": 1000, "detail": 1, "filter_keys": "state",
+                                    "filter_predicates": "=", "filter_values": "ALIVE"})
+        rows = self.get(f"/api/v0/actors?{q}")["data"]["result"]["result"]
+        return {a["name"]: a.get("ray_namespace") for a in rows if a.get("name")}
+
+    def scrape(self) -> list[tuple[str, dict, float]]:
+        try:
+            with urllib.request.urlopen(self.metrics_url, timeout=5) as r:
+                return parse_prometheus(r.read().decode("utf-8", "replace"))
+        except OSError:
+            return []
+
+
+def _ours(token_path: str) -> list[int]:
+    """Pids of processes whose environment names this head's token file (started by this head)."""
+    needle = f"RAY_AUTH_TOKEN_PATH={token_path}".encode()
+    pids = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or int(d.name) == os.getpid():
+            continue
+        try:
+            if needle in (d / "environ").read_bytes().split(b"\0"):
+                pids.append(int(d.name))
+        except OSError:
+            continue
+    return pids
+
+
+@pytest.fixture(scope="module")
+def head():
+    if not (BIN / "ray").exists():
+        pytest.skip("the ray CLI is not installed next to this Python")
+    tmp = tempfile.mkdtemp(prefix="mp-head-", dir="/tmp")
+    token = secrets.token_hex(32)
+    token_path = os.path.join(tmp, "token")
+    with open(os.open(token_path, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
+        f.write(token)
+    ports = {name: _free_port() for name in ("port", "dashboard-port", "metrics-export-port",
+                                             "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
+                                             "runtime-env-agent-port", "node-manager-port",
+                                             "object-manager-port", "ray-client-server-port")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=token_path, RAY_metrics_report_interval_ms="2000",
+               PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}")   # the job entrypoint runs `meshpipe`
+    cmd = [str(BIN / "ray"), "start", "--head", "--block", "--num-cpus=4", "--dashboard-host=127.0.0.1",
+           "--include-dashboard=true", "--disable-usage-stats", f"--temp-dir={tmp}/ray",
+           "--object-store-memory=300000000", *[f"--{k}={v}" for k, v in ports.items()]]
+    log = open(os.path.join(tmp, "head.log"), "w")
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    h = Head(dashboard=f"http://127.0.0.1:{ports['dashboard-port']}",
+             metrics_url=f"http://127.0.0.1:{ports['metrics-export-port']}/metrics",
+             token=token, token_path=token_path, tmp=tmp, proc=proc)
+
+    def jobs_api_up():
+        if proc.poll() is not None:
+            raise AssertionError(f"ray start exited {proc.returncode}: {Path(tmp, 'head.log').read_text()[-2000:]}")
+        try:
+            h.get("/api/jobs/", timeout=2)
+            return True
+        except (OSError, ValueError):
+            return False
+
+    try:
+        _poll(jobs_api_up, 90, "the Ray head's Jobs API", every=0.25)
+        yield h
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+        for pid in _ours(token_path):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        log.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@dataclass
+class Submitted:
+    rc: int
+    stdout: str
+    stderr: str
+    out_dir: Path
+    actors_seen: dict = field(default_factory=dict)      # name → namespace, while running
+    actors_after: set = field(default_factory=set)
+    samples: list = field(default_factory=list)          # (name, labels, value) of our metrics
+
+    @property
+    def submission_id(self) -> str:
+        return next(w for w in self.stdout.split() if w.startswith(f"meshpipe-{RUN}-"))
+
+
+def _seen_all_metrics(samples) -> bool:
+    names = {n for n, labels, _ in samples}
+    return set(METRICS) <= names
+
+
+@pytest.fixture(scope="module")
+def submitted(head, tmp_path_factory):
+    out_dir = tmp_path_factory.mktemp("submit-out")
+    cmd = [str(BIN / "meshpipe"), "submit", "examples/mlp.yaml", "--set", f"run.steps={STEPS}",
+           "--set", f"run.output_dir={out_dir}", "--address", head.dashboard]
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=head.env(), stdout=out, stderr=err)
+        seen: dict = {}
+        samples: dict = {}
+        deadline = time.monotonic() + 240
+        ended = None
+        while time.monotonic() < deadline:        # watch the run: actors and metrics
+            try:
+                seen.update({n: ns for n, ns in head.alive_actors().items() if n in ACTORS})
+            except (OSError, ValueError, KeyError):
+                pass
+            for n, labels, v in head.scrape():
+                if n.startswith("ray_meshpipe_") and labels.get("run") == RUN:
+                    samples[(n, tuple(sorted(labels.items())))] = (n, labels, v)
+            if proc.poll() is not None:
+                ended = ended or time.monotonic()
+                if _seen_all_metrics(samples.values()) or time.monotonic() - ended > 20:
+                    break
+            time.sleep(0.2)
+        if proc.poll() is None:
+            proc.kill()
+        rc = proc.wait(timeout=30)
+        out.seek(0)
+        err.seek(0)
+        result = Submitted(rc=rc, stdout=out.read(), stderr=err.read(), out_dir=out_dir / RUN,
+                           actors_seen=seen, samples=list(samples.values()))
+    try:
+        _poll(lambda: not set(head.alive_actors()) & ACTORS, 60, "the run's actors to exit")
+    except AssertionError:
+        pass
+    result.actors_after = set(head.alive_actors()) & ACTORS
+    return result
+
+
+def test_submit_succeeds_prints_how_to_follow_and_exits_with_the_outcome(head, submitted):
+    assert submitted.rc == 0, submitted.stdout + submitted.stderr
+    sid = submitted.submission_id
+    for cmd in (f"ray job status {sid} --address {head.dashboard}", f"ray job logs {sid}",
+                f"meshpipe status {sid}"):
+        assert cmd in submitted.stdout
+    for step in range(STEPS):
+        assert f"step {step:>4d}  loss" in submitted.stdout         # followed logs, one line per step
+    assert f"job {sid}: SUCCEEDED" in submitted.stdout
+    assert "using the Ray auth token from RAY_AUTH_TOKEN_PATH" in submitted.stderr
+    assert head.token not in submitted.stdout + submitted.stderr
+    summary = json.loads((submitted.out_dir / "summary.json").read_text())
+    assert len(summary["losses"]) == STEPS and summary["ray"]["namespace"] == f"meshpipe-{RUN}"
+
+
+def test_status_and_logs_commands_and_the_jobs_sdk_agree(head, submitted):
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    sid = submitted.submission_id
+    client = JobSubmissionClient(head.dashboard, headers={"Authorization": f"Bearer {head.token}"})
+    assert client.get_job_status(sid) == JobStatus.SUCCEEDED
+    logs = client.get_job_logs(sid)
+    assert all(f"step {s:>4d}  loss" in logs for s in range(STEPS)) and "\r" not in logs
+    st = subprocess.run([str(BIN / "meshpipe"), "status", sid, "--address", head.dashboard],
+                        env=head.env(), capture_output=True, text=True, timeout=60)
+    assert st.returncode == 0 and f"{sid}: SUCCEEDED" in st.stdout
+    lg = subprocess.run([str(BIN / "meshpipe"), "logs", sid, "--address", head.dashboard],
+                        env=head.env(), capture_output=True, text=True, timeout=60)
+    assert lg.returncode == 0 and "step    2  loss" in lg.stdout
+
+
+@pytest.mark.parametrize("case", ["wrong token", "no token"])
+def test_submit_without_the_right_token_is_refused_clearly(head, case, tmp_path):
+    env = head.env(RAY_AUTH_TOKEN="0" * 64) if case == "wrong token" else head.env(HOME=str(tmp_path))
+    if case == "no token":
+        env.pop("RAY_AUTH_TOKEN_PATH")
+    r = subprocess.run([str(BIN / "meshpipe"), "submit", "examples/mlp.yaml", "--address", head.dashboard,
+                        "--no-wait"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 4, r.stdout + r.stderr
+    expected = "refused the authentication token" if case == "wrong token" else "requires token authentication"
+    assert expected in r.stderr and "RAY_AUTH_TOKEN" in r.stderr
+    assert "submitted" not in r.stdout and "0" * 64 not in r.stdout + r.stderr
+
+
+def test_state_api_lists_the_named_actors_while_running_and_none_after(submitted):
+    assert submitted.actors_seen == {name: f"meshpipe-{RUN}" for name in ACTORS}
+    assert submitted.actors_after == set()
+
+
+def test_metrics_endpoint_has_every_metric_with_its_tags(submitted):
+    by_name: dict = {}
+    for name, labels, value in submitted.samples:
+        by_name.setdefault(name, []).append((labels, value))
+    assert set(METRICS) <= set(by_name), sorted(set(METRICS) - set(by_name))
+    for name, keys in METRICS.items():
+        for labels, _ in by_name[name]:
+            assert keys <= set(labels), (name, labels)
+            assert "microbatch" not in labels and "step" not in labels
+    stages = lambda name: {lab["stage"] for lab, _ in by_name[name]}  # noqa: E731
+    assert stages("ray_meshpipe_busy_fraction") == {str(s) for s in range(STAGES)}
+    assert stages("ray_meshpipe_compile_time_s") == {str(s) for s in range(STAGES)}
+    edges = {lab["edge"]: v for lab, v in by_name["ray_meshpipe_reshard_bytes_total"]}
+    assert set(edges) == {"0->1", "1->2", "1->0", "2->1"} and min(edges.values()) > 0
+    assert {lab["source"] for lab, _ in by_name["ray_meshpipe_memory_bytes"]} == {"process_rss"}  # CPU
+    assert max(v for _, v in by_name["ray_meshpipe_steps_done"]) == STEPS
+
+
+def test_trace_has_one_span_per_compute_action_and_a_png_timeline(submitted):
+    trace = json.loads((submitted.out_dir / "trace.json").read_text())
+    work = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["cat"] != "step"]
+    compute = [e for e in work if Action.parse(e["args"]["action"]).kind in (Kind.F, Kind.B)]
+    per_step: dict = {}
+    for e in compute:
+        per_step.setdefault(e["args"]["step"], set()).add(e["args"]["action"])
+    assert sorted(per_step) == list(range(STEPS))
+    for step, actions in per_step.items():                   # stages × microbatches × {F, B}, each once
+        assert len(actions) == STAGES * MICROBATCHES * 2
+    assert len(compute) == STEPS * STAGES * MICROBATCHES * 2
+    by_host: dict = {}
+    for e in work:
+        by_host.setdefault((e["pid"], e["tid"]), []).append(e)
+    assert sorted(by_host) == [(s, 0) for s in range(STAGES)]
+    for events in by_host.values():                          # actions of a host never overlap
+        for a, b in zip(events, events[1:]):
+            assert b["ts"] >= a["ts"] + a["dur"] - 1.0, (a, b)  # 1 µs: float rounding of the epoch times
+    png = (submitted.out_dir / "timeline.png").read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and png[12:16] == b"IHDR"
+    width, height = int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")
+    assert width > 400 and height > 200

@@ -1,0 +1,242 @@
+"""Telemetry without Ray: step statistics, Chrome trace, PNG, progress text, metrics, job packaging.
+
+The measured-bubble arithmetic is checked against the schedule simulator: the
+simulator's own spans, read as if measured, must give the simulator's bubble.
+"""
+from __future__ import annotations
+
+import doctest
+import io
+import json
+import os
+import stat
+from fractions import Fraction
+from pathlib import Path
+
+import pytest
+
+from orchestrator import jobs, metrics, telemetry
+from orchestrator.config import check_job, load_cluster, load_job
+from orchestrator.schedule import Action, Kind, generate, lower, simulate
+from orchestrator.telemetry import Progress, RunTelemetry, chrome_trace, step_stats, summary_block
+
+ROOT = Path(__file__).resolve().parent.parent
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def as_measured(sim, t0: float = 1000.0, hosts: int = 1) -> list[tuple]:
+    """The simulator's spans as (stage, host, text, start, end), shifted to an epoch-like origin."""
+    return [(a.stage, h, str(a), t0 + float(s), t0 + float(e)) for a, s, e in sim.spans for h in range(hosts)]
+
+
+@pytest.mark.parametrize("name,p,m", [("1f1b", 4, 8), ("gpipe", 3, 4), ("zb-h1", 3, 6)])
+def test_measured_bubble_of_simulated_spans_equals_simulated_bubble(name, p, m):
+    low = lower(generate(name, p, m))
+    sim = simulate(low, {"F": Fraction(1), "B": Fraction(2), "OPT": Fraction(1, 2)})
+    wall, bubble, busy = step_stats(as_measured(sim, hosts=2), p)
+    assert wall == pytest.approx(float(sim.step_time))
+    assert bubble == pytest.approx(float(sim.bubble_fraction))
+    assert sorted(busy) == [(s, h) for s in range(p) for h in range(2)]
+    for (s, _), frac in busy.items():
+        assert frac == pytest.approx(1 - float(sim.bubble_per_stage[s]))
+
+
+def test_wait_before_any_work_belongs_to_the_previous_step():
+    # stage 1 entered this step's RECV while stage 0 was still busy with the previous step
+    spans = [(1, 0, "1RECV_F0", 0.0, 5.0), (0, 0, "0F0", 4.0, 5.0), (0, 0, "0SEND_F0", 5.0, 5.0),
+             (1, 0, "1F0", 5.0, 6.0)]
+    wall, bubble, busy = step_stats(spans, 2)
+    assert wall == 2.0 and bubble == 0.5 and busy == {(0, 0): 0.5, (1, 0): 0.5}
+
+
+def test_chrome_trace_has_a_process_per_stage_a_thread_per_host_and_step_spans():
+    low = lower(generate("1f1b", 2, 3))
+    sim = simulate(low, {"F": 1, "B": 2})
+    steps = [(0, as_measured(sim, 100.0, hosts=2)), (1, as_measured(sim, 120.0, hosts=2))]
+    trace = json.loads(json.dumps(chrome_trace(steps, "demo")))
+    meta = {(e["name"], e["pid"], e.get("tid")): e["args"]["name"] for e in trace["traceEvents"]
+            if e["ph"] == "M" and e["name"] in ("process_name", "thread_name")}
+    assert meta[("process_name", 0, None)] == "stage 0" and meta[("process_name", 2, None)] == "steps"
+    assert meta[("thread_name", 1, 1)] == "host 1"
+    xs = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    work = [e for e in xs if e["cat"] != "step"]
+    assert len(work) == 2 * 2 * len(sim.spans)              # 2 steps × 2 hosts × every action
+    assert all(e["args"]["action"].endswith(e["name"]) for e in work)
+    assert {e["name"] for e in xs if e["cat"] == "step"} == {"step 0", "step 1"}
+    assert min(e["ts"] for e in xs) == 0.0
+    compute = [e for e in work if Action.parse(e["args"]["action"]).kind in (Kind.F, Kind.B)]
+    assert len(compute) == 2 * 2 * 2 * 3 * 2                  # steps × hosts × stages × microbatches × kinds
+
+
+def test_run_telemetry_keeps_step_zero_and_the_last_steps(tmp_path):
+    low = lower(generate("1f1b", 2, 2))
+    sim = simulate(low, {"F": 1, "B": 2})
+    tel = RunTelemetry("demo", low, sim.bubble_fraction, global_batch=16, keep_steps=3)
+    for step in range(10):
+        tel.add(step, 0.5, 1.0 / (step + 1), as_measured(sim, 10.0 * step), [{"stage": 0, "host": 0}])
+    assert [s for s, _ in tel.kept_steps()] == [0, 7, 8, 9]
+    paths = tel.write(tmp_path)
+    trace = json.loads(Path(paths["trace"]).read_text())
+    assert trace["otherData"]["steps_kept"] == [0, 7, 8, 9]
+    png = Path(paths["timeline"]).read_bytes()
+    assert png.startswith(PNG_MAGIC) and len(png) > 5000
+    for p in paths.values():
+        assert stat.S_IMODE(os.stat(p).st_mode) == 0o600
+    summary = tel.summary()
+    assert summary["samples_per_s"] == pytest.approx(32.0)
+    assert summary["measured_bubble_last"] == pytest.approx(float(sim.bubble_fraction))
+    text = summary_block({"run": "demo", "losses": [1.0, 0.1], "telemetry": summary}, tmp_path)
+    assert "throughput" in text and paths["trace"] in text and paths["timeline"] in text
+    assert f"simulated {float(sim.bubble_fraction):.1%}" in text
+
+
+def test_progress_prints_lines_off_a_terminal_and_a_bar_on_one():
+    rec = {"step": 0, "loss": 0.5, "step_time_s": 0.25, "samples_per_s": 128.0}
+    lines = []
+    p = Progress(4, tty=False, echo=lines.append, line=lambda r: f"step {r['step']}")
+    p.update(rec)
+    p.close()
+    assert lines == ["step 0"]
+    out = io.StringIO()
+    p = Progress(4, tty=True, echo=lines.append, line=str, stream=out)
+    p.update(rec)
+    p.update({**rec, "step": 1})
+    p.close()
+    text = out.getvalue()
+    assert text.count("\r") == 2 and text.endswith("\n") and "2/4" in text and "128.0 samples/s" in text
+    assert lines == ["step 0"]                               # the bar never goes through echo
+
+
+class FakeMetric:
+    made: dict = {}
+
+    def __init__(self, name, description="", tag_keys=()):
+        self.name, self.tag_keys, self.values = name, tag_keys, {}
+        FakeMetric.made[name] = self
+
+    def set(self, value, tags):
+        assert set(tags) == set(self.tag_keys), (self.name, tags)
+        self.values[tuple(sorted(tags.items()))] = value
+
+    def inc(self, value, tags):
+        assert value > 0 and set(tags) == set(self.tag_keys)
+        key = tuple(sorted(tags.items()))
+        self.values[key] = self.values.get(key, 0) + value
+
+
+def test_run_metrics_tags_and_counter_deltas(monkeypatch):
+    import ray.util.metrics as rum
+
+    monkeypatch.setattr(rum, "Gauge", FakeMetric)
+    monkeypatch.setattr(rum, "Counter", FakeMetric)
+    FakeMetric.made = {}
+    low = lower(generate("1f1b", 2, 2))
+    sim = simulate(low, {"F": 1, "B": 2})
+    tel = RunTelemetry("demo", low, sim.bubble_fraction, global_batch=8)
+    m = metrics.RunMetrics("demo", sim.bubble_fraction)
+    hosts = lambda n: [  # noqa: E731
+        {"stage": 0, "host": 0, "sent_bytes_to": {"prev": 0, "next": 100 * n}, "memory_bytes": 5,
+         "memory_source": "process_rss", "compile_s": 1.5},
+        {"stage": 1, "host": 0, "sent_bytes_to": {"prev": 40 * n, "next": 0}, "memory_bytes": 6,
+         "memory_source": "process_rss", "compile_s": 2.5}]
+    for step in range(3):
+        m.record(tel.add(step, 0.5, 1.0, as_measured(sim, 10.0 * step), hosts(step + 1)))
+    made = FakeMetric.made
+    assert set(made) == {f"meshpipe_{n}" for n in (
+        "step_time_s", "samples_per_s", "bubble_measured", "bubble_simulated", "restarts", "steps_done",
+        "busy_fraction", "memory_bytes", "compile_time_s", "reshard_bytes")}
+    reshard = {dict(k)["edge"]: v for k, v in made["meshpipe_reshard_bytes"].values.items()}
+    assert reshard == {"0->1": 300, "1->0": 120}            # deltas summed back to the totals
+    assert made["meshpipe_steps_done"].values == {(("run", "demo"),): 3}
+    busy = made["meshpipe_busy_fraction"].values
+    assert {(dict(k)["stage"], dict(k)["host"]) for k in busy} == {("0", "0"), ("1", "0")}
+    mem = made["meshpipe_memory_bytes"].values
+    assert {dict(k)["source"] for k in mem} == {"process_rss"}
+
+
+def test_parse_prometheus_reads_labels_with_escapes():
+    text = ('# TYPE ray_x gauge\nray_x{a="1",b="q\\"x",run="r"} 3.0\nray_y_total{edge="0->1"} 7\n'
+            'ray_z 1e3\n')
+    assert metrics.parse_prometheus(text) == [
+        ("ray_x", {"a": "1", "b": 'q\\"x', "run": "r"}, 3.0), ("ray_y_total", {"edge": "0->1"}, 7.0),
+        ("ray_z", {}, 1000.0)]
+
+
+def test_memory_in_use_falls_back_to_process_rss():
+    class NoStats:
+        def memory_stats(self):
+            return None
+
+    class Stats:
+        def memory_stats(self):
+            return {"bytes_in_use": 10}
+
+    n, source = telemetry.memory_in_use([NoStats()])
+    assert source == "process_rss" and n > 10_000_000
+    assert telemetry.memory_in_use([Stats(), Stats()]) == (20, "device")
+
+
+# -- jobs: token and packaging (no cluster) -------------------------------------
+def test_token_is_found_in_rays_order_and_never_described_by_value(monkeypatch, tmp_path):
+    secret = "f" * 64
+    path = tmp_path / "token"
+    path.write_text(secret + "\n")
+    monkeypatch.setenv("HOME", str(tmp_path))              # no ~/.ray/auth_token here
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    monkeypatch.delenv("RAY_AUTH_TOKEN", raising=False)
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(path))
+    headers, where = jobs.auth_headers()
+    assert headers == {"authorization": f"Bearer {secret}"}
+    assert "RAY_AUTH_TOKEN_PATH" in where and secret not in where
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "e" * 64)         # the variable wins over the file, as in Ray
+    headers, where = jobs.auth_headers()
+    assert headers == {"authorization": "Bearer " + "e" * 64} and where.endswith("from RAY_AUTH_TOKEN")
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")        # only the user turns it off
+    assert jobs.auth_headers()[0] == {}
+    monkeypatch.delenv("RAY_AUTH_MODE")
+    monkeypatch.delenv("RAY_AUTH_TOKEN")
+    monkeypatch.delenv("RAY_AUTH_TOKEN_PATH")
+    headers, where = jobs.auth_headers()
+    assert headers == {} and "no Ray auth token found" in where
+
+
+def _checked(*overrides, job="examples/mlp.yaml"):
+    return check_job(load_job(ROOT / job, overrides=list(overrides)),
+                     load_cluster(ROOT / "cluster_configs/local.yaml", overrides=["address=auto"]))
+
+
+def test_package_ships_the_job_directory_and_connects_to_the_running_cluster(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    checked = _checked("run.steps=3")
+    p = jobs.package(checked, "examples/mlp.yaml", None, ("run.steps=3",), "http://127.0.0.1:8265")
+    assert p.runtime_env["working_dir"] == str(ROOT / "examples")
+    assert p.entrypoint == (f"meshpipe run mlp.yaml --address auto --set run.steps=3 "
+                            f"--set run.output_dir={ROOT / 'runs'}")
+    assert p.submission_id.startswith("meshpipe-mlp-tiny-") and not p.warnings
+    remote = jobs.package(checked, "examples/mlp.yaml", None, (), "http://10.1.2.3:8265")
+    assert "run.output_dir" not in remote.entrypoint and "relative" in remote.warnings[0]
+
+
+def test_package_refuses_files_outside_the_working_dir(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    checked = _checked()
+    with pytest.raises(jobs.JobsError, match="outside the working dir") as e:
+        jobs.package(checked, "examples/mlp.yaml", "cluster_configs/local.yaml", (), "http://127.0.0.1:8265")
+    assert e.value.code == jobs.EXIT_CONFIG
+    p = jobs.package(checked, "examples/mlp.yaml", "cluster_configs/local.yaml", (), "http://127.0.0.1:8265",
+                     working_dir=str(ROOT))
+    assert "meshpipe run examples/mlp.yaml --cluster cluster_configs/local.yaml --address auto" in p.entrypoint
+
+
+def test_package_rewrites_the_data_path_relative_to_the_working_dir(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    checked = _checked(job="examples/gpt.yaml")
+    p = jobs.package(checked, "examples/gpt.yaml", None, (), "http://127.0.0.1:8265")
+    assert "--set data.path=data/tiny_shakespeare_like.txt" in p.entrypoint
+
+
+@pytest.mark.parametrize("module", [telemetry, metrics, jobs])
+def test_docstring_examples(module, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    result = doctest.testmod(module)
+    assert result.failed == 0 and result.attempted > 0
