@@ -22,12 +22,13 @@ stage actors); per schedule (Schedule1F1B, ScheduleGPipe) and m: `warmup` then
            SEND/RECV are outside its F/B spans), and adam `step()` = OPT;
   standalone  the same three timed outside the pipeline right after the timed
            steps, on both ranks at once (a check on `costs`).
-Plain (`plain`): one process, `torch.set_num_threads(2)`, the whole model, m
-microbatches accumulated by a Python loop, then adam.
+Plain (`plain`): one process, one thread per core of its affinity (the runner
+gives it all cores, then one core), the whole model, m microbatches
+accumulated by a Python loop, then adam.
 
 Every wait has a deadline: the process group's timeout, and the parent kills
 the ranks it spawned if they have not finished by `deadline_s`.
-Run by hand: `python -m benchmarks.torch_pipe pipe small 4,8 1f1b,gpipe 5 2`.
+Run by hand: `python -m benchmarks.torch_pipe pipe 1f1b,gpipe 2 small:4,8:5 tiny:8:20`.
 """
 from __future__ import annotations
 
@@ -148,12 +149,13 @@ def _rank_main(rank: int, cfg: dict) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{cfg['port']}",
                             timeout=datetime.timedelta(seconds=cfg["pg_timeout_s"]))
-    size = SIZES[cfg["size"]]
     results = []
     try:
-        for m in cfg["ms"]:
-            for name in cfg["schedules"]:
-                results.append(_run_one(rank, size, m, name, cfg["steps"], cfg["warmup"], torch, dist, pipelining))
+        for size_name, ms, steps in cfg["runs"]:
+            for m in ms:
+                for name in cfg["schedules"]:
+                    rec = _run_one(rank, SIZES[size_name], m, name, steps, cfg["warmup"], torch, dist, pipelining)
+                    results.append({"size": size_name, **rec})
     finally:
         dist.destroy_process_group()
     Path(cfg["out"], f"rank{rank}.json").write_text(json.dumps(results))
@@ -240,14 +242,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def pipe(size: Size, ms: list[int], schedules: list[str], steps: int, warmup: int,
-         deadline_s: float = 400.0) -> list[dict]:
-    """Spawn the 2 ranks, run every (m, schedule), return rank 0's and rank 1's records merged."""
+def pipe(runs: list[tuple[str, list[int], int]], schedules: list[str], warmup: int,
+         deadline_s: float = 500.0) -> list[dict]:
+    """Spawn the 2 ranks once; for every (size, ms, steps) in `runs`, every m and schedule, one record."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory(prefix="meshpipe-torch-") as out:
-        cfg = {"size": size.name, "ms": ms, "schedules": schedules, "steps": steps, "warmup": max(1, warmup),
-               "port": _free_port(), "out": out, "pg_timeout_s": min(120.0, deadline_s)}
+        cfg = {"runs": runs, "schedules": schedules, "warmup": max(1, warmup), "port": _free_port(), "out": out,
+               "pg_timeout_s": min(120.0, deadline_s)}
         ctx = mp.spawn(_rank_main, args=(cfg,), nprocs=2, join=False)
         deadline = time.monotonic() + deadline_s
         try:
@@ -255,17 +257,16 @@ def pipe(size: Size, ms: list[int], schedules: list[str], steps: int, warmup: in
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"torch pipeline ranks did not finish within {deadline_s:.0f} s")
         finally:
-            for proc in ctx.processes:
+            for proc in ctx.processes:   # only the two ranks spawned above
                 if proc.is_alive():
                     proc.kill()
                     proc.join(5)
         ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(2)]
     merged = []
     for r0, r1 in zip(*ranks):
-        merged.append({"size": size.name, "schedule": r0["schedule"], "m": r0["m"], "p": 2,
+        merged.append({"size": r0["size"], "schedule": r0["schedule"], "m": r0["m"], "p": 2,
                        "step_s": r0["step_s"], "step_spread": r0["step_spread"], "walls_s": r0["walls_s"],
-                       "costs": [r0["costs"], r1["costs"]],
-                       "standalone": [r0["standalone"], r1["standalone"]],
+                       "costs": [r0["costs"], r1["costs"]], "standalone": [r0["standalone"], r1["standalone"]],
                        "losses": r1["losses"]})
     return merged
 
@@ -273,7 +274,7 @@ def pipe(size: Size, ms: list[int], schedules: list[str], steps: int, warmup: in
 # ----------------------------------------------------------------------------- plain torch
 
 def plain(size: Size, m: int, steps: int, warmup: int = 2) -> dict:
-    """Whole model in one process on the cores it was given (2 threads), m-microbatch accumulation + adam."""
+    """Whole model in one process, one thread per core it was given, m-microbatch accumulation + adam."""
     import torch
     from torch import nn
 
@@ -299,16 +300,17 @@ def main(argv: list[str]) -> None:
     # through the package name, so spawned ranks unpickle `benchmarks.torch_pipe._rank_main`
     from benchmarks.torch_pipe import pipe, plain
 
-    if len(argv) == 6 and argv[0] == "pipe":
-        _, size, ms, scheds, steps, warmup = argv
-        print(json.dumps(pipe(SIZES[size], [int(v) for v in ms.split(",")], scheds.split(","),
-                              int(steps), int(warmup))))
+    if len(argv) >= 4 and argv[0] == "pipe":
+        runs = []
+        for spec in argv[3:]:
+            size, ms, steps = spec.split(":")
+            runs.append((size, [int(v) for v in ms.split(",")], int(steps)))
+        print(json.dumps(pipe(runs, argv[1].split(","), int(argv[2]))))
     elif len(argv) == 4 and argv[0] == "plain":
         print(json.dumps(plain(SIZES[argv[1]], int(argv[2]), int(argv[3]))))
     else:
-        raise SystemExit("usage: python -m benchmarks.torch_pipe pipe SIZE M,M SCHED,SCHED STEPS WARMUP\n"
+        raise SystemExit("usage: python -m benchmarks.torch_pipe pipe SCHED,SCHED WARMUP SIZE:M,M:STEPS ...\n"
                          "       python -m benchmarks.torch_pipe plain SIZE M STEPS")
-
 
 if __name__ == "__main__":
     main(sys.argv[1:])

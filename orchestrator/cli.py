@@ -155,13 +155,15 @@ def _wait(c, sid: str, address: str, follow: bool, timeout: float | None) -> Non
             status = jobs.follow(c, sid, lambda chunk: click.echo(chunk, nl=False), timeout)
         else:
             status = jobs.wait_for_end(c, sid, timeout)
+        info = jobs.bounded(c.get_job_info, sid, what="job info")
     except KeyboardInterrupt:
         click.echo(f"\nmeshpipe: stopped waiting; job {sid} keeps running "
                    f"(meshpipe status {sid} --address {address})", err=True)
         sys.exit(jobs.EXIT_INTERRUPTED)
     except jobs.JobsError as e:
         _fail(e)
-    info = jobs.bounded(c.get_job_info, sid, what="job info")
+    except Exception as e:  # noqa: BLE001 - the log stream or status call failed; say why
+        _fail(jobs.JobsError(jobs.explain(e, address)))
     click.echo(f"job {sid}: {status}" + (f" ({info.message})" if getattr(info, "message", None) else ""))
     sys.exit(jobs.EXIT_CODES.get(status, 0))
 

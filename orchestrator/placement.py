@@ -254,8 +254,9 @@ def actor_options(checked, stage, host: int, pg, run: str) -> dict:
     cl = checked.cluster
     backend = get_backend(cl)
     n = sum(len(s.hosts) for s in checked.stages)
-    hp = backend.place([stage], backend.sites(n), _bundle_addresses(pg, stage.hosts))[host]
-    opts = {
+    addresses = _bundle_addresses(pg, stage.hosts) if backend.needs_addresses else None
+    hp = backend.place([stage], backend.sites(n), addresses)[host]
+    return {
         "name": f"{run}/stage{stage.index}/host{host}",
         **hp.actor,
         "scheduling_strategy": PlacementGroupSchedulingStrategy(
@@ -264,7 +265,6 @@ def actor_options(checked, stage, host: int, pg, run: str) -> dict:
         "runtime_env": {"env_vars": {**getattr(cl, "env_vars", {}), **hp.env}},  # ours win (schema forbids clashes)
         "max_restarts": 0,
     }
-    return opts
 
 
 def _bundle_addresses(pg, bundles_wanted) -> dict[int, str]:

@@ -40,8 +40,8 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
-import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,7 +53,6 @@ from orchestrator.schedule import Action, Kind
 
 TRACE_STEPS = 20
 BUSY = frozenset({Kind.F, Kind.B, Kind.I, Kind.W, Kind.OPT})
-COMPUTE = frozenset({Kind.F, Kind.B, Kind.I, Kind.W})
 
 Span = tuple  # (stage, host, action_text, start, end)
 
@@ -230,8 +229,7 @@ class RunTelemetry:
         steady = self.steps[1:] or self.steps
         if not steady:
             return {}
-        times = sorted(s.wall_s for s in steady)
-        median = times[len(times) // 2] if len(times) % 2 else sum(times[len(times) // 2 - 1:][:2]) / 2
+        median = statistics.median(s.wall_s for s in steady)
         hosts = {}
         for h in self.steps[-1].hosts:
             hosts[f"stage{h.get('stage')}/host{h.get('host')}"] = {k: v for k, v in h.items()
@@ -289,7 +287,6 @@ class Progress:
         self.total, self.tty, self.echo, self.line = total, tty, echo, line
         self.stream = stream or sys.stdout
         self.width = width
-        self.t0 = time.monotonic()
         self.done = 0
         self._drawn = False
 
@@ -300,8 +297,7 @@ class Progress:
             return
         frac = min(1.0, self.done / max(1, self.total))
         filled = int(round(frac * self.width))
-        elapsed = time.monotonic() - self.t0
-        eta = elapsed / self.done * (self.total - self.done) if self.done else 0.0
+        eta = rec["step_time_s"] * (self.total - self.done)   # at the latest pace (startup excluded)
         bar = "█" * filled + "░" * (self.width - filled)
         text = (f"\r{bar} {self.done}/{self.total}  loss {rec['loss']:.4f}  "
                 f"{rec['samples_per_s']:.1f} samples/s  {rec['step_time_s'] * 1e3:.0f} ms/step  "

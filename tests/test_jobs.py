@@ -29,7 +29,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
@@ -124,9 +123,10 @@ def _ours(token_path: str) -> list[int]:
         if not d.name.isdigit() or int(d.name) == os.getpid():
             continue
         try:
-            if needle in (d / "environ").read_bytes().split(b"\0"):
+            zombie = (d / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+            if not zombie and needle in (d / "environ").read_bytes().split(b"\0"):
                 pids.append(int(d.name))
-        except OSError:
+        except (OSError, IndexError):
             continue
     return pids
 
@@ -181,8 +181,11 @@ def head():
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        log.close()
-        shutil.rmtree(tmp, ignore_errors=True)
+        try:   # none of them may write into tmp after it is removed
+            _poll(lambda: not _ours(token_path), 30, "this head's processes to exit")
+        finally:
+            log.close()
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 @dataclass
@@ -228,7 +231,7 @@ def submitted(head, tmp_path_factory):
                 ended = ended or time.monotonic()
                 if _seen_all_metrics(samples.values()) or time.monotonic() - ended > 20:
                     break
-            time.sleep(0.2)
+            time.sleep(0.5)
         if proc.poll() is None:
             proc.kill()
         rc = proc.wait(timeout=30)
@@ -333,3 +336,19 @@ def test_trace_has_one_span_per_compute_action_and_a_png_timeline(submitted):
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and png[12:16] == b"IHDR"
     width, height = int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")
     assert width > 400 and height > 200
+
+
+def test_a_failed_job_makes_submit_exit_non_zero(head, tmp_path):
+    # the cluster asks for a resource the head lacks: placement refuses (or gives up after init_s): FAILED
+    shutil.copy(ROOT / "examples/mlp.yaml", tmp_path / "job.yaml")
+    cluster = (ROOT / "cluster_configs/local.yaml").read_text()
+    cluster = cluster.replace("resources_per_host: {}", "resources_per_host: {meshpipe_test_missing: 1}")
+    cluster = cluster.replace("init_s: 120", "init_s: 3")
+    assert "meshpipe_test_missing" in cluster and "init_s: 3" in cluster
+    (tmp_path / "cluster.yaml").write_text(cluster)
+    r = subprocess.run([str(BIN / "meshpipe"), "submit", str(tmp_path / "job.yaml"), "--cluster",
+                        str(tmp_path / "cluster.yaml"), "--set", f"run.output_dir={tmp_path / 'out'}",
+                        "--address", head.dashboard, "--no-follow", "--timeout", "150"],
+                       cwd=ROOT, env=head.env(), capture_output=True, text=True, timeout=200)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert ": FAILED" in r.stdout and "step    0" not in r.stdout     # --no-follow: status only

@@ -103,6 +103,7 @@ class Backend:
     """
 
     platform: ClassVar[str] = ""
+    needs_addresses: ClassVar[bool] = False   # env() uses the stage hosts' node IPs (placement looks them up)
     _registry: ClassVar[dict[str, type["Backend"]]] = {}
 
     def __init_subclass__(cls, **kwargs):

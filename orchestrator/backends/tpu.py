@@ -62,6 +62,7 @@ class TpuSite:
 
 class TpuBackend(Backend):
     platform = "tpu"
+    needs_addresses = True   # MEGASCALE coordinator, subslice process addresses
 
     @cached_property
     def geom(self):
