@@ -14,6 +14,7 @@ so a step's time is almost all orchestration.
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import statistics
@@ -22,7 +23,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -219,7 +220,7 @@ def md_table(headers: Sequence[str], rows: Iterable[Sequence], align: str | None
 
 
 def fmt(x, digits: int = 2, unit: str = "") -> str:
-    if x is None or (isinstance(x, float) and x != x):
+    if x is None or (isinstance(x, float) and math.isnan(x)):
         return "–"
     return f"{x:.{digits}f}{unit}"
 
@@ -235,7 +236,7 @@ def run_child(args: list[str], timeout: float, cpus: Sequence[int] | None = None
     env.pop("XLA_FLAGS", None)
     pre = (lambda: os.sched_setaffinity(0, set(cpus))) if cpus else None
     proc = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout, preexec_fn=pre)
+                          timeout=timeout, preexec_fn=pre, check=False)
     lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
     if proc.returncode != 0 or not lines:
         tail = "\n".join(proc.stderr.strip().splitlines()[-8:])
@@ -246,7 +247,7 @@ def run_child(args: list[str], timeout: float, cpus: Sequence[int] | None = None
 def to_jsonable(x):
     if hasattr(x, "__dataclass_fields__"):
         return asdict(x)
-    if isinstance(x, float) and x != x:
+    if isinstance(x, float) and math.isnan(x):
         return None
     if isinstance(x, dict):
         return {str(k): to_jsonable(v) for k, v in x.items()}

@@ -152,7 +152,6 @@ def plain_jax(size: Size, m: int, steps: int) -> dict:
     """The plain single-process step (one jit: scan of value_and_grad over m microbatches + adam)."""
     import jax
     import jax.numpy as jnp
-    import numpy as np
     import optax
 
     from stages.data import make_source, microbatch
@@ -240,16 +239,18 @@ def residual_bytes(size: Size) -> list[dict]:
     from stages.program import StageProgram, make_optimizer
 
     spec = build_spec("gpt", size.model_args(), size.seq)
+    def nbytes(tree) -> int:
+        return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(tree))
+
     out = []
     for start, stop in ((0, size.cut()), (size.cut(), size.num_layers())):
         prog = StageProgram(spec, load_impl(spec), start, stop, microbatches=1,
                             optimizer=make_optimizer("adam", {"learning_rate": LEARNING_RATE}))
-        params = jax.eval_shape(lambda: prog.init_params(0))
+        params = jax.eval_shape(prog.init_params, 0)
         x = (jax.ShapeDtypeStruct((size.mbs, size.seq), jnp.int32) if start == 0
              else jax.ShapeDtypeStruct((size.mbs, size.seq, size.d_model), jnp.float32))
         labels = jax.ShapeDtypeStruct((size.mbs, size.seq), jnp.int32) if prog.last else None
         y, res = jax.eval_shape(prog.fwd, params, x, labels)
-        nbytes = lambda t: sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(t))  # noqa: E731
         out.append({"layers": [start, stop], "residual_bytes": nbytes(res), "output_bytes": nbytes(y),
                     "param_bytes": nbytes(params), "residual_leaves": len(jax.tree.leaves(res))})
     return out

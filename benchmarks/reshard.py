@@ -77,8 +77,8 @@ _T_SRC = one_host({"data": 2, "model": 4}, {"batch": "data", "embed": "model"}, 
 _T_DST = one_host({"data": 2, "model": 4}, {"batch": "model", "embed": "data"}, 1)
 _PAIR = StageGeom.of({"data": 2, "model": 2}, (1, 2), 2, {"batch": "data"})
 
-# name -> (geometry of stage A (actor "a"), geometry of stage B ("b", or the 2-host "pair"), direction);
-# "forward" moves A -> B (SEND_F), "backward" B -> A (SEND_B), as in a pipeline.
+# name -> (geometry of stage 0 (actor "a"), geometry of stage 1 ("b", or the 2-host "pair"), direction);
+# "forward" moves stage 0 -> 1 (SEND_F), "backward" 1 -> 0 (SEND_B), as in a pipeline.
 CASES = {
     "2x2->4x1": (_2X2, _4X1, "forward"),
     "replicated->sharded": (_REPL, _SHARD, "forward"),
@@ -206,10 +206,10 @@ class BenchProbe(ReshardProbe):
         self._verify_seed: int | None = None
 
     # -- sender ----------------------------------------------------------------
-    def prepare(self, seed: int, shape, direction: str) -> None:
+    def prepare(self, seed: int, shape, to_stage: int) -> None:
         """Build the source jax.Array and, per destination host, one raw buffer of the plan's bytes."""
         self._array = self.source_array(seed, shape, np.float32)
-        plan = self._plan(direction, shape, sending=True)
+        plan = self._plan(to_stage, shape, sending=True)
         self._raw = {}
         for dst_host, tiles in plan.sends.get(self.transport.me, {}).items():
             nbytes = sum(t.nbytes for t in tiles)
@@ -218,19 +218,17 @@ class BenchProbe(ReshardProbe):
                 buf[:] = 1
                 self._raw[dst_host] = buf
 
-    def _plan(self, direction: str, shape, sending: bool):
-        t = self.transport
-        peer = t.peer_geom[direction]
-        src, dst = (t.geom, peer) if sending else (peer, t.geom)
-        return edge_plan(src, dst, t.axes[direction], tuple(shape), np.float32)
+    def _plan(self, peer_stage: int, shape, sending: bool):
+        mine, edge = self.geoms[self.stage], self.edge(peer_stage)
+        src, dst = (mine, edge.geom) if sending else (edge.geom, mine)
+        return edge_plan(src, dst, edge.axes, tuple(shape), np.float32)
 
-    def _push(self, direction: str, dst_host: int, key, payload) -> None:
-        peers = self.next if direction == "next" else self.prev
-        peer = peers[self.transport.peer_geom[direction].hosts.index(dst_host)]
+    def _push(self, to_stage: int, dst_host: int, key, payload) -> None:
+        peer = self.actors[to_stage][self.geoms[to_stage].hosts.index(dst_host)]
         self._inflight.append(peer.deliver.options(concurrency_group="io").remote((*key, self.transport.me),
                                                                                  payload))
 
-    def timed_send(self, key, direction: str, variant: str) -> dict:
+    def timed_send(self, key, to_stage: int, variant: str) -> dict:
         import ray
 
         from orchestrator.reshard import pack
@@ -238,12 +236,12 @@ class BenchProbe(ReshardProbe):
         key = tuple(key)
         t0 = time.perf_counter()
         if variant == "transport":
-            self.transport.send(key, self._array, direction)
+            self.transport.send(key, self._array, self.edge(to_stage))
         elif variant == "raw":
             for dst_host, buf in self._raw.items():
-                self._push(direction, dst_host, key, [ray.put(buf)])
+                self._push(to_stage, dst_host, key, [ray.put(buf)])
         else:
-            plan = self._plan(direction, self._array.shape, sending=True)
+            plan = self._plan(to_stage, self._array.shape, sending=True)
             me = self.transport.me
             by_device = {self.transport.flat[s.device.id]: s for s in self._array.addressable_shards}
             for dst_host, tiles in plan.sends.get(me, {}).items():
@@ -255,7 +253,7 @@ class BenchProbe(ReshardProbe):
                                for p in pack(plan, me, dst_host, shards)]
                 else:
                     payload = ship_shards(plan, me, dst_host, shards)
-                self._push(direction, dst_host, key, [ray.put(payload)] if variant == "proto-put" else payload)
+                self._push(to_stage, dst_host, key, [ray.put(payload)] if variant == "proto-put" else payload)
         t1 = time.perf_counter()
         self.transport.flush(TIMEOUT)
         if self._inflight:
@@ -263,7 +261,7 @@ class BenchProbe(ReshardProbe):
             self._inflight.clear()
         return {"t0": t0, "send_s": t1 - t0}
 
-    def profile_send(self, direction: str, reps: int = 3) -> dict:
+    def profile_send(self, to_stage: int, reps: int = 3) -> dict:
         """Sender steps one by one (medians, summed over destination hosts).
 
         pack: read shards and cut tile views (the transport); put: serialise the
@@ -275,7 +273,7 @@ class BenchProbe(ReshardProbe):
 
         from orchestrator.reshard import pack
 
-        plan = self._plan(direction, self._array.shape, sending=True)
+        plan = self._plan(to_stage, self._array.shape, sending=True)
         me = self.transport.me
         by_device = {self.transport.flat[s.device.id]: s for s in self._array.addressable_shards}
         steps = ("pack_s", "put_s", "contig_s", "contig_put_s", "gather_s", "gather_put_s")
@@ -329,7 +327,7 @@ class BenchProbe(ReshardProbe):
     def wait_armed(self, timeout: float) -> bool:
         return self._armed.wait(timeout)
 
-    def timed_recv(self, key, shape, direction: str, variant: str, verify: bool = False) -> dict:
+    def timed_recv(self, key, shape, from_stage: int, variant: str, verify: bool = False) -> dict:
         import jax
         import ray
 
@@ -339,9 +337,9 @@ class BenchProbe(ReshardProbe):
         self._armed.set()
         try:
             if variant == "transport":
-                array = self.transport.recv(key, shape, np.float32, sharding, direction, TIMEOUT)
+                array = self.transport.recv(key, shape, np.float32, sharding, self.edge(from_stage), TIMEOUT)
             else:
-                plan = self._plan(direction, shape, sending=False)
+                plan = self._plan(from_stage, shape, sending=False)
                 me = self.transport.me
                 received = {}
                 for src, per_dst in plan.sends.items():
@@ -375,13 +373,13 @@ class BenchProbe(ReshardProbe):
         """The seed the next verified receive is checked against."""
         self._verify_seed = seed
 
-    def profile_recv(self, shape, direction: str, reps: int = 3) -> dict:
+    def profile_recv(self, shape, from_stage: int, reps: int = 3) -> dict:
         """Receiver steps on the last transport payload (medians): the transport's and the fix's."""
         import jax
 
         from orchestrator.reshard import assemble
 
-        plan = self._plan(direction, tuple(shape), sending=False)
+        plan = self._plan(from_stage, tuple(shape), sending=False)
         me = self.transport.me
         received = dict(self.inbox.kept)
         sharding = self.sharding()
@@ -435,23 +433,21 @@ class Bench:
         ray = self.ray
         geom_a, geom_b, direction = CASES[name]
         a, b = [self.a], (self.pair if len(geom_b.hosts) == 2 else [self.b])
-        ray.get([x.configure.remote(geom_a, i, AXES, next_geom=geom_b, next=b) for i, x in enumerate(a)]
-                + [x.configure.remote(geom_b, i, AXES, prev_geom=geom_a, prev=a) for i, x in enumerate(b)],
-                timeout=TIMEOUT)
-        if direction == "forward":
-            senders, receivers, sdir, rdir, src, dst = a, b, "next", "prev", geom_a, geom_b
-        else:
-            senders, receivers, sdir, rdir, src, dst = b, a, "prev", "next", geom_b, geom_a
+        geoms, actors = (geom_a, geom_b), (a, b)
+        ray.get([x.configure.remote(geoms, stage, i, AXES, actors)
+                 for stage, row in enumerate(actors) for i, x in enumerate(row)], timeout=TIMEOUT)
+        s_stage, r_stage = (0, 1) if direction == "forward" else (1, 0)
+        senders, receivers, src, dst = actors[s_stage], actors[r_stage], geoms[s_stage], geoms[r_stage]
         plan = edge_plan(src, dst, AXES, shape, np.float32)
-        ray.get([x.prepare.remote(seed, shape, sdir) for x in senders]
+        ray.get([x.prepare.remote(seed, shape, r_stage) for x in senders]
                 + [x.expect_seed.remote(seed) for x in receivers], timeout=TIMEOUT)
 
         def once(variant: str, key: tuple, verify: bool = False) -> dict:
-            rrefs = [x.timed_recv.remote(key, shape, rdir, variant, verify) for x in receivers]
+            rrefs = [x.timed_recv.remote(key, shape, s_stage, variant, verify) for x in receivers]
             if not all(ray.get([x.wait_armed.options(concurrency_group="io").remote(TIMEOUT)
                                 for x in receivers], timeout=TIMEOUT)):
                 raise TimeoutError(f"{name}: receivers never started waiting")
-            sent = ray.get([x.timed_send.remote(key, sdir, variant) for x in senders], timeout=TIMEOUT)
+            sent = ray.get([x.timed_send.remote(key, r_stage, variant) for x in senders], timeout=TIMEOUT)
             got = ray.get(rrefs, timeout=TIMEOUT)
             t0 = min(s["t0"] for s in sent)
             return {"total_s": max(g["t_end"] for g in got) - t0,
@@ -470,13 +466,13 @@ class Bench:
             for v in VARIANTS:
                 runs[v].append(once(v, (seed, r, v)))
         # profile the transport's steps on one more transport payload
-        rrefs = [x.timed_recv.remote((seed, "prof"), shape, rdir, "transport") for x in receivers]
+        rrefs = [x.timed_recv.remote((seed, "prof"), shape, s_stage, "transport") for x in receivers]
         ray.get([x.wait_armed.options(concurrency_group="io").remote(TIMEOUT) for x in receivers],
                 timeout=TIMEOUT)
-        ray.get([x.timed_send.remote((seed, "prof"), sdir, "transport") for x in senders], timeout=TIMEOUT)
+        ray.get([x.timed_send.remote((seed, "prof"), r_stage, "transport") for x in senders], timeout=TIMEOUT)
         ray.get(rrefs, timeout=TIMEOUT)
-        prof_recv = ray.get([x.profile_recv.remote(shape, rdir) for x in receivers], timeout=TIMEOUT)
-        prof_send = ray.get([x.profile_send.remote(sdir) for x in senders], timeout=TIMEOUT)
+        prof_recv = ray.get([x.profile_recv.remote(shape, s_stage) for x in receivers], timeout=TIMEOUT)
+        prof_send = ray.get([x.profile_send.remote(r_stage) for x in senders], timeout=TIMEOUT)
 
         med = {v: {k: _median([x[k] for x in runs[v]]) for k in ("total_s", "send_s", "arrive_s", "build_s")}
                for v in VARIANTS}

@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 from benchmarks import common
-from benchmarks.common import RESULTS, SCHEDULES, SIZES, fmt, md_table, median, run_child, sim_costs
+from benchmarks.common import RESULTS, SCHEDULES, SIZES, fmt, md_table, run_child, sim_costs
 
 SECTIONS = ("pipeline", "overhead", "jax", "torch", "memory")
 P = 2
@@ -313,20 +313,25 @@ def _find(items, size, sched, m):
 
 def render(raw: dict, der: dict, mode: str, plots: list[str]) -> str:
     mi = raw["machine"]
-    load = raw.get("load_end")
-    lines = [f"# Pipeline benchmark ({mode})", "",
-             f"{mi['when']}; {mi['cpu']}, nproc {mi['nproc']}, {mi['mem_gib']} GiB; python {mi['python']}, "
-             f"jax {mi['jax']} (jaxlib {mi['jaxlib']}), ray {mi['ray']}, optax {mi['optax']}, torch {mi['torch']}. "
-             f"Load average at start {tuple(round(x, 1) for x in mi['load_start'])}"
-             + (f", at end {tuple(round(x, 1) for x in load)}" if load else "") + ". "
-             f"Stage actors / torch ranks pinned one per core: {raw.get('pinned', True)}.", "",
-             "> Numbers from a shared, loaded machine are noisy (see *spread* = (p90 − p10) ÷ median of the "
-             "step times): compare ratios measured in the same run, and rerun on a quiet machine before quoting "
-             "digits.", "", "Models: " + "; ".join(f"`{n}` = {SIZES[n].describe()}" for n in
-                                                      sorted({r['size'] for sec in ('pipeline', 'overhead')
-                                                              for r in raw.get(sec, {}).get('records', [])}
-                                                             | {"tiny"})) + ". Stage 0 = embed + first half of "
-             "the blocks, stage 1 = the other blocks + head; global batch = m × microbatch.", "",
+    loads = f"load average at start {_load(mi['load_start'])}"
+    if raw.get("load_end"):
+        loads += f", at end {_load(raw['load_end'])}"
+    sizes = sorted({r["size"] for sec in ("pipeline", "overhead") for r in raw.get(sec, {}).get("records", [])},
+                   key=list(SIZES).index)
+    machine = (f"{mi['when']}; {mi['cpu']}, nproc {mi['nproc']}, {mi['mem_gib']} GiB; python {mi['python']}, "
+               f"jax {mi['jax']} (jaxlib {mi['jaxlib']}), ray {mi['ray']}, optax {mi['optax']}, "
+               f"torch {mi['torch']}; {loads}. Stage actors and torch ranks pinned one per core: "
+               f"{raw.get('pinned', True)}.")
+    noise = ("> Numbers from a shared, loaded machine are noisy (see *spread* = (p90 − p10) ÷ median of the "
+             "step times): compare ratios measured in the same run, and rerun on a quiet machine before "
+             "quoting digits.")
+    models = ("Models: " + "; ".join(f"`{n}` = {SIZES[n].describe()}" for n in sizes)
+              + ". Stage 0 = embed + first half of the blocks, stage 1 = the other blocks + head; "
+              "global batch = m × microbatch.")
+    measured = ", ".join(f"{sec} at {raw[sec]['when']} (load {raw[sec]['load'][0]:.1f})"
+                         for sec in SECTIONS if sec in raw and "when" in raw[sec])
+    lines = [f"# Pipeline benchmark ({mode})", "", machine, f"Sections measured: {measured}.", "", noise, "",
+             models, "",
              "## Definitions", "", DEFINITIONS]
     lines += _render_efficiency(raw, der)
     lines += _render_overhead(raw, der)
@@ -338,6 +343,10 @@ def render(raw: dict, der: dict, mode: str, plots: list[str]) -> str:
     if plots:
         lines += ["## Plots", ""] + [f"![{Path(p).stem}]({Path(p).name})" for p in plots] + [""]
     return "\n".join(lines)
+
+
+def _load(avg) -> str:
+    return "/".join(f"{x:.1f}" for x in avg)
 
 
 def _render_efficiency(raw, der) -> list[str]:
@@ -394,8 +403,8 @@ def _render_overhead(raw, der) -> list[str]:
             rows.append([f"torch {r['schedule']}", r["m"], fmt(r["step_s"] * 1e3), fmt(d["ideal_s"] * 1e3), n,
                          f"**{d['overhead_ms']:.3f}**", fmt(d["overhead_cp_ms"], 3), fmt(r["step_spread"])])
     return ["## 2. Orchestration overhead per action", "",
-            "GPT `tiny`: every action is ≈ free, so step − ideal is the runtime's own cost. Target ≤ 0.3 ms "
-            "per action.", "",
+            ("GPT `tiny`: every action is ≈ free, so step − ideal is the runtime's own cost. Target ≤ 0.3 ms "
+            "per action."), "",
             md_table(["runtime", "m", "step ms", "ideal ms", "N", "overhead ms/action", "ms/critical-path action",
                       "spread"], rows), ""]
 
@@ -444,18 +453,18 @@ def _render_plain(raw, der) -> list[str]:
         else:
             base.append([r.get("size"), r.get("m"), r.get("cores"), r["status"], "", "", ""])
     out = ["## 4. meshpipe vs plain JAX", "",
-           "Plain JAX: the whole model, same global batch and microbatches, `lax.scan` of `value_and_grad` + "
+           ("Plain JAX: the whole model, same global batch and microbatches, `lax.scan` of `value_and_grad` + "
            "adam in ONE jit, in a child process whose CPU affinity is the given cores (XLA sizes its thread "
            "pool from it), on all cores and on one; *plain* is the faster of the two (XLA does not always gain from the "
            "second core at these sizes, and a loaded machine penalises the 2-thread run). Target: of bound ≥ 0.9 "
            "at `large`, m = 8. *loss Δ*: the largest relative difference "
            "between the pipeline's and plain JAX's per-step losses (same init, data and optimizer: a sanity "
-           "check that both trained the same model; float32, so ~1e-6 is agreement).", ""]
+           "check that both trained the same model; float32, so ~1e-6 is agreement)."), ""]
     if rows:
         out += [md_table(["size", "m", "schedule", "plain ms (cores)", "pipeline ms", "vs plain", "bound", "of bound",
                           "loss Δ"], rows, "lrlrrrrrr"), ""]
-    out += ["Baselines (step = whole jitted step; fused mb = one microbatch's jitted forward+backward; update = adam "
-            "alone):", "", md_table(["size", "m", "cores", "step ms", "fused mb ms", "update ms", "spread"], base), ""]
+    out += [("Baselines (step = whole jitted step; fused mb = one microbatch's jitted forward+backward; update = adam "
+            "alone):"), "", md_table(["size", "m", "cores", "step ms", "fused mb ms", "update ms", "spread"], base), ""]
     return out
 
 
@@ -481,11 +490,11 @@ def _render_torch(raw, der) -> list[str]:
                                 for c, a in zip(r["costs"], r["standalone"]))])
     failed = [r for r in t["pipe"] if r.get("status") != "ok"]
     out = ["## 5. vs torch.distributed.pipelining", "",
-           "torch 2 ranks (gloo, 1 thread each, pinned one per core), same GPT shapes (same FLOPs, not the same "
+           ("torch 2 ranks (gloo, 1 thread each, pinned one per core), same GPT shapes (same FLOPs, not the same "
            "parameters). *of bound* uses each framework's own plain baseline (plain torch: Python microbatch "
            "loop + adam, threads = cores given, the faster of all cores and one core). *torch ÷ meshpipe step* > 1 means meshpipe is faster in absolute terms "
            "(kernels differ: XLA vs ATen). *in-run÷standalone F, B*: torch's in-pipeline F and B (used for its "
-           "ideal) vs the same timed standalone, per rank (stage 0 / stage 1), ms.", ""]
+           "ideal) vs the same timed standalone, per rank (stage 0 / stage 1), ms."), ""]
     if rows:
         out += [md_table(["size", "m", "schedule", "meshpipe eff", "torch eff", "meshpipe ms/cp action",
                           "torch ms/cp action", "meshpipe of bound", "torch of bound", "torch ÷ meshpipe step",
@@ -508,9 +517,9 @@ def _render_memory(raw) -> list[str]:
                      fmt(r["residual_bytes"] / 2**20, 2), fmt(r["peak_activation_bytes"] / 2**20, 1),
                      fmt(r["param_bytes"] / 2**20, 1)])
     return ["## 6. Peak activation memory per stage (predicted)", "",
-            "Not measured on the actors (needs a worker hook, see the notes); predicted = peak in-flight "
+            ("Not measured on the actors (needs a worker hook, see the notes); predicted = peak in-flight "
             "microbatches (simulator) × residual bytes per microbatch. zb-h1 also keeps each microbatch's "
-            "output gradient between I and W (not counted).", "",
+            "output gradient between I and W (not counted)."), "",
             md_table(["size", "m", "schedule", "stage", "peak in-flight", "residual MiB/mb", "peak MiB",
                       "params MiB"], rows, "lrlrrrrr"), ""]
 

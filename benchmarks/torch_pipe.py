@@ -47,7 +47,6 @@ TORCH_SCHEDULES = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe"}
 
 def available() -> bool:
     try:
-        import torch  # noqa: F401
         import torch.distributed.pipelining  # noqa: F401
     except ImportError:
         return False

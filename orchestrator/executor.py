@@ -56,8 +56,7 @@ class PipelineExecutor:
             optimizer=(job.optimizer.name, dict(job.optimizer.args)), seed=job.run.seed,
             actions=tuple(str(a) for a in grid if a is not None), num_stages=len(self.checked.stages),
             timeouts=dict(self.timeouts), pin_cpus=self.checked.cluster.pin_cpus, fail_setup=_injected_failure(stage.index, host), hosts=tuple(stage.hosts), devices_per_host=stage.devices_per_host,
-            prev_geom=geoms[s - 1] if s > 0 else None,
-            next_geom=geoms[s + 1] if s + 1 < len(geoms) else None)
+            geoms=tuple(geoms), chunks=tuple(tuple(c) for c in stage.chunks))
 
     def start(self) -> None:
         import ray
@@ -92,11 +91,7 @@ class PipelineExecutor:
         for rec in self.info:
             bundle = self.checked.stages[rec["stage"]].hosts[rec["host"]]
             rec["bundle"], rec["bundle_node_id"] = bundle, bundle_nodes.get(bundle)
-        refs = []
-        for s, row in enumerate(self.actors):
-            prev = self.actors[s - 1] if s > 0 else []
-            nxt = self.actors[s + 1] if s + 1 < len(self.actors) else []
-            refs += [a.connect.remote(prev, nxt) for a in row]
+        refs = [a.connect.remote(self.actors) for row in self.actors for a in row]
         wait_all(refs, self.timeouts["init_s"], "connecting stages", labels)
 
     def shutdown(self) -> None:

@@ -83,7 +83,7 @@ class RunMetrics:
             if "compile_s" in h:
                 self.compile.set(h["compile_s"], tags=tags)
             for direction, total in (h.get("sent_bytes_to") or {}).items():
-                peer = stage + 1 if direction == "next" else stage - 1
+                peer = int(direction)   # keyed by destination stage
                 key = (stage, host, direction)
                 delta = int(total) - self._sent.get(key, 0)
                 self._sent[key] = int(total)

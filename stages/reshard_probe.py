@@ -1,34 +1,33 @@
 """A minimal stage actor that moves one tensor with the pipeline's real transport.
 
-Tests and benchmarks need `stages.transport.RayTransport` between two actors
-whose meshes differ, without models, optimizers or schedules. `ReshardProbe`
-carries exactly the attributes `RayTransport` reads from a `StageWorker`
-(`cfg`, `mesh`, `inbox`, `prev`, `next`) and the same `deliver` entry point,
-so a probe's `send` / `recv` run the very code a pipeline stage runs.
+Tests and benchmarks need `stages.transport.RayTransport` between actors whose
+meshes differ, without models, optimizers or schedules. `ReshardProbe` builds
+its mesh, mailbox and `RayTransport` the way `StageWorker.setup` does and
+exposes the same `deliver` entry point, so its `send` / `recv` run the very
+code a pipeline stage runs.
 
 Basic flow (the driver creates the actors with `probe_options`):
   1. multi-host stages only: `coordinator_address()` on host 0, then
-     `init_distributed(...)` on every host of the stage (a jax.distributed world
-     per stage, as `StageWorker.setup` does);
-  2. `configure(geom, host, axes, prev_geom=…, next_geom=…, prev=…, next=…)` —
-     builds the stage mesh (the first `prod(mesh)` global devices, host-major)
-     and a fresh `RayTransport`; can be called again for the next case;
-  3. `send(key, seed, shape, dtype, direction)` on every host of the source
-     stage, `recv(key, shape, dtype, direction)` on every host of the
+     `init_distributed(...)` on every host of the stage (one jax.distributed
+     world per stage, as `StageWorker.setup` does);
+  2. `configure(geoms, stage, host, axes, actors)` — this actor becomes host
+     `host` of stage `stage` among `geoms` (every stage's `StageGeom`; `actors`
+     is every stage's handles, as `StageWorker.connect` gets them). It builds the
+     stage mesh (the first prod(mesh) global devices, host-major), a fresh
+     mailbox and a fresh `RayTransport`; call it again for the next case once
+     nothing is in flight;
+  3. `send(key, seed, shape, dtype, to_stage)` on every host of the source
+     stage, `recv(key, shape, dtype, from_stage)` on every host of the
      destination stage. The sender builds `random_array(seed, …)` with its own
      sharding; the receiver returns its addressable shards with their global
      index as JAX reports it, so the driver checks them against numpy slices.
-
-`direction` is the transport's: "next" sends like SEND_F and receives like
-RECV_B's peer; "prev" is the gradient direction.
 """
 from __future__ import annotations
 
 import os
 import socket
 import time
-from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -38,7 +37,7 @@ from stages.mailbox import Mailbox
 
 
 def random_array(seed: int, shape: Sequence[int], dtype: Any = np.float32) -> np.ndarray:
-    """The deterministic test tensor for `seed` (float: standard normal; int: full range bits).
+    """The deterministic test tensor for `seed` (float: standard normal; int: full-range integers).
 
     Example:
         >>> a = random_array(0, (2, 3))
@@ -60,57 +59,18 @@ def probe_options(devices: int, num_cpus: float = 0.25) -> dict:
         "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}}}
 
 
-@dataclass(frozen=True)
-class _Layer:
-    out_axes: tuple
-
-
-@dataclass(frozen=True)
-class _OneLayerSpec:
-    """Stands in for `ModelSpec`: one layer whose output carries the probe's axes."""
-
-    layers: tuple[_Layer, ...]
-
-
-@dataclass(frozen=True)
-class ProbeConfig:
-    """The fields of `stages.worker.WorkerConfig` that `RayTransport` reads.
-
-    `layers == (1, 1)` with a one-layer spec makes the transport's "prev" and
-    "next" axes both the probe's `axes`.
-    """
-
-    hosts: tuple[int, ...]
-    host: int
-    mesh: Mapping[str, int]
-    layout: Mapping[str, Any]
-    devices_per_host: int
-    spec: _OneLayerSpec
-    layers: tuple[int, int]
-    prev_geom: StageGeom | None
-    next_geom: StageGeom | None
-
-    @staticmethod
-    def of(geom: StageGeom, host: int, axes: Sequence[str | None], prev_geom: StageGeom | None = None,
-           next_geom: StageGeom | None = None) -> "ProbeConfig":
-        return ProbeConfig(hosts=geom.hosts, host=host, mesh=dict(geom.mesh), layout=dict(geom.layout),
-                           devices_per_host=geom.devices_per_host,
-                           spec=_OneLayerSpec((_Layer(tuple(axes)),)), layers=(1, 1),
-                           prev_geom=prev_geom, next_geom=next_geom)
-
-
 class ReshardProbe:
     """One host of a stage that only moves tensors (see the module docstring)."""
 
     def __init__(self, name: str = "probe"):
         self.name = name
         self.inbox = Mailbox(name)
-        self.prev: list = []
-        self.next: list = []
-        self.cfg: ProbeConfig | None = None
+        self.actors: list[list] = []
+        self.geoms: tuple[StageGeom, ...] = ()
+        self.stage = 0
+        self.axes: tuple = ()
         self.mesh = None
         self.transport = None
-        self.axes: tuple = ()
         self.delivered: list = []
         self._stage_hosts = 1
 
@@ -133,15 +93,15 @@ class ReshardProbe:
         return {"process": jax.process_index(), "devices": [d.id for d in jax.devices()],
                 "local": [d.id for d in jax.local_devices()]}
 
-    def configure(self, geom: StageGeom, host: int, axes: Sequence[str | None],
-                  prev_geom: StageGeom | None = None, next_geom: StageGeom | None = None,
-                  prev: Sequence = (), next: Sequence = ()) -> dict:
-        """Become host `host` (index in `geom.hosts`) of the stage `geom`; returns the mesh's device ids."""
+    def configure(self, geoms: Sequence[StageGeom], stage: int, host: int, axes: Sequence[str | None],
+                  actors: Sequence[Sequence]) -> dict:
+        """Become host `host` (index in `geoms[stage].hosts`) of stage `stage`; returns the mesh's device ids."""
         import jax
         from jax.sharding import Mesh
 
         from stages.transport import RayTransport
 
+        geom = geoms[stage]
         shape = tuple(n for _, n in geom.mesh)
         n = int(np.prod(shape))
         devices = list(jax.devices())
@@ -151,12 +111,21 @@ class ReshardProbe:
         owners = [d.process_index for d in devices]
         if owners != sorted(owners) or owners.count(jax.process_index()) != geom.devices_per_host:
             raise RuntimeError(f"{self.name}: device owners {owners} do not match host {host} of {geom}")
+        self.geoms, self.stage, self.axes = tuple(geoms), stage, tuple(axes)
+        self.actors = [list(row) for row in actors]
         self.mesh = Mesh(np.array(devices).reshape(shape), tuple(name for name, _ in geom.mesh))
-        self.cfg = ProbeConfig.of(geom, host, axes, prev_geom, next_geom)
-        self.axes = tuple(axes)
-        self.prev, self.next = list(prev), list(next)
-        self.transport = RayTransport(self)
+        # a fresh mailbox per case: nothing a failed earlier case left behind can be taken by this one
+        self.inbox.close("reconfigured")
+        self.inbox, self.delivered = type(self.inbox)(self.name), []
+        self.transport = RayTransport(me=geom.hosts[host], geom=geom, mesh=self.mesh, inbox=self.inbox,
+                                      peers=lambda s: self.actors[s])
         return {"mesh": [d.id for d in devices], "local": [i for i, _ in self.transport.local]}
+
+    def edge(self, stage: int):
+        """The transport's view of the boundary with `stage` for this probe's tensor."""
+        from stages.transport import Edge
+
+        return Edge(stage, self.geoms[stage], self.axes)
 
     def deliver(self, key, payload) -> None:
         self.delivered.append(tuple(key))
@@ -178,7 +147,8 @@ class ReshardProbe:
     def sharding(self):
         from jax.sharding import NamedSharding, PartitionSpec
 
-        return NamedSharding(self.mesh, PartitionSpec(*partition_spec(self.axes, dict(self.cfg.layout))))
+        layout = dict(self.geoms[self.stage].layout)
+        return NamedSharding(self.mesh, PartitionSpec(*partition_spec(self.axes, layout)))
 
     def source_array(self, seed: int, shape: Sequence[int], dtype: Any = np.float32):
         """`random_array(seed, …)` as a jax.Array with this stage's sharding (each host fills its own shards)."""
@@ -188,21 +158,20 @@ class ReshardProbe:
         return jax.block_until_ready(jax.make_array_from_callback(tuple(shape), self.sharding(),
                                                                   lambda idx: host[idx]))
 
-    def send(self, key: tuple, seed: int, shape: Sequence[int], dtype: Any = np.float32,
-             direction: str = "next", timeout: float = 60.0) -> dict:
-        """Send `random_array(seed, shape, dtype)` along `direction`; returns bytes pushed and seconds."""
+    def send(self, key: tuple, seed: int, shape: Sequence[int], dtype: Any, to_stage: int,
+             timeout: float = 60.0) -> dict:
+        """Send `random_array(seed, shape, dtype)` to stage `to_stage`; returns bytes pushed and seconds."""
         array = self.source_array(seed, shape, dtype)
         before = self.transport.sent_bytes
         t0 = time.perf_counter()
-        self.transport.send(tuple(key), array, direction)
+        self.transport.send(tuple(key), array, self.edge(to_stage))
         t1 = time.perf_counter()
         self.transport.flush(timeout)
         return {"sent_bytes": self.transport.sent_bytes - before, "send_s": t1 - t0,
                 "flushed_s": time.perf_counter() - t0}
 
-    def recv(self, key: tuple, shape: Sequence[int], dtype: Any = np.float32, direction: str = "prev",
-             timeout: float = 60.0) -> dict:
-        """Receive along `direction`; returns this host's shards as JAX places them.
+    def recv(self, key: tuple, shape: Sequence[int], dtype: Any, from_stage: int, timeout: float = 60.0) -> dict:
+        """Receive from stage `from_stage`; returns this host's shards as JAX places them.
 
         Returns:
           {"shards": [(index, data)], "full": global numpy array or None, "sharding_ok": bool}
@@ -212,7 +181,8 @@ class ReshardProbe:
         import jax
 
         sharding = self.sharding()
-        array = self.transport.recv(tuple(key), tuple(shape), np.dtype(dtype), sharding, direction, timeout)
+        array = self.transport.recv(tuple(key), tuple(shape), np.dtype(dtype), sharding, self.edge(from_stage),
+                                    timeout)
         jax.block_until_ready(array)
         shards = []
         for s in array.addressable_shards:

@@ -17,19 +17,34 @@ between GPU hosts) can replace `RayTransport` without touching the plan.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from orchestrator.edges import StageGeom, edge_plan
 from orchestrator.reshard import assemble, pack
 
 
+@dataclass(frozen=True)
+class Edge:
+    """One direction of a stage boundary as seen from this stage.
+
+    `stage` is the peer's stage index, `geom` its geometry, `axes` the logical
+    axes of the tensor crossing (the activation leaving the earlier layer).
+    """
+
+    stage: int
+    geom: StageGeom
+    axes: tuple
+
+
 class Transport:
     """What the stage worker needs: send/recv along an edge, and a host → device helper."""
 
-    def send(self, key: tuple, array, direction: str) -> None:
+    def send(self, key: tuple, array, edge: Edge) -> None:
         raise NotImplementedError
 
-    def recv(self, key: tuple, shape: tuple, dtype, sharding, direction: str, timeout: float):
+    def recv(self, key: tuple, shape: tuple, dtype, sharding, edge: Edge, timeout: float):
         raise NotImplementedError
 
     def flush(self, timeout: float) -> None:
@@ -44,48 +59,46 @@ class Transport:
 
 
 class RayTransport(Transport):
-    def __init__(self, worker):
+    """Tiles through Ray calls into the peers' mailboxes.
+
+    Args:
+      me: this host's cluster host index; geom: this stage's geometry; mesh: its
+      jax Mesh (flat device order = the plan's device ids); inbox: this actor's
+      Mailbox; peers: callable stage index -> that stage's actor handles.
+    """
+
+    def __init__(self, *, me: int, geom: StageGeom, mesh, inbox, peers):
         import jax
 
-        cfg = worker.cfg
-        self.worker = worker
-        self.me = cfg.hosts[cfg.host]
-        self.geom = StageGeom.of(cfg.mesh, cfg.hosts, cfg.devices_per_host, cfg.layout)
-        self.peer_geom = {"prev": cfg.prev_geom, "next": cfg.next_geom}
-        spec = cfg.spec
-        self.axes = {"prev": spec.layers[cfg.layers[0] - 1].out_axes if cfg.layers[0] > 0 else None,
-                     "next": spec.layers[cfg.layers[1] - 1].out_axes}
-        devices = list(worker.mesh.devices.flat)
+        self.me, self.geom, self.inbox, self.peers = me, geom, inbox, peers
+        devices = list(mesh.devices.flat)
         self.flat = {d.id: i for i, d in enumerate(devices)}
-        me = jax.process_index()
-        self.local = [(i, d) for i, d in enumerate(devices) if d.process_index == me]
+        here = jax.process_index()
+        self.local = [(i, d) for i, d in enumerate(devices) if d.process_index == here]
         self.sent_bytes = 0
-        self.sent_bytes_to = {"prev": 0, "next": 0}   # the same, per neighbour (telemetry)
+        self.sent_bytes_to: dict[str, int] = {}   # per destination stage (telemetry)
         self._inflight: list = []
 
-    def _peers(self, direction: str) -> list:
-        return self.worker.next if direction == "next" else self.worker.prev
-
-    def send(self, key, array, direction):
-        peer_geom = self.peer_geom[direction]
-        plan = edge_plan(self.geom, peer_geom, self.axes[direction], array.shape, array.dtype)
+    def send(self, key, array, edge):
+        plan = edge_plan(self.geom, edge.geom, edge.axes, array.shape, array.dtype)
         by_device = {self.flat[s.device.id]: s for s in array.addressable_shards}
-        peers = self._peers(direction)
+        peers = self.peers(edge.stage)
         for dst_host, tiles in plan.sends.get(self.me, {}).items():
             if not tiles:
                 continue
             shards = {d: np.asarray(by_device[d].data) for d in {t.src_device for t in tiles}}
             payload = pack(plan, self.me, dst_host, shards)
-            self.sent_bytes += sum(p.nbytes for p in payload)
-            self.sent_bytes_to[direction] += sum(p.nbytes for p in payload)
-            peer = peers[peer_geom.hosts.index(dst_host)]
+            nbytes = sum(p.nbytes for p in payload)
+            self.sent_bytes += nbytes
+            self.sent_bytes_to[str(edge.stage)] = self.sent_bytes_to.get(str(edge.stage), 0) + nbytes
+            peer = peers[edge.geom.hosts.index(dst_host)]
             self._inflight.append(peer.deliver.options(concurrency_group="io").remote((*key, self.me), payload))
 
-    def recv(self, key, shape, dtype, sharding, direction, timeout):
+    def recv(self, key, shape, dtype, sharding, edge, timeout):
         import jax
 
-        plan = edge_plan(self.peer_geom[direction], self.geom, self.axes[direction], shape, dtype)
-        received = {src: self.worker.inbox.take((*key, src), timeout)
+        plan = edge_plan(edge.geom, self.geom, edge.axes, shape, dtype)
+        received = {src: self.inbox.take((*key, src), timeout)
                     for src, per_dst in plan.sends.items() if per_dst.get(self.me)}
         local = assemble(plan, self.me, received)
         arrays = [jax.device_put(local[i], d) for i, d in self.local]
@@ -98,7 +111,3 @@ class RayTransport(Transport):
         if self._inflight:
             ray.get(self._inflight, timeout=timeout)
         self._inflight.clear()
-
-
-def make_transport(worker) -> Transport:
-    return RayTransport(worker)

@@ -8,7 +8,8 @@ Basic flow (driven by `orchestrator.executor`):
      explicit coordinator on CPU/GPU, auto-detection on whole TPU slices;
      bounded timeout); builds the stage's
      named `Mesh`, the jitted programs, parameters and optimizer state.
-  3. `connect(prev, next)` — handles of the neighbouring stages' actors.
+  3. `connect(actors)` — every stage's actor handles (interleaved schedules
+     send from the last stage back to the first for the next chunk).
   4. `run_step(step)` — executes this stage's lowered action list for one step:
      F/B/I/W compute, SEND_* push tensors to the neighbours' mailboxes (never
      block), RECV_* take from this actor's mailbox (bounded wait), OPT updates.
@@ -52,10 +53,14 @@ class WorkerConfig:
     timeouts: dict[str, float] = field(default_factory=dict)
     hosts: tuple[int, ...] = (0,)   # cluster host index of each host of this stage
     devices_per_host: int = 1
-    prev_geom: Any = None           # orchestrator.edges.StageGeom of the neighbours (None at the ends)
-    next_geom: Any = None
+    geoms: tuple = ()               # orchestrator.edges.StageGeom of every stage (peers' meshes/layouts)
+    chunks: tuple[tuple[int, int], ...] = ()   # layer range per virtual chunk; () means (layers,)
     pin_cpus: bool = False          # pin this process to core (cluster_host mod cores) before jax loads
     fail_setup: str | None = None   # test-only fault injection: setup raises this message
+
+    @property
+    def layer_chunks(self) -> tuple[tuple[int, int], ...]:
+        return tuple(self.chunks) or (tuple(self.layers),)
 
     @property
     def who(self) -> str:
@@ -66,8 +71,7 @@ class StageWorker:
     def __init__(self, cfg: WorkerConfig):
         self.cfg = cfg
         self.inbox = Mailbox(cfg.who)
-        self.prev: list = []
-        self.next: list = []
+        self.actors: list[list] = []    # every stage's actor handles, set by connect()
         from orchestrator.schedule import Action
 
         self.actions = [Action.parse(text) for text in cfg.actions]
@@ -116,17 +120,18 @@ class StageWorker:
             raise RuntimeError(f"{cfg.who}: jax device order {owners} is not host-major with "
                                f"{cfg.devices_per_host} devices per host")
         self.mesh = Mesh(devices.reshape(tuple(cfg.mesh.values())), tuple(cfg.mesh))
-        self.prog = StageProgram(cfg.spec, load_impl(cfg.spec), *cfg.layers, microbatches=cfg.microbatches,
-                                 optimizer=make_optimizer(*cfg.optimizer), mesh=self.mesh, layout=cfg.layout)
-        self.params = self.prog.init_params(cfg.seed)
-        self.opt_state, self.grads = self.prog.init_state(self.params)
-        from stages.transport import make_transport
+        impl, tx = load_impl(cfg.spec), make_optimizer(*cfg.optimizer)
+        self.progs = [StageProgram(cfg.spec, impl, start, stop, microbatches=cfg.microbatches, optimizer=tx,
+                                   mesh=self.mesh, layout=cfg.layout) for start, stop in cfg.layer_chunks]
+        self.params = [prog.init_params(cfg.seed) for prog in self.progs]
+        states = [prog.init_state(p) for prog, p in zip(self.progs, self.params)]
+        self.opt_state = [st[0] for st in states]
+        self.grads = [st[1] for st in states]
+        from stages.transport import RayTransport
 
-        self.transport = make_transport(self)
-        mbs = cfg.data.global_batch // cfg.microbatches
-        start, stop = cfg.layers
-        self.in_shape = (mbs, *cfg.spec.layers[start - 1].out_shape) if start > 0 else None
-        self.out_shape = (mbs, *cfg.spec.layers[stop - 1].out_shape)
+        self.transport = RayTransport(me=cfg.hosts[cfg.host], geom=cfg.geoms[cfg.stage], mesh=self.mesh,
+                                      inbox=self.inbox, peers=lambda stage: self.actors[stage])
+        self._plan_edges()
         jax.block_until_ready(self.params)
         import ray
 
@@ -135,8 +140,27 @@ class StageWorker:
                 "devices": int(devices.size), "local_devices": len(jax.local_devices()),
                 "setup_s": time.perf_counter() - t0}
 
-    def connect(self, prev: list, nxt: list) -> None:
-        self.prev, self.next = list(prev), list(nxt)
+    def _plan_edges(self) -> None:
+        """Per chunk: where its input comes from and its output goes (virtual stage c·p + s ± 1)."""
+        from stages.transport import Edge
+
+        cfg, p = self.cfg, self.cfg.num_stages
+        v = len(self.progs)
+        mbs = cfg.data.global_batch // cfg.microbatches
+        self.edge_in, self.edge_out, self.in_shape, self.out_shape = [], [], [], []
+        for c, (start, stop) in enumerate(cfg.layer_chunks):
+            virtual = c * p + cfg.stage
+            before, after = virtual - 1, virtual + 1
+            self.edge_in.append(None if before < 0 else Edge(
+                before % p, cfg.geoms[before % p], tuple(cfg.spec.layers[start - 1].out_axes)))
+            self.edge_out.append(None if after >= p * v else Edge(
+                after % p, cfg.geoms[after % p], tuple(cfg.spec.layers[stop - 1].out_axes)))
+            self.in_shape.append((mbs, *cfg.spec.layers[start - 1].out_shape) if start > 0 else None)
+            self.out_shape.append((mbs, *cfg.spec.layers[stop - 1].out_shape))
+
+    def connect(self, actors: list[list]) -> None:
+        """Handles of every stage's actors (interleaved schedules talk to more than two neighbours)."""
+        self.actors = [list(row) for row in actors]
 
     def deliver(self, key, payload) -> None:
         self.inbox.put(key, payload)
@@ -150,63 +174,73 @@ class StageWorker:
 
     # -- one step ----------------------------------------------------------
     def run_step(self, step: int) -> dict:
+        """Execute this stage's lowered action list for `step` (see the module docstring)."""
         import jax
 
-        cfg, prog = self.cfg, self.prog
+        cfg, progs = self.cfg, self.progs
         timeout = cfg.timeouts.get("step_s", 600.0)
+        first, last = progs[0].first, progs[-1].last
         x_all = y_all = None
-        if prog.first or prog.last:
+        if first or last:
             x_all, y_all = cfg.data.batch(step)
-        inputs: dict = {}
-        residuals: dict = {}
-        outputs: dict = {}
-        dys: dict = {}
-        dxs: dict = {}
+        m = cfg.microbatches
+        inputs, residuals, outputs, dys, dxs = {}, {}, {}, {}, {}   # keyed (microbatch, chunk)
         losses: dict[int, Any] = {}
         spans = []
         for a in self.actions:
-            kind, mb = a.kind.value, a.microbatch
+            kind, key = a.kind.value, (a.microbatch, a.chunk)
+            c = a.chunk
+            prog = progs[c] if kind != "OPT" else None
             t0 = time.time()
             if kind == "F":
                 if prog.first:
-                    x = self.transport.from_host(microbatch(x_all, mb, cfg.microbatches), prog.input_sharding())
+                    x = self.transport.from_host(microbatch(x_all, a.microbatch, m), prog.input_sharding())
                 else:
-                    x = inputs.pop(mb)
+                    x = inputs.pop(key)
                 labels = None
                 if prog.last:
-                    labels = self.transport.from_host(microbatch(y_all, mb, cfg.microbatches),
-                                                      prog.label_sharding())
-                y, residuals[mb] = prog.fwd(self.params, x, labels)
+                    labels = self.transport.from_host(microbatch(y_all, a.microbatch, m), prog.label_sharding())
+                y, residuals[key] = prog.fwd(self.params[c], x, labels)
                 jax.block_until_ready(y)
                 if prog.last:
-                    losses[mb] = y
+                    losses[a.microbatch] = y
+                elif self.edge_out[c].stage == cfg.stage:      # next chunk lives here (p = 1)
+                    inputs[(a.microbatch, c + 1)] = y
                 else:
-                    outputs[mb] = y
-            elif kind == "B":
-                dx, dp = prog.bwd(self.params, residuals.pop(mb), dys.pop(mb, None))
-                self.grads = prog.accumulate(self.grads, dp)
+                    outputs[key] = y
+            elif kind in ("B", "I"):
+                dy = dys.pop(key, None) if kind == "B" else dys.get(key)
+                if kind == "B":
+                    dx, dp = prog.bwd(self.params[c], residuals.pop(key), dy)
+                    self.grads[c] = prog.accumulate(self.grads[c], dp)
+                    jax.block_until_ready(self.grads[c])
+                else:
+                    dx = prog.bwd_i(self.params[c], residuals[key], dy)
                 if dx is not None:
-                    dxs[mb] = dx
-                jax.block_until_ready(self.grads)
-            elif kind == "I":
-                dx = prog.bwd_i(self.params, residuals[mb], dys.get(mb))
-                if dx is not None:
-                    dxs[mb] = jax.block_until_ready(dx)
+                    jax.block_until_ready(dx)
+                    if self.edge_in[c].stage == cfg.stage:       # previous chunk lives here (p = 1)
+                        dys[(a.microbatch, c - 1)] = dx
+                    else:
+                        dxs[key] = dx
             elif kind == "W":
-                dp = prog.bwd_w(self.params, residuals.pop(mb), dys.pop(mb, None))
-                self.grads = jax.block_until_ready(prog.accumulate(self.grads, dp))
+                dp = prog.bwd_w(self.params[c], residuals.pop(key), dys.pop(key, None))
+                self.grads[c] = jax.block_until_ready(prog.accumulate(self.grads[c], dp))
             elif kind == "RECV_F":
-                inputs[mb] = self.transport.recv((step, "F", mb), self.in_shape, np.float32,
-                                                 prog.input_sharding(), "prev", timeout)
+                inputs[key] = self.transport.recv((step, "F") + key, self.in_shape[c], np.float32,
+                                                  prog.input_sharding(), self.edge_in[c], timeout)
             elif kind == "RECV_B":
-                dys[mb] = self.transport.recv((step, "B", mb), self.out_shape, np.float32,
-                                              prog.output_sharding(), "next", timeout)
+                dys[key] = self.transport.recv((step, "B") + key, self.out_shape[c], np.float32,
+                                               prog.output_sharding(), self.edge_out[c], timeout)
             elif kind == "SEND_F":
-                self.transport.send((step, "F", mb), outputs.pop(mb), "next")
+                peer_chunk = c + (1 if self.edge_out[c].stage < cfg.stage else 0)
+                self.transport.send((step, "F", a.microbatch, peer_chunk), outputs.pop(key), self.edge_out[c])
             elif kind == "SEND_B":
-                self.transport.send((step, "B", mb), dxs.pop(mb), "prev")
+                peer_chunk = c - (1 if self.edge_in[c].stage > cfg.stage else 0)
+                self.transport.send((step, "B", a.microbatch, peer_chunk), dxs.pop(key), self.edge_in[c])
             elif kind == "OPT":
-                self.params, self.opt_state, self.grads = prog.update(self.params, self.opt_state, self.grads)
+                for i, p in enumerate(progs):
+                    self.params[i], self.opt_state[i], self.grads[i] = p.update(
+                        self.params[i], self.opt_state[i], self.grads[i])
                 jax.block_until_ready(self.params)
             else:
                 raise ValueError(f"{cfg.who}: cannot execute action {a}")
@@ -215,8 +249,8 @@ class StageWorker:
         from orchestrator.telemetry import stage_stats
 
         out = {"stage": cfg.stage, "host": cfg.host, "spans": spans, "stats": stage_stats(self)}
-        if prog.last:
-            out["losses"] = [float(losses[i]) for i in range(cfg.microbatches)]
+        if last:
+            out["losses"] = [float(losses[i]) for i in range(m)]
         return out
 
     def param_norms(self) -> dict[str, float]:
@@ -224,8 +258,9 @@ class StageWorker:
         from jax.experimental import multihost_utils
 
         norms = {}
-        for i, (layer, p) in enumerate(zip(self.prog.layers, self.params), start=self.cfg.layers[0]):
-            for name in sorted(p):
-                full = np.asarray(multihost_utils.process_allgather(p[name], tiled=True), dtype=np.float64)
-                norms[param_name(i, layer, name)] = float(np.linalg.norm(full))
+        for prog, params in zip(self.progs, self.params):
+            for i, (layer, p) in enumerate(zip(prog.layers, params), start=prog.start):
+                for name in sorted(p):
+                    full = np.asarray(multihost_utils.process_allgather(p[name], tiled=True), dtype=np.float64)
+                    norms[param_name(i, layer, name)] = float(np.linalg.norm(full))
         return norms

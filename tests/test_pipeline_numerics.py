@@ -88,3 +88,17 @@ def test_gpt_loss_decreases_over_50_steps(tmp_path, no_leaks):
     checked = check_job(parse_job(job), parse_cluster(CLUSTER))
     losses = run_job(checked, echo=lambda s: None)["losses"]
     assert np.mean(losses[-5:]) < 0.6 * np.mean(losses[:5])
+
+
+def test_gpt_interleaved_two_chunks_per_stage_matches_reference(tmp_path, no_leaks):
+    """interleaved-1f1b, v=2: stage 1's first chunk sends back to stage 0's second chunk."""
+    job = gpt_job(tmp_path, "interleaved-1f1b", steps=3, virtual_stages=2)
+    job["model"]["args"]["blocks"] = 6                     # 8 layers = 2 stages × 2 chunks × 2 layers
+    job["pipeline"]["stages"] = [
+        {"layers": [[0, 2], [4, 6]], "mesh": {"data": 2}},
+        {"layers": [[2, 4], [6, 8]], "mesh": {"model": 2}},
+    ]
+    pipe, ref = run_both(job)
+    assert_same_training(pipe, ref)
+    grid = pipe["plan"]["schedule"]["grid"]
+    assert any("c1" in cell for row in grid for cell in row)

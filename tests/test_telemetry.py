@@ -135,9 +135,9 @@ def test_run_metrics_tags_and_counter_deltas(monkeypatch):
     tel = RunTelemetry("demo", low, sim.bubble_fraction, global_batch=8)
     m = metrics.RunMetrics("demo", sim.bubble_fraction)
     hosts = lambda n: [  # noqa: E731
-        {"stage": 0, "host": 0, "sent_bytes_to": {"prev": 0, "next": 100 * n}, "memory_bytes": 5,
+        {"stage": 0, "host": 0, "sent_bytes_to": {"1": 100 * n}, "memory_bytes": 5,
          "memory_source": "process_rss", "compile_s": 1.5},
-        {"stage": 1, "host": 0, "sent_bytes_to": {"prev": 40 * n, "next": 0}, "memory_bytes": 6,
+        {"stage": 1, "host": 0, "sent_bytes_to": {"0": 40 * n}, "memory_bytes": 6,
          "memory_source": "process_rss", "compile_s": 2.5}]
     for step in range(3):
         m.record(tel.add(step, 0.5, 1.0, as_measured(sim, 10.0 * step), hosts(step + 1)))
