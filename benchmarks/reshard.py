@@ -1,7 +1,7 @@
 """Cross-mesh reshard throughput: the pipeline's RayTransport beside a raw object-store push.
 
 Run:  python -m benchmarks.reshard [--quick] [--cases NAME,NAME]
-Writes benchmarks/results/reshard.{md,json} and prints the markdown.
+Writes benchmarks/results/reshard.{md,json} (--quick: reshard.quick.{md,json}) and prints the markdown.
 
 For every case (two stage geometries, a float32 tensor with logical axes
 ("batch", "embed")) and size (16 MiB, 64 MiB; --quick: 16 MiB, 3 repeats),
@@ -587,8 +587,9 @@ def main(argv=None) -> None:
         ray.shutdown()
     md = markdown(results, meta)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "reshard.md").write_text(md)
-    (RESULTS / "reshard.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    stem = "reshard.quick" if args.quick else "reshard"
+    (RESULTS / f"{stem}.md").write_text(md)
+    (RESULTS / f"{stem}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     print(md)
 
 

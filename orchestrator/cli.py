@@ -69,7 +69,15 @@ def run(job, cluster, overrides, reference, address):
     except ConfigError as e:
         click.echo(f"meshpipe: invalid configuration:\n{e}", err=True)
         sys.exit(2)
-    run_job(checked, reference=reference, echo=lambda s: click.echo(s), tty=sys.stdout.isatty())
+    from orchestrator.placement import PlacementError
+    from orchestrator.waiting import StageFailure
+
+    try:
+        run_job(checked, reference=reference, echo=lambda s: click.echo(s), tty=sys.stdout.isatty())
+    except (PlacementError, StageFailure, TimeoutError) as e:
+        # the run was torn down already (runner's finally); say what failed, without a driver traceback
+        click.echo(f"meshpipe: run failed: {e}", err=True)
+        sys.exit(1)
 
 
 @main.command()

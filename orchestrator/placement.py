@@ -60,7 +60,7 @@ def connect(cluster, namespace: str) -> bool:
     if cluster.address is None:
         node_ip = getattr(cluster, "node_ip_address", "127.0.0.1")
         loopback = node_ip in LOOPBACK
-        with _loopback_only() if loopback else contextlib.nullcontext():
+        with loopback_only() if loopback else contextlib.nullcontext():
             ctx = ray.init(address="local", num_cpus=cluster.num_cpus, namespace=namespace,
                            include_dashboard=getattr(cluster, "dashboard", None),
                            dashboard_host=cluster.dashboard_host, log_to_driver=True,
@@ -82,7 +82,7 @@ def connect(cluster, namespace: str) -> bool:
 
 
 @contextlib.contextmanager
-def _loopback_only():
+def loopback_only():
     """While starting an embedded Ray: make it bind and advertise 127.0.0.1 only (module doc)."""
     old_env = os.environ.get(_SINGLE_MACHINE_VAR)
     try:

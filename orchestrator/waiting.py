@@ -35,7 +35,9 @@ def wait_all(refs: list, timeout: float, what: str, labels: list[str] | None = N
 
 
 def _short(e: Exception) -> str:
-    text = str(e).strip()
+    from orchestrator.redact import redact_text
+
+    text = redact_text(str(e)).strip()
     lines = [ln for ln in text.splitlines() if ln.strip()]
     # Ray wraps remote errors with the whole traceback; the last line holds the cause.
     return lines[-1] if lines else type(e).__name__

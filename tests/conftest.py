@@ -28,10 +28,13 @@ def _free_port() -> int:
 def ray_local():
     import ray
 
+    from orchestrator.placement import loopback_only
+
     if not ray.is_initialized():
         # the dashboard serves the state API the leak checks use; loopback only, any free port
-        ray.init(address="local", num_cpus=8, include_dashboard=True, dashboard_host="127.0.0.1",
-                 dashboard_port=_free_port(), namespace="meshpipe-tests", logging_level="WARNING")
+        with loopback_only():
+            ray.init(address="local", num_cpus=8, include_dashboard=True, dashboard_host="127.0.0.1",
+                     dashboard_port=_free_port(), namespace="meshpipe-tests", logging_level="WARNING")
     yield ray
     ray.shutdown()
 
