@@ -17,6 +17,7 @@ between GPU hosts) can replace `RayTransport` without touching the plan.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -87,7 +88,9 @@ class RayTransport(Transport):
             if not tiles:
                 continue
             shards = {d: np.asarray(by_device[d].data) for d in {t.src_device for t in tiles}}
-            payload = pack(plan, self.me, dst_host, shards)
+            # contiguous tiles travel as zero-copy buffers; strided views would be pickled inline
+            payload = [t if t.flags.c_contiguous else np.ascontiguousarray(t)
+                       for t in pack(plan, self.me, dst_host, shards)]
             nbytes = sum(p.nbytes for p in payload)
             self.sent_bytes += nbytes
             self.sent_bytes_to[str(edge.stage)] = self.sent_bytes_to.get(str(edge.stage), 0) + nbytes
@@ -98,7 +101,8 @@ class RayTransport(Transport):
         import jax
 
         plan = edge_plan(edge.geom, self.geom, edge.axes, shape, dtype)
-        received = {src: self.inbox.take((*key, src), timeout)
+        deadline = time.monotonic() + timeout          # one deadline for all senders
+        received = {src: self.inbox.take((*key, src), max(0.0, deadline - time.monotonic()))
                     for src, per_dst in plan.sends.items() if per_dst.get(self.me)}
         local = assemble(plan, self.me, received)
         arrays = [jax.device_put(local[i], d) for i, d in self.local]

