@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from orchestrator.edges import edges_json
+from orchestrator.placement import describe
+from orchestrator.redact import redact
 from orchestrator.schedule import Schedule, SimResult, generate, lower, render_grid, simulate, validate
 from stages.layout import format_layout
 
@@ -73,6 +75,7 @@ def plan_json(plan: Plan) -> dict:
             "grid": plan.schedule.grid(),
         },
         "edges": edges_json(checked),
+        "placement": redact(describe(checked)),
         "simulated": {
             "costs": plan.costs,
             "step_time": plan.sim.step_time,
@@ -98,6 +101,10 @@ def plan_text(plan: Plan) -> str:
         if len(s.hosts) > 1:
             lines.append(f"    multi-host submesh: {len(s.hosts)} jax processes; axes crossing hosts: "
                          f"{', '.join(crossing) or 'none'}")
+    lines += ["", "host actors (bundle: Ray resources; jax init):"]
+    for h in describe(checked):
+        lines.append(f"  stage {h['stage']} host {h['host']}: bundle {h['bundle']} {h['bundle_resources']}; "
+                     f"jax {h['jax_init'].get('mode')} ({h['jax_init'].get('num_processes')} process(es))")
     edges = edges_json(checked)
     if edges:
         lines += ["", "resharding per stage edge (one microbatch; cross-host bytes / lower bound):"]
