@@ -219,6 +219,18 @@ def measure_memory(cfg: dict) -> list[dict]:
     return out
 
 
+def measure_section(sec: str, cfg: dict, pin: bool, echo) -> dict:
+    if sec == "pipeline":
+        return {"records": measure_pipeline(cfg, pin, echo)}
+    if sec == "overhead":
+        return {"records": measure_overhead(cfg, pin, echo)}
+    if sec == "jax":
+        return {"records": measure_jax(cfg, echo)}
+    if sec == "torch":
+        return measure_torch(cfg, echo)
+    return {"records": measure_memory(cfg)}
+
+
 # ----------------------------------------------------------------------------- deriving
 
 def _jax(raw: dict, size: str, m: int | None, cores: int) -> dict | None:
@@ -330,8 +342,10 @@ def render(raw: dict, der: dict, mode: str, plots: list[str]) -> str:
               "global batch = m × microbatch.")
     measured = ", ".join(f"{sec} at {raw[sec]['when']} (load {raw[sec]['load'][0]:.1f})"
                          for sec in SECTIONS if sec in raw and "when" in raw[sec])
+    failed = [f"**{sec}** {raw[sec]['status']}" for sec in SECTIONS
+              if sec in raw and str(raw[sec].get("status", "")).startswith("failed")]
     lines = [f"# Pipeline benchmark ({mode})", "", machine, f"Sections measured: {measured}.", "", noise, "",
-             models, "",
+             *([f"Failed sections: {'; '.join(failed)}.", ""] if failed else []), models, "",
              "## Definitions", "", DEFINITIONS]
     lines += _render_efficiency(raw, der)
     lines += _render_overhead(raw, der)
@@ -650,16 +664,14 @@ def main(argv=None) -> None:
         for sec in only:
             echo(f"[{sec}] {time.perf_counter() - t0:.0f} s")
             when = {"when": time.strftime("%H:%M:%S"), "load": os.getloadavg()}
-            if sec == "pipeline":
-                raw[sec] = {**when, "records": measure_pipeline(cfg, pin, echo)}
-            elif sec == "overhead":
-                raw[sec] = {**when, "records": measure_overhead(cfg, pin, echo)}
-            elif sec == "jax":
-                raw[sec] = {**when, "records": measure_jax(cfg, echo)}
-            elif sec == "torch":
-                raw[sec] = {**when, **measure_torch(cfg, echo)}
-            elif sec == "memory":
-                raw[sec] = {**when, "records": measure_memory(cfg)}
+            try:
+                raw[sec] = {**when, **measure_section(sec, cfg, pin, echo)}
+            except Exception as e:  # noqa: BLE001 - one broken section must not lose the others
+                import traceback
+
+                traceback.print_exc()
+                raw[sec] = {**when, "status": f"failed: {type(e).__name__}: {str(e).strip()[:300]}"}
+                echo(f"  section {sec} {raw[sec]['status']}")
     finally:
         if started:
             import ray

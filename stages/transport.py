@@ -79,9 +79,19 @@ class RayTransport(Transport):
         self.sent_bytes = 0
         self.sent_bytes_to: dict[str, int] = {}   # per destination stage (telemetry)
         self._inflight: list = []
+        self._plans: dict = {}
+
+    def _plan(self, edge: Edge, outgoing: bool, shape, dtype):
+        """The edge's reshard plan, memoised here: a dict hit instead of rebuilding MeshSides per action."""
+        memo_key = (edge, outgoing, tuple(shape), np.dtype(dtype).str)
+        plan = self._plans.get(memo_key)
+        if plan is None:
+            src, dst = (self.geom, edge.geom) if outgoing else (edge.geom, self.geom)
+            plan = self._plans[memo_key] = edge_plan(src, dst, edge.axes, shape, dtype)
+        return plan
 
     def send(self, key, array, edge):
-        plan = edge_plan(self.geom, edge.geom, edge.axes, array.shape, array.dtype)
+        plan = self._plan(edge, True, array.shape, array.dtype)
         by_device = {self.flat[s.device.id]: s for s in array.addressable_shards}
         peers = self.peers(edge.stage)
         for dst_host, tiles in plan.sends.get(self.me, {}).items():
@@ -100,7 +110,7 @@ class RayTransport(Transport):
     def recv(self, key, shape, dtype, sharding, edge, timeout):
         import jax
 
-        plan = edge_plan(edge.geom, self.geom, edge.axes, shape, dtype)
+        plan = self._plan(edge, False, shape, dtype)
         deadline = time.monotonic() + timeout          # one deadline for all senders
         received = {src: self.inbox.take((*key, src), max(0.0, deadline - time.monotonic()))
                     for src, per_dst in plan.sends.items() if per_dst.get(self.me)}

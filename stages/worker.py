@@ -75,6 +75,7 @@ class StageWorker:
         from orchestrator.schedule import Action
 
         self.actions = [Action.parse(text) for text in cfg.actions]
+        self.action_texts = [str(a) for a in self.actions]
         if cfg.pin_cpus:
             cores = sorted(os.sched_getaffinity(0))
             os.sched_setaffinity(0, {cores[cfg.cluster_host % len(cores)]})
@@ -187,7 +188,7 @@ class StageWorker:
         inputs, residuals, outputs, dys, dxs = {}, {}, {}, {}, {}   # keyed (microbatch, chunk)
         losses: dict[int, Any] = {}
         spans = []
-        for a in self.actions:
+        for a, text in zip(self.actions, self.action_texts):
             kind, key = a.kind.value, (a.microbatch, a.chunk)
             c = a.chunk
             prog = progs[c] if kind != "OPT" else None
@@ -244,7 +245,7 @@ class StageWorker:
                 jax.block_until_ready(self.params)
             else:
                 raise ValueError(f"{cfg.who}: cannot execute action {a}")
-            spans.append((str(a), t0, time.time()))
+            spans.append((text, t0, time.time()))
         self.transport.flush(timeout)
         from orchestrator.telemetry import stage_stats
 
