@@ -47,7 +47,6 @@ class PipelineExecutor:
         job = self.checked.job
         grid = self.lowered.actions[stage.index]
         geoms = stage_geoms(self.checked)
-        s = stage.index
         return WorkerConfig(
             run=self.run, stage=stage.index, host=host, stage_hosts=len(stage.hosts),
             cluster_host=stage.hosts[host], layers=tuple(stage.layers), mesh=dict(stage.mesh),

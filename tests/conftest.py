@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
-def _free_port() -> int:
+def free_port() -> int:
     import socket
 
     with socket.socket() as s:
@@ -34,7 +34,7 @@ def ray_local():
         # the dashboard serves the state API the leak checks use; loopback only, any free port
         with loopback_only():
             ray.init(address="local", num_cpus=8, include_dashboard=True, dashboard_host="127.0.0.1",
-                     dashboard_port=_free_port(), namespace="meshpipe-tests", logging_level="WARNING")
+                     dashboard_port=free_port(), namespace="meshpipe-tests", logging_level="WARNING")
     yield ray
     ray.shutdown()
 
@@ -58,7 +58,7 @@ def live_placement_groups() -> list:
     return [pg for pg in list_placement_groups(address=_address()) if pg.state != "REMOVED"]
 
 
-def wait_until(cond, timeout: float = 30.0, what: str = "condition"):
+def wait_until(cond, timeout: float = 30.0, what: str = "condition", every: float = 0.05):
     """Poll `cond` until it returns truthy or the deadline passes (never a fixed sleep)."""
     deadline = time.monotonic() + timeout
     while True:
@@ -67,7 +67,7 @@ def wait_until(cond, timeout: float = 30.0, what: str = "condition"):
             return value
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.05)
+        time.sleep(every)
 
 
 @pytest.fixture

@@ -38,6 +38,7 @@ import pytest
 
 from orchestrator.metrics import parse_prometheus
 from orchestrator.schedule import Action, Kind
+from tests.conftest import free_port, wait_until
 
 pytestmark = pytest.mark.ray
 
@@ -58,25 +59,6 @@ METRICS = {   # name as scraped → tag keys it must carry (besides Ray's own)
     "ray_meshpipe_compile_time_s": {"run", "stage", "host"},
     "ray_meshpipe_reshard_bytes_total": {"run", "stage", "host", "edge"},
 }
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _poll(cond, timeout: float, what: str, every: float = 0.2):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(every)
 
 
 @dataclass
@@ -140,7 +122,7 @@ def head():
     token_path = os.path.join(tmp, "token")
     with open(os.open(token_path, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
         f.write(token)
-    ports = {name: _free_port() for name in ("port", "dashboard-port", "metrics-export-port",
+    ports = {name: free_port() for name in ("port", "dashboard-port", "metrics-export-port",
                                              "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
                                              "runtime-env-agent-port", "node-manager-port",
                                              "object-manager-port", "ray-client-server-port")}
@@ -166,7 +148,7 @@ def head():
             return False
 
     try:
-        _poll(jobs_api_up, 90, "the Ray head's Jobs API", every=0.25)
+        wait_until(jobs_api_up, 90, "the Ray head's Jobs API", every=0.25)
         yield h
     finally:
         if proc.poll() is None:
@@ -182,7 +164,7 @@ def head():
             except ProcessLookupError:
                 pass
         try:   # none of them may write into tmp after it is removed
-            _poll(lambda: not _ours(token_path), 30, "this head's processes to exit")
+            wait_until(lambda: not _ours(token_path), 30, "this head's processes to exit")
         finally:
             log.close()
             shutil.rmtree(tmp, ignore_errors=True)
@@ -240,7 +222,7 @@ def submitted(head, tmp_path_factory):
         result = Submitted(rc=rc, stdout=out.read(), stderr=err.read(), out_dir=out_dir / RUN,
                            actors_seen=seen, samples=list(samples.values()))
     try:
-        _poll(lambda: not set(head.alive_actors()) & ACTORS, 60, "the run's actors to exit")
+        wait_until(lambda: not set(head.alive_actors()) & ACTORS, 60, "the run's actors to exit")
     except AssertionError:
         pass
     result.actors_after = set(head.alive_actors()) & ACTORS

@@ -11,25 +11,17 @@ pytest process of its own (the `multinode` marker is excluded by default).
 """
 from __future__ import annotations
 
-import socket
-
 import numpy as np
 import pytest
 
 from orchestrator.config import check_job, parse_cluster, parse_job
 from orchestrator.runner import run_job
 from orchestrator.waiting import StageFailure
-from tests.conftest import _address, wait_until
+from tests.conftest import _address, free_port, wait_until
 
 pytestmark = pytest.mark.multinode
 
 RTOL, ATOL = 1e-5, 1e-6
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +33,7 @@ def cluster():
         pytest.fail("the multinode tests need a pytest process of their own: run `pytest -m multinode`")
     c = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 1, "include_dashboard": True, "dashboard_host": "127.0.0.1",
-        "dashboard_port": _free_port()})
+        "dashboard_port": free_port()})
     for _ in range(3):
         c.add_node(num_cpus=2)
     ray.init(address=c.address, namespace="meshpipe-multinode-tests")
