@@ -68,7 +68,7 @@ class Size:
 
 
 SIZES = {
-    "tiny": Size("tiny", d_model=16, d_mlp=32, heads=2, vocab=32, blocks=2, seq=8, mbs=2),
+    "tiny": Size("tiny", d_model=16, d_mlp=32, heads=2, vocab=32, blocks=4, seq=8, mbs=2),
     "small": Size("small", d_model=128, d_mlp=512, heads=4, vocab=256, blocks=4, seq=64, mbs=4),
     "large": Size("large", d_model=256, d_mlp=1024, heads=4, vocab=256, blocks=4, seq=64, mbs=12),
 }
@@ -102,14 +102,26 @@ def span_costs(steps_spans: list[list[tuple]], p: int) -> list[dict[str, float]]
 
     `steps_spans`: for each measured step, its spans (stage, host, action, start, end).
     Only host 0 of each stage counts (all hosts of a stage run the same actions).
+    With virtual chunks (interleaved schedules) a kind's cost is the mean over the
+    stage's chunks of each chunk's median: `simulate` takes one cost per stage and
+    kind, and every chunk runs the same number of actions, so the stage's busy
+    time is kept.
     """
-    per: list[dict[str, list[float]]] = [{} for _ in range(p)]
+    from orchestrator.schedule import Action
+
+    per: list[dict[tuple[str, int], list[float]]] = [{} for _ in range(p)]
     for spans in steps_spans:
         for stage, host, text, start, end in spans:
-            kind = kind_of(text)
-            if host == 0 and kind in COMPUTE_KINDS:
-                per[stage].setdefault(kind, []).append(end - start)
-    return [{k: median(v) for k, v in d.items()} for d in per]
+            a = Action.parse(text)
+            if host == 0 and a.kind.value in COMPUTE_KINDS:
+                per[stage].setdefault((a.kind.value, a.chunk), []).append(end - start)
+    out = []
+    for d in per:
+        by_kind: dict[str, list[float]] = {}
+        for (kind, _chunk), values in d.items():
+            by_kind.setdefault(kind, []).append(median(values))
+        out.append({k: sum(v) / len(v) for k, v in by_kind.items()})
+    return out
 
 
 def span_totals(steps_spans: list[list[tuple]], p: int) -> list[dict[str, float]]:
@@ -225,14 +237,15 @@ def fmt(x, digits: int = 2, unit: str = "") -> str:
     return f"{x:.{digits}f}{unit}"
 
 
-def run_child(args: list[str], timeout: float, cpus: Sequence[int] | None = None) -> dict:
+def run_child(args: list[str], timeout: float, cpus: Sequence[int] | None = None,
+              env: dict[str, str] | None = None) -> dict:
     """Run `python -m <args>` from the repo root; its last stdout line is JSON, returned parsed.
 
     `cpus` pins the child (sched_setaffinity before exec, so before jax or torch
-    start their thread pools). Raises RuntimeError with the child's stderr tail
+    start their thread pools); `env` adds environment variables. Raises RuntimeError with the child's stderr tail
     on failure, subprocess.TimeoutExpired at the deadline (the child is killed).
     """
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", **(env or {}))
     env.pop("XLA_FLAGS", None)
     pre = (lambda: os.sched_setaffinity(0, set(cpus))) if cpus else None
     proc = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=env, capture_output=True, text=True,

@@ -116,10 +116,13 @@ def measure_pipeline(size: Size, schedule: str, m: int, *, steps: int, warmup: i
                 walls.append(r.wall_s)
                 spans.append(r.spans)
             losses.append(r.loss)
+        rec["run_s"] = time.perf_counter() - t0 - rec["startup_s"]
     except Exception as e:  # noqa: BLE001
         return {**rec, "status": f"unsupported (runtime): {_first_line(e)}"}
     finally:
+        t1 = time.perf_counter()
         ex.shutdown()
+        rec["shutdown_s"] = time.perf_counter() - t1
     p = plan.schedule.p
     costs = span_costs(spans, p)
     sim = simulate(plan.schedule, sim_costs(costs))

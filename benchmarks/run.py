@@ -35,17 +35,19 @@ from benchmarks import common
 from benchmarks.common import RESULTS, SCHEDULES, SIZES, fmt, md_table, run_child, sim_costs
 
 SECTIONS = ("pipeline", "overhead", "jax", "torch", "memory")
+# OpenMP's default spin-waiting makes 2-thread plain torch 10-20x slower as soon as anything else runs on
+# this 2-core machine (measured: 2.6 s vs 0.14 s per step at load 6); passive waiting removes that.
+TORCH_PLAIN_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
 P = 2
 
 MODES = {
     "full": {"sizes": ["small", "large"], "ms": [4, 8], "schedules": list(SCHEDULES), "steps": 10, "warmup": 3,
-             "overhead": {"size": "tiny", "m": 8, "schedules": ["gpipe", "1f1b", "eager-1f1b", "zb-h1"],
-                          "steps": 30},
+             "overhead": {"size": "tiny", "m": 8, "schedules": list(SCHEDULES), "steps": 30},
              "torch_schedules": ["1f1b", "gpipe"], "jax_steps": 8},
-    "quick": {"sizes": ["small"], "ms": [4], "schedules": ["gpipe", "1f1b", "zb-h1", "interleaved-1f1b"],
+    "quick": {"sizes": ["small"], "ms": [4], "schedules": ["1f1b", "interleaved-1f1b"],
               "steps": 4, "warmup": 2,
               "overhead": {"size": "tiny", "m": 4, "schedules": ["1f1b"], "steps": 10},
-              "torch_schedules": ["1f1b", "gpipe"], "jax_steps": 4},
+              "torch_schedules": ["1f1b", "gpipe"], "jax_steps": 3},
 }
 
 DEFINITIONS = """\
@@ -55,14 +57,16 @@ All times are medians; a run's first `warmup` steps (compilation) are dropped. p
   more step queued on the actors, so this is the throughput period); torch: time between consecutive
   step ends (pipeline `step()` + adam) on rank 0; plain: one jitted / eager step.
 - **action costs** — meshpipe: per stage and kind (F, B, I, W, OPT), the median span duration over all
-  measured steps (spans come from the actors: `StepResult.spans`); torch: the median in-pipeline time of
-  the stage's `forward_one_chunk` (+ the loss on the last stage) = F, `backward_one_chunk` = B and adam
-  `step()` = OPT (timing wrappers on the stage instance; a standalone timing is reported as a check).
+  measured steps (spans come from the actors: `StepResult.spans`; interleaved: the mean over the
+  stage's chunks of each chunk's median, as `simulate` takes one cost per stage and kind); torch: the
+  median in-pipeline time of the stage's `forward_one_chunk` (+ the loss on the last stage) = F,
+  `backward_one_chunk` = B and adam `step()` = OPT (timing wrappers on the stage instance; a standalone
+  timing is reported as a check).
 - **ideal** — `orchestrator.schedule.simulate` of the lowered schedule with those costs, OPT included,
   transfers free: the step a runtime with zero orchestration and transfer cost would take.
 - **efficiency** = ideal ÷ step (1.0 = the runtime adds nothing to the schedule's own bubble).
 - **overhead per action** = (step − ideal) ÷ N, N = compute actions (F, B, I, W, OPT) in one stage's
-  list per step (2m + 1 for gpipe / 1f1b, 3m + 1 for zb-h1); **per critical-path action**: the same
+  list per step (2m + 1 for gpipe / 1f1b, 3m + 1 for zb-h1, 2mv + 1 interleaved); **per critical-path action**: the same
   excess ÷ the compute actions on the simulated critical path (2m + 3 for 1f1b at p = 2).
 - **bound** = m ÷ (m + p − 1): the throughput fraction of a perfect 1F1B / GPipe pipeline relative to
   one process using all p cores, if that process scaled perfectly. **vs plain** = plain step ÷ pipeline
@@ -160,10 +164,10 @@ def _core_sets() -> list[list[int]]:
     return [list(range(n))] + ([[0]] if n > 1 else [])
 
 
-def _child(args: list[str], cpus: list[int], echo, timeout: float = 600) -> dict:
+def _child(args: list[str], cpus: list[int], echo, timeout: float = 600, env: dict | None = None) -> dict:
     t = time.perf_counter()
     try:
-        rec = run_child(args, timeout, cpus)
+        rec = run_child(args, timeout, cpus, env)
         rec["status"] = "ok"
     except Exception as e:  # noqa: BLE001 - a failed baseline is reported, not fatal
         rec = {"status": f"failed: {str(e).strip().splitlines()[-1][:300] if str(e).strip() else e!r}"}
@@ -185,7 +189,7 @@ def measure_torch(cfg: dict, echo) -> dict:
     t = time.perf_counter()
     try:
         pipe = run_child(["benchmarks.torch_pipe", "pipe", ",".join(cfg["torch_schedules"]), str(cfg["warmup"]),
-                          *runs], timeout=600)
+                          *runs], timeout=900)
         for r in pipe:
             r["status"] = "ok"
             echo(f"  torch {r['size']:>5} {r['schedule']:<6} m={r['m']}  step {r['step_s'] * 1e3:7.1f} ms")
@@ -197,7 +201,8 @@ def measure_torch(cfg: dict, echo) -> dict:
     for size in cfg["sizes"]:
         for m in cfg["ms"]:
             for cpus in _core_sets():
-                rec = _child(["benchmarks.torch_pipe", "plain", size, str(m), str(cfg["jax_steps"])], cpus, echo)
+                rec = _child(["benchmarks.torch_pipe", "plain", size, str(m), str(cfg["jax_steps"])], cpus, echo,
+                             env=TORCH_PLAIN_ENV)
                 plain.append({**rec, "size": size, "m": m})
     return {"status": "ok", "pipe": pipe, "plain": plain}
 
@@ -396,6 +401,18 @@ def _torch_pairs(raw, der):
             yield _find(der["torch"], r["size"], r["schedule"], r["m"]), r
 
 
+def _fb_ms(costs: list[dict]) -> str:
+    """'F/B' ms per stage (B = I + W when split), stages joined by ' | '."""
+    return " \\| ".join(f"{c.get('F', 0) * 1e3:.2f}/{(_fb(c) - c.get('F', 0)) * 1e3:.2f}" for c in costs)
+
+
+def _per_send_ms(rec: dict) -> str:
+    """Mean SEND span per send, over both stages (the sender's cut, pack and push), ms."""
+    total = sum(v for t in rec["totals"] for k, v in t.items() if k.startswith("SEND"))
+    sends = sum(1 for s in rec["example_spans"] if "SEND" in s[2])
+    return fmt(total / sends * 1e3) if sends else "–"
+
+
 def _render_overhead(raw, der) -> list[str]:
     recs = raw.get("overhead", {}).get("records", [])
     if not recs:
@@ -403,24 +420,28 @@ def _render_overhead(raw, der) -> list[str]:
     rows = []
     for r in recs:
         if r.get("status") != "ok":
-            rows.append([f"meshpipe {r['schedule']}", r["m"], "–", "–", "–", "–", "–", r["status"]])
+            rows.append([f"meshpipe {r['schedule']}", r["m"], "–", "–", "–", "–", "–", "–", "–", r["status"]])
             continue
         d = _find(der["overhead"], r["size"], r["schedule"], r["m"])
         rows.append([f"meshpipe {r['schedule']}", r["m"], fmt(r["step_s"] * 1e3), fmt(r["ideal_s"] * 1e3),
                      r["compute_actions_per_stage"], f"**{d['overhead_ms']:.3f}**", fmt(d["overhead_cp_ms"], 3),
-                     fmt(r["step_spread"])])
+                     _fb_ms(r["costs"]), _per_send_ms(r), fmt(r["step_spread"])])
     for d, r in _torch_pairs(raw, der):
         if r["size"] == "tiny":
             from orchestrator.schedule import generate, lower
 
             n = common.compute_actions_per_stage(lower(generate(r["schedule"], P, r["m"])))
             rows.append([f"torch {r['schedule']}", r["m"], fmt(r["step_s"] * 1e3), fmt(d["ideal_s"] * 1e3), n,
-                         f"**{d['overhead_ms']:.3f}**", fmt(d["overhead_cp_ms"], 3), fmt(r["step_spread"])])
+                         f"**{d['overhead_ms']:.3f}**", fmt(d["overhead_cp_ms"], 3), _fb_ms(r["costs"]), "–",
+                         fmt(r["step_spread"])])
     return ["## 2. Orchestration overhead per action", "",
-            ("GPT `tiny`: every action is ≈ free, so step − ideal is the runtime's own cost. Target ≤ 0.3 ms "
-            "per action."), "",
+            ("GPT `tiny`: every action is almost free, so step − ideal is the runtime's own cost between "
+             "actions. Target ≤ 0.3 ms per action. The action spans themselves are not free either: *F/B ms* "
+             "shows them per stage (for meshpipe they include jit dispatch, the separate gradient-accumulate "
+             "call and `block_until_ready`); *SEND ms* is meshpipe's mean SEND span (plan lookup, pack, push)."),
+            "",
             md_table(["runtime", "m", "step ms", "ideal ms", "N", "overhead ms/action", "ms/critical-path action",
-                      "spread"], rows), ""]
+                      "F/B ms (stage 0 \\| 1)", "SEND ms", "spread"], rows), ""]
 
 
 BREAKDOWN_KEYS = ("useful", "split", "imbalance", "bubble", "optimizer", "transfers", "orchestration")
@@ -506,7 +527,7 @@ def _render_torch(raw, der) -> list[str]:
     out = ["## 5. vs torch.distributed.pipelining", "",
            ("torch 2 ranks (gloo, 1 thread each, pinned one per core), same GPT shapes (same FLOPs, not the same "
            "parameters). *of bound* uses each framework's own plain baseline (plain torch: Python microbatch "
-           "loop + adam, threads = cores given, the faster of all cores and one core). *torch ÷ meshpipe step* > 1 means meshpipe is faster in absolute terms "
+           "loop + adam, threads = cores given, the faster of all cores and one core, OMP_WAIT_POLICY=PASSIVE). *torch ÷ meshpipe step* > 1 means meshpipe is faster in absolute terms "
            "(kernels differ: XLA vs ATen). *in-run÷standalone F, B*: torch's in-pipeline F and B (used for its "
            "ideal) vs the same timed standalone, per rank (stage 0 / stage 1), ms."), ""]
     if rows:
@@ -634,7 +655,8 @@ def _save(fig, name: str) -> str:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="small size, m=4, few steps (< 3 min)")
+    ap.add_argument("--quick", action="store_true",
+                    help="validation: small size, m=4, 2 schedules, few steps (< 3 min on a quiet machine)")
     ap.add_argument("--only", default="", help=f"comma-separated sections of {','.join(SECTIONS)}")
     ap.add_argument("--no-pin", action="store_true", help="do not pin stage actors / torch ranks to cores")
     args = ap.parse_args(argv)

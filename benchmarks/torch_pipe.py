@@ -242,7 +242,7 @@ def _free_port() -> int:
 
 
 def pipe(runs: list[tuple[str, list[int], int]], schedules: list[str], warmup: int,
-         deadline_s: float = 500.0) -> list[dict]:
+         deadline_s: float = 800.0) -> list[dict]:
     """Spawn the 2 ranks once; for every (size, ms, steps) in `runs`, every m and schedule, one record."""
     import torch.multiprocessing as mp
 

@@ -2,8 +2,8 @@
 
 Basic flow for one microbatch on one stage:
     y, res = fwd(params, x[, labels])       # res: residuals kept until the backward
-    dx, dparams = bwd(params, res, dy)      # or bwd_i -> dx, later bwd_w -> dparams
-    grads = accumulate(grads, dparams)
+    dx, grads = bwd_acc(params, res, dy, grads)   # or bwd_i -> dx, later bwd_w_acc -> grads
+                                                  # (= bwd, then accumulate: the reference's way)
 and once per step: params, opt_state, grads = update(params, opt_state, grads).
 
 Invariants:
@@ -121,12 +121,24 @@ class StageProgram:
             with sharding.use(self.mesh, self.layout):
                 return pullback(params, res, seed(dy))[1]
 
+        def bwd_acc(params, res, dy, acc):
+            dx, dparams = bwd(params, res, dy)
+            return dx, jax.tree.map(jnp.add, acc, dparams)
+
+        def bwd_w_acc(params, res, dy, acc):
+            return jax.tree.map(jnp.add, acc, bwd_w(params, res, dy))
+
         if self.mesh is None:
             self.bwd, self.bwd_i, self.bwd_w = jax.jit(bwd), jax.jit(bwd_i), jax.jit(bwd_w)
+            self.bwd_acc = jax.jit(bwd_acc, donate_argnums=3)
+            self.bwd_w_acc = jax.jit(bwd_w_acc, donate_argnums=3)
         else:
             self.bwd = jax.jit(bwd, out_shardings=(xsh, psh))
             self.bwd_i = jax.jit(bwd_i, out_shardings=xsh)
             self.bwd_w = jax.jit(bwd_w, out_shardings=psh)
+            # backward and gradient accumulation in one program: one dispatch per B/W, gradients donated
+            self.bwd_acc = jax.jit(bwd_acc, out_shardings=(xsh, psh), donate_argnums=3)
+            self.bwd_w_acc = jax.jit(bwd_w_acc, out_shardings=psh, donate_argnums=3)
 
         def accumulate(acc, g):
             return jax.tree.map(jnp.add, acc, g)

@@ -212,8 +212,7 @@ class StageWorker:
             elif kind in ("B", "I"):
                 dy = dys.pop(key, None) if kind == "B" else dys.get(key)
                 if kind == "B":
-                    dx, dp = prog.bwd(self.params[c], residuals.pop(key), dy)
-                    self.grads[c] = prog.accumulate(self.grads[c], dp)
+                    dx, self.grads[c] = prog.bwd_acc(self.params[c], residuals.pop(key), dy, self.grads[c])
                     jax.block_until_ready(self.grads[c])
                 else:
                     dx = prog.bwd_i(self.params[c], residuals[key], dy)
@@ -224,8 +223,8 @@ class StageWorker:
                     else:
                         dxs[key] = dx
             elif kind == "W":
-                dp = prog.bwd_w(self.params[c], residuals.pop(key), dys.pop(key, None))
-                self.grads[c] = jax.block_until_ready(prog.accumulate(self.grads[c], dp))
+                self.grads[c] = jax.block_until_ready(
+                    prog.bwd_w_acc(self.params[c], residuals.pop(key), dys.pop(key, None), self.grads[c]))
             elif kind == "RECV_F":
                 inputs[key] = self.transport.recv((step, "F") + key, self.in_shape[c], np.float32,
                                                   prog.input_sharding(), self.edge_in[c], timeout)
