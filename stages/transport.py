@@ -12,8 +12,11 @@ destination host needs; this module executes it with Ray:
          and builds the global `jax.Array` with the destination sharding.
 No host ever gathers the whole tensor unless its own shards are the whole tensor.
 
-`Transport` is the interface the worker uses; a faster transport (e.g. NCCL
-between GPU hosts) can replace `RayTransport` without touching the plan.
+`Transport` is the interface the worker uses; `TiledTransport` holds the plan/pack/
+assemble part every tile transport shares, `RayTransport` ships with Ray calls and
+`stages.socket_transport.SocketTransport` (opt-in, cluster `transport: socket`) with
+framed TCP streams. A faster transport (e.g. NCCL between GPU hosts) can replace
+them without touching the plan.
 """
 from __future__ import annotations
 
@@ -59,8 +62,12 @@ class Transport:
         return jax.make_array_from_callback(arr.shape, sharding, lambda idx: arr[idx])
 
 
-class RayTransport(Transport):
-    """Tiles through Ray calls into the peers' mailboxes.
+class TiledTransport(Transport):
+    """The part every tile-moving transport shares: the memoised reshard plan, packing
+    one payload per destination host (with byte counters), and assembling received tiles.
+
+    Subclasses implement `_push(key, payload, edge, dst_host)`, which ships the list
+    of contiguous tiles to that host's mailbox under `(*key, self.me)`.
 
     Args:
       me: this host's cluster host index; geom: this stage's geometry; mesh: its
@@ -78,7 +85,6 @@ class RayTransport(Transport):
         self.local = [(i, d) for i, d in enumerate(devices) if d.process_index == here]
         self.sent_bytes = 0
         self.sent_bytes_to: dict[str, int] = {}   # per destination stage (telemetry)
-        self._inflight: list = []
         self._plans: dict = {}
 
     def _plan(self, edge: Edge, outgoing: bool, shape, dtype):
@@ -90,10 +96,18 @@ class RayTransport(Transport):
             plan = self._plans[memo_key] = edge_plan(src, dst, edge.axes, shape, dtype)
         return plan
 
+    def _push(self, key: tuple, payload: list, edge: Edge, dst_host: int) -> None:
+        raise NotImplementedError
+
+    def connect(self, addresses) -> None:
+        """Every stage's hosts' transport addresses ([stage][host]); unused by transports that need none."""
+
+    def close(self) -> None:
+        """Release what the transport holds (sockets, threads); nothing by default."""
+
     def send(self, key, array, edge):
         plan = self._plan(edge, True, array.shape, array.dtype)
         by_device = {self.flat[s.device.id]: s for s in array.addressable_shards}
-        peers = self.peers(edge.stage)
         for dst_host, tiles in plan.sends.get(self.me, {}).items():
             if not tiles:
                 continue
@@ -104,8 +118,7 @@ class RayTransport(Transport):
             nbytes = sum(p.nbytes for p in payload)
             self.sent_bytes += nbytes
             self.sent_bytes_to[str(edge.stage)] = self.sent_bytes_to.get(str(edge.stage), 0) + nbytes
-            peer = peers[edge.geom.hosts.index(dst_host)]
-            self._inflight.append(peer.deliver.options(concurrency_group="io").remote((*key, self.me), payload))
+            self._push(key, payload, edge, dst_host)
 
     def recv(self, key, shape, dtype, sharding, edge, timeout):
         import jax
@@ -117,6 +130,18 @@ class RayTransport(Transport):
         local = assemble(plan, self.me, received)
         arrays = [jax.device_put(local[i], d) for i, d in self.local]
         return jax.make_array_from_single_device_arrays(tuple(shape), sharding, arrays)
+
+
+class RayTransport(TiledTransport):
+    """Tiles through Ray calls into the peers' mailboxes (constructor: see `TiledTransport`)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self._inflight: list = []
+
+    def _push(self, key, payload, edge, dst_host):
+        peer = self.peers(edge.stage)[edge.geom.hosts.index(dst_host)]
+        self._inflight.append(peer.deliver.options(concurrency_group="io").remote((*key, self.me), payload))
 
     def flush(self, timeout):
         """Wait (bounded) until this step's pushes were accepted; surfaces a dead receiver."""
