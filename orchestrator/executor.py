@@ -3,7 +3,8 @@
 Basic flow:
   start():  one actor per host of each stage (placement.actor_options), then
             for multi-host stages the stage's coordinator address from its host
-            0, then `setup` on all actors at once, then `connect` neighbours.
+            0, then `setup` on all actors at once, then `connect` neighbours
+            (transport socket: with every actor's listening address).
   step(i):  ONE `run_step` call per actor per step. Each actor runs its own
             lowered action list and exchanges tensors directly with its
             neighbours (pushes into their mailboxes); the driver only waits, with
@@ -14,6 +15,7 @@ Basic flow:
 """
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass, field
 
 from orchestrator import placement
@@ -41,6 +43,8 @@ class PipelineExecutor:
         self.actors: list[list] = []     # [stage][host]
         self.labels: list[list[str]] = []
         self.info: list[dict] = []
+        # transport "socket": a fresh secret per run; peers' connections must present it
+        self.token = secrets.token_bytes(32) if checked.cluster.transport == "socket" else None
 
     # -- lifecycle ---------------------------------------------------------
     def worker_config(self, stage, host: int) -> WorkerConfig:
@@ -55,7 +59,8 @@ class PipelineExecutor:
             optimizer=(job.optimizer.name, dict(job.optimizer.args)), seed=job.run.seed,
             actions=tuple(str(a) for a in grid if a is not None), num_stages=len(self.checked.stages),
             timeouts=dict(self.timeouts), pin_cpus=self.checked.cluster.pin_cpus, fail_setup=_injected_failure(stage.index, host), hosts=tuple(stage.hosts), devices_per_host=stage.devices_per_host,
-            geoms=tuple(geoms), chunks=tuple(tuple(c) for c in stage.chunks))
+            geoms=tuple(geoms), chunks=tuple(tuple(c) for c in stage.chunks),
+            transport=self.checked.cluster.transport, transport_token=self.token)
 
     def start(self) -> None:
         import ray
@@ -90,7 +95,14 @@ class PipelineExecutor:
         for rec in self.info:
             bundle = self.checked.stages[rec["stage"]].hosts[rec["host"]]
             rec["bundle"], rec["bundle_node_id"] = bundle, bundle_nodes.get(bundle)
-        refs = [a.connect.remote(self.actors) for row in self.actors for a in row]
+        if self.token is None:
+            refs = [a.connect.remote(self.actors) for row in self.actors for a in row]
+        else:   # socket transport: every actor's listening address, [stage][host]
+            flat = wait_all([a.transport_address.remote() for row in self.actors for a in row],
+                            self.timeouts["init_s"], "collecting transport addresses", labels)
+            it = iter(flat)
+            addresses = [[next(it) for _ in row] for row in self.actors]
+            refs = [a.connect.remote(self.actors, addresses) for row in self.actors for a in row]
         wait_all(refs, self.timeouts["init_s"], "connecting stages", labels)
 
     def shutdown(self) -> None:

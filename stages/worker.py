@@ -8,8 +8,9 @@ Basic flow (driven by `orchestrator.executor`):
      explicit coordinator on CPU/GPU, auto-detection on whole TPU slices;
      bounded timeout); builds the stage's
      named `Mesh`, the jitted programs, parameters and optimizer state.
-  3. `connect(actors)` — every stage's actor handles (interleaved schedules
-     send from the last stage back to the first for the next chunk).
+  3. `connect(actors[, addresses])` — every stage's actor handles (interleaved
+     schedules send from the last stage back to the first for the next chunk);
+     with `transport: socket` also every actor's `transport_address()`.
   4. `run_step(step)` — executes this stage's lowered action list for one step:
      F/B/I/W compute, SEND_* push tensors to the neighbours' mailboxes (never
      block), RECV_* take from this actor's mailbox (bounded wait), OPT updates.
@@ -57,6 +58,8 @@ class WorkerConfig:
     chunks: tuple[tuple[int, int], ...] = ()   # layer range per virtual chunk; () means (layers,)
     pin_cpus: bool = False          # pin this process to core (cluster_host mod cores) before jax loads
     fail_setup: str | None = None   # test-only fault injection: setup raises this message
+    transport: str = "ray"          # "ray" (actor calls) or "socket" (stages.socket_transport)
+    transport_token: bytes | None = field(default=None, repr=False)   # per-run secret for "socket"
 
     @property
     def layer_chunks(self) -> tuple[tuple[int, int], ...]:
@@ -128,10 +131,17 @@ class StageWorker:
         states = [prog.init_state(p) for prog, p in zip(self.progs, self.params)]
         self.opt_state = [st[0] for st in states]
         self.grads = [st[1] for st in states]
-        from stages.transport import RayTransport
+        args = {"me": cfg.hosts[cfg.host], "geom": cfg.geoms[cfg.stage], "mesh": self.mesh,
+                "inbox": self.inbox, "peers": lambda stage: self.actors[stage]}
+        if cfg.transport == "socket":
+            from stages.socket_transport import SocketTransport
 
-        self.transport = RayTransport(me=cfg.hosts[cfg.host], geom=cfg.geoms[cfg.stage], mesh=self.mesh,
-                                      inbox=self.inbox, peers=lambda stage: self.actors[stage])
+            self.transport = SocketTransport(**args, token=cfg.transport_token,
+                                             io_timeout=cfg.timeouts.get("step_s", 600.0))
+        else:
+            from stages.transport import RayTransport
+
+            self.transport = RayTransport(**args)
         self._plan_edges()
         jax.block_until_ready(self.params)
         import ray
@@ -139,7 +149,7 @@ class StageWorker:
         return {"stage": cfg.stage, "host": cfg.host, "pid": os.getpid(),
                 "node_id": ray.get_runtime_context().get_node_id(),
                 "devices": int(devices.size), "local_devices": len(jax.local_devices()),
-                "setup_s": time.perf_counter() - t0}
+                "transport": type(self.transport).__name__, "setup_s": time.perf_counter() - t0}
 
     def _plan_edges(self) -> None:
         """Per chunk: where its input comes from and its output goes (virtual stage c·p + s ± 1)."""
@@ -159,15 +169,24 @@ class StageWorker:
             self.in_shape.append((mbs, *cfg.spec.layers[start - 1].out_shape) if start > 0 else None)
             self.out_shape.append((mbs, *cfg.spec.layers[stop - 1].out_shape))
 
-    def connect(self, actors: list[list]) -> None:
-        """Handles of every stage's actors (interleaved schedules talk to more than two neighbours)."""
+    def transport_address(self):
+        """(host, port) this actor's transport listens on after setup; None for the Ray transport."""
+        return getattr(self.transport, "address", None)
+
+    def connect(self, actors: list[list], addresses: list[list] | None = None) -> None:
+        """Handles of every stage's actors (interleaved schedules talk to more than two neighbours),
+        and for the socket transport every actor's `transport_address()` ([stage][host])."""
         self.actors = [list(row) for row in actors]
+        if addresses is not None:
+            self.transport.connect(addresses)
 
     def deliver(self, key, payload) -> None:
         self.inbox.put(key, payload)
 
     def shutdown(self) -> None:
         self.inbox.close("shutdown")
+        if getattr(self, "transport", None) is not None:
+            self.transport.close()
         if self.cfg.stage_hosts > 1:
             import jax
 

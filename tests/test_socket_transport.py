@@ -1,0 +1,102 @@
+"""The socket transport (cluster `transport: socket`): frames, the token handshake, and
+end-to-end numerics equal to the single-process reference (same tolerance as Ray's)."""
+from __future__ import annotations
+
+import socket
+import threading
+
+import numpy as np
+import pytest
+
+from stages.mailbox import Mailbox
+from stages.socket_transport import (
+    FrameError,
+    Listener,
+    SocketTransport,
+    _Conn,
+    encode_frame,
+    read_frame,
+)
+
+TOKEN = b"t" * 32
+
+
+def roundtrip(key, arrays):
+    a, b = socket.socketpair()
+    with a, b:
+        a.settimeout(5)
+        b.settimeout(5)
+        bufs = encode_frame(key, arrays)
+        sender = threading.Thread(target=lambda: [a.sendall(x) for x in bufs])
+        sender.start()
+        got = read_frame(b, io_timeout=5)
+        sender.join(5)
+        a.close()
+        assert read_frame(b, io_timeout=5) is None      # clean EOF between frames
+    return got
+
+
+def test_frame_roundtrip_dtypes_shapes_and_strides():
+    base = np.arange(48, dtype=np.float32).reshape(6, 8)
+    arrays = [np.float32(3.5) * np.ones(()), np.arange(5, dtype=np.int32), base,
+              base[:, 1::3],                      # non-contiguous view
+              base.T,                             # F-ordered view
+              np.zeros((0, 4), np.float32),       # empty
+              np.array([1, -2], dtype=">i4")]     # explicit endianness survives
+    key, got = roundtrip((7, "F", 2, 0, 1), arrays)
+    assert key == (7, "F", 2, 0, 1)
+    assert len(got) == len(arrays)
+    for want, have in zip(arrays, got):
+        assert have.shape == want.shape and have.dtype == want.dtype
+        np.testing.assert_array_equal(have, want)
+        assert have.flags.c_contiguous and have.ctypes.data % 64 == 0 or have.nbytes == 0
+
+
+def test_frame_refuses_object_dtype_and_garbage():
+    with pytest.raises(TypeError):
+        encode_frame((0,), [np.array([object()])])
+    a, b = socket.socketpair()
+    with a, b:
+        b.settimeout(5)
+        a.sendall(b"GARBAGE-GARBAGE-GARBAGE")
+        with pytest.raises(FrameError):
+            read_frame(b, io_timeout=5)
+
+
+def test_listener_refuses_a_wrong_token_and_delivers_with_the_right_one():
+    box, errors = Mailbox("test"), []
+    listener = Listener("127.0.0.1", TOKEN, box.put, errors.append, io_timeout=5)
+    try:
+        with pytest.raises(ConnectionError):
+            _Conn(listener.address, b"x" * 32, io_timeout=5)
+        with pytest.raises(ConnectionError):
+            _Conn(listener.address, TOKEN[:-1], io_timeout=5)
+        conn = _Conn(listener.address, TOKEN, io_timeout=5)
+        conn.send(encode_frame((1, "B", 0, 0, 3), [np.arange(6, dtype=np.float32).reshape(2, 3)]))
+        got = box.take((1, "B", 0, 0, 3), timeout=5)
+        np.testing.assert_array_equal(got[0], np.arange(6, dtype=np.float32).reshape(2, 3))
+        assert listener.refused == 2 and not errors
+        conn.close()
+    finally:
+        listener.close()
+
+
+def test_transport_needs_a_token():
+    with pytest.raises(ValueError, match="token"):
+        SocketTransport(me=0, geom=None, mesh=None, inbox=Mailbox(), peers=None, token=b"",
+                        host="127.0.0.1")
+
+
+@pytest.mark.ray
+def test_gpt_1f1b_over_sockets_matches_reference(tmp_path, no_leaks):
+    from orchestrator.config import check_job, parse_cluster, parse_job
+    from orchestrator.runner import run_job
+    from tests.test_pipeline_numerics import CLUSTER, assert_same_training, gpt_job
+
+    checked = check_job(parse_job(gpt_job(tmp_path, "1f1b")), parse_cluster({**CLUSTER, "transport": "socket"}))
+    assert checked.cluster.transport == "socket"
+    pipe = run_job(checked, echo=lambda s: None)
+    ref = run_job(checked, reference=True, echo=lambda s: None)
+    assert_same_training(pipe, ref)
+    assert {w["transport"] for w in pipe["workers"]} == {"SocketTransport"}
+    assert pipe["losses"][-1] < pipe["losses"][0]
