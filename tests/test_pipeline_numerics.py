@@ -76,6 +76,7 @@ def test_gpt_two_stages_different_meshes_matches_reference(tmp_path, no_leaks, s
     written = json.loads((tmp_path / f"gpt-{schedule}" / "summary.json").read_text())
     assert written["losses"] == pipe["losses"]
     assert [s["mesh"] for s in written["plan"]["stages"]] == [{"data": 2}, {"model": 2}]
+    assert {w["transport"] for w in pipe["workers"]} == {"SocketTransport"}   # the default transport
 
 
 def test_mlp_three_stages_tensor_parallel_matches_reference(tmp_path, no_leaks):

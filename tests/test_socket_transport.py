@@ -88,15 +88,16 @@ def test_transport_needs_a_token():
 
 
 @pytest.mark.ray
-def test_gpt_1f1b_over_sockets_matches_reference(tmp_path, no_leaks):
+def test_gpt_1f1b_over_ray_calls_matches_reference(tmp_path, no_leaks):
+    """The other transport (`transport: ray`); the default (socket) runs in test_pipeline_numerics."""
     from orchestrator.config import check_job, parse_cluster, parse_job
     from orchestrator.runner import run_job
     from tests.test_pipeline_numerics import CLUSTER, assert_same_training, gpt_job
 
-    checked = check_job(parse_job(gpt_job(tmp_path, "1f1b")), parse_cluster({**CLUSTER, "transport": "socket"}))
-    assert checked.cluster.transport == "socket"
+    checked = check_job(parse_job(gpt_job(tmp_path, "1f1b")), parse_cluster({**CLUSTER, "transport": "ray"}))
+    assert checked.cluster.transport == "ray"
     pipe = run_job(checked, echo=lambda s: None)
     ref = run_job(checked, reference=True, echo=lambda s: None)
     assert_same_training(pipe, ref)
-    assert {w["transport"] for w in pipe["workers"]} == {"SocketTransport"}
+    assert {w["transport"] for w in pipe["workers"]} == {"RayTransport"}
     assert pipe["losses"][-1] < pipe["losses"][0]

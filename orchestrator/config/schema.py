@@ -319,7 +319,7 @@ class ClusterConfig(_Frozen):
     env_vars: dict[str, str] = Field(default_factory=dict, repr=False)  # stage actors' env; redacted in output
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
     pin_cpus: bool = False   # pin each host actor to one core of its node (host index mod cores)
-    transport: Literal["ray", "socket"] = "ray"   # stage-to-stage tensors: Ray actor calls or framed TCP
+    transport: Literal["ray", "socket"] = "socket"   # stage-to-stage tensors: framed TCP (default) or Ray actor calls
     timeouts: TimeoutsConfig = Field(default_factory=TimeoutsConfig)
     gpu: Optional[GpuConfig] = None   # platform gpu only
     tpu: Optional[TpuConfig] = None   # platform tpu only (required there)
