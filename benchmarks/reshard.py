@@ -55,7 +55,7 @@ import numpy as np
 
 from orchestrator.edges import StageGeom, edge_plan
 from stages.mailbox import Mailbox
-from stages.reshard_probe import ReshardProbe, probe_options, random_array
+from stages.reshard_probe import ProbeSet, ReshardProbe, random_array
 
 AXES = ("batch", "embed")
 VARIANTS = ("transport", "raw", "fix", "proto-arg", "proto-put")
@@ -408,26 +408,13 @@ class BenchProbe(ReshardProbe):
         return {k: _median(v) for k, v in out.items()}
 
 
-class Bench:
+class Bench(ProbeSet):
     """The actors: "a" (8 devices), "b" (8 devices), "pair" (2 hosts × 2 devices, jax.distributed)."""
 
     def __init__(self, ray):
-        remote = ray.remote(concurrency_groups={"io": 4})(BenchProbe)
-        self.ray = ray
-        self.a = remote.options(**probe_options(8)).remote("stage A host 0")
-        self.b = remote.options(**probe_options(8)).remote("stage B host 0")
-        self.pair = [remote.options(**probe_options(2)).remote(f"stage B host {i}") for i in range(2)]
-        coord = ray.get(self.pair[0].coordinator_address.remote(), timeout=TIMEOUT)
-        ray.get([p.init_distributed.remote(coord, 2, i, 60) for i, p in enumerate(self.pair)], timeout=TIMEOUT)
+        super().__init__(ray, BenchProbe, TIMEOUT)
+        self.start()
         ray.get([x.warm_store.remote(256) for x in (self.a, self.b, *self.pair)], timeout=TIMEOUT)
-
-    def close(self) -> None:
-        actors = [self.a, self.b, *self.pair]
-        try:
-            self.ray.wait([x.shutdown.remote() for x in actors], num_returns=len(actors), timeout=10)
-        finally:
-            for x in actors:
-                self.ray.kill(x, no_restart=True)
 
     def run_case(self, name: str, shape: tuple, reps: int, seed: int) -> dict:
         ray = self.ray

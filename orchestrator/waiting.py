@@ -28,7 +28,7 @@ def wait_all(refs: list, timeout: float, what: str, labels: list[str] | None = N
         ready, pending = ray.wait(pending, num_returns=1, timeout=remaining)
         for r in ready:
             try:
-                results[index[r]] = ray.get(r)
+                results[index[r]] = ray.get(r, timeout=max(1.0, deadline - time.monotonic()))  # ready
             except Exception as e:  # noqa: BLE001 - re-raised with the stage named
                 raise StageFailure(f"{what} failed on {labels[index[r]]}: {_short(e)}") from e
     return results

@@ -191,3 +191,36 @@ class ReshardProbe:
         return {"shards": shards, "full": np.asarray(array) if array.is_fully_addressable else None,
                 "sharding_ok": array.sharding == sharding and array.dtype == np.dtype(dtype),
                 "pid": os.getpid()}
+
+
+class ProbeSet:
+    """The actors the reshard tests and benchmark use, by role.
+
+    `a`: one 8-device host (stage A); `b`: one 8-device host (stage B);
+    `pair`: a 2-host × 2-device stage B that `start` joins into one JAX world.
+    `close` shuts them down and kills them (bounded, idempotent).
+    """
+
+    def __init__(self, ray, cls: type = ReshardProbe, timeout: float = 60.0):
+        remote = ray.remote(concurrency_groups={"io": 4})(cls)
+        self.ray, self.timeout = ray, timeout
+        self.a = remote.options(**probe_options(8)).remote("stage A host 0")
+        self.b = remote.options(**probe_options(8)).remote("stage B host 0")
+        self.pair = [remote.options(**probe_options(2)).remote(f"stage B host {i}") for i in range(2)]
+
+    def start(self) -> list[dict]:
+        """Join the two-host stage's own JAX world (bounded); returns each host's world info."""
+        coord = self.ray.get(self.pair[0].coordinator_address.remote(), timeout=self.timeout)
+        return self.ray.get([p.init_distributed.remote(coord, 2, i, 60) for i, p in enumerate(self.pair)],
+                            timeout=self.timeout + 60)
+
+    def stage_b(self, geom: StageGeom) -> list:
+        return self.pair if len(geom.hosts) == 2 else [self.b]
+
+    def close(self) -> None:
+        actors = [self.a, self.b, *self.pair]
+        try:
+            self.ray.wait([x.shutdown.remote() for x in actors], num_returns=len(actors), timeout=10)
+        finally:
+            for x in actors:
+                self.ray.kill(x, no_restart=True)

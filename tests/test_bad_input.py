@@ -49,19 +49,7 @@ from orchestrator.config import (ConfigError, check_job, check_output_dir, load_
 from orchestrator.placement import PlacementError, check_fits
 from tests.conftest import ROOT
 
-GPT = ROOT / "examples" / "gpt.yaml"
-MLP = ROOT / "examples" / "mlp.yaml"
-LOCAL = ROOT / "cluster_configs" / "local.yaml"
-
-
-@pytest.fixture(autouse=True)
-def _repo_cwd(monkeypatch):
-    monkeypatch.chdir(ROOT)  # example data paths are relative to the repo root
-
-
-@pytest.fixture(scope="module")
-def local():
-    return load_cluster(LOCAL)
+from tests.test_config import GPT, LOCAL, MLP, _repo_cwd, local  # noqa: F401 - shared paths and fixtures
 
 
 def error_of(fn, *args, **kwargs) -> str:

@@ -23,7 +23,7 @@ import pytest
 
 from orchestrator.edges import StageGeom, edge_plan
 from orchestrator.reshard import shard_boxes
-from stages.reshard_probe import ReshardProbe, probe_options, random_array
+from stages.reshard_probe import ProbeSet, random_array
 from tests.conftest import alive_actors, wait_until
 
 pytestmark = pytest.mark.ray
@@ -63,38 +63,17 @@ ALIASES = {("replicated-vs-sharded", "backward"): "sharded->replicated",
            ("1-host-vs-2-hosts", "backward"): "2 hosts->1 host"}
 
 
-class Probes:
-    """The module's actors, by role; `close` kills them all (idempotent)."""
-
-    def __init__(self, ray):
-        remote = ray.remote(concurrency_groups={"io": 4})(ReshardProbe)
-        self.ray = ray
-        self.a = remote.options(**probe_options(8)).remote("stage A host 0")
-        self.b = remote.options(**probe_options(8)).remote("stage B host 0")
-        self.pair = [remote.options(**probe_options(2)).remote(f"stage B host {i}") for i in range(2)]
+class Probes(ProbeSet):
+    """The module's actors (stages.reshard_probe.ProbeSet), checking the 2-host world on start."""
 
     def start(self) -> None:
-        """Join the two-host stage's own JAX world (bounded)."""
-        coord = self.ray.get(self.pair[0].coordinator_address.remote(), timeout=TIMEOUT)
-        worlds = self.ray.get([p.init_distributed.remote(coord, 2, i, 60) for i, p in enumerate(self.pair)],
-                              timeout=TIMEOUT + 60)
+        worlds = super().start()
         assert [w["process"] for w in worlds] == [0, 1]
-
-    def stage_b(self, geom: StageGeom) -> list:
-        return self.pair if len(geom.hosts) == 2 else [self.b]
-
-    def close(self) -> None:
-        actors = [self.a, self.b, *self.pair]
-        try:
-            self.ray.wait([x.shutdown.remote() for x in actors], num_returns=len(actors), timeout=10)
-        finally:
-            for x in actors:
-                self.ray.kill(x, no_restart=True)
 
 
 @pytest.fixture(scope="module")
 def probes(ray_local):
-    p = Probes(ray_local)
+    p = Probes(ray_local, timeout=TIMEOUT)
     try:
         p.start()
         yield p
