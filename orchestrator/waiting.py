@@ -38,6 +38,7 @@ def _short(e: Exception) -> str:
     from orchestrator.redact import redact_text
 
     text = redact_text(str(e)).strip()
-    lines = [ln for ln in text.splitlines() if ln.strip()]
+    noise = ("For simplicity, JAX has removed", "-----")
+    lines = [ln for ln in text.splitlines() if ln.strip() and not ln.startswith(noise)]
     # Ray wraps remote errors with the whole traceback; the last line holds the cause.
     return lines[-1] if lines else type(e).__name__

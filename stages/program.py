@@ -130,15 +130,17 @@ class StageProgram:
 
         if self.mesh is None:
             self.bwd, self.bwd_i, self.bwd_w = jax.jit(bwd), jax.jit(bwd_i), jax.jit(bwd_w)
-            self.bwd_acc = jax.jit(bwd_acc, donate_argnums=3)
-            self.bwd_w_acc = jax.jit(bwd_w_acc, donate_argnums=3)
+            self.bwd_acc = jax.jit(bwd_acc)
+            self.bwd_w_acc = jax.jit(bwd_w_acc)
         else:
             self.bwd = jax.jit(bwd, out_shardings=(xsh, psh))
             self.bwd_i = jax.jit(bwd_i, out_shardings=xsh)
             self.bwd_w = jax.jit(bwd_w, out_shardings=psh)
-            # backward and gradient accumulation in one program: one dispatch per B/W, gradients donated
-            self.bwd_acc = jax.jit(bwd_acc, out_shardings=(xsh, psh), donate_argnums=3)
-            self.bwd_w_acc = jax.jit(bwd_w_acc, out_shardings=psh, donate_argnums=3)
+            # backward and gradient accumulation in one program: one dispatch per B/W. Not donated:
+            # XLA refused to alias the accumulator when GSPMD chose another layout for it
+            # (examples/gpt.yaml, stage {model: 2}: "Expected aliased input ... to have the same size").
+            self.bwd_acc = jax.jit(bwd_acc, out_shardings=(xsh, psh))
+            self.bwd_w_acc = jax.jit(bwd_w_acc, out_shardings=psh)
 
         def accumulate(acc, g):
             return jax.tree.map(jnp.add, acc, g)

@@ -69,13 +69,13 @@ def test_mesh_not_matching_devices_rejected_before_ray():
 
 
 @pytest.mark.ray
-def test_cli_run_on_embedded_ray_writes_summary(tmp_path):
-    out = meshpipe("run", "examples/mlp.yaml", "--set", "run.steps=2", "--set", f"run.output_dir={tmp_path}",
-                   timeout=300)
+@pytest.mark.parametrize("example, run_name", [("examples/mlp.yaml", "mlp-tiny"), ("examples/gpt.yaml", "gpt-tiny")])
+def test_cli_run_on_embedded_ray_writes_summary(tmp_path, example, run_name):
+    """The README's main command (and the MLP example), end to end through the CLI."""
+    out = meshpipe("run", example, "--set", "run.steps=2", "--set", f"run.output_dir={tmp_path}", timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.count("loss") >= 2
-    summary = json.loads((tmp_path / "mlp-tiny" / "summary.json").read_text()) \
-        if (tmp_path / "mlp-tiny").exists() else json.loads(next(tmp_path.glob("*/summary.json")).read_text())
+    summary = json.loads((tmp_path / run_name / "summary.json").read_text())
     assert len(summary["losses"]) == 2 and summary["mode"] == "pipeline"
 
 
