@@ -1,45 +1,38 @@
-"""Cross-mesh reshard throughput: the pipeline's RayTransport beside a raw object-store push.
+"""Cross-mesh reshard throughput: the stage transports beside a raw object-store push.
 
 Run:  python -m benchmarks.reshard [--quick] [--cases NAME,NAME]
 Writes benchmarks/results/reshard.{md,json} (--quick: reshard.quick.{md,json}) and prints the markdown.
 
 For every case (two stage geometries, a float32 tensor with logical axes
-("batch", "embed")) and size (16 MiB, 64 MiB; --quick: 16 MiB, 3 repeats),
+("batch", "embed")) and size (16 MiB, 64 MiB, 7 repeats; --quick: 16 MiB, 5 repeats),
 between the same sender and receiver actors (`stages.reshard_probe`), the
 median over repeats of the time from the sender's first instruction to the
-receiver holding its result (one monotonic clock: the actors share a machine):
+receiver holding its result (one monotonic clock: the actors share a machine),
+after WARMUP untimed moves of each variant. Variants alternate within each repeat:
 
-  transport  `RayTransport.send` / `.recv` exactly as a stage runs them: the
-             sender reads its shards, `pack`s the tiles per destination host and
-             pushes them as ONE call argument; the receiver takes them from its
-             mailbox, `assemble`s, `device_put`s and builds the jax.Array.
-  raw        the same bytes per (source host, destination host) as ONE numpy
-             buffer: sender `ray.put`, ref pushed into the receiver's mailbox,
-             receiver `ray.get`. Moves bytes, builds nothing: the ceiling.
-  fix        the transport's wire format and flow, with three local changes:
-             the sender makes non-contiguous tiles contiguous before pushing them;
-             the receiver assembles each DISTINCT destination block once, into a
-             64-byte aligned buffer that every device holding that block shares,
-             and uses a received tile that is a whole destination shard as it is.
-  proto-arg  prototype sender + the fix receiver: when one source host supplies
-             all of a destination host's data (always so from a 1-host stage), the
-             sender ships that host's distinct destination SHARDS, gathered into
-             64-byte aligned buffers (a tile that already is a whole contiguous
-             shard is shipped as is); otherwise the tiles, made contiguous. One
-             call argument per destination host, as now.
-  proto-put  the same, but the sender `ray.put`s the payload and pushes the ref.
-
-Why these: on XLA:CPU `device_put` of a 64-byte aligned C-contiguous numpy
-array aliases it (no copy), while an unaligned one is copied, slowly; numpy's
-allocator gives 16-byte alignment (so `assemble`'s output is aligned by luck),
-Ray's object store gives 64. And Ray pickles a non-contiguous array in-band,
-which costs extra copies on both ends and loses the alignment.
+  socket   `SocketTransport.send` / `.recv` exactly as a stage runs them (the
+           pipeline default). Here every peer is on the same machine, so payloads of
+           1 MiB or more go through the receiver's shared memory: the sender writes
+           each tile straight into its place in the destination shards (one copy);
+           the receiver builds the jax.Array (CPU `device_put` adopts the buffers).
+  tcp      the same transport with shared memory off: what peers on different
+           machines do. One TCP stream per destination host, laid out block by block
+           in destination order, read straight into the destination shards.
+  ray      `RayTransport.send` / `.recv` (cluster `transport: ray`): the tiles of
+           each destination host as ONE actor-call argument (Ray puts it in the
+           object store), mailbox, `assemble`, `device_put`, jax.Array.
+  ray-put  the issue's literal design on the Ray object store: the sender gathers
+           each destination host's distinct destination shards (or, when several
+           source hosts contribute, the tiles), `ray.put`s them as one object and
+           pushes the ref; the receiver `ray.get`s and builds the jax.Array.
+  raw      the same bytes per (source host, destination host) as ONE numpy buffer:
+           sender `ray.put`, ref pushed into the receiver's mailbox, receiver
+           `ray.get`. Moves bytes, builds nothing: the reference.
 
 Columns: `ratio` = raw time / variant time (throughput ratio, target >= 0.9);
-`bytes/lb` = plan.cross_host_bytes / plan.lower_bound_bytes (target 1.0). The
-transport's time is split into send (sender: shards, pack, serialise + put),
-arrive (t0 -> mailbox take returned, slowest receiver) and build (take -> jax.Array);
-a separate profile re-runs each step on one payload.
+`bytes/lb` = plan.cross_host_bytes / plan.lower_bound_bytes (target 1.0). Each
+variant's time is split into send (the sender's send call), arrive (t0 -> the
+slowest receiver's mailbox take returned) and build (take -> jax.Array ready).
 """
 from __future__ import annotations
 
@@ -54,11 +47,14 @@ from pathlib import Path
 import numpy as np
 
 from orchestrator.edges import StageGeom, edge_plan
+from orchestrator.reshard.tiles import aligned_empty
 from stages.mailbox import Mailbox
 from stages.reshard_probe import ProbeSet, ReshardProbe, random_array
 
 AXES = ("batch", "embed")
-VARIANTS = ("transport", "raw", "fix", "proto-arg", "proto-put")
+VARIANTS = ("socket", "tcp", "ray", "ray-put", "raw")
+TOKEN = b"reshard-benchmark-token"
+WARMUP = 3      # untimed moves per variant and case before the timed repeats
 TIMEOUT = 120.0
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -95,18 +91,6 @@ def _median(xs):
     return statistics.median(xs) if xs else float("nan")
 
 
-def _aligned_empty(shape, dtype, align: int = 64) -> np.ndarray:
-    dtype = np.dtype(dtype)
-    n = int(np.prod(shape)) * dtype.itemsize
-    raw = np.empty(n + align, np.uint8)
-    off = (-raw.ctypes.data) % align
-    return raw[off:off + n].view(dtype).reshape(shape)
-
-
-def _zero_copy_ok(a: np.ndarray) -> bool:
-    return a.flags.c_contiguous and a.ctypes.data % 64 == 0
-
-
 def _groups(plan, dst_host: int) -> dict:
     """Destination devices on `dst_host` grouped by the global box they hold (replicas share a group)."""
     from orchestrator.reshard import shard_boxes
@@ -118,34 +102,8 @@ def _groups(plan, dst_host: int) -> dict:
     return groups
 
 
-def assemble_fast(plan, dst_host: int, received: dict) -> dict:
-    """`reshard.assemble`, the fix's way: whole-shard tiles used as they arrived; every other
-    distinct destination block assembled once, into a 64-byte aligned buffer its devices share."""
-    tiles = plan.recvs.get(dst_host, ())
-    arrays = [a for s in sorted(plan.sends) for a in received.get(s, ())]
-    if len(arrays) != len(tiles):
-        raise ValueError(f"host {dst_host} expects {len(tiles)} tiles, got {len(arrays)}")
-    out: dict = {}
-    for tile, array in zip(tiles, arrays):
-        if tile.shape == plan.dst_shard_shape and _zero_copy_ok(array):
-            for dev, _ in tile.targets:
-                out[dev] = array
-    whole = set(out)
-    rep = {}
-    for devs in _groups(plan, dst_host).values():
-        if devs[0] not in whole:
-            buf = _aligned_empty(plan.dst_shard_shape, plan.dtype)
-            for d in devs:
-                out[d], rep[d] = buf, d == devs[0]
-    for tile, array in zip(tiles, arrays):
-        for dev, where in tile.targets:
-            if rep.get(dev):
-                out[dev][where] = array
-    return out
-
-
 def ship_shards(plan, src_host: int, dst_host: int, shards: dict) -> tuple:
-    """Prototype payload for `dst_host`: its distinct destination shards when `src_host` supplies them all.
+    """ray-put payload for `dst_host`: its distinct destination shards when `src_host` supplies them all.
 
     Returns ("shards", [(dst devices, array)]) — one aligned array per distinct
     destination block on `dst_host` (a tile that is a whole contiguous shard is
@@ -163,7 +121,7 @@ def ship_shards(plan, src_host: int, dst_host: int, shards: dict) -> tuple:
         if len(pieces) == 1 and pieces[0][0].shape == plan.dst_shard_shape and pieces[0][0].flags.c_contiguous:
             buf = pieces[0][0]
         else:
-            buf = _aligned_empty(plan.dst_shard_shape, plan.dtype)
+            buf = aligned_empty(plan.dst_shard_shape, plan.dtype)
             for a, where in pieces:
                 buf[where] = a
         out.append((tuple(devs), buf))
@@ -171,25 +129,25 @@ def ship_shards(plan, src_host: int, dst_host: int, shards: dict) -> tuple:
 
 
 def local_shards(plan, dst_host: int, received: dict) -> dict:
-    """Receiver side of the prototype: dst device -> numpy shard, from tiles or shipped shards."""
-    shipped = [p for p in received.values() if isinstance(p, tuple) and p[0] == "shards"]
+    """Receiver side of ray-put: dst device -> numpy shard, from shipped shards or tiles."""
+    from orchestrator.reshard import assemble
+
+    shipped = [p for p in received.values() if p[0] == "shards"]
     if shipped:
         return {d: a for devs, a in shipped[0][1] for d in devs}
-    return assemble_fast(plan, dst_host, {s: p[1] if isinstance(p, tuple) else p for s, p in received.items()})
+    return assemble(plan, dst_host, {s: p[1] for s, p in received.items()})
 
 
 class TimedMailbox(Mailbox):
-    """A Mailbox that notes when each take returned and keeps the last payloads (for profiling)."""
+    """A Mailbox that notes when each take returned."""
 
     def __init__(self, owner: str):
         super().__init__(owner)
         self.taken_at: dict = {}
-        self.kept: dict = {}
 
     def take(self, key, timeout):
         value = super().take(key, timeout)
         self.taken_at[key] = time.perf_counter()
-        self.kept[key[-1]] = value
         return value
 
 
@@ -214,7 +172,7 @@ class BenchProbe(ReshardProbe):
         for dst_host, tiles in plan.sends.get(self.transport.me, {}).items():
             nbytes = sum(t.nbytes for t in tiles)
             if nbytes:
-                buf = _aligned_empty((nbytes,), np.uint8)
+                buf = aligned_empty((nbytes,), np.uint8)
                 buf[:] = 1
                 self._raw[dst_host] = buf
 
@@ -231,12 +189,10 @@ class BenchProbe(ReshardProbe):
     def timed_send(self, key, to_stage: int, variant: str) -> dict:
         import ray
 
-        from orchestrator.reshard import pack
-
         key = tuple(key)
         t0 = time.perf_counter()
-        if variant == "transport":
-            self.transport.send(key, self._array, self.edge(to_stage))
+        if variant in self.transports:
+            self.transports[variant].send(key, self._array, self.edge(to_stage))
         elif variant == "raw":
             for dst_host, buf in self._raw.items():
                 self._push(to_stage, dst_host, key, [ray.put(buf)])
@@ -245,74 +201,16 @@ class BenchProbe(ReshardProbe):
             me = self.transport.me
             by_device = {self.transport.flat[s.device.id]: s for s in self._array.addressable_shards}
             for dst_host, tiles in plan.sends.get(me, {}).items():
-                if not tiles:
-                    continue
-                shards = {d: np.asarray(by_device[d].data) for d in {t.src_device for t in tiles}}
-                if variant == "fix":
-                    payload = [p if p.flags.c_contiguous else np.ascontiguousarray(p)
-                               for p in pack(plan, me, dst_host, shards)]
-                else:
-                    payload = ship_shards(plan, me, dst_host, shards)
-                self._push(to_stage, dst_host, key, [ray.put(payload)] if variant == "proto-put" else payload)
+                if tiles:
+                    shards = {d: np.asarray(by_device[d].data) for d in {t.src_device for t in tiles}}
+                    self._push(to_stage, dst_host, key, [ray.put(ship_shards(plan, me, dst_host, shards))])
         t1 = time.perf_counter()
-        self.transport.flush(TIMEOUT)
+        if variant in self.transports:
+            self.transports[variant].flush(TIMEOUT)
         if self._inflight:
             ray.get(self._inflight, timeout=TIMEOUT)
             self._inflight.clear()
         return {"t0": t0, "send_s": t1 - t0}
-
-    def profile_send(self, to_stage: int, reps: int = 3) -> dict:
-        """Sender steps one by one (medians, summed over destination hosts).
-
-        pack: read shards and cut tile views (the transport); put: serialise the
-        transport's payload into the object store (what a call argument costs);
-        contig / contig_put: the fix's sender (non-contiguous tiles copied first, then put);
-        gather / gather_put: the prototype's `ship_shards`, then put.
-        """
-        import ray
-
-        from orchestrator.reshard import pack
-
-        plan = self._plan(to_stage, self._array.shape, sending=True)
-        me = self.transport.me
-        by_device = {self.transport.flat[s.device.id]: s for s in self._array.addressable_shards}
-        steps = ("pack_s", "put_s", "contig_s", "contig_put_s", "gather_s", "gather_put_s")
-        out: dict = {k: [] for k in steps}
-        noncontig = 0
-        for _ in range(reps):
-            ts = dict.fromkeys(steps, 0.0)
-            for dst_host, tiles in plan.sends.get(me, {}).items():
-                if not tiles:
-                    continue
-                t = [time.perf_counter()]
-                shards = {d: np.asarray(by_device[d].data) for d in {x.src_device for x in tiles}}
-                payload = pack(plan, me, dst_host, shards)
-                t.append(time.perf_counter())
-                ref = ray.put(payload)
-                t.append(time.perf_counter())
-                noncontig = sum(not p.flags.c_contiguous for p in payload)
-                del ref
-                t.append(time.perf_counter())
-                contig = [p if p.flags.c_contiguous else np.ascontiguousarray(p) for p in payload]
-                t.append(time.perf_counter())
-                ref = ray.put(contig)
-                t.append(time.perf_counter())
-                del ref, contig, payload
-                t.append(time.perf_counter())
-                proto = ship_shards(plan, me, dst_host, shards)
-                t.append(time.perf_counter())
-                ref = ray.put(proto)
-                t.append(time.perf_counter())
-                del ref, proto
-                ts["pack_s"] += t[1] - t[0]
-                ts["put_s"] += t[2] - t[1]
-                ts["contig_s"] += t[4] - t[3]
-                ts["contig_put_s"] += t[5] - t[4]
-                ts["gather_s"] += t[7] - t[6]
-                ts["gather_put_s"] += t[8] - t[7]
-            for k, v in ts.items():
-                out[k].append(v)
-        return {**{k: _median(v) for k, v in out.items()}, "noncontig_tiles": noncontig}
 
     def warm_store(self, mib: int, times: int = 2) -> None:
         """Touch the object store's memory once, so the first case does not pay its page faults."""
@@ -333,19 +231,16 @@ class BenchProbe(ReshardProbe):
 
         key, shape = tuple(key), tuple(shape)
         sharding = self.sharding()
-        self.inbox.kept.clear()
         self._armed.set()
         try:
-            if variant == "transport":
-                array = self.transport.recv(key, shape, np.float32, sharding, self.edge(from_stage), TIMEOUT)
+            if variant in self.transports:
+                array = self.transports[variant].recv(key, shape, np.float32, sharding, self.edge(from_stage),
+                                                      TIMEOUT)
             else:
                 plan = self._plan(from_stage, shape, sending=False)
                 me = self.transport.me
-                received = {}
-                for src, per_dst in plan.sends.items():
-                    if per_dst.get(me):
-                        got = self.inbox.take((*key, src), TIMEOUT)
-                        received[src] = ray.get(got[0]) if variant in ("raw", "proto-put") else got
+                received = {src: ray.get(self.inbox.take((*key, src), TIMEOUT)[0], timeout=TIMEOUT)
+                            for src, per_dst in plan.sends.items() if per_dst.get(me)}
                 if variant == "raw":
                     array = received
                 else:
@@ -364,48 +259,11 @@ class BenchProbe(ReshardProbe):
             want = random_array(self._verify_seed, shape)
             out["ok"] = all(np.asarray(s.data).tobytes() == want[s.index].tobytes()
                             for s in array.addressable_shards)
-            out["aliased"] = sum(np.shares_memory(np.asarray(s.data), np.asarray(s2.data))
-                                 for s in array.addressable_shards for s2 in array.addressable_shards
-                                 if s is not s2)
         return out
 
     def expect_seed(self, seed: int) -> None:
         """The seed the next verified receive is checked against."""
         self._verify_seed = seed
-
-    def profile_recv(self, shape, from_stage: int, reps: int = 3) -> dict:
-        """Receiver steps on the last transport payload (medians): the transport's and the fix's."""
-        import jax
-
-        from orchestrator.reshard import assemble
-
-        plan = self._plan(from_stage, tuple(shape), sending=False)
-        me = self.transport.me
-        received = dict(self.inbox.kept)
-        sharding = self.sharding()
-        out: dict = {k: [] for k in ("assemble_s", "device_put_s", "make_array_s", "aligned_frac",
-                                     "fix_assemble_s", "fix_device_put_s")}
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            local = assemble(plan, me, received)
-            t1 = time.perf_counter()
-            arrays = jax.block_until_ready([jax.device_put(local[i], d) for i, d in self.transport.local])
-            t2 = time.perf_counter()
-            jax.block_until_ready(jax.make_array_from_single_device_arrays(tuple(shape), sharding, arrays))
-            t3 = time.perf_counter()
-            out["aligned_frac"].append(np.mean([local[i].ctypes.data % 64 == 0 for i, _ in self.transport.local]))
-            del local, arrays
-            t4 = time.perf_counter()
-            fixed = assemble_fast(plan, me, received)
-            t5 = time.perf_counter()
-            arrays = jax.block_until_ready([jax.device_put(fixed[i], d) for i, d in self.transport.local])
-            t6 = time.perf_counter()
-            del fixed, arrays
-            for k, v in zip(("assemble_s", "device_put_s", "make_array_s", "fix_assemble_s", "fix_device_put_s"),
-                            (t1 - t0, t2 - t1, t3 - t2, t5 - t4, t6 - t5)):
-                out[k].append(v)
-        self.inbox.kept.clear()
-        return {k: _median(v) for k, v in out.items()}
 
 
 class Bench(ProbeSet):
@@ -416,13 +274,11 @@ class Bench(ProbeSet):
         self.start()
         ray.get([x.warm_store.remote(256) for x in (self.a, self.b, *self.pair)], timeout=TIMEOUT)
 
-    def run_case(self, name: str, shape: tuple, reps: int, seed: int) -> dict:
+    def run_case(self, name: str, shape: tuple, reps: int, seed: int, variants=VARIANTS) -> dict:
         ray = self.ray
         geom_a, geom_b, direction = CASES[name]
-        a, b = [self.a], (self.pair if len(geom_b.hosts) == 2 else [self.b])
-        geoms, actors = (geom_a, geom_b), (a, b)
-        ray.get([x.configure.remote(geoms, stage, i, AXES, actors)
-                 for stage, row in enumerate(actors) for i, x in enumerate(row)], timeout=TIMEOUT)
+        geoms = (geom_a, geom_b)
+        actors = self.configure(geoms, AXES, TOKEN)
         s_stage, r_stage = (0, 1) if direction == "forward" else (1, 0)
         senders, receivers, src, dst = actors[s_stage], actors[r_stage], geoms[s_stage], geoms[r_stage]
         plan = edge_plan(src, dst, AXES, shape, np.float32)
@@ -441,28 +297,23 @@ class Bench(ProbeSet):
                     "send_s": max(s["send_s"] for s in sent),
                     "arrive_s": max(g["taken"] for g in got) - t0,
                     "build_s": max(g["t_end"] - g["taken"] for g in got),
-                    "ok": all(g.get("ok", True) for g in got),
-                    "aliased_shards": sum(g.get("aliased", 0) for g in got)}
+                    "ok": all(g.get("ok", True) for g in got)}
 
-        checks = {v: once(v, (seed, "warm", v), verify=True) for v in VARIANTS}
+        # warm-up, the first one verified: fresh TCP connections grow their windows, buffer pools
+        # and the object store fill; every variant gets the same number of untimed moves
+        checks = {v: once(v, (seed, "warm", v), verify=True) for v in variants}
+        for w in range(WARMUP - 1):
+            for v in variants:
+                once(v, (seed, "warm", w, v))
         bad = [v for v, c in checks.items() if not c["ok"]]
         if bad:
             raise AssertionError(f"{name} {shape}: variants {bad} delivered wrong data")
-        runs: dict = {v: [] for v in VARIANTS}
+        runs: dict = {v: [] for v in variants}
         for r in range(reps):
-            for v in VARIANTS:
+            for v in variants:
                 runs[v].append(once(v, (seed, r, v)))
-        # profile the transport's steps on one more transport payload
-        rrefs = [x.timed_recv.remote((seed, "prof"), shape, s_stage, "transport") for x in receivers]
-        ray.get([x.wait_armed.options(concurrency_group="io").remote(TIMEOUT) for x in receivers],
-                timeout=TIMEOUT)
-        ray.get([x.timed_send.remote((seed, "prof"), r_stage, "transport") for x in senders], timeout=TIMEOUT)
-        ray.get(rrefs, timeout=TIMEOUT)
-        prof_recv = ray.get([x.profile_recv.remote(shape, s_stage) for x in receivers], timeout=TIMEOUT)
-        prof_send = ray.get([x.profile_send.remote(r_stage) for x in senders], timeout=TIMEOUT)
-
         med = {v: {k: _median([x[k] for x in runs[v]]) for k in ("total_s", "send_s", "arrive_s", "build_s")}
-               for v in VARIANTS}
+               for v in variants}
         mib = plan.cross_host_bytes / 2**20
         return {
             "case": name, "shape": list(shape), "mib": int(np.prod(shape)) * 4 / 2**20,
@@ -471,19 +322,12 @@ class Bench(ProbeSet):
             "cross_host_bytes": plan.cross_host_bytes, "lower_bound_bytes": plan.lower_bound_bytes,
             "bytes_ratio": plan.cross_host_bytes / plan.lower_bound_bytes if plan.lower_bound_bytes else 1.0,
             "reps": reps, "median": med,
-            "throughput_mib_s": {v: mib / med[v]["total_s"] for v in VARIANTS},
-            "ratio": {v: med["raw"]["total_s"] / med[v]["total_s"] for v in VARIANTS if v != "raw"},
+            "throughput_mib_s": {v: mib / med[v]["total_s"] for v in variants},
+            "ratio": {v: med["raw"]["total_s"] / med[v]["total_s"] for v in variants if v != "raw"},
             "ratio_of_best": {v: min(x["total_s"] for x in runs["raw"]) / min(x["total_s"] for x in runs[v])
-                              for v in VARIANTS if v != "raw"},
-            "aliased_shard_pairs": {v: checks[v]["aliased_shards"] for v in VARIANTS if v != "raw"},
-            "profile_send": _max_dicts(prof_send), "profile_recv": _max_dicts(prof_recv),
+                              for v in variants if v != "raw"},
             "runs": runs,
         }
-
-
-def _max_dicts(ds: list[dict]) -> dict:
-    """Over the hosts of one side: the slowest host's figure for each step."""
-    return {k: max(d[k] for d in ds) for k in ds[0]}
 
 
 def _ms(s: float) -> str:
@@ -491,46 +335,34 @@ def _ms(s: float) -> str:
 
 
 def markdown(results: list[dict], meta: dict) -> str:
-    others = [v for v in VARIANTS if v not in ("transport", "raw")]
+    variants = meta["variants"]
+    moving = [v for v in variants if v != "raw"]
     lines = [f"# Reshard benchmark ({meta['mode']})", "",
              f"{meta['when']}; {meta['machine']}, load average {meta['load']} at start; jax {meta['jax']}, "
              f"ray {meta['ray']}; median of {meta['reps']} repeats; times in ms. ratio = raw time / variant "
              "time (throughput ratio; target >= 0.9); bytes/lb = cross_host_bytes / lower_bound_bytes "
-             "(target 1.0). Variants are described in `benchmarks/reshard.py`.", "",
-             "| case | MiB | tiles | bytes/lb | raw | transport | **ratio** | "
-             + " | ".join(f"{v} | ratio" for v in others) + " |",
-             "|---|---:|---:|---:|---:|---:|---:|" + "---:|---:|" * len(others)]
+             "(target 1.0). Variants are described in `benchmarks/reshard.py`; `socket` is what pipelines use.",
+             "", "| case | MiB | tiles | bytes/lb | raw | " + " | ".join(f"{v} | ratio" for v in moving) + " |",
+             "|---|---:|---:|---:|---:|" + "---:|---:|" * len(moving)]
     for r in results:
         m, q = r["median"], r["ratio"]
         lines.append(f"| {r['case']} | {r['mib']:.0f} | {r['tiles']} | {r['bytes_ratio']:.3f} | "
-                     f"{_ms(m['raw']['total_s'])} | {_ms(m['transport']['total_s'])} | **{q['transport']:.2f}** | "
-                     + " | ".join(f"{_ms(m[v]['total_s'])} | {q[v]:.2f}" for v in others) + " |")
-    lines += ["", "The same ratios from the best (fastest) of the repeats of each variant — less sensitive to "
-              "other load on the machine:", "",
-              "| case | MiB | " + " | ".join(v for v in VARIANTS if v != "raw") + " |",
-              "|---|---:|" + "---:|" * (len(VARIANTS) - 1)]
+                     f"{_ms(m['raw']['total_s'])} | "
+                     + " | ".join(f"{_ms(m[v]['total_s'])} | **{q[v]:.2f}**" if v == "socket"
+                                  else f"{_ms(m[v]['total_s'])} | {q[v]:.2f}" for v in moving) + " |")
+    lines += ["", "The same ratios from the best (fastest) repeat of each variant (less sensitive to other "
+              "load), and where each variant's time goes (ms, medians): send = the sender's send call, "
+              "arrive = t0 until the slowest receiver's mailbox take returned, build = take until the "
+              "jax.Array was ready.", "",
+              "| case | MiB | " + " | ".join(f"{v} best" for v in moving) + " | "
+              + " | ".join(f"{v} send / arrive / build" for v in variants) + " |",
+              "|---|---:|" + "---:|" * (len(moving) + len(variants))]
     for r in results:
+        m = r["median"]
         lines.append(f"| {r['case']} | {r['mib']:.0f} | "
-                     + " | ".join(f"{r['ratio_of_best'][v]:.2f}" for v in VARIANTS if v != "raw") + " |")
-    lines += ["", "Where the transport's time goes (ms). send / arrive / build: medians of the timed "
-              "transport runs (send = sender's `send` call; arrive = t0 until the slowest receiver's "
-              "mailbox take returned; build = take until the jax.Array is ready). The rest: a step-by-step "
-              "profile on one payload, slowest host: pack (read shards, cut tile views), put (serialise the "
-              "transport's payload into the object store), assemble / device_put / make_array (the "
-              "transport's receiver; `aligned` = share of assembled shards that happened to be 64-byte "
-              "aligned, i.e. device_put without a copy), the fix's steps (sender: make tiles contiguous, "
-              "put; receiver: assemble, device_put) and the prototype sender's gather and put.", "",
-              "| case | MiB | send | arrive | build | pack | put | assemble | device_put | aligned | "
-              "make_array | fix contiguous | fix put | fix assemble | fix device_put | proto gather | proto put |",
-              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in results:
-        t, ps, pr = r["median"]["transport"], r["profile_send"], r["profile_recv"]
-        lines.append(f"| {r['case']} | {r['mib']:.0f} | {_ms(t['send_s'])} | {_ms(t['arrive_s'])} | "
-                     f"{_ms(t['build_s'])} | {_ms(ps['pack_s'])} | {_ms(ps['put_s'])} | "
-                     f"{_ms(pr['assemble_s'])} | {_ms(pr['device_put_s'])} | {pr['aligned_frac']:.0%} | "
-                     f"{_ms(pr['make_array_s'])} | {_ms(ps['contig_s'])} | {_ms(ps['contig_put_s'])} | "
-                     f"{_ms(pr['fix_assemble_s'])} | {_ms(pr['fix_device_put_s'])} | "
-                     f"{_ms(ps['gather_s'])} | {_ms(ps['gather_put_s'])} |")
+                     + " | ".join(f"{r['ratio_of_best'][v]:.2f}" for v in moving) + " | "
+                     + " | ".join(f"{_ms(m[v]['send_s'])} / {_ms(m[v]['arrive_s'])} / {_ms(m[v]['build_s'])}"
+                                  for v in variants) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -541,19 +373,23 @@ def main(argv=None) -> None:
     import ray
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="16 MiB only, 3 repeats")
+    ap.add_argument("--quick", action="store_true", help="16 MiB only, 5 repeats")
     ap.add_argument("--cases", default="", help="comma-separated case names (default: all)")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated variants (raw is always run)")
     args = ap.parse_args(argv)
     sizes = [(2048, 2048)] if args.quick else [(2048, 2048), (4096, 4096)]
-    reps = 3 if args.quick else 5
+    reps = 5 if args.quick else 7
     names = [n.strip() for n in args.cases.split(",") if n.strip()] or list(CASES)
+    variants = tuple(dict.fromkeys([v.strip() for v in args.variants.split(",") if v.strip()] + ["raw"]))
+    if set(variants) - set(VARIANTS):
+        ap.error(f"unknown variants {sorted(set(variants) - set(VARIANTS))}; known: {list(VARIANTS)}")
     unknown = sorted(set(names) - set(CASES))
     if unknown:
         ap.error(f"unknown cases {unknown}; known: {list(CASES)}")
     meta = {"mode": "quick" if args.quick else "full", "when": time.strftime("%Y-%m-%d %H:%M"),
             "machine": f"{platform.machine()}, {os.cpu_count()} cpus",
             "load": " ".join(f"{x:.1f}" for x in os.getloadavg()),
-            "jax": jax.__version__, "ray": ray.__version__, "reps": reps}
+            "jax": jax.__version__, "ray": ray.__version__, "reps": reps, "variants": variants}
     ray.init(address="local", num_cpus=8, include_dashboard=False, namespace="meshpipe-bench",
              logging_level="ERROR")
     results = []
@@ -563,7 +399,7 @@ def main(argv=None) -> None:
             for shape in sizes:
                 for i, name in enumerate(names):
                     t = time.perf_counter()
-                    results.append(bench.run_case(name, shape, reps, seed=100 + i))
+                    results.append(bench.run_case(name, shape, reps, seed=100 + i, variants=variants))
                     q = results[-1]["ratio"]
                     print(f"  {name:22s} {results[-1]['mib']:3.0f} MiB  "
                           + "  ".join(f"{v} {x:.2f}" for v, x in q.items())

@@ -1,10 +1,10 @@
-"""A minimal stage actor that moves one tensor with the pipeline's real transport.
+"""A minimal stage actor that moves one tensor with the pipeline's real transports.
 
-Tests and benchmarks need `stages.transport.RayTransport` between actors whose
-meshes differ, without models, optimizers or schedules. `ReshardProbe` builds
-its mesh, mailbox and `RayTransport` the way `StageWorker.setup` does and
-exposes the same `deliver` entry point, so its `send` / `recv` run the very
-code a pipeline stage runs.
+Tests and benchmarks need the stage transports (`stages.transport.RayTransport`,
+`stages.socket_transport.SocketTransport`) between actors whose meshes differ,
+without models, optimizers or schedules. `ReshardProbe` builds its mesh, mailbox
+and transports the way `StageWorker.setup` does and exposes the same `deliver`
+entry point, so its `send` / `recv` run the very code a pipeline stage runs.
 
 Basic flow (the driver creates the actors with `probe_options`):
   1. multi-host stages only: `coordinator_address()` on host 0, then
@@ -14,11 +14,13 @@ Basic flow (the driver creates the actors with `probe_options`):
      `host` of stage `stage` among `geoms` (every stage's `StageGeom`; `actors`
      is every stage's handles, as `StageWorker.connect` gets them). It builds the
      stage mesh (the first prod(mesh) global devices, host-major), a fresh
-     mailbox and a fresh `RayTransport`; call it again for the next case once
-     nothing is in flight;
-  3. `send(key, seed, shape, dtype, to_stage)` on every host of the source
-     stage, `recv(key, shape, dtype, from_stage)` on every host of the
-     destination stage. The sender builds `random_array(seed, …)` with its own
+     mailbox, a fresh `RayTransport` and, given the run `token`, the socket
+     transports of SOCKETS, whose addresses every probe then gets through
+     `connect_sockets(addresses)` (`ProbeSet.configure` does all of this); call
+     it again for the next case once nothing is in flight;
+  3. `send(key, seed, shape, dtype, to_stage, via=...)` on every host of the source
+     stage, `recv(key, shape, dtype, from_stage, via=...)` on every host of the
+     destination stage (`via`: "ray" or a name in SOCKETS). The sender builds `random_array(seed, …)` with its own
      sharding; the receiver returns its addressable shards with their global
      index as JAX reports it, so the driver checks them against numpy slices.
 """
@@ -34,6 +36,12 @@ import numpy as np
 from orchestrator.edges import StageGeom
 from stages.layout import partition_spec
 from stages.mailbox import Mailbox
+
+
+# socket transports a probe builds, by name: the pipeline's default; streams only (what peers on
+# different machines use); shared memory for every payload; shared memory refused (pool full)
+SOCKETS = {"socket": {}, "tcp": {"shared_memory": False}, "shm": {"shm_min_bytes": 0},
+           "shm-full": {"shm_min_bytes": 0, "shm_pool_bytes": 0}}
 
 
 def random_array(seed: int, shape: Sequence[int], dtype: Any = np.float32) -> np.ndarray:
@@ -70,7 +78,7 @@ class ReshardProbe:
         self.stage = 0
         self.axes: tuple = ()
         self.mesh = None
-        self.transport = None
+        self.transports: dict = {}
         self.delivered: list = []
         self._stage_hosts = 1
 
@@ -93,12 +101,19 @@ class ReshardProbe:
         return {"process": jax.process_index(), "devices": [d.id for d in jax.devices()],
                 "local": [d.id for d in jax.local_devices()]}
 
+    @property
+    def transport(self):
+        """The Ray-call transport (always built by `configure`)."""
+        return self.transports["ray"]
+
     def configure(self, geoms: Sequence[StageGeom], stage: int, host: int, axes: Sequence[str | None],
-                  actors: Sequence[Sequence]) -> dict:
-        """Become host `host` (index in `geoms[stage].hosts`) of stage `stage`; returns the mesh's device ids."""
+                  actors: Sequence[Sequence], token: bytes | None = None) -> dict:
+        """Become host `host` (index in `geoms[stage].hosts`) of stage `stage`; returns the mesh's device
+        ids and, with `token`, the socket transport's listening address."""
         import jax
         from jax.sharding import Mesh
 
+        from stages.socket_transport import SocketTransport
         from stages.transport import RayTransport
 
         geom = geoms[stage]
@@ -116,10 +131,32 @@ class ReshardProbe:
         self.mesh = Mesh(np.array(devices).reshape(shape), tuple(name for name, _ in geom.mesh))
         # a fresh mailbox per case: nothing a failed earlier case left behind can be taken by this one
         self.inbox.close("reconfigured")
+        self._close_transports()
         self.inbox, self.delivered = type(self.inbox)(self.name), []
-        self.transport = RayTransport(me=geom.hosts[host], geom=geom, mesh=self.mesh, inbox=self.inbox,
-                                      peers=lambda s: self.actors[s])
-        return {"mesh": [d.id for d in devices], "local": [i for i, _ in self.transport.local]}
+        args = {"me": geom.hosts[host], "geom": geom, "mesh": self.mesh, "inbox": self.inbox,
+                "peers": lambda s: self.actors[s]}
+        self.transports = {"ray": RayTransport(**args)}
+        if token:
+            for name, options in SOCKETS.items():
+                self.transports[name] = SocketTransport(**args, token=token, stage=stage, geoms=self.geoms,
+                                                        io_timeout=60.0, **options)
+        return {"mesh": [d.id for d in devices], "local": [i for i, _ in self.transport.local],
+                "addresses": {name: self.transports[name].address for name in SOCKETS} if token else None}
+
+    def connect_sockets(self, addresses: dict) -> None:
+        """Every stage's hosts' socket addresses ([stage][host]), per socket transport name."""
+        for name, rows in addresses.items():
+            self.transports[name].connect(rows)
+
+    def transport_counts(self) -> dict:
+        """Per socket transport: payloads sent through shared memory and as streams."""
+        return {name: {"shm": t.shm_sends, "stream": t.stream_sends}
+                for name, t in self.transports.items() if name in SOCKETS}
+
+    def _close_transports(self) -> None:
+        for t in self.transports.values():
+            t.close()
+        self.transports = {}
 
     def edge(self, stage: int):
         """The transport's view of the boundary with `stage` for this probe's tensor."""
@@ -138,6 +175,7 @@ class ReshardProbe:
 
     def shutdown(self) -> None:
         self.inbox.close("shutdown")
+        self._close_transports()
         if self._stage_hosts > 1:
             import jax
 
@@ -159,18 +197,20 @@ class ReshardProbe:
                                                                   lambda idx: host[idx]))
 
     def send(self, key: tuple, seed: int, shape: Sequence[int], dtype: Any, to_stage: int,
-             timeout: float = 60.0) -> dict:
+             timeout: float = 60.0, via: str = "ray") -> dict:
         """Send `random_array(seed, shape, dtype)` to stage `to_stage`; returns bytes pushed and seconds."""
         array = self.source_array(seed, shape, dtype)
-        before = self.transport.sent_bytes
+        transport = self.transports[via]
+        before = transport.sent_bytes
         t0 = time.perf_counter()
-        self.transport.send(tuple(key), array, self.edge(to_stage))
+        transport.send(tuple(key), array, self.edge(to_stage))
         t1 = time.perf_counter()
-        self.transport.flush(timeout)
-        return {"sent_bytes": self.transport.sent_bytes - before, "send_s": t1 - t0,
+        transport.flush(timeout)
+        return {"sent_bytes": transport.sent_bytes - before, "send_s": t1 - t0,
                 "flushed_s": time.perf_counter() - t0}
 
-    def recv(self, key: tuple, shape: Sequence[int], dtype: Any, from_stage: int, timeout: float = 60.0) -> dict:
+    def recv(self, key: tuple, shape: Sequence[int], dtype: Any, from_stage: int, timeout: float = 60.0,
+             via: str = "ray") -> dict:
         """Receive from stage `from_stage`; returns this host's shards as JAX places them.
 
         Returns:
@@ -181,8 +221,8 @@ class ReshardProbe:
         import jax
 
         sharding = self.sharding()
-        array = self.transport.recv(tuple(key), tuple(shape), np.dtype(dtype), sharding, self.edge(from_stage),
-                                    timeout)
+        array = self.transports[via].recv(tuple(key), tuple(shape), np.dtype(dtype), sharding,
+                                          self.edge(from_stage), timeout)
         jax.block_until_ready(array)
         shards = []
         for s in array.addressable_shards:
@@ -216,6 +256,19 @@ class ProbeSet:
 
     def stage_b(self, geom: StageGeom) -> list:
         return self.pair if len(geom.hosts) == 2 else [self.b]
+
+    def configure(self, geoms: Sequence[StageGeom], axes: Sequence[str | None], token: bytes) -> list[list]:
+        """Make actor "a" stage 0 and `stage_b(geoms[1])` stage 1, with both transports connected.
+
+        Returns the actors per stage.
+        """
+        actors = [[self.a], self.stage_b(geoms[1])]
+        got = self.ray.get([x.configure.remote(geoms, stage, i, axes, actors, token)
+                            for stage, row in enumerate(actors) for i, x in enumerate(row)], timeout=self.timeout)
+        addresses = {name: [[g["addresses"][name] for g in got[:1]], [g["addresses"][name] for g in got[1:]]]
+                     for name in SOCKETS}
+        self.ray.get([x.connect_sockets.remote(addresses) for row in actors for x in row], timeout=self.timeout)
+        return actors
 
     def close(self) -> None:
         actors = [self.a, self.b, *self.pair]

@@ -1,169 +1,113 @@
-"""Tiles over framed TCP streams between stage actors (cluster `transport: socket`).
+"""Tiles over persistent sockets between stage actors (cluster `transport: socket`, the default).
 
-Same plan, packing, mailbox keys and counters as `RayTransport` (both are
-`TiledTransport`s); only the hop differs: instead of one Ray actor call per send,
-the sender writes one frame on a persistent TCP connection to the destination
-host, and a reader thread there puts `(key, arrays)` into the worker's Mailbox.
+Same plan, mailbox keys and counters as `RayTransport` (both are `TiledTransport`s);
+only the hop differs. Every actor listens on TCP and, on Linux, on an abstract Unix
+socket; its address is (ip, port, machine, unix name), `machine` being the kernel's
+boot id. A sender reaches a peer on the same machine over the Unix socket, any other
+over TCP; both connections start with the run-token handshake (`stages.frames`).
 
-Wire format (no pickle anywhere):
-  handshake:  connector sends HELLO = struct "!4sH" (b"MPH1", token length) + token;
-              the listener answers b"\\x01" or drops the connection (hmac.compare_digest).
-  frame:      struct "!4sIQ" (b"MPF1", JSON header length, raw data length),
-              then the JSON header {"key": [...], "arrays": [[dtype str, shape], ...]},
-              then every array's C-order bytes, back to back.
-Receivers read the data straight into fresh 64-byte-aligned buffers (`aligned_empty`),
-so a CPU `device_put` can adopt them without a copy.
+Moving one tensor from this host to destination host d (one payload per pair):
+  shared memory  (same machine, at least SHM_MIN_BYTES for d): the sender asks d for
+                 a grant; d's reader thread allocates d's destination blocks in shared
+                 memory (`BufferPool` of memfd blocks, recycled) and answers with each
+                 block's id and, for blocks this connection has not seen, its file
+                 descriptor; the sender maps them once and writes every tile straight
+                 into its place in d's shards (one copy, source shard -> destination
+                 shard), then sends "done". d refuses the grant when its pool is full,
+                 and the sender falls back to:
+  stream         a tensor frame carrying the tiles as one byte stream laid out by
+                 `orchestrator.reshard.stream`: destination blocks one after another,
+                 each in its own C order; d's reader thread reads it straight into place
+                 (one `recv_into` per block the sender supplies whole). The sender
+                 gathers it from its shards (`sendmsg`) or stages a block whose pieces
+                 are short with one numpy copy.
+Either way d allocates each distinct destination block once, 64-byte aligned (CPU
+`device_put` adopts it without a copy; replicas share it), and when every sending host
+of the key is done, the shards go into the mailbox under `(*key, ASSEMBLED)`.
 
-Every blocking socket operation has a timeout: connects and handshakes `io_timeout`,
-sends `io_timeout` per blocked write, reader threads poll their stop flag between frames
-and give up mid-frame after `io_timeout`.
+Every blocking socket operation has a timeout: connects, handshakes and grants
+`io_timeout`, sends `io_timeout` per blocked write; reader threads poll their stop flag
+between frames and give up mid-frame after `io_timeout`.
 """
 from __future__ import annotations
 
-import hmac
-import json
+import mmap
+import os
+import secrets
 import select
 import socket
-import struct
 import threading
-import time
+import weakref
 
 import numpy as np
 
-from orchestrator.reshard.tiles import aligned_empty
-from stages.transport import TiledTransport
+from orchestrator.reshard.stream import blocks_on, stream_layout
+from stages.bufpool import BufferPool, shm_block, shm_supported
+from stages.frames import (
+    Frame,
+    FrameError,
+    client_handshake,
+    frame_header,
+    read_frame,
+    read_grant,
+    send_buffers,
+    send_grant,
+    server_handshake,
+)
+from stages.transport import Edge, TiledTransport
 
-HELLO = struct.Struct("!4sH")
-HELLO_MAGIC = b"MPH1"
-FRAME = struct.Struct("!4sIQ")
-FRAME_MAGIC = b"MPF1"
-ACK = b"\x01"
-MAX_HEADER = 1 << 20
-POLL_S = 0.5            # reader/acceptor wake-up interval to notice shutdown
-
-
-class FrameError(ConnectionError):
-    """A malformed frame or a broken stream."""
-
-
-# -- frames (pure) -------------------------------------------------------------
-def encode_frame(key: tuple, arrays) -> list:
-    """The buffers of one frame: [fixed header + JSON header, array bytes...] (array bytes are views)."""
-    metas, bufs = [], []
-    for a in arrays:
-        a = np.asarray(a)
-        if a.dtype.hasobject or a.dtype.fields is not None:
-            raise TypeError(f"cannot frame dtype {a.dtype} (plain numeric dtypes only)")
-        if not a.flags.c_contiguous:
-            a = a.copy(order="C")          # (np.ascontiguousarray would turn a 0-d array into 1-d)
-        metas.append([a.dtype.str, list(a.shape)])
-        if a.nbytes:
-            bufs.append(memoryview(a.reshape(-1).view(np.uint8)))
-    head = json.dumps({"key": list(key), "arrays": metas}, separators=(",", ":")).encode()
-    total = sum(b.nbytes for b in bufs)
-    return [FRAME.pack(FRAME_MAGIC, len(head), total) + head, *bufs]
+POLL_S = 0.5                # reader/acceptor wake-up interval to notice shutdown
+STAGE_BELOW = 32 << 10      # a stream block whose pieces average fewer bytes is staged by one copy
+SHM_MIN_BYTES = 1 << 20     # smaller payloads go as streams (a grant costs a round trip)
+SHM_POOL_BYTES = 4 << 30    # shared-memory destination blocks a receiver keeps
+ASSEMBLED = "assembled"     # last mailbox key element of a fully placed tensor
+COPY_THREADS = 4            # at most this many threads write one payload into shared memory
 
 
-def _recv_exact(sock: socket.socket, view: memoryview, stop=None, deadline: float | None = None,
-                at_boundary: bool = False) -> bool:
-    """Fill `view` from `sock`. Returns False on a clean EOF before the first byte when `at_boundary`.
-
-    A socket timeout re-polls while `stop()` is false and `deadline` (monotonic) is not passed.
-    """
-    got, n = 0, view.nbytes
-    while got < n:
-        try:
-            k = sock.recv_into(view[got:], n - got)
-        except TimeoutError:
-            if stop is not None and stop():
-                raise FrameError("transport closed") from None
-            if deadline is not None and time.monotonic() > deadline and not (at_boundary and got == 0):
-                raise FrameError(f"stream stalled: {got} of {n} bytes within the deadline") from None
-            continue
-        if k == 0:
-            if at_boundary and got == 0:
-                return False
-            raise FrameError(f"connection closed mid-frame ({got} of {n} bytes)")
-        got += k
-    return True
-
-
-def read_frame(sock: socket.socket, stop=None, io_timeout: float = 60.0):
-    """One frame from `sock` as (key tuple, [arrays]); None on a clean EOF between frames."""
-    fixed = bytearray(FRAME.size)
-    if not _recv_exact(sock, memoryview(fixed), stop, None, at_boundary=True):
+def machine_id() -> str | None:
+    """This machine's identity for same-machine shared memory (None: never share memory)."""
+    if not shm_supported():
         return None
-    deadline = time.monotonic() + io_timeout       # the rest of a started frame must come in time
-    magic, head_len, total = FRAME.unpack(fixed)
-    if magic != FRAME_MAGIC or head_len > MAX_HEADER:
-        raise FrameError(f"bad frame header {bytes(fixed)!r}")
-    head = bytearray(head_len)
-    _recv_exact(sock, memoryview(head), stop, deadline)
-    meta = json.loads(head)
-    arrays, want = [], 0
-    for dtype, shape in meta["arrays"]:
-        dt = np.dtype(dtype)
-        if dt.hasobject:
-            raise FrameError(f"refusing dtype {dtype}")
-        a = aligned_empty(tuple(shape), dt)
-        want += a.nbytes
-        arrays.append(a)
-    if want != total:
-        raise FrameError(f"frame announces {total} data bytes, its arrays need {want}")
-    for a in arrays:
-        if a.nbytes:
-            _recv_exact(sock, memoryview(a.reshape(-1).view(np.uint8)), stop, deadline)
-    return tuple(meta["key"]), arrays
-
-
-def client_handshake(sock: socket.socket, token: bytes) -> None:
-    """Send the run token and wait for the listener's acknowledgement (sock's timeout applies)."""
-    sock.sendall(HELLO.pack(HELLO_MAGIC, len(token)) + token)
-    ack = sock.recv(1)
-    if ack != ACK:
-        raise ConnectionRefusedError("the peer's transport refused the connection (wrong run token?)")
-
-
-def server_handshake(sock: socket.socket, token: bytes) -> bool:
-    """Check a connector's token (sock's timeout applies); True (and ACK sent) only when it matches."""
     try:
-        hello = bytearray(HELLO.size)
-        if not _recv_exact(sock, memoryview(hello), at_boundary=True):
-            return False
-        magic, n = HELLO.unpack(hello)
-        if magic != HELLO_MAGIC or n > 1024:
-            return False
-        got = bytearray(n)
-        _recv_exact(sock, memoryview(got))
-        if not hmac.compare_digest(bytes(got), token):
-            return False
-        sock.sendall(ACK)
-        return True
-    except (OSError, FrameError):
-        return False
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f"{socket.gethostname()}/{f.read().strip()}"
+    except OSError:
+        return None
 
 
-# -- the transport ---------------------------------------------------------------
+# -- receiving ---------------------------------------------------------------------
 class Listener:
-    """Accepts token-checked connections; one daemon reader thread per connection feeds `on_frame`."""
+    """Accepts token-checked connections (TCP, and Unix when `unix` names an abstract socket);
+    one daemon reader thread per connection reads frames (into `destinations(header)` when
+    that gives views, see `stages.frames.read_frame`) and calls `on_frame(frame, conn)`."""
 
-    def __init__(self, host: str, token: bytes, on_frame, on_error, io_timeout: float, name: str = ""):
+    def __init__(self, host: str, token: bytes, on_frame, on_error, io_timeout: float, name: str = "",
+                 destinations=None, unix: str | None = None):
         self.token, self.on_frame, self.on_error, self.io_timeout = token, on_frame, on_error, io_timeout
+        self.destinations = destinations
         self.name = name
         self.closed = False
         self.refused = 0
         self._conns: list[socket.socket] = []
         self._lock = threading.Lock()
-        self.sock = socket.create_server((host, 0), backlog=64)
-        self.sock.settimeout(POLL_S)
-        self.address = (host, self.sock.getsockname()[1])
-        self._threads = [threading.Thread(target=self._accept, daemon=True, name=f"{name} accept")]
-        self._threads[0].start()
+        self.socks = [socket.create_server((host, 0), backlog=64)]
+        self.address = (host, self.socks[0].getsockname()[1])
+        if unix is not None:
+            u = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            u.bind("\0" + unix)
+            u.listen(64)
+            self.socks.append(u)
+        self._threads = []
+        for sock in self.socks:
+            sock.settimeout(POLL_S)
+            self._threads.append(threading.Thread(target=self._accept, args=(sock,), daemon=True,
+                                                  name=f"{name} accept"))
+            self._threads[-1].start()
 
-    def _accept(self) -> None:
+    def _accept(self, sock: socket.socket) -> None:
         while not self.closed:
             try:
-                conn, _ = self.sock.accept()
+                conn, _ = sock.accept()
             except TimeoutError:
                 continue
             except OSError:
@@ -183,14 +127,15 @@ class Listener:
             if not server_handshake(conn, self.token):
                 self.refused += 1
                 return
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if conn.family != socket.AF_UNIX:
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn.settimeout(POLL_S)
             stop = lambda: self.closed
             while not self.closed:
-                frame = read_frame(conn, stop, self.io_timeout)
+                frame = read_frame(conn, stop, self.io_timeout, self.destinations)
                 if frame is None:
                     return
-                self.on_frame(*frame)
+                self.on_frame(frame, conn)
         except Exception as e:  # noqa: BLE001 - a reader must not die silently
             if not self.closed:
                 self.on_error(f"{type(e).__name__}: {e}")
@@ -201,38 +146,82 @@ class Listener:
         with self._lock:
             self.closed = True
             conns = list(self._conns)
-        self.sock.close()
-        for c in conns:
+        for sock in self.socks + conns:      # shutdown wakes a thread blocked in accept / recv at once
             try:
-                c.shutdown(socket.SHUT_RDWR)
+                sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
-            c.close()
+            sock.close()
         for t in self._threads:
             if t is not threading.current_thread():
                 t.join(timeout=2 * POLL_S)
 
 
+class _Arrival:
+    """One tensor arriving on this host: its destination blocks and the source hosts still to come."""
+
+    def __init__(self, plan, me: int, pool: BufferPool, shm: BufferPool | None = None):
+        blocks = blocks_on(plan, me)
+        firsts = sorted(set(blocks.values()))
+        taken = [shm.take_block(plan.dst_shard_shape, plan.dtype) for _ in firsts] if shm else []
+        if taken and all(taken):
+            self.buffers = {b: a for b, (a, _) in zip(firsts, taken)}
+            self.shm_ids = {b: blk.id for b, (_, blk) in zip(firsts, taken)}
+        else:
+            self.buffers = {b: pool.take(plan.dst_shard_shape, plan.dtype) for b in firsts}
+            self.shm_ids = None
+        self.shards = {d: self.buffers[b] for d, b in blocks.items()}   # replicas share a buffer
+        self.views = {b: memoryview(a.reshape(-1).view(np.uint8)) for b, a in self.buffers.items()}
+        self.waiting = {s for s, per_dst in plan.sends.items() if per_dst.get(me)}
+
+
+# -- sending -------------------------------------------------------------------------
 class _Conn:
-    def __init__(self, address: tuple, token: bytes, io_timeout: float):
+    """One outgoing connection (TCP, or Unix to a same-machine peer); `maps` caches the
+    peer's shared-memory blocks this connection was granted (block id -> uint8 array)."""
+
+    def __init__(self, address: tuple, token: bytes, io_timeout: float, unix: str | None = None):
         self.address = tuple(address)
         self.lock = threading.Lock()
-        sock = socket.create_connection(self.address, timeout=io_timeout)
+        self.maps: dict[int, np.ndarray] = {}
+        if unix is None:
+            sock = socket.create_connection(self.address[:2], timeout=io_timeout)
+        else:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if unix is None:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            else:
+                sock.settimeout(io_timeout)
+                sock.connect("\0" + unix)
             client_handshake(sock, token)
         except BaseException:
             sock.close()
             raise
         self.sock = sock
+        self.unix = unix is not None
 
     def send(self, buffers) -> None:
         with self.lock:
-            for b in buffers:
-                self.sock.sendall(b)
+            send_buffers(self.sock, buffers)
+
+    def grant(self, request: bytes) -> dict:
+        """Send a grant request and read the answer; maps newly granted blocks. Call with `lock` held."""
+        send_buffers(self.sock, [request])
+        message, fds = read_grant(self.sock)
+        try:
+            sizes = {int(b): int(n) for b, n in message.get("new", [])}
+            if len(sizes) != len(fds):
+                raise FrameError(f"grant announces {len(sizes)} new blocks, carries {len(fds)} descriptors")
+            for (block, nbytes), fd in zip(sizes.items(), fds):
+                self.maps[block] = np.frombuffer(mmap.mmap(fd, max(nbytes, 1)), np.uint8)
+        finally:
+            for fd in fds:
+                os.close(fd)
+        return message
 
     def broken(self) -> bool:
-        """The peer never writes after the ACK: readable means EOF or an error."""
+        """Outside a grant exchange the peer never writes: readable means EOF or an error."""
         readable, _, _ = select.select([self.sock], [], [], 0)
         return bool(readable)
 
@@ -244,17 +233,21 @@ class _Conn:
 
 
 class SocketTransport(TiledTransport):
-    """Tiles over persistent, token-authenticated TCP connections (see the module docstring).
+    """Tiles over persistent, token-authenticated sockets (see the module docstring).
 
-    Args: as `RayTransport`, plus `token` (the run's secret, from the driver), `host`
-    (the IP to listen on: the node IP; None asks Ray) and `io_timeout` (seconds a
-    connect, handshake, blocked write or started frame may take).
-    After construction `address` is (host, port); `connect(addresses)` takes every
-    stage's hosts' addresses ([stage][host]) before the first send.
+    Args: as `RayTransport`, plus `token` (the run's secret, from the driver), `stage`
+    and `geoms` (this stage's index and every stage's `StageGeom`: receivers look up
+    the plan of an incoming tensor by its sending stage), `host` (the IP to listen on:
+    the node IP; None asks Ray), `io_timeout` (seconds a connect, handshake, grant,
+    blocked write or started frame may take), `shared_memory` (False: streams only),
+    `shm_min_bytes` and `shm_pool_bytes` (see SHM_MIN_BYTES, SHM_POOL_BYTES).
+    After construction `address` is (ip, port, machine, unix name); `connect(addresses)`
+    takes every stage's hosts' addresses ([stage][host]) before the first send.
     """
 
-    def __init__(self, *, me, geom, mesh, inbox, peers, token: bytes, host: str | None = None,
-                 io_timeout: float = 60.0):
+    def __init__(self, *, me, geom, mesh, inbox, peers, token: bytes, stage: int = 0, geoms=(),
+                 host: str | None = None, io_timeout: float = 60.0, shared_memory: bool = True,
+                 shm_min_bytes: int = SHM_MIN_BYTES, shm_pool_bytes: int = SHM_POOL_BYTES):
         if not token:
             raise ValueError("SocketTransport needs the run token")
         super().__init__(me=me, geom=geom, mesh=mesh, inbox=inbox, peers=peers)
@@ -262,24 +255,122 @@ class SocketTransport(TiledTransport):
             import ray
 
             host = ray.util.get_node_ip_address()
+        self.stage, self.geoms = stage, tuple(geoms)
         self.token, self.io_timeout = bytes(token), io_timeout
+        self.machine = machine_id() if shared_memory else None
+        self.pool = BufferPool()      # stream destination blocks and staged send blocks, recycled
+        self.shm = BufferPool(shm_pool_bytes, shm_block) if self.machine else None
+        self.shm_min_bytes = shm_min_bytes
+        self._copy_threads = min(COPY_THREADS, len(os.sched_getaffinity(0)))
+        self._copier = None           # thread pool for shared-memory writes, made on first use
+        self.shm_sends = self.stream_sends = 0
+        self._arrivals: dict[tuple, _Arrival] = {}
+        self._arrivals_lock = threading.Lock()
+        self._granted = weakref.WeakKeyDictionary()   # accepted connection -> shm block ids it holds
+        self._layouts: dict = {}
         self._error: str | None = None
         self._addresses: list[list[tuple]] = []
         self._conns: dict[tuple, _Conn] = {}
         self._conns_lock = threading.Lock()
+        unix = f"meshpipe-{secrets.token_hex(8)}" if self.machine else None
         self.listener = Listener(host, self.token, self._on_frame, self._on_error, io_timeout,
-                                 name=f"transport host {me}")
-        self.address = self.listener.address
+                                 name=f"transport host {me}", destinations=self._destinations, unix=unix)
+        self.address = (*self.listener.address, self.machine, unix)
 
-    def _on_frame(self, key, arrays) -> None:
-        self.inbox.put(key, arrays)
+    # -- receiving (reader threads) ---------------------------------------------------
+    def _incoming_plan(self, tensor: dict):
+        stage = tensor["stage"]
+        if not isinstance(stage, int) or not 0 <= stage < len(self.geoms):
+            raise FrameError(f"tensor frame from unknown stage {stage!r}")
+        edge = Edge(stage, self.geoms[stage], tuple(tensor["axes"]))
+        return self._plan(edge, False, tuple(tensor["shape"]), np.dtype(tensor["dtype"]))
+
+    def _layout(self, plan, src: int, dst: int):
+        """`stream_layout`, memoised per plan (plans are memoised, so their ids are stable)."""
+        memo = (id(plan), src, dst)
+        got = self._layouts.get(memo)
+        if got is None:
+            got = self._layouts[memo] = (plan, stream_layout(plan, src, dst))
+        return got[1]
+
+    def _arrival(self, key: tuple, plan, shm: bool) -> tuple[tuple, int, _Arrival]:
+        base, src = key[:-1], key[-1]
+        if src not in plan.sends:
+            raise FrameError(f"{key}: host {src} is not a source host of this edge")
+        with self._arrivals_lock:
+            arrival = self._arrivals.get(base)
+            if arrival is None:
+                arrival = self._arrivals[base] = _Arrival(plan, self.me, self.pool, self.shm if shm else None)
+        return base, src, arrival
+
+    def _destinations(self, header: dict):
+        """A tensor frame's stream lands in its places in the destination blocks."""
+        if header.get("shm"):              # grant requests and "done" notes carry no data
+            return []
+        tensor = header.get("tensor")
+        if tensor is None:
+            return None
+        plan = self._incoming_plan(tensor)
+        _, src, arrival = self._arrival(tuple(header["key"]), plan, shm=False)
+        views = arrival.views
+        return [views[b][off:off + n] for b, off, n in self._layout(plan, src, self.me).recv.tolist()]
+
+    def _on_frame(self, frame: Frame, conn: socket.socket) -> None:
+        shm = frame.header.get("shm")
+        if shm == "request":
+            self._grant(frame, conn)
+        elif shm == "done" or "tensor" in frame.header:
+            self._landed(frame.key[:-1], frame.key[-1])
+        else:
+            self.inbox.put(frame.key, frame.arrays)
+
+    def _grant(self, frame: Frame, conn: socket.socket) -> None:
+        """Answer a same-machine sender: this tensor's shared-memory blocks (fds for new ones)."""
+        plan = self._incoming_plan(frame.header["tensor"])
+        _, _, arrival = self._arrival(frame.key, plan, shm=True)
+        if arrival.shm_ids is None or conn.family != socket.AF_UNIX:
+            send_grant(conn, {"blocks": None}, [])
+            return
+        seen = self._granted.setdefault(conn, set())
+        new = [i for i in arrival.shm_ids.values() if i not in seen]
+        blocks = [self.shm.blocks[i] for i in new]
+        send_grant(conn, {"blocks": [[b, i] for b, i in arrival.shm_ids.items()],
+                          "new": [[blk.id, blk.nbytes] for blk in blocks]}, [blk.fd for blk in blocks])
+        seen.update(new)
+
+    def _landed(self, base: tuple, src: int) -> None:
+        with self._arrivals_lock:
+            arrival = self._arrivals[base]
+            arrival.waiting.discard(src)
+            done = not arrival.waiting and self._arrivals.pop(base, None) is not None
+        if done:
+            self.inbox.put((*base, ASSEMBLED), arrival.shards)
+
+    def recv(self, key, shape, dtype, sharding, edge, timeout):
+        """Take the assembled shards (the reader threads placed every tile) and build the jax.Array."""
+        import jax
+
+        plan = self._plan(edge, False, shape, dtype)
+        if any(per_dst.get(self.me) for per_dst in plan.sends.values()):
+            local = self.inbox.take((*key, ASSEMBLED), timeout)
+        else:                                          # nothing to move (an empty tensor)
+            local = _Arrival(plan, self.me, self.pool).shards
+        arrays = jax.device_put([local[i] for i, _ in self.local], [d for _, d in self.local])
+        return jax.make_array_from_single_device_arrays(tuple(shape), sharding, arrays)
 
     def _on_error(self, reason: str) -> None:
         self._error = self._error or reason
         self.inbox.close(f"socket transport: {reason}")   # a waiting recv fails now, not at its deadline
 
+    # -- sending -------------------------------------------------------------------------
     def connect(self, addresses) -> None:
         self._addresses = [[tuple(a) for a in row] for row in addresses]
+
+    def _unix_name(self, address: tuple) -> str | None:
+        """The peer's Unix socket when it runs on this machine (and shares memory), else None."""
+        if self.machine and len(address) == 4 and address[2] == self.machine and address[3]:
+            return address[3]
+        return None
 
     def _conn(self, address: tuple) -> _Conn:
         conn = self._conns.get(address)
@@ -287,19 +378,73 @@ class SocketTransport(TiledTransport):
             with self._conns_lock:
                 conn = self._conns.get(address)
                 if conn is None:
-                    conn = self._conns[address] = _Conn(address, self.token, self.io_timeout)
+                    conn = self._conns[address] = _Conn(address, self.token, self.io_timeout,
+                                                        self._unix_name(address))
         return conn
 
-    def _push(self, key, payload, edge, dst_host):
+    def _push(self, key, edge, dst_host, plan, shards):
         if not self._addresses:
             raise RuntimeError("SocketTransport.send before connect(addresses)")
         address = self._addresses[edge.stage][edge.geom.hosts.index(dst_host)]
-        buffers = encode_frame((*key, self.me), payload)
+        header = {"key": [*key, self.me], "arrays": [],
+                  "tensor": {"stage": self.stage, "axes": list(edge.axes), "shape": list(plan.shape),
+                             "dtype": plan.dtype.str}}
         try:
-            self._conn(address).send(buffers)
+            conn = self._conn(address)
+            with conn.lock:
+                if conn.unix and sum(t.nbytes for t in plan.recvs[dst_host]) >= self.shm_min_bytes:
+                    if self._write_shared(conn, header, plan, dst_host, shards):
+                        self.shm_sends += 1
+                        return
+                stream = self._stream(self._layout(plan, self.me, dst_host), plan, shards, self.pool)
+                send_buffers(conn.sock, [frame_header(header, sum(v.nbytes for v in stream)), *stream])
+                self.stream_sends += 1
         except OSError as e:
             self._drop(address)
             raise ConnectionError(f"sending {key} to host {dst_host} at {address[0]}:{address[1]}: {e}") from e
+
+    def _write_shared(self, conn: _Conn, header: dict, plan, dst_host: int, shards) -> bool:
+        """Ask for the destination's shared-memory blocks and write the tiles into them; False if refused."""
+        grant = conn.grant(frame_header({**header, "shm": "request"}, 0))
+        if grant.get("blocks") is None:
+            return False
+        blocks = blocks_on(plan, dst_host)
+        where = {int(b): int(i) for b, i in grant["blocks"]}
+        copies = [(as_array_view(conn.maps[where[blocks[t.targets[0][0]]]], plan)[t.targets[0][1]],
+                   shards[t.src_device][t.src_slice]) for t in plan.sends[self.me][dst_host]]
+        self._copy(copies)
+        send_buffers(conn.sock, [frame_header({"key": header["key"], "arrays": [], "shm": "done"}, 0)])
+        return True
+
+    def _copy(self, copies: list) -> None:
+        """dst[...] = src for every pair, split over this process's cores (numpy releases the GIL)."""
+        parts = [(d, s) if d.ndim == 0 else (d[i:j], s[i:j]) for d, s in copies
+                 for i, j in _row_chunks(d.shape[0] if d.ndim else 1, self._copy_threads)]
+        if self._copy_threads < 2 or len(parts) < 2:
+            for d, s in parts:
+                d[...] = s
+            return
+        if self._copier is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._copier = ThreadPoolExecutor(self._copy_threads, thread_name_prefix="transport copy")
+        list(self._copier.map(lambda pair: pair[0].__setitem__(Ellipsis, pair[1]), parts, timeout=self.io_timeout))
+
+    @staticmethod
+    def _stream(layout, plan, shards, pool) -> list:
+        """The stream's buffers: views into the source shards, or a staged block where pieces are short."""
+        mvs = {d: memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8)) for d, a in shards.items()}
+        out = []
+        for seg in layout.segments:
+            runs_ = layout.send[seg.send[0]:seg.send[1]]
+            if seg.whole and len(runs_) > 1 and runs_[:, 2].mean() < STAGE_BELOW:
+                block = pool.take(plan.dst_shard_shape, plan.dtype)   # free again once sent
+                for t in seg.tiles:
+                    block[t.targets[0][1]] = shards[t.src_device][t.src_slice]
+                out.append(memoryview(block.reshape(-1).view(np.uint8)))
+            else:
+                out.extend(mvs[d][off:off + n] for d, off, n in runs_.tolist())
+        return out
 
     def _drop(self, address) -> None:
         with self._conns_lock:
@@ -308,7 +453,7 @@ class SocketTransport(TiledTransport):
             conn.close()
 
     def flush(self, timeout):
-        """Nothing is in flight after sendall; surfaces a broken connection or a failed reader."""
+        """Nothing is in flight after a send returns; surfaces a broken connection or a failed reader."""
         if self._error:
             raise ConnectionError(f"socket transport: {self._error}")
         for address, conn in list(self._conns.items()):
@@ -322,3 +467,25 @@ class SocketTransport(TiledTransport):
             conns, self._conns = list(self._conns.values()), {}
         for c in conns:
             c.close()
+        if self.shm is not None:
+            self.shm.close()
+        if self._copier is not None:
+            self._copier.shutdown(wait=True, cancel_futures=True)
+
+
+def _row_chunks(rows: int, parts: int) -> list[tuple[int, int]]:
+    """[start, stop) ranges splitting `rows` leading rows into at most `parts` non-empty chunks.
+
+    Example:
+        >>> _row_chunks(5, 2), _row_chunks(1, 4), _row_chunks(0, 2)
+        ([(0, 2), (2, 5)], [(0, 1)], [(0, 0)])
+    """
+    parts = max(1, min(parts, rows))
+    edges = [rows * k // parts for k in range(parts + 1)]
+    return [(a, b) for a, b in zip(edges, edges[1:]) if b > a] or [(0, 0)]
+
+
+def as_array_view(block: np.ndarray, plan) -> np.ndarray:
+    """A granted block's uint8 mapping as one destination shard of `plan` (aligned: page-aligned map)."""
+    n = int(np.prod(plan.dst_shard_shape, dtype=np.int64)) * plan.dtype.itemsize
+    return block[:n].view(plan.dtype).reshape(plan.dst_shard_shape)

@@ -66,8 +66,9 @@ class TiledTransport(Transport):
     """The part every tile-moving transport shares: the memoised reshard plan, packing
     one payload per destination host (with byte counters), and assembling received tiles.
 
-    Subclasses implement `_push(key, payload, edge, dst_host)`, which ships the list
-    of contiguous tiles to that host's mailbox under `(*key, self.me)`.
+    Subclasses implement `_push(key, edge, dst_host, plan, shards)`, which ships what
+    `plan.sends[self.me][dst_host]` names, cut from `shards` (source device -> numpy
+    shard, C-contiguous), to that host.
 
     Args:
       me: this host's cluster host index; geom: this stage's geometry; mesh: its
@@ -96,7 +97,7 @@ class TiledTransport(Transport):
             plan = self._plans[memo_key] = edge_plan(src, dst, edge.axes, shape, dtype)
         return plan
 
-    def _push(self, key: tuple, payload: list, edge: Edge, dst_host: int) -> None:
+    def _push(self, key: tuple, edge: Edge, dst_host: int, plan, shards: dict) -> None:
         raise NotImplementedError
 
     def connect(self, addresses) -> None:
@@ -112,13 +113,10 @@ class TiledTransport(Transport):
             if not tiles:
                 continue
             shards = {d: np.asarray(by_device[d].data) for d in {t.src_device for t in tiles}}
-            # contiguous tiles travel as zero-copy buffers; strided views would be pickled inline
-            payload = [t if t.flags.c_contiguous else np.ascontiguousarray(t)
-                       for t in pack(plan, self.me, dst_host, shards)]
-            nbytes = sum(p.nbytes for p in payload)
+            nbytes = sum(t.nbytes for t in tiles)
             self.sent_bytes += nbytes
             self.sent_bytes_to[str(edge.stage)] = self.sent_bytes_to.get(str(edge.stage), 0) + nbytes
-            self._push(key, payload, edge, dst_host)
+            self._push(key, edge, dst_host, plan, shards)
 
     def recv(self, key, shape, dtype, sharding, edge, timeout):
         import jax
@@ -128,7 +126,7 @@ class TiledTransport(Transport):
         received = {src: self.inbox.take((*key, src), max(0.0, deadline - time.monotonic()))
                     for src, per_dst in plan.sends.items() if per_dst.get(self.me)}
         local = assemble(plan, self.me, received)
-        arrays = [jax.device_put(local[i], d) for i, d in self.local]
+        arrays = jax.device_put([local[i] for i, _ in self.local], [d for _, d in self.local])
         return jax.make_array_from_single_device_arrays(tuple(shape), sharding, arrays)
 
 
@@ -139,7 +137,10 @@ class RayTransport(TiledTransport):
         super().__init__(**kwargs)
         self._inflight: list = []
 
-    def _push(self, key, payload, edge, dst_host):
+    def _push(self, key, edge, dst_host, plan, shards):
+        # contiguous tiles travel as zero-copy buffers; strided views would be pickled inline
+        payload = [t if t.flags.c_contiguous else np.ascontiguousarray(t)
+                   for t in pack(plan, self.me, dst_host, shards)]
         peer = self.peers(edge.stage)[edge.geom.hosts.index(dst_host)]
         self._inflight.append(peer.deliver.options(concurrency_group="io").remote((*key, self.me), payload))
 

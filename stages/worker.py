@@ -136,7 +136,7 @@ class StageWorker:
         if cfg.transport == "socket":
             from stages.socket_transport import SocketTransport
 
-            self.transport = SocketTransport(**args, token=cfg.transport_token,
+            self.transport = SocketTransport(**args, token=cfg.transport_token, stage=cfg.stage, geoms=cfg.geoms,
                                              io_timeout=cfg.timeouts.get("step_s", 600.0))
         else:
             from stages.transport import RayTransport

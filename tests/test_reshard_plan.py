@@ -20,6 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from orchestrator.reshard.stream import blocks_on, stream_layout
 from orchestrator.reshard import (
     MeshSide,
     ReshardError,
@@ -111,6 +112,7 @@ def check_plan(plan, flat: bool = False) -> None:
         lower += int((needed & ~held).sum()) * dtype.itemsize
     for dev, count in per_dev.items():
         assert (count == 1).all(), f"device {dev} shard not covered exactly once"
+    check_streams(plan, glob, sboxes, dboxes)
     tiles = plan.tiles
     assert plan.lower_bound_bytes == lower
     assert plan.cross_host_bytes == lower
@@ -127,6 +129,38 @@ def check_plan(plan, flat: bool = False) -> None:
                  for s in src.host_ids]
         biggest = max((t.nbytes for t in tiles if not t.is_local), default=0)
         assert max(loads) - min(loads) <= biggest
+
+
+def check_streams(plan, glob, sboxes, dboxes) -> None:
+    """Stream layouts: the sender's runs (or its staged blocks) written in order and read back
+    through the receiver's runs rebuild every destination shard, each block in one run when
+    one source host supplies it."""
+    for d in plan.dst.host_ids:
+        blocks = blocks_on(plan, d)
+        bufs = {b: np.zeros(plan.dst_shard_shape, plan.dtype) for b in set(blocks.values())}
+        for s in plan.src.host_ids:
+            lay = stream_layout(plan, s, d)
+            shards = {dev: np.ascontiguousarray(glob[sboxes[dev]]).reshape(-1).view(np.uint8)
+                      for dev in plan.src.devices_on(s)}
+            stream = b"".join(shards[dev][off:off + n].tobytes() for dev, off, n in lay.send.tolist())
+            assert len(stream) == lay.nbytes == sum(t.nbytes for t in plan.sends[s].get(d, ()))
+            pos = 0
+            for seg in lay.segments:          # staging a whole block gives the same bytes
+                a, b = lay.send[seg.send[0]:seg.send[1], 2].sum(), pos
+                if seg.whole:
+                    staged = np.zeros(plan.dst_shard_shape, plan.dtype)
+                    for t in seg.tiles:
+                        staged[t.targets[0][1]] = glob[sboxes[t.src_device]][t.src_slice]
+                    assert staged.tobytes() == stream[b:b + a]
+                    assert [r for r in lay.recv.tolist() if r[0] == seg.block] == [[seg.block, 0, a]]
+                pos += a
+            pos = 0
+            for block, off, n in lay.recv.tolist():
+                bufs[block].reshape(-1).view(np.uint8)[off:off + n] = np.frombuffer(stream[pos:pos + n], np.uint8)
+                pos += n
+            assert pos == len(stream)
+        for dev, block in blocks.items():
+            np.testing.assert_array_equal(bufs[block], glob[dboxes[dev]])
 
 
 def side(shape, names, spec, hosts, devices=None) -> MeshSide:

@@ -10,11 +10,16 @@ axes ("batch", "seq", "embed") mapped to mesh axes by each stage's layout), and
 runs in both directions: "forward" sends stage 0 -> 1 (SEND_F / RECV_F),
 "backward" 1 -> 0 (the gradient way), through `Edge`s as a pipeline stage does.
 
-Actors (`stages.reshard_probe.ReshardProbe`, running `stages.transport.RayTransport`)
-are shared by the whole module: two single-host stages with 8 simulated devices
+Every case runs through each way a stage can move a tensor: Ray actor calls
+(`RayTransport`), and the socket transport pipelines use by default
+(`SocketTransport`) as a TCP stream placed straight into the destination shards
+("tcp"), through the destination's shared memory ("shm"), and falling back to a
+stream when the destination's shared-memory pool is full ("shm-full").
+
+Actors (`stages.reshard_probe.ReshardProbe`) are shared by the whole module: two single-host stages with 8 simulated devices
 each (a case's mesh uses the first prod(mesh) of them), and one 2-host stage of
 2 + 2 devices joined by jax.distributed, so that a destination with hosts (1, 2)
-gets one object per host and checks only its own addressable shards.
+gets one payload per host and checks only its own addressable shards.
 """
 from __future__ import annotations
 
@@ -90,19 +95,18 @@ def assert_bits_equal(got: np.ndarray, want: np.ndarray, what: str) -> None:
         raise AssertionError(f"{what}: {len(bad)} bytes differ, first at {bad[0].tolist()}")
 
 
-def move(probes: Probes, name: str, direction: str, seed: int) -> None:
-    """Configure both stages for CASES[name], move one tensor `direction`, check every receiver."""
+def move(probes: Probes, name: str, direction: str, seed: int, via: str) -> None:
+    """Configure both stages for CASES[name], move one tensor `direction` `via` a transport,
+    check every receiver."""
     ray = probes.ray
     geom_a, geom_b, dtype = CASES[name]
-    a, b = [probes.a], probes.stage_b(geom_b)
-    geoms, actors = (geom_a, geom_b), (a, b)
-    ray.get([x.configure.remote(geoms, stage, i, AXES, actors)
-             for stage, row in enumerate(actors) for i, x in enumerate(row)], timeout=TIMEOUT)
+    geoms = (geom_a, geom_b)
+    actors = probes.configure(geoms, AXES, token=b"reshard-test-token")
     src, dst = (0, 1) if direction == "forward" else (1, 0)
     (src_geom, senders), (dst_geom, receivers) = (geoms[src], actors[src]), (geoms[dst], actors[dst])
     key = (seed, direction, 0)
-    recvs = [x.recv.remote(key, SHAPE, dtype, src, TIMEOUT) for x in receivers]
-    sends = [x.send.remote(key, seed, SHAPE, dtype, dst, TIMEOUT) for x in senders]
+    recvs = [x.recv.remote(key, SHAPE, dtype, src, TIMEOUT, via) for x in receivers]
+    sends = [x.send.remote(key, seed, SHAPE, dtype, dst, TIMEOUT, via) for x in senders]
     sent, got = ray.get(sends, timeout=TIMEOUT), ray.get(recvs, timeout=TIMEOUT)
 
     want = random_array(seed, SHAPE, dtype)
@@ -124,6 +128,14 @@ def move(probes: Probes, name: str, direction: str, seed: int) -> None:
             assert out["full"] is None, f"{where}: one host of two cannot hold the whole array"
     # every byte crossed once and only what the destination lacked: the plan's lower bound
     assert sum(s["sent_bytes"] for s in sent) == plan.cross_host_bytes == plan.lower_bound_bytes
+    if via != "ray":      # the reader threads placed the tiles; nothing is left waiting
+        states = ray.get([x.mailbox_state.remote() for x in receivers], timeout=TIMEOUT)
+        assert all(st == {"delivered": [], "pending": 0} for st in states), states
+        counts = [c[via] for c in ray.get([x.transport_counts.remote() for x in senders], timeout=TIMEOUT)]
+        pairs = sum(1 for s in src_geom.hosts for d, tiles in plan.sends[s].items() if tiles)
+        way, other = ("shm", "stream") if via == "shm" else ("stream", "shm")   # (fresh transports per case)
+        assert sum(c[way] for c in counts) == pairs and sum(c[other] for c in counts) == 0, (via, counts)
+        return
     # exactly one delivery per (source host, destination host) pair with tiles, all taken
     for host, state in zip(dst_geom.hosts, ray.get([x.mailbox_state.remote() for x in receivers], timeout=TIMEOUT)):
         senders_to_host = sorted(s for s, per_dst in plan.sends.items() if per_dst.get(host))
@@ -132,11 +144,12 @@ def move(probes: Probes, name: str, direction: str, seed: int) -> None:
         assert state["pending"] == 0, (host, state)
 
 
+@pytest.mark.parametrize("via", ["tcp", "shm", "shm-full", "ray"])
 @pytest.mark.parametrize("direction", ["forward", "backward"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_tensor_arrives_bit_identical(probes, name, direction):
-    seed = 1000 * list(CASES).index(name) + (direction == "backward")
-    move(probes, name, direction, seed)
+def test_tensor_arrives_bit_identical(probes, name, direction, via):
+    seed = 1000 * list(CASES).index(name) + (direction == "backward") + 10 * (via == "ray")
+    move(probes, name, direction, seed, via)
 
 
 def test_two_destination_hosts_get_one_object_each(probes):
@@ -148,7 +161,7 @@ def test_two_destination_hosts_get_one_object_each(probes):
     assert [sum(t.nbytes for t in plan.sends[0][h]) for h in (1, 2)] == [half, half]
     # both devices of a host want the same half: each tile has two targets, sent once
     assert all(len(t.targets) == 2 for h in (1, 2) for t in plan.sends[0][h])
-    move(probes, "1-host-vs-2-hosts", "forward", seed=7)
+    move(probes, "1-host-vs-2-hosts", "forward", seed=7, via="ray")
 
 
 def test_probe_actors_leave_nothing_behind(probes, no_leaks):

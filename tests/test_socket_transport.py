@@ -9,31 +9,25 @@ import numpy as np
 import pytest
 
 from stages.mailbox import Mailbox
-from stages.socket_transport import (
-    FrameError,
-    Listener,
-    SocketTransport,
-    _Conn,
-    encode_frame,
-    read_frame,
-)
+from stages.frames import IOV_MAX, MIN_RUN, FrameError, encode_frame, read_frame, runs, send_buffers
+from stages.socket_transport import Listener, SocketTransport, _Conn
 
 TOKEN = b"t" * 32
 
 
-def roundtrip(key, arrays):
+def roundtrip(key, arrays, destinations=None):
     a, b = socket.socketpair()
     with a, b:
         a.settimeout(5)
         b.settimeout(5)
         bufs = encode_frame(key, arrays)
-        sender = threading.Thread(target=lambda: [a.sendall(x) for x in bufs])
+        sender = threading.Thread(target=send_buffers, args=(a, bufs))
         sender.start()
-        got = read_frame(b, io_timeout=5)
+        got = read_frame(b, io_timeout=5, destinations=destinations)
         sender.join(5)
         a.close()
         assert read_frame(b, io_timeout=5) is None      # clean EOF between frames
-    return got
+    return got.key, got.arrays
 
 
 def test_frame_roundtrip_dtypes_shapes_and_strides():
@@ -52,6 +46,33 @@ def test_frame_roundtrip_dtypes_shapes_and_strides():
         assert have.flags.c_contiguous and have.ctypes.data % 64 == 0 or have.nbytes == 0
 
 
+def test_strided_arrays_travel_as_their_runs_and_land_in_given_destinations():
+    """Gather writes from strided views (more runs than one sendmsg takes; short runs copied once)
+    and scatter reads into caller-given destination views (more than one recvmsg_into takes)."""
+    rng = np.random.default_rng(0)
+    src = rng.standard_normal((2 * IOV_MAX + 7, 2 * MIN_RUN // 4), dtype=np.float32)
+    wide = src[:, :MIN_RUN // 4]                   # runs of exactly MIN_RUN bytes: gathered, not copied
+    narrow = src[:40, 3:7]                         # 16-byte runs: copied once
+    assert len(runs(wide)) == wide.shape[0] > IOV_MAX and runs(narrow) is None
+    assert all(np.shares_memory(np.frombuffer(m, np.uint8), src) for m in runs(wide)[:3])
+    dst = np.full((wide.shape[0], 3 * MIN_RUN // 4), -1.0, np.float32)
+    small = np.full((50, 9), -1.0, np.float32)
+    places = [dst[:, MIN_RUN // 4: 2 * MIN_RUN // 4], small[5:45, 2:6]]
+    views = [v for p in places for v in runs(p, min_run=0)]
+    assert len(views) > IOV_MAX
+    key, got = roundtrip((3, "F", 0, 0, 1), [wide, narrow], destinations=lambda header: views)
+    assert key == (3, "F", 0, 0, 1) and got is None
+    np.testing.assert_array_equal(places[0], wide)
+    np.testing.assert_array_equal(places[1], narrow)
+    assert (dst == -1).sum() == dst.size - wide.size and (small == -1).sum() == small.size - narrow.size
+
+
+def test_frame_destinations_must_hold_exactly_its_bytes():
+    short = [memoryview(bytearray(20))]
+    with pytest.raises(FrameError, match="destinations hold 20"):
+        roundtrip((0,), [np.zeros((2, 3), np.float32)], destinations=lambda h: short)
+
+
 def test_frame_refuses_object_dtype_and_garbage():
     with pytest.raises(TypeError):
         encode_frame((0,), [np.array([object()])])
@@ -65,7 +86,8 @@ def test_frame_refuses_object_dtype_and_garbage():
 
 def test_listener_refuses_a_wrong_token_and_delivers_with_the_right_one():
     box, errors = Mailbox("test"), []
-    listener = Listener("127.0.0.1", TOKEN, box.put, errors.append, io_timeout=5)
+    listener = Listener("127.0.0.1", TOKEN, lambda frame, conn: box.put(frame.key, frame.arrays),
+                        errors.append, io_timeout=5)
     try:
         with pytest.raises(ConnectionError):
             _Conn(listener.address, b"x" * 32, io_timeout=5)
