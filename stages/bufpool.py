@@ -28,6 +28,7 @@ from typing import Any, Callable
 import numpy as np
 
 ALIGN = 64
+SMALL_BYTES = 64 << 10      # below this `take` allocates: faults are few, a pooled view costs more
 
 
 @dataclass(eq=False)
@@ -77,16 +78,16 @@ class BufferPool:
     limit, `take` still returns fresh unpooled memory and `take_block` returns None.
 
     Example:
-        >>> pool = BufferPool(1 << 20)
-        >>> a = pool.take((4, 4), np.float32)
+        >>> pool = BufferPool(1 << 30)
+        >>> a = pool.take((256, 64), np.float32)
         >>> a.ctypes.data % 64, a.shape
-        (0, (4, 4))
-        >>> b = pool.take((4, 4), np.float32)     # `a` is alive: another block
+        (0, (256, 64))
+        >>> b = pool.take((256, 64), np.float32)     # `a` is alive: another block
         >>> np.shares_memory(a, b)
         False
         >>> addr = a.ctypes.data
         >>> del a
-        >>> pool.take((16,), np.float32).ctypes.data == addr   # freed: reused
+        >>> pool.take((64, 256), np.float32).ctypes.data == addr   # freed: reused
         True
     """
 
@@ -136,7 +137,10 @@ class BufferPool:
             return as_array(block, shape, dtype), block
 
     def take(self, shape, dtype) -> np.ndarray:
-        """An uninitialised C-contiguous, 64-byte-aligned array of `shape` and `dtype`."""
+        """An uninitialised C-contiguous array of `shape` and `dtype`: 64-byte-aligned and pooled
+        from SMALL_BYTES on; smaller ones come from numpy (cheaper to make than to recycle)."""
+        if int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize < SMALL_BYTES:
+            return np.empty(shape, dtype)
         got = self.take_block(shape, dtype)
         if got is None:
             nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
