@@ -97,8 +97,8 @@ def kind_of(action_text: str) -> str:
     return Action.parse(action_text).kind.value
 
 
-def span_costs(steps_spans: list[list[tuple]], p: int) -> list[dict[str, float]]:
-    """Per stage, the median duration (s) of each compute kind over all given steps' spans.
+def span_costs(steps_spans: list[list[tuple]], p: int, stat=None) -> list[dict[str, float]]:
+    """Per stage, the median (or `stat`) duration (s) of each compute kind over all given steps' spans.
 
     `steps_spans`: for each measured step, its spans (stage, host, action, start, end).
     Only host 0 of each stage counts (all hosts of a stage run the same actions).
@@ -119,7 +119,7 @@ def span_costs(steps_spans: list[list[tuple]], p: int) -> list[dict[str, float]]
     for d in per:
         by_kind: dict[str, list[float]] = {}
         for (kind, _chunk), values in d.items():
-            by_kind.setdefault(kind, []).append(median(values))
+            by_kind.setdefault(kind, []).append((stat or median)(values))
         out.append({k: sum(v) / len(v) for k, v in by_kind.items()})
     return out
 

@@ -106,7 +106,7 @@ def measure_pipeline(size: Size, schedule: str, m: int, *, steps: int, warmup: i
         return {**rec, "status": f"unsupported (config): {_first_line(e)}"}
     source = make_source(checked.model, "synthetic", checked.job.data.global_batch, 0)
     ex = _executor_class(pin)(checked, plan.schedule, source, f"bench-{size.name}-{schedule}-m{m}")
-    walls, spans, losses = [], [], []
+    walls, spans, losses, stash = [], [], [], {}
     t0 = time.perf_counter()
     try:
         ex.start()
@@ -115,6 +115,10 @@ def measure_pipeline(size: Size, schedule: str, m: int, *, steps: int, warmup: i
             if r.step >= warmup:
                 walls.append(r.wall_s)
                 spans.append(r.spans)
+                for st in r.stats:       # measured on the actors: peak bytes/device of the step's stash
+                    if st.get("host") == 0 and "stash_peak_bytes" in st:
+                        s_ = st["stage"]
+                        stash[s_] = max(stash.get(s_, (0, 0)), (st["stash_peak_bytes"], st["stash_peak_items"]))
             losses.append(r.loss)
         rec["run_s"] = time.perf_counter() - t0 - rec["startup_s"]
     except Exception as e:  # noqa: BLE001
@@ -125,6 +129,7 @@ def measure_pipeline(size: Size, schedule: str, m: int, *, steps: int, warmup: i
         rec["shutdown_s"] = time.perf_counter() - t1
     p = plan.schedule.p
     costs = span_costs(spans, p)
+    costs_mean = span_costs(spans, p, stat=lambda v: sum(v) / len(v))
     sim = simulate(plan.schedule, sim_costs(costs))
     sim0 = simulate(plan.schedule, sim_costs(costs, opt=False))
     totals = span_totals(spans, p)
@@ -133,12 +138,15 @@ def measure_pipeline(size: Size, schedule: str, m: int, *, steps: int, warmup: i
         **rec, "status": "ok", "steps": len(walls), "step_s": step, "step_spread": spread(walls),
         "walls_s": walls, "costs": costs, "totals": totals,
         "ideal_s": sim.step_time, "ideal_no_opt_s": sim0.step_time,
+        "costs_mean": costs_mean, "ideal_mean_s": simulate(plan.schedule, sim_costs(costs_mean)).step_time,
         "busy_s": [sum(t.get(k, 0.0) for k in ("F", "B", "I", "W")) for t in totals],
         "efficiency": sim.step_time / step,
         "compute_actions_per_stage": compute_actions_per_stage(plan.schedule),
         "critical_path_actions": critical_path_actions(sim, plan.schedule),
         "peak_inflight": list(sim.peak_inflight),
         "losses": losses,
+        "stash_peak_bytes": [stash.get(s, (None, None))[0] for s in range(p)],
+        "stash_peak_items": [stash.get(s, (None, None))[1] for s in range(p)],
         "example_spans": [list(s) for s in spans[len(spans) // 2]] if spans else [],
         "ideal_spans": [(a.stage, str(a), start, end) for a, start, end in sim.spans],
     }

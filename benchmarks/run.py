@@ -15,7 +15,8 @@ Sections (all in one run, on one machine, so the RATIOS are comparable):
             split-compilation comparison)
   torch     torch.distributed.pipelining (1F1B, GPipe) on the same shapes, and
             plain torch; skipped with a note when torch is not installed
-  memory    predicted peak activation memory per stage (shapes only)
+  memory    predicted peak activation memory per stage (shapes only); the measured
+            peak comes with the pipeline section's records
 Derived tables (efficiency, overhead, breakdown, ratios) are computed from
 whichever sections are present; the definitions are written into the markdown
 (`DEFINITIONS`). Every Ray run shuts its actors down (`PipelineExecutor.shutdown`
@@ -69,7 +70,8 @@ All times are medians; a run's first `warmup` steps (compilation) are dropped. p
 - **efficiency** = ideal ÷ step (1.0 = the runtime adds nothing to the schedule's own bubble).
 - **overhead per action** = (step − ideal) ÷ N, N = compute actions (F, B, I, W, OPT) in one stage's
   list per step (2m + 1 for gpipe / 1f1b, 3m + 1 for zb-h1, 2mv + 1 interleaved); **per critical-path action**: the same
-  excess ÷ the compute actions on the simulated critical path (2m + 3 for 1f1b at p = 2).
+  excess ÷ the compute actions on the simulated critical path (2m + 3 for 1f1b at p = 2); **with mean
+  spans**: the same with the ideal simulated from each kind's mean span instead of its median.
 - **bound** = m ÷ (m + p − 1): the throughput fraction of a perfect 1F1B / GPipe pipeline relative to
   one process using all p cores, if that process scaled perfectly. **vs plain** = plain step ÷ pipeline
   step with the same model, global batch and microbatches (a throughput ratio), plain = the faster of the
@@ -84,9 +86,10 @@ All times are medians; a run's first `warmup` steps (compilation) are dropped. p
   [0, T − ideal] — RECV spans include waiting caused by the peer's own delays, so this is an upper bound
   on transfer cost; *orchestration* = T − ideal − transfers (Python between actions, Ray calls, step
   boundaries; a lower bound).
-- **peak activation memory** (predicted) = simulator's peak in-flight microbatches per stage × residual
+- **peak activation memory**: predicted = simulator's peak in-flight microbatches per stage × residual
   bytes per microbatch (outputs of the stage's jitted forward that the backward needs, parameters
-  excluded, via `jax.eval_shape` of `StageProgram.fwd`).
+  excluded, via `jax.eval_shape` of `StageProgram.fwd`); measured = the worker's peak bytes per device
+  of what it holds between actions in a step (residuals; for zb-h1 also output gradients from I to W).
 """
 
 NOTES = """\
@@ -98,9 +101,8 @@ NOTES = """\
 - Pinning: the executor does not set `WorkerConfig.pin_cpus`; this benchmark's `PipelineExecutor` subclass
   sets stage s → core s mod nproc (`--no-pin` turns it off). Torch ranks are pinned the same way.
 - interleaved-1f1b is tried as a job with 2 chunks per stage; its status is recorded as the runtime reports it.
-- Memory is predicted, not measured: measuring it on the actors needs a worker hook — `run_step` returning
-  the step's max `len(residuals)` (+ `len(dys)` for zb-h1) and, after each F, the stage's live device bytes
-  (`sum(a.nbytes for a in jax.live_arrays())`, or `device.memory_stats()` where the backend has it).
+- Memory is measured on the actors by the stage worker itself (`stages/worker.py` `_Stash`: bytes per device
+  of the residuals and kept output gradients, peak per step) and reported with each step's stats.
 - Finer measurements would need: (a) spans for the step's boundaries (run_step entry/exit and
   `transport.flush`) so the time outside spans is attributed; (b) the SEND span split into pack /
   serialise / push, and the RECV span into wait / assemble / device_put, so *transfers* needs no
@@ -285,6 +287,8 @@ def derive_meshpipe(rec: dict, raw: dict) -> dict:
     step, ideal, m = rec["step_s"], rec["ideal_s"], rec["m"]
     d = {"efficiency": ideal / step, "overhead_ms": (step - ideal) / rec["compute_actions_per_stage"] * 1e3,
          "overhead_cp_ms": (step - ideal) / rec["critical_path_actions"] * 1e3, "bound": m / (m + P - 1)}
+    if "ideal_mean_s" in rec:
+        d["overhead_mean_ms"] = (step - rec["ideal_mean_s"]) / rec["compute_actions_per_stage"] * 1e3
     plain = best_plain(raw.get("jax", {}).get("records", []), rec["size"], m)
     if plain:
         d["plain_s"], d["plain_cores"] = plain["step_s"], plain["cores"]
@@ -327,6 +331,9 @@ def derive_torch(rec: dict, raw: dict) -> dict:
          "overhead_ms": (step - sim.step_time) / common.compute_actions_per_stage(low) * 1e3,
          "overhead_cp_ms": (step - sim.step_time) / common.critical_path_actions(sim, low) * 1e3,
          "bound": rec["m"] / (rec["m"] + P - 1)}
+    if "costs_mean" in rec:
+        mean_ideal = simulate(low, sim_costs(rec["costs_mean"])).step_time
+        d["overhead_mean_ms"] = (step - mean_ideal) / common.compute_actions_per_stage(low) * 1e3
     plain = best_plain(raw.get("torch", {}).get("plain", []), rec["size"], rec["m"])
     if plain:
         d["plain_s"], d["plain_cores"] = plain["step_s"], plain["cores"]
@@ -449,7 +456,8 @@ def _render_overhead(raw, der) -> list[str]:
             continue
         d = _find(der["overhead"], r["size"], r["schedule"], r["m"])
         rows.append([f"meshpipe {r['schedule']}", r["m"], fmt(r["step_s"] * 1e3), fmt(r["ideal_s"] * 1e3),
-                     r["compute_actions_per_stage"], f"**{d['overhead_ms']:.3f}**", fmt(d["overhead_cp_ms"], 3),
+                     r["compute_actions_per_stage"], f"**{d['overhead_ms']:.3f}**",
+                     fmt(d.get("overhead_mean_ms"), 3), fmt(d["overhead_cp_ms"], 3),
                      _fb_ms(r["costs"]), _per_send_ms(r), fmt(r["step_spread"])])
     for d, r in _torch_pairs(raw, der):
         if r["size"] == "tiny":
@@ -457,15 +465,20 @@ def _render_overhead(raw, der) -> list[str]:
 
             n = common.compute_actions_per_stage(lower(generate(r["schedule"], P, r["m"])))
             rows.append([f"torch {r['schedule']}", r["m"], fmt(r["step_s"] * 1e3), fmt(d["ideal_s"] * 1e3), n,
-                         f"**{d['overhead_ms']:.3f}**", fmt(d["overhead_cp_ms"], 3), _fb_ms(r["costs"]), "–",
-                         fmt(r["step_spread"])])
+                         f"**{d['overhead_ms']:.3f}**", fmt(d.get("overhead_mean_ms"), 3),
+                         fmt(d["overhead_cp_ms"], 3), _fb_ms(r["costs"]), "–", fmt(r["step_spread"])])
     return ["## 2. Orchestration overhead per action", "",
             ("GPT `tiny`: every action is almost free, so step − ideal is the runtime's own cost between "
              "actions. Target ≤ 0.3 ms per action. The action spans themselves are not free either: *F/B ms* "
              "shows them per stage (for meshpipe they include jit dispatch, the separate gradient-accumulate "
-             "call and `block_until_ready`); *SEND ms* is meshpipe's mean SEND span (plan lookup, pack, push)."),
+             "call and `block_until_ready`); *SEND ms* is meshpipe's mean SEND span (plan lookup, pack, push). "
+             "Tiny actions' durations are right-skewed (0.3–0.9 ms around a ~0.5 ms median), so an ideal built "
+             "from median spans undercounts the compute a step really did; *with mean spans* builds the ideal "
+             "from each kind's mean span instead (both runtimes), which charges the runtime only for the time "
+             "between actions."),
             "",
-            md_table(["runtime", "m", "step ms", "ideal ms", "N", "overhead ms/action", "ms/critical-path action",
+            md_table(["runtime", "m", "step ms", "ideal ms", "N", "overhead ms/action",
+                      "with mean spans", "ms/critical-path action",
                       "F/B ms (stage 0 \\| 1)", "SEND ms", "spread"], rows), ""]
 
 
@@ -571,17 +584,28 @@ def _render_memory(raw) -> list[str]:
     recs = raw.get("memory", {}).get("records", [])
     if not recs:
         return []
+    measured = {(r["size"], r["m"], r["schedule"]): r for r in raw.get("pipeline", {}).get("records", [])
+                if r.get("status") == "ok" and r.get("stash_peak_bytes")}
     rows = []
     for r in recs:
+        got = measured.get((r["size"], r["m"], r["schedule"]))
+        peak = got["stash_peak_bytes"][r["stage"]] if got else None
+        items = got["stash_peak_items"][r["stage"]] if got else None
+        pred = r["peak_activation_bytes"]
         rows.append([r["size"], r["m"], r["schedule"], r["stage"], r["peak_inflight"],
-                     fmt(r["residual_bytes"] / 2**20, 2), fmt(r["peak_activation_bytes"] / 2**20, 1),
-                     fmt(r["param_bytes"] / 2**20, 1)])
-    return ["## 6. Peak activation memory per stage (predicted)", "",
-            ("Not measured on the actors (needs a worker hook, see the notes); predicted = peak in-flight "
-            "microbatches (simulator) × residual bytes per microbatch. zb-h1 also keeps each microbatch's "
-            "output gradient between I and W (not counted)."), "",
-            md_table(["size", "m", "schedule", "stage", "peak in-flight", "residual MiB/mb", "peak MiB",
-                      "params MiB"], rows, "lrlrrrrr"), ""]
+                     items if items is not None else "–", fmt(r["residual_bytes"] / 2**20, 2),
+                     fmt(pred / 2**20, 1), fmt(peak / 2**20, 1) if peak is not None else "–",
+                     fmt(peak / pred, 2) if peak is not None and pred else "–", fmt(r["param_bytes"] / 2**20, 1)])
+    return ["## 6. Peak activation memory per stage: predicted and measured on the actors", "",
+            ("predicted = peak in-flight microbatches (simulator) × residual bytes per microbatch "
+             "(`jax.eval_shape` of the stage's forward). measured = on the actor, the peak over a step of the "
+             "bytes per device held between actions — forward residuals, and for zb-h1 also the output "
+             "gradients kept from I to W — counted from the arrays themselves (shard shape × itemsize); "
+             "the largest over the measured steps. XLA:CPU reports no allocator statistics, so this counts "
+             "what the runtime keeps alive, not allocator slack."), "",
+            md_table(["size", "m", "schedule", "stage", "predicted in-flight", "measured in-flight",
+                      "residual MiB/mb", "predicted MiB", "measured MiB", "measured ÷ predicted", "params MiB"],
+                     rows, "lrlrrrrrrrr"), ""]
 
 
 # ----------------------------------------------------------------------------- plots

@@ -201,8 +201,10 @@ def _run_one(rank, size, m, name, steps, warmup, torch, dist, pipelining) -> dic
     walls = [b - a for a, b in zip(ends[warmup - 1:], ends[warmup:])]
     costs = {"F": median(times["F"]) + (median(times["loss"]) if times["loss"] else 0.0),
              "B": median(times["B"]), "OPT": median(times["OPT"])}
+    mean = lambda v: sum(v) / len(v) if v else 0.0
+    costs_mean = {"F": mean(times["F"]) + mean(times["loss"]), "B": mean(times["B"]), "OPT": mean(times["OPT"])}
     return {"schedule": name, "m": m, "rank": rank, "walls_s": walls, "step_s": median(walls),
-            "step_spread": spread(walls), "costs": costs,
+            "step_spread": spread(walls), "costs": costs, "costs_mean": costs_mean,
             "standalone": _standalone_costs(size, rank, mod, opt, torch, dist), "losses": losses}
 
 

@@ -207,6 +207,7 @@ class StageWorker:
         inputs, residuals, outputs, dys, dxs = {}, {}, {}, {}, {}   # keyed (microbatch, chunk)
         losses: dict[int, Any] = {}
         spans = []
+        stash = _Stash()                  # residuals and kept output gradients, bytes per device
         for a, text in zip(self.actions, self.action_texts):
             kind, key = a.kind.value, (a.microbatch, a.chunk)
             c = a.chunk
@@ -222,6 +223,7 @@ class StageWorker:
                     labels = self.transport.from_host(microbatch(y_all, a.microbatch, m), prog.label_sharding())
                 y, residuals[key] = prog.fwd(self.params[c], x, labels)
                 jax.block_until_ready(y)
+                stash.add(("r", key), residuals[key])
                 if prog.last:
                     losses[a.microbatch] = y
                 elif self.edge_out[c].stage == cfg.stage:      # next chunk lives here (p = 1)
@@ -233,8 +235,10 @@ class StageWorker:
                 if kind == "B":
                     dx, self.grads[c] = prog.bwd_acc(self.params[c], residuals.pop(key), dy, self.grads[c])
                     jax.block_until_ready(self.grads[c])
+                    stash.drop(("r", key))
                 else:
                     dx = prog.bwd_i(self.params[c], residuals[key], dy)
+                    stash.add(("dy", key), dy)      # kept until W
                 if dx is not None:
                     jax.block_until_ready(dx)
                     if self.edge_in[c].stage == cfg.stage:       # previous chunk lives here (p = 1)
@@ -244,6 +248,8 @@ class StageWorker:
             elif kind == "W":
                 self.grads[c] = jax.block_until_ready(
                     prog.bwd_w_acc(self.params[c], residuals.pop(key), dys.pop(key, None), self.grads[c]))
+                stash.drop(("r", key))
+                stash.drop(("dy", key))
             elif kind == "RECV_F":
                 inputs[key] = self.transport.recv((step, "F") + key, self.in_shape[c], np.float32,
                                                   prog.input_sharding(), self.edge_in[c], timeout)
@@ -267,7 +273,8 @@ class StageWorker:
         self.transport.flush(timeout)
         from orchestrator.telemetry import stage_stats
 
-        out = {"stage": cfg.stage, "host": cfg.host, "spans": spans, "stats": stage_stats(self)}
+        out = {"stage": cfg.stage, "host": cfg.host, "spans": spans,
+               "stats": {**stage_stats(self), "stash_peak_bytes": stash.peak, "stash_peak_items": stash.peak_items}}
         if last:
             out["losses"] = [float(losses[i]) for i in range(m)]
         return out
@@ -283,3 +290,40 @@ class StageWorker:
                     full = np.asarray(multihost_utils.process_allgather(p[name], tiled=True), dtype=np.float64)
                     norms[param_name(i, layer, name)] = float(np.linalg.norm(full))
         return norms
+
+
+class _Stash:
+    """Bytes per device of what a step keeps between actions (forward residuals, and for
+    zero-bubble schedules the output gradients kept from I to W), and their peak.
+
+    Measured from the arrays themselves: each leaf counts its per-device shard size.
+    """
+
+    def __init__(self):
+        self.held: dict = {}
+        self.now = self.peak = self.peak_items = 0
+
+    def add(self, key, tree) -> None:
+        import jax
+
+        n = sum(_shard_bytes(leaf) for leaf in jax.tree_util.tree_leaves(tree))
+        self.now += n - self.held.get(key, 0)
+        self.held[key] = n
+        self.peak = max(self.peak, self.now)
+        self.peak_items = max(self.peak_items, sum(1 for k in self.held if k[0] == "r"))
+
+    def drop(self, key) -> None:
+        self.now -= self.held.pop(key, 0)
+
+
+_SHARD_BYTES: dict = {}
+
+
+def _shard_bytes(leaf) -> int:
+    """Bytes one device holds of `leaf` (its shard shape × itemsize), memoised per shape/sharding."""
+    memo = (leaf.shape, leaf.dtype, leaf.sharding)
+    n = _SHARD_BYTES.get(memo)
+    if n is None:
+        shard = leaf.sharding.shard_shape(leaf.shape)
+        n = _SHARD_BYTES[memo] = int(np.prod(shard, dtype=np.int64)) * leaf.dtype.itemsize
+    return n

@@ -14,6 +14,7 @@ import pytest
 
 from orchestrator.config import check_job, parse_cluster, parse_job
 from orchestrator.runner import run_job
+from orchestrator.schedule import generate, lower, simulate
 
 pytestmark = pytest.mark.ray
 
@@ -77,6 +78,16 @@ def test_gpt_two_stages_different_meshes_matches_reference(tmp_path, no_leaks, s
     assert written["losses"] == pipe["losses"]
     assert [s["mesh"] for s in written["plan"]["stages"]] == [{"data": 2}, {"model": 2}]
     assert {w["transport"] for w in pipe["workers"]} == {"SocketTransport"}   # the default transport
+    # activation memory measured on the actors follows the schedule: at its peak each stage holds as
+    # many microbatches' residuals as the simulator predicts (zb-h1 also keeps output gradients I -> W)
+    sched = lower(generate(schedule, 2, written["plan"]["schedule"]["microbatches"]))
+    peak = simulate(sched, {"F": 1, "B": 2}).peak_inflight
+    for s in (0, 1):
+        got = written["telemetry"]["hosts_last"][f"stage{s}/host0"]
+        assert got["stash_peak_items"] == peak[s], (schedule, s, got)
+        assert got["stash_peak_bytes"] > 0, (schedule, s, got)
+        if schedule != "zb-h1":       # residuals of equal microbatches are equal in size
+            assert got["stash_peak_bytes"] % peak[s] == 0, (schedule, s, got)
 
 
 def test_mlp_three_stages_tensor_parallel_matches_reference(tmp_path, no_leaks):
