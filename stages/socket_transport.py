@@ -408,9 +408,17 @@ class SocketTransport(TiledTransport):
             with self._conns_lock:
                 conn = self._conns.get(address)
                 if conn is None:
-                    conn = self._conns[address] = _Conn(address, self.token, self.io_timeout,
-                                                        self._unix_name(address))
+                    conn = self._conns[address] = self._connect(address)
         return conn
+
+    def _connect(self, address: tuple) -> _Conn:
+        unix = self._unix_name(address)
+        if unix is not None:
+            try:
+                return _Conn(address, self.token, self.io_timeout, unix)
+            except (FileNotFoundError, ConnectionRefusedError):
+                pass    # same machine id but another network namespace (containers): use TCP
+        return _Conn(address, self.token, self.io_timeout)
 
     def _push(self, key, edge, dst_host, plan, shards):
         if not self._addresses:

@@ -123,3 +123,46 @@ def test_gpt_1f1b_over_ray_calls_matches_reference(tmp_path, no_leaks):
     assert_same_training(pipe, ref)
     assert {w["transport"] for w in pipe["workers"]} == {"RayTransport"}
     assert pipe["losses"][-1] < pipe["losses"][0]
+
+
+def _pair(**options):
+    """Two one-device stages' transports in this process (both meshes on CPU device 0)."""
+    import jax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from orchestrator.edges import StageGeom
+
+    geoms = tuple(StageGeom.of({"data": 1}, (host,), 1, {"batch": "data"}) for host in (0, 1))
+    mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+    ts = [SocketTransport(me=g.hosts[0], geom=g, mesh=mesh, inbox=Mailbox(f"stage {i}"), peers=None, token=TOKEN,
+                          stage=i, geoms=geoms, host="127.0.0.1", io_timeout=5, **options)
+          for i, g in enumerate(geoms)]
+    return ts, geoms, NamedSharding(mesh, PartitionSpec("data"))
+
+
+@pytest.mark.parametrize("unix_reachable", [True, False])
+def test_same_machine_peers_share_memory_and_fall_back_to_tcp(unix_reachable):
+    """A peer on this machine is reached over its Unix socket and gets big payloads through shared
+    memory; when that socket cannot be reached (another network namespace), TCP carries them."""
+    import jax
+
+    from stages.transport import Edge
+
+    (a, b), geoms, sharding = _pair(shm_min_bytes=0)
+    try:
+        if a.machine is None:
+            pytest.skip("no shared memory on this platform")
+        addr_b = b.address if unix_reachable else (*b.address[:3], "meshpipe-nobody-listens-here")
+        for t in (a, b):
+            t.connect([[a.address], [addr_b]])
+        axes = ("batch", "embed")
+        x = np.arange(64 * 32, dtype=np.float32).reshape(64, 32)
+        a.send((0, "F", 0, 0), jax.device_put(x, sharding), Edge(1, geoms[1], axes))
+        got = b.recv((0, "F", 0, 0), x.shape, np.float32, sharding, Edge(0, geoms[0], axes), timeout=5)
+        np.testing.assert_array_equal(np.asarray(got), x)
+        conn = next(iter(a._conns.values()))
+        assert conn.unix is unix_reachable
+        assert (a.shm_sends, a.stream_sends) == ((1, 0) if unix_reachable else (0, 1))
+    finally:
+        a.close()
+        b.close()
