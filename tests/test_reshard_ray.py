@@ -16,8 +16,9 @@ Every case runs through each way a stage can move a tensor: Ray actor calls
 ("tcp"), through the destination's shared memory ("shm"), and falling back to a
 stream when the destination's shared-memory pool is full ("shm-full").
 
-Actors (`stages.reshard_probe.ReshardProbe`) are shared by the whole module: two single-host stages with 8 simulated devices
-each (a case's mesh uses the first prod(mesh) of them), and one 2-host stage of
+Actors (`stages.reshard_probe.ReshardProbe`) are shared by the whole module: two
+single-host stages with 8 simulated devices each (a case's mesh uses the first
+prod(mesh) of them), and one 2-host stage of
 2 + 2 devices joined by jax.distributed, so that a destination with hosts (1, 2)
 gets one payload per host and checks only its own addressable shards.
 """
