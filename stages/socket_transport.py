@@ -369,24 +369,12 @@ class SocketTransport(TiledTransport):
         if done:
             self.inbox.put((*base, ASSEMBLED), arrival.shards)
 
-    def recv(self, key, shape, dtype, sharding, edge, timeout):
-        """Take the shards the reader threads placed, put them on the devices, build the jax.Array.
-
-        (device_put runs here, not in the reader thread: there it contended with the compute
-        thread for the GIL and the tiny-stage actions got slower.)
-        """
-        import jax
-
+    def _local_shards(self, key, shape, dtype, edge, timeout) -> dict:
+        """The shards the reader threads placed (see `TiledTransport.recv` / `recv_operand`)."""
         plan = self._plan(edge, False, shape, dtype)
         if self._shape(plan).senders:
-            shards = self.inbox.take((*key, ASSEMBLED), timeout)
-        else:                                          # nothing to move (an empty tensor)
-            shards = _Arrival(self._shape(plan), self.pool).shards
-        if len(self.local) == 1:                       # (the single-device call is ~30% cheaper)
-            arrays = [jax.device_put(shards[self.local[0][0]], self.local[0][1])]
-        else:
-            arrays = jax.device_put([shards[i] for i, _ in self.local], [d for _, d in self.local])
-        return jax.make_array_from_single_device_arrays(tuple(shape), sharding, arrays)
+            return self.inbox.take((*key, ASSEMBLED), timeout)
+        return _Arrival(self._shape(plan), self.pool).shards      # nothing to move (an empty tensor)
 
     def _on_error(self, reason: str) -> None:
         self._error = self._error or reason

@@ -51,6 +51,10 @@ class Transport:
     def recv(self, key: tuple, shape: tuple, dtype, sharding, edge: Edge, timeout: float):
         raise NotImplementedError
 
+    def recv_operand(self, key: tuple, shape: tuple, dtype, sharding, edge: Edge, timeout: float):
+        """What a jitted program can take for the tensor (default: `recv`'s jax.Array)."""
+        return self.recv(key, shape, dtype, sharding, edge, timeout)
+
     def flush(self, timeout: float) -> None:
         raise NotImplementedError
 
@@ -84,6 +88,7 @@ class TiledTransport(Transport):
         self.flat = {d.id: i for i, d in enumerate(devices)}
         here = jax.process_index()
         self.local = [(i, d) for i, d in enumerate(devices) if d.process_index == here]
+        self.single_device = len(devices) == 1
         self.sent_bytes = 0
         self.sent_bytes_to: dict[str, int] = {}   # per destination stage (telemetry)
         self._plans: dict = {}
@@ -108,25 +113,54 @@ class TiledTransport(Transport):
 
     def send(self, key, array, edge):
         plan = self._plan(edge, True, array.shape, array.dtype)
-        by_device = {self.flat[s.device.id]: s for s in array.addressable_shards}
+        if self.single_device:                         # the array is its only shard
+            by_device = {0: array}
+        else:
+            by_device = {self.flat[s.device.id]: s.data for s in array.addressable_shards}
         for dst_host, tiles in plan.sends.get(self.me, {}).items():
             if not tiles:
                 continue
-            shards = {d: np.asarray(by_device[d].data) for d in {t.src_device for t in tiles}}
+            shards = {d: np.asarray(by_device[d]) for d in {t.src_device for t in tiles}}
             nbytes = sum(t.nbytes for t in tiles)
             self.sent_bytes += nbytes
             self.sent_bytes_to[str(edge.stage)] = self.sent_bytes_to.get(str(edge.stage), 0) + nbytes
             self._push(key, edge, dst_host, plan, shards)
 
     def recv(self, key, shape, dtype, sharding, edge, timeout):
-        import jax
+        """The tensor `key` as a jax.Array with `sharding` (bounded wait)."""
+        return self._to_array(self._local_shards(key, shape, dtype, edge, timeout), shape, sharding)
 
+    def from_host(self, arr: np.ndarray, sharding):
+        """A host-side global array as an operand for a jitted program: as it is on a one-device
+        stage (see `recv_operand`), else a jax.Array with `sharding`."""
+        if self.single_device:
+            return arr
+        return Transport.from_host(arr, sharding)
+
+    def recv_operand(self, key, shape, dtype, sharding, edge, timeout):
+        """The tensor `key` in the cheapest form a jitted program takes: when this stage's whole
+        mesh is one device, the numpy array itself (jit moves it in C++: measured 14 µs, against
+        ~150 µs for a Python `device_put` + `make_array`); otherwise `recv`'s jax.Array."""
+        local = self._local_shards(key, shape, dtype, edge, timeout)
+        if self.single_device:
+            return local[self.local[0][0]]
+        return self._to_array(local, shape, sharding)
+
+    def _local_shards(self, key, shape, dtype, edge, timeout) -> dict:
+        """Destination device -> this host's numpy shard of tensor `key`."""
         plan = self._plan(edge, False, shape, dtype)
         deadline = time.monotonic() + timeout          # one deadline for all senders
         received = {src: self.inbox.take((*key, src), max(0.0, deadline - time.monotonic()))
                     for src, per_dst in plan.sends.items() if per_dst.get(self.me)}
-        local = assemble(plan, self.me, received)
-        arrays = jax.device_put([local[i] for i, _ in self.local], [d for _, d in self.local])
+        return assemble(plan, self.me, received)
+
+    def _to_array(self, local: dict, shape, sharding):
+        import jax
+
+        if len(self.local) == 1:                       # (the single-device call is cheaper)
+            arrays = [jax.device_put(local[self.local[0][0]], self.local[0][1])]
+        else:
+            arrays = jax.device_put([local[i] for i, _ in self.local], [d for _, d in self.local])
         return jax.make_array_from_single_device_arrays(tuple(shape), sharding, arrays)
 
 

@@ -251,11 +251,11 @@ class StageWorker:
                 stash.drop(("r", key))
                 stash.drop(("dy", key))
             elif kind == "RECV_F":
-                inputs[key] = self.transport.recv((step, "F") + key, self.in_shape[c], np.float32,
-                                                  prog.input_sharding(), self.edge_in[c], timeout)
+                inputs[key] = self.transport.recv_operand((step, "F") + key, self.in_shape[c], np.float32,
+                                                          prog.input_sharding(), self.edge_in[c], timeout)
             elif kind == "RECV_B":
-                dys[key] = self.transport.recv((step, "B") + key, self.out_shape[c], np.float32,
-                                               prog.output_sharding(), self.edge_out[c], timeout)
+                dys[key] = self.transport.recv_operand((step, "B") + key, self.out_shape[c], np.float32,
+                                                       prog.output_sharding(), self.edge_out[c], timeout)
             elif kind == "SEND_F":
                 peer_chunk = c + (1 if self.edge_out[c].stage < cfg.stage else 0)
                 self.transport.send((step, "F", a.microbatch, peer_chunk), outputs.pop(key), self.edge_out[c])
@@ -320,7 +320,10 @@ _SHARD_BYTES: dict = {}
 
 
 def _shard_bytes(leaf) -> int:
-    """Bytes one device holds of `leaf` (its shard shape × itemsize), memoised per shape/sharding."""
+    """Bytes one device holds of `leaf` (its shard shape × itemsize), memoised per shape/sharding.
+    A numpy leaf (a received tensor of a one-device stage) counts whole."""
+    if isinstance(leaf, np.ndarray):
+        return leaf.nbytes
     memo = (leaf.shape, leaf.dtype, leaf.sharding)
     n = _SHARD_BYTES.get(memo)
     if n is None:

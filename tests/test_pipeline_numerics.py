@@ -95,6 +95,19 @@ def test_mlp_three_stages_tensor_parallel_matches_reference(tmp_path, no_leaks):
     assert_same_training(pipe, ref)
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_gpt_one_device_stages_match_reference(tmp_path, no_leaks, schedule):
+    """One-device stages take received tensors as numpy operands (`recv_operand`), not jax.Arrays."""
+    job = {**gpt_job(tmp_path, schedule), "layout": {"batch": "data"}}
+    for stage in job["pipeline"]["stages"]:
+        stage["mesh"] = {"data": 1}
+    checked = check_job(parse_job(job), parse_cluster({**CLUSTER, "devices_per_host": 1}))
+    pipe = run_job(checked, echo=lambda s: None)
+    ref = run_job(checked, reference=True, echo=lambda s: None)
+    assert_same_training(pipe, ref)
+    assert pipe["losses"][-1] < pipe["losses"][0]
+
+
 def test_gpt_loss_decreases_over_50_steps(tmp_path, no_leaks):
     job = gpt_job(tmp_path, steps=50)
     checked = check_job(parse_job(job), parse_cluster(CLUSTER))
