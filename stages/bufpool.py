@@ -22,7 +22,7 @@ import mmap
 import os
 import sys
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
@@ -39,7 +39,6 @@ class Block:
     nbytes: int
     id: int
     fd: int | None = None            # shared-memory blocks: the memfd (closed by `BufferPool.close`)
-    extra: dict = field(default_factory=dict)
 
 
 def heap_block(nbytes: int, id: int) -> Block:
@@ -62,10 +61,11 @@ def shm_supported() -> bool:
     return sys.platform.startswith("linux") and hasattr(os, "memfd_create")
 
 
-def as_array(block: Block, shape, dtype) -> np.ndarray:
-    """A new C-contiguous, 64-byte-aligned view of `shape`/`dtype` on the block's memory."""
+def as_array(owner, shape, dtype) -> np.ndarray:
+    """A new C-contiguous, 64-byte-aligned view of `shape`/`dtype` on the memory `owner` exports
+    (a block's owner, or a peer's mapped shared-memory block)."""
     dtype = np.dtype(dtype)
-    raw = np.frombuffer(block.owner, np.uint8)
+    raw = np.frombuffer(owner, np.uint8)
     offset = (-raw.ctypes.data) % ALIGN
     n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     return raw[offset:offset + n].view(dtype).reshape(shape)
@@ -134,7 +134,7 @@ class BufferPool:
                 self._by_size.setdefault(nbytes, []).append(block)
                 self.blocks[block.id] = block
                 self.pooled_bytes += nbytes
-            return as_array(block, shape, dtype), block
+            return as_array(block.owner, shape, dtype), block
 
     def take(self, shape, dtype) -> np.ndarray:
         """An uninitialised C-contiguous array of `shape` and `dtype`: 64-byte-aligned and pooled
@@ -144,7 +144,7 @@ class BufferPool:
         got = self.take_block(shape, dtype)
         if got is None:
             nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-            return as_array(heap_block(nbytes, -1), shape, dtype)
+            return as_array(heap_block(nbytes, -1).owner, shape, dtype)
         return got[0]
 
     def close(self) -> None:

@@ -82,7 +82,7 @@ def runs(a: np.ndarray, min_run: int = MIN_RUN) -> list[memoryview] | None:
     return [mv[o:o + run] for o in offsets.tolist()]
 
 
-def encode_frame(key: tuple, arrays, tensor: dict | None = None) -> list:
+def encode_frame(key: tuple, arrays) -> list:
     """The buffers of one frame: [fixed header + JSON header, runs of array bytes...].
 
     Array bytes are views (contiguous runs of strided arrays, see `runs`); arrays whose
@@ -99,8 +99,6 @@ def encode_frame(key: tuple, arrays, tensor: dict | None = None) -> list:
             pieces = runs(a.copy(order="C"))   # (np.ascontiguousarray would turn a 0-d array into 1-d)
         bufs.extend(pieces)
     header = {"key": list(key), "arrays": metas}
-    if tensor is not None:
-        header["tensor"] = tensor
     return [frame_header(header, sum(b.nbytes for b in bufs)), *bufs]
 
 

@@ -258,7 +258,7 @@ class ProbeSet:
         return self.pair if len(geom.hosts) == 2 else [self.b]
 
     def configure(self, geoms: Sequence[StageGeom], axes: Sequence[str | None], token: bytes) -> list[list]:
-        """Make actor "a" stage 0 and `stage_b(geoms[1])` stage 1, with both transports connected.
+        """Make actor "a" stage 0 and `stage_b(geoms[1])` stage 1, every transport connected.
 
         Returns the actors per stage.
         """

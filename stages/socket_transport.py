@@ -42,7 +42,7 @@ import weakref
 import numpy as np
 
 from orchestrator.reshard.stream import blocks_on, stream_layout
-from stages.bufpool import BufferPool, shm_block, shm_supported
+from stages.bufpool import BufferPool, as_array, shm_block, shm_supported
 from stages.frames import (
     Frame,
     FrameError,
@@ -187,12 +187,12 @@ class _Arrival:
 # -- sending -------------------------------------------------------------------------
 class _Conn:
     """One outgoing connection (TCP, or Unix to a same-machine peer); `maps` caches the
-    peer's shared-memory blocks this connection was granted (block id -> uint8 array)."""
+    peer's shared-memory blocks this connection was granted (block id -> mmap)."""
 
     def __init__(self, address: tuple, token: bytes, io_timeout: float, unix: str | None = None):
         self.address = tuple(address)
         self.lock = threading.Lock()
-        self.maps: dict[int, np.ndarray] = {}
+        self.maps: dict[int, mmap.mmap] = {}
         if unix is None:
             sock = socket.create_connection(self.address[:2], timeout=io_timeout)
         else:
@@ -223,7 +223,7 @@ class _Conn:
             if len(sizes) != len(fds):
                 raise FrameError(f"grant announces {len(sizes)} new blocks, carries {len(fds)} descriptors")
             for (block, nbytes), fd in zip(sizes.items(), fds):
-                self.maps[block] = np.frombuffer(mmap.mmap(fd, max(nbytes, 1)), np.uint8)
+                self.maps[block] = mmap.mmap(fd, max(nbytes, 1))
         finally:
             for fd in fds:
                 os.close(fd)
@@ -309,6 +309,14 @@ class SocketTransport(TiledTransport):
             layout = stream_layout(plan, src, dst)
             got = self._layouts[memo] = (plan, layout, layout.recv.tolist())
         return got[1], got[2]
+
+    def _bytes_to(self, plan, dst_host: int) -> int:
+        """Bytes `dst_host` receives of one tensor (all senders), memoised per plan."""
+        memo = (id(plan), "bytes", dst_host)
+        got = self._layouts.get(memo)
+        if got is None:
+            got = self._layouts[memo] = (plan, sum(t.nbytes for t in plan.recvs[dst_host]))
+        return got[1]
 
     def _shape(self, plan) -> _Shape:
         got = self._shapes.get(id(plan))
@@ -418,7 +426,7 @@ class SocketTransport(TiledTransport):
         try:
             conn = self._conn(address)
             with conn.lock:
-                if conn.unix and sum(t.nbytes for t in plan.recvs[dst_host]) >= self.shm_min_bytes:
+                if conn.unix and self._bytes_to(plan, dst_host) >= self.shm_min_bytes:
                     if self._write_shared(conn, header, plan, dst_host, shards):
                         self.shm_sends += 1
                         return
@@ -436,7 +444,8 @@ class SocketTransport(TiledTransport):
             return False
         blocks = blocks_on(plan, dst_host)
         where = {int(b): int(i) for b, i in grant["blocks"]}
-        copies = [(as_array_view(conn.maps[where[blocks[t.targets[0][0]]]], plan)[t.targets[0][1]],
+        shape, dtype = plan.dst_shard_shape, plan.dtype
+        copies = [(as_array(conn.maps[where[blocks[t.targets[0][0]]]], shape, dtype)[t.targets[0][1]],
                    shards[t.src_device][t.src_slice]) for t in plan.sends[self.me][dst_host]]
         self._copy(copies)
         send_buffers(conn.sock, [frame_header({"key": header["key"], "arrays": [], "shm": "done"}, 0)])
@@ -509,9 +518,3 @@ def _row_chunks(rows: int, parts: int) -> list[tuple[int, int]]:
     parts = max(1, min(parts, rows))
     edges = [rows * k // parts for k in range(parts + 1)]
     return [(a, b) for a, b in zip(edges, edges[1:]) if b > a] or [(0, 0)]
-
-
-def as_array_view(block: np.ndarray, plan) -> np.ndarray:
-    """A granted block's uint8 mapping as one destination shard of `plan` (aligned: page-aligned map)."""
-    n = int(np.prod(plan.dst_shard_shape, dtype=np.int64)) * plan.dtype.itemsize
-    return block[:n].view(plan.dtype).reshape(plan.dst_shard_shape)
