@@ -8,9 +8,9 @@ pinned to its own core (`WorkerConfig.pin_cpus`, stage s → core s mod nproc;
 set by a benchmark subclass of the executor, which does not set it itself), so
 the two stages never share a core and each XLA sees one thread. The first
 `warmup` steps (compile) are dropped; the rest give:
-  step_s     median driver wall time between step completions (`StepResult.wall_s`;
-             the executor queues the next step before collecting, so this is
-             the pipeline's throughput period);
+  step_s     median step period (`StepResult.wall_s`: per actor the time between
+             consecutive step ends, largest over actors; the executor keeps the
+             next call queued, so this is the pipeline's throughput period);
   costs      per stage, median duration of each compute kind (F, B, I, W, OPT)
              over all measured spans;
   ideal_s    `simulate(lowered, costs)` step time, transfers free;
@@ -70,11 +70,13 @@ CLUSTER = {"address": None, "platform": "cpu", "hosts": 2, "devices_per_host": 1
            "timeouts": TIMEOUTS}
 
 
-def checked_job(size: Size, schedule: str, m: int, steps: int):
+def checked_job(size: Size, schedule: str, m: int, steps: int, executor: str = "step_calls",
+                steps_per_call: int | None = None):
     from orchestrator.config import check_job, parse_cluster, parse_job
 
     name = f"bench-{size.name}-{schedule}-m{m}"
-    return check_job(parse_job(job_dict(size, schedule, m, steps, name)), parse_cluster(CLUSTER))
+    return check_job(parse_job(job_dict(size, schedule, m, steps, name)),
+                     parse_cluster({**CLUSTER, "executor": executor, "steps_per_call": steps_per_call}))
 
 
 def _executor_class(pin: bool):
@@ -92,15 +94,17 @@ def _executor_class(pin: bool):
     return BenchExecutor
 
 
-def measure_pipeline(size: Size, schedule: str, m: int, *, steps: int, warmup: int, pin: bool = True) -> dict:
+def measure_pipeline(size: Size, schedule: str, m: int, *, steps: int, warmup: int, pin: bool = True,
+                     executor: str = "step_calls", steps_per_call: int | None = None) -> dict:
     """One pipelined run in the connected Ray session; a dict of raw measurements (see module doc)."""
     from orchestrator.plan import make_plan
     from orchestrator.schedule import simulate
     from stages.data import make_source
 
-    rec: dict = {"size": size.name, "schedule": schedule, "m": m, "p": 2, "pinned": pin}
+    rec: dict = {"size": size.name, "schedule": schedule, "m": m, "p": 2, "pinned": pin, "executor": executor}
     try:
-        checked = checked_job(size, schedule, m, warmup + steps)
+        checked = checked_job(size, schedule, m, warmup + steps, executor, steps_per_call)
+        rec["steps_per_call"] = checked.cluster.calls_of_steps
         plan = make_plan(checked)
     except Exception as e:  # noqa: BLE001 - an unsupported configuration is a result, not a crash
         return {**rec, "status": f"unsupported (config): {_first_line(e)}"}

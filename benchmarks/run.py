@@ -11,6 +11,8 @@ Sections (all in one run, on one machine, so the RATIOS are comparable):
   pipeline  meshpipe, GPT `small` and `large` (benchmarks/common.py), 2 stages
             × 1 host × 1 device, every schedule, m ∈ {4, 8}
   overhead  meshpipe, GPT `tiny` (actions ≈ free), m = 8, every runnable schedule
+  executors meshpipe driven by each dispatcher (benchmarks/executors.py): `tiny` and `large`,
+            1F1B, m = 8, variants in turns
   jax       plain JAX baselines (child processes: 2 cores, and 1 core for the
             split-compilation comparison)
   torch     torch.distributed.pipelining (1F1B, GPipe) on the same shapes, and
@@ -36,7 +38,7 @@ from pathlib import Path
 from benchmarks import common
 from benchmarks.common import RESULTS, SCHEDULES, SIZES, fmt, md_table, run_child, sim_costs
 
-SECTIONS = ("pipeline", "overhead", "jax", "torch", "memory")
+SECTIONS = ("pipeline", "overhead", "executors", "jax", "torch", "memory")
 # OpenMP's default spin-waiting makes 2-thread plain torch 10-20x slower as soon as anything else runs on
 # this 2-core machine (measured: 2.6 s vs 0.14 s per step at load 6); passive waiting removes that.
 TORCH_PLAIN_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
@@ -46,18 +48,27 @@ P = 2
 MODES = {
     "full": {"sizes": ["small", "large"], "ms": [4, 8], "schedules": list(SCHEDULES), "steps": 10, "warmup": 3,
              "overhead": {"size": "tiny", "m": 8, "schedules": list(SCHEDULES), "steps": 30},
+             "executors": {"runs": [
+                 {"size": "tiny", "schedule": "1f1b", "m": 8, "steps": 30, "reps": 3,
+                  "variants": [["step_calls", 1], ["step_calls", 4], ["compiled_graph", 1], ["compiled_graph", 4],
+                               ["action_calls", 1]]},
+                 {"size": "large", "schedule": "1f1b", "m": 8, "steps": 8, "reps": 1,
+                  "variants": [["step_calls", 1], ["step_calls", 4], ["compiled_graph", 4], ["action_calls", 1]]}]},
              "torch_schedules": ["1f1b", "gpipe"], "jax_steps": 8},
     "quick": {"sizes": ["small"], "ms": [4], "schedules": ["1f1b", "interleaved-1f1b"],
               "steps": 4, "warmup": 2,
               "overhead": {"size": "tiny", "m": 4, "schedules": ["1f1b"], "steps": 10},
+              "executors": {"runs": [{"size": "tiny", "schedule": "1f1b", "m": 4, "steps": 8, "reps": 1, "variants": [
+                  ["step_calls", 4], ["compiled_graph", 4], ["action_calls", 1]]}]},
               "torch_schedules": ["1f1b", "gpipe"], "jax_steps": 3},
 }
 
 DEFINITIONS = """\
 All times are medians; a run's first `warmup` steps (compilation) are dropped. p = 2 stages.
 
-- **step** — meshpipe: driver wall time between consecutive step completions (the executor keeps one
-  more step queued on the actors, so this is the throughput period); torch: time between consecutive
+- **step** — meshpipe: the step's period — per actor, the time between its consecutive step ends on
+  its own clock, the largest over actors (`StepResult.wall_s`; the driver keeps the next call queued on
+  the actors, so this is the throughput period); torch: time between consecutive
   step ends (pipeline `step()` + adam) on rank 0; plain: one jitted / eager step.
 - **action costs** — meshpipe: per stage and kind (F, B, I, W, OPT), the median span duration over all
   measured steps (spans come from the actors: `StepResult.spans`; interleaved: the mean over the
@@ -256,6 +267,10 @@ def measure_section(sec: str, cfg: dict, pin: bool, echo) -> dict:
         return {"records": measure_pipeline(cfg, pin, echo)}
     if sec == "overhead":
         return {"records": measure_overhead(cfg, pin, echo)}
+    if sec == "executors":
+        from benchmarks import executors
+
+        return {"records": executors.measure(cfg["executors"], pin, cfg["warmup"], echo)}
     if sec == "jax":
         return {"records": measure_jax(cfg, echo)}
     if sec == "torch":
@@ -351,6 +366,9 @@ def derive(raw: dict) -> dict:
     for r in raw.get("torch", {}).get("pipe", []):
         if r.get("status") == "ok":
             out["torch"].append({"key": [r["size"], r["schedule"], r["m"]], **derive_torch(r, raw)})
+    from benchmarks import executors
+
+    out["executors"] = executors.derive(raw.get("executors", {}).get("records", []))
     return out
 
 
@@ -386,6 +404,9 @@ def render(raw: dict, der: dict, mode: str, plots: list[str]) -> str:
              "## Definitions", "", DEFINITIONS]
     lines += _render_efficiency(raw, der)
     lines += _render_overhead(raw, der)
+    from benchmarks import executors
+
+    lines += executors.render(raw.get("executors", {}).get("records", []), der.get("executors", []))
     lines += _render_breakdown(raw, der)
     lines += _render_plain(raw, der)
     lines += _render_torch(raw, der)
@@ -710,7 +731,7 @@ def measure(raw: dict, only: list[str], cfg: dict, pin: bool) -> None:
     t0 = time.perf_counter()
     started = False
     try:
-        if "pipeline" in only or "overhead" in only:
+        if {"pipeline", "overhead", "executors"} & set(only):
             started = _ray_session(raw)
         for sec in only:
             echo(f"[{sec}] {time.perf_counter() - t0:.0f} s")

@@ -5,10 +5,12 @@ Basic flow:
             for multi-host stages the stage's coordinator address from its host
             0, then `setup` on all actors at once, then `connect` neighbours
             (transport socket: with every actor's listening address).
-  step(i):  ONE `run_step` call per actor per step. Each actor runs its own
-            lowered action list and exchanges tensors directly with its
-            neighbours (pushes into their mailboxes); the driver only waits, with
-            a deadline, and collects losses and spans. It makes no scheduling
+  steps(n): each actor runs its own lowered action list per step and
+            exchanges tensors directly with its neighbours; the driver only
+            triggers steps (`orchestrator.dispatch`, per `cluster.executor`: one
+            `run_step` call per actor per step by default, or a Ray Compiled
+            Graph, or one call per action as a reference), waits with a
+            deadline, and collects losses and spans. It makes no scheduling
             decisions and never touches a tensor.
   shutdown(): bounded `shutdown` call, then kill every actor and remove the
             placement group — also after errors and Ctrl-C.
@@ -45,6 +47,9 @@ class PipelineExecutor:
         self.info: list[dict] = []
         # transport "socket": a fresh secret per run; peers' connections must present it
         self.token = secrets.token_bytes(32) if checked.cluster.transport == "socket" else None
+        self.kind = checked.cluster.executor
+        self.dispatcher = None      # made by the first steps() call
+        self.dispatch_info: dict = {}
 
     # -- lifecycle ---------------------------------------------------------
     def worker_config(self, stage, host: int) -> WorkerConfig:
@@ -58,7 +63,9 @@ class PipelineExecutor:
             microbatches=job.pipeline.microbatches,
             optimizer=(job.optimizer.name, dict(job.optimizer.args)), seed=job.run.seed,
             actions=tuple(str(a) for a in grid if a is not None), num_stages=len(self.checked.stages),
-            timeouts=dict(self.timeouts), pin_cpus=self.checked.cluster.pin_cpus, fail_setup=_injected_failure(stage.index, host), hosts=tuple(stage.hosts), devices_per_host=stage.devices_per_host,
+            timeouts=dict(self.timeouts), pin_cpus=self.checked.cluster.pin_cpus,
+            fail_setup=_injected_failure(stage.index, host), fail_step=_injected_step_failure(stage.index, host),
+            hosts=tuple(stage.hosts), devices_per_host=stage.devices_per_host,
             geoms=tuple(geoms), chunks=tuple(tuple(c) for c in stage.chunks),
             transport=self.checked.cluster.transport, transport_token=self.token)
 
@@ -110,6 +117,12 @@ class PipelineExecutor:
         from ray.util.placement_group import remove_placement_group
 
         flat = [a for row in self.actors for a in row]
+        dispatcher, self.dispatcher = self.dispatcher, None
+        if dispatcher is not None:
+            try:   # a compiled graph is torn down before its actors die
+                dispatcher.close(self.timeouts["shutdown_s"])
+            except Exception:  # noqa: BLE001 - best effort; the kill below is what counts
+                pass
         if flat:
             try:
                 ray.wait([a.shutdown.remote() for a in flat], num_returns=len(flat),
@@ -124,36 +137,21 @@ class PipelineExecutor:
             self.pg = None
 
     # -- running -----------------------------------------------------------
-    def steps(self, count: int, ahead: int = 1):
-        """Run `count` steps, yielding a StepResult as each completes.
+    def steps(self, count: int):
+        """Run `count` steps, yielding a StepResult as each completes (orchestrator.dispatch:
+        how the actors are told to go is `cluster.executor`; wall = time between completions)."""
+        from orchestrator import dispatch
 
-        Up to `ahead` further steps are already queued on the actors while the
-        driver collects one, so the driver's round trip is off the critical path
-        (an actor runs its queued `run_step` calls in order; mailbox keys carry
-        the step). A step's wall time is the time between consecutive completions.
-        """
-        import time
-        from collections import deque
-
-        flat = [(a, lbl) for row, names in zip(self.actors, self.labels) for a, lbl in zip(row, names)]
-        labels = [lbl for _, lbl in flat]
-        queued: deque = deque()
-
-        def submit(i: int) -> None:
-            queued.append((i, [a.run_step.remote(i) for a, _ in flat]))
-
-        last = time.perf_counter()
-        for i in range(min(count, 1 + ahead)):
-            submit(i)
-        nxt = len(queued)
-        while queued:
-            i, refs = queued.popleft()
-            outs = wait_all(refs, self.timeouts["step_s"], f"step {i}", labels)
-            if nxt < count:
-                submit(nxt)
-                nxt += 1
-            now = time.perf_counter()
-            wall, last = now - last, now
+        flat = [a for row in self.actors for a in row]
+        labels = [lbl for names in self.labels for lbl in names]
+        counts = [len(self.lowered.actions[s]) - self.lowered.actions[s].count(None)
+                  for s, row in enumerate(self.actors) for _ in row]
+        if self.dispatcher is None:
+            self.dispatcher = dispatch.make(self.kind, flat, labels, counts, self.timeouts["step_s"],
+                                            self.checked.cluster.calls_of_steps)
+        self.dispatch_info = {"dispatcher": type(self.dispatcher).__name__,
+                              "steps_per_call": getattr(self.dispatcher, "per_call", 1)}
+        for i, outs, wall in self.dispatcher.steps(count):
             losses = next(o["losses"] for o in outs if "losses" in o)
             spans = [(o["stage"], o["host"], *span) for o in outs for span in o["spans"]]
             stats = [{"stage": o["stage"], "host": o["host"], **o.get("stats", {})} for o in outs]
@@ -177,4 +175,15 @@ def _injected_failure(stage: int, host: int) -> str | None:
     target = os.environ.get("MESHPIPE_TEST_FAIL_SETUP")
     if target and target == f"{stage}:{host}":
         return f"injected setup failure (MESHPIPE_TEST_FAIL_SETUP={target})"
+    return None
+
+
+def _injected_step_failure(stage: int, host: int) -> int | None:
+    """Test-only: MESHPIPE_TEST_FAIL_STEP="<stage>:<host>:<step>" makes that host raise at that step's start."""
+    import os
+
+    target = os.environ.get("MESHPIPE_TEST_FAIL_STEP", "")
+    parts = target.split(":")
+    if len(parts) == 3 and parts[:2] == [str(stage), str(host)] and parts[2].isdigit():
+        return int(parts[2])
     return None

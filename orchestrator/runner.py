@@ -132,7 +132,7 @@ def _run_pipeline(checked, plan, source, on_step, out: Path, echo) -> tuple[dict
             import ray
 
             ray.shutdown()
-    extra = {"mode": "pipeline", "startup_s": startup, "workers": ex.info,
+    extra = {"mode": "pipeline", "startup_s": startup, "workers": ex.info, "executor": ex.dispatch_info,
              "last_step_spans": [list(s) for s in spans[-1]] if spans else [],
              "telemetry": tel.summary(), "ray": ray_info}
     return {"losses": losses, "step_times_s": times, "param_norms": norms}, extra

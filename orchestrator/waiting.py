@@ -30,11 +30,11 @@ def wait_all(refs: list, timeout: float, what: str, labels: list[str] | None = N
             try:
                 results[index[r]] = ray.get(r, timeout=max(1.0, deadline - time.monotonic()))  # ready
             except Exception as e:  # noqa: BLE001 - re-raised with the stage named
-                raise StageFailure(f"{what} failed on {labels[index[r]]}: {_short(e)}") from e
+                raise StageFailure(f"{what} failed on {labels[index[r]]}: {short_error(e)}") from e
     return results
 
 
-def _short(e: Exception) -> str:
+def short_error(e: Exception) -> str:
     from orchestrator.redact import redact_text
 
     text = redact_text(str(e)).strip()

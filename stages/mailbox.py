@@ -45,6 +45,11 @@ class Mailbox:
             self._closed = reason
             self._cv.notify_all()
 
+    @property
+    def closed(self) -> str | None:
+        """Why the mailbox was closed, or None while it is open."""
+        return self._closed
+
     def __len__(self) -> int:
         with self._cv:
             return len(self._items)

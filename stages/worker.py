@@ -15,6 +15,9 @@ Basic flow (driven by `orchestrator.executor`):
      F/B/I/W compute, SEND_* push tensors to the neighbours' mailboxes (never
      block), RECV_* take from this actor's mailbox (bounded wait), OPT updates.
      Returns the step's losses (last stage) and per-action spans.
+     The same list can be driven as `run_steps(first, count)` (several steps in
+     one call) or `run_action(step, i)` (one call per action: the reference
+     executor); all three share `_begin` / `_act` / `_finish`.
   5. `param_norms()`, `shutdown()`.
 Actors make no scheduling decisions: the action list is the plan's.
 All hosts of a stage execute the same actions in the same order (SPMD).
@@ -58,6 +61,7 @@ class WorkerConfig:
     chunks: tuple[tuple[int, int], ...] = ()   # layer range per virtual chunk; () means (layers,)
     pin_cpus: bool = False          # pin this process to core (cluster_host mod cores) before jax loads
     fail_setup: str | None = None   # test-only fault injection: setup raises this message
+    fail_step: int | None = None    # test-only fault injection: this step raises at its start
     transport: str = "ray"          # "ray" (actor calls) or "socket" (stages.socket_transport)
     transport_token: bytes | None = field(default=None, repr=False)   # per-run secret for "socket"
 
@@ -75,13 +79,17 @@ class StageWorker:
         self.cfg = cfg
         self.inbox = Mailbox(cfg.who)
         self.actors: list[list] = []    # every stage's actor handles, set by connect()
+        self._step_state = None         # the step run_action is in
         from orchestrator.schedule import Action
 
         self.actions = [Action.parse(text) for text in cfg.actions]
         self.action_texts = [str(a) for a in self.actions]
+        self.pinned: set[int] | None = None
+        self.pinned_threads: set[int] = set()
         if cfg.pin_cpus:
             cores = sorted(os.sched_getaffinity(0))
-            os.sched_setaffinity(0, {cores[cfg.cluster_host % len(cores)]})
+            self.pinned = {cores[cfg.cluster_host % len(cores)]}
+            self._pin_thread()
 
     # -- lifecycle ---------------------------------------------------------
     def coordinator_address(self) -> str:
@@ -195,88 +203,165 @@ class StageWorker:
     # -- one step ----------------------------------------------------------
     def run_step(self, step: int) -> dict:
         """Execute this stage's lowered action list for `step` (see the module docstring)."""
+        try:
+            st = self._begin(step)
+            for a, text in zip(self.actions, self.action_texts):
+                self._act(st, a, text)
+            return self._finish(st)
+        except Exception as e:
+            self._fail(step, e)
+            raise
+
+    def run_steps(self, first: int, count: int) -> list[dict]:
+        """Steps first .. first+count-1 in one call (no Ray task boundary between them); each
+        result also carries `end` — this process's monotonic clock when that step finished."""
+        outs = []
+        for step in range(first, first + count):
+            outs.append({**self.run_step(step), "end": time.perf_counter()})
+        return outs
+
+    def run_action(self, step: int, index: int) -> dict | None:
+        """Action `index` of `step`'s list — the one-call-per-action reference executor. The
+        driver calls 0, 1, ... in order; the last returns what `run_step` returns."""
+        try:
+            if index == 0:
+                self._step_state = self._begin(step)
+            st = self._step_state
+            if st is None or st.step != step or index != st.done:
+                expected = "action 0" if st is None else f"action {st.done} of step {st.step}"
+                raise RuntimeError(f"{self.cfg.who}: action {index} of step {step} out of order "
+                                   f"(expected {expected})")
+            self._act(st, self.actions[index], self.action_texts[index])
+            if index == len(self.actions) - 1:
+                self._step_state = None
+                return self._finish(st)
+            return None
+        except Exception as e:
+            self._fail(step, e)
+            raise
+
+    def abort_step(self, reason: str) -> None:
+        """A peer's step failed: whatever this actor waits for from it fails now, not at its deadline.
+        (Runs in the "io" group, beside the step.) No recovery inside a step: the run is over."""
+        self.inbox.close(reason)
+
+    def _fail(self, step: int, error: Exception) -> None:
+        """A step failed here: this actor starts no further step (queued ones fail at once), and
+        unless it was itself told by a peer, every other actor gets `abort_step` (fire and forget)."""
+        if self.inbox.closed:
+            return         # aborted by a peer (or the transport closed), or failed before: no echo
+        reason = f"{self.cfg.who} failed in step {step}: {type(error).__name__}: {str(error)[:300]}"
+        self.inbox.close(reason)
+        for s, row in enumerate(self.actors):
+            for h, actor in enumerate(row):
+                if (s, h) != (self.cfg.stage, self.cfg.host):
+                    try:
+                        actor.abort_step.options(concurrency_group="io").remote(reason)
+                    except Exception:  # noqa: BLE001 - best effort; every wait still has its deadline
+                        pass
+
+    def _pin_thread(self) -> None:
+        """Pin the calling thread (threads it starts inherit it). Affinity is per thread: a Ray
+        Compiled Graph runs steps on its own thread, which Ray started before any pinning."""
+        import threading
+
+        tid = threading.get_ident()
+        if self.pinned is not None and tid not in self.pinned_threads:
+            os.sched_setaffinity(0, self.pinned)
+            self.pinned_threads.add(tid)
+
+    def _begin(self, step: int) -> "_StepState":
+        if self.inbox.closed:
+            raise RuntimeError(f"{self.cfg.who}: not starting step {step}: {self.inbox.closed}")
+        if self.cfg.fail_step == step:
+            raise RuntimeError(f"{self.cfg.who}: injected step failure (MESHPIPE_TEST_FAIL_STEP)")
+        self._pin_thread()
+        progs = self.progs
+        st = _StepState(step)
+        if progs[0].first or progs[-1].last:
+            st.x_all, st.y_all = self.cfg.data.batch(step)
+        return st
+
+    def _act(self, st: "_StepState", a, text: str) -> None:
+        """One action of the list; tensors between actions live in `st` (keyed (microbatch, chunk))."""
         import jax
 
-        cfg, progs = self.cfg, self.progs
+        cfg, step, m = self.cfg, st.step, self.cfg.microbatches
         timeout = cfg.timeouts.get("step_s", 600.0)
-        first, last = progs[0].first, progs[-1].last
-        x_all = y_all = None
-        if first or last:
-            x_all, y_all = cfg.data.batch(step)
-        m = cfg.microbatches
-        inputs, residuals, outputs, dys, dxs = {}, {}, {}, {}, {}   # keyed (microbatch, chunk)
-        losses: dict[int, Any] = {}
-        spans = []
-        stash = _Stash()                  # residuals and kept output gradients, bytes per device
-        for a, text in zip(self.actions, self.action_texts):
-            kind, key = a.kind.value, (a.microbatch, a.chunk)
-            c = a.chunk
-            prog = progs[c] if kind != "OPT" else None
-            t0 = time.time()
-            if kind == "F":
-                if prog.first:
-                    x = self.transport.from_host(microbatch(x_all, a.microbatch, m), prog.input_sharding())
-                else:
-                    x = inputs.pop(key)
-                labels = None
-                if prog.last:
-                    labels = self.transport.from_host(microbatch(y_all, a.microbatch, m), prog.label_sharding())
-                y, residuals[key] = prog.fwd(self.params[c], x, labels)
-                jax.block_until_ready(y)
-                stash.add(("r", key), residuals[key])
-                if prog.last:
-                    losses[a.microbatch] = y
-                elif self.edge_out[c].stage == cfg.stage:      # next chunk lives here (p = 1)
-                    inputs[(a.microbatch, c + 1)] = y
-                else:
-                    outputs[key] = y
-            elif kind in ("B", "I"):
-                dy = dys.pop(key, None) if kind == "B" else dys.get(key)
-                if kind == "B":
-                    dx, self.grads[c] = prog.bwd_acc(self.params[c], residuals.pop(key), dy, self.grads[c])
-                    jax.block_until_ready(self.grads[c])
-                    stash.drop(("r", key))
-                else:
-                    dx = prog.bwd_i(self.params[c], residuals[key], dy)
-                    stash.add(("dy", key), dy)      # kept until W
-                if dx is not None:
-                    jax.block_until_ready(dx)
-                    if self.edge_in[c].stage == cfg.stage:       # previous chunk lives here (p = 1)
-                        dys[(a.microbatch, c - 1)] = dx
-                    else:
-                        dxs[key] = dx
-            elif kind == "W":
-                self.grads[c] = jax.block_until_ready(
-                    prog.bwd_w_acc(self.params[c], residuals.pop(key), dys.pop(key, None), self.grads[c]))
-                stash.drop(("r", key))
-                stash.drop(("dy", key))
-            elif kind == "RECV_F":
-                inputs[key] = self.transport.recv_operand((step, "F") + key, self.in_shape[c], np.float32,
-                                                          prog.input_sharding(), self.edge_in[c], timeout)
-            elif kind == "RECV_B":
-                dys[key] = self.transport.recv_operand((step, "B") + key, self.out_shape[c], np.float32,
-                                                       prog.output_sharding(), self.edge_out[c], timeout)
-            elif kind == "SEND_F":
-                peer_chunk = c + (1 if self.edge_out[c].stage < cfg.stage else 0)
-                self.transport.send((step, "F", a.microbatch, peer_chunk), outputs.pop(key), self.edge_out[c])
-            elif kind == "SEND_B":
-                peer_chunk = c - (1 if self.edge_in[c].stage > cfg.stage else 0)
-                self.transport.send((step, "B", a.microbatch, peer_chunk), dxs.pop(key), self.edge_in[c])
-            elif kind == "OPT":
-                for i, p in enumerate(progs):
-                    self.params[i], self.opt_state[i], self.grads[i] = p.update(
-                        self.params[i], self.opt_state[i], self.grads[i])
-                jax.block_until_ready(self.params)
+        inputs, residuals, outputs, dys, dxs = st.inputs, st.residuals, st.outputs, st.dys, st.dxs
+        kind, key = a.kind.value, (a.microbatch, a.chunk)
+        c = a.chunk
+        prog = self.progs[c] if kind != "OPT" else None
+        t0 = time.time()
+        if kind == "F":
+            if prog.first:
+                x = self.transport.from_host(microbatch(st.x_all, a.microbatch, m), prog.input_sharding())
             else:
-                raise ValueError(f"{cfg.who}: cannot execute action {a}")
-            spans.append((text, t0, time.time()))
-        self.transport.flush(timeout)
+                x = inputs.pop(key)
+            labels = None
+            if prog.last:
+                labels = self.transport.from_host(microbatch(st.y_all, a.microbatch, m), prog.label_sharding())
+            y, residuals[key] = prog.fwd(self.params[c], x, labels)
+            jax.block_until_ready(y)
+            st.stash.add(("r", key), residuals[key])
+            if prog.last:
+                st.losses[a.microbatch] = y
+            elif self.edge_out[c].stage == cfg.stage:      # next chunk lives here (p = 1)
+                inputs[(a.microbatch, c + 1)] = y
+            else:
+                outputs[key] = y
+        elif kind in ("B", "I"):
+            dy = dys.pop(key, None) if kind == "B" else dys.get(key)
+            if kind == "B":
+                dx, self.grads[c] = prog.bwd_acc(self.params[c], residuals.pop(key), dy, self.grads[c])
+                jax.block_until_ready(self.grads[c])
+                st.stash.drop(("r", key))
+            else:
+                dx = prog.bwd_i(self.params[c], residuals[key], dy)
+                st.stash.add(("dy", key), dy)      # kept until W
+            if dx is not None:
+                jax.block_until_ready(dx)
+                if self.edge_in[c].stage == cfg.stage:       # previous chunk lives here (p = 1)
+                    dys[(a.microbatch, c - 1)] = dx
+                else:
+                    dxs[key] = dx
+        elif kind == "W":
+            self.grads[c] = jax.block_until_ready(
+                prog.bwd_w_acc(self.params[c], residuals.pop(key), dys.pop(key, None), self.grads[c]))
+            st.stash.drop(("r", key))
+            st.stash.drop(("dy", key))
+        elif kind == "RECV_F":
+            inputs[key] = self.transport.recv_operand((step, "F") + key, self.in_shape[c], np.float32,
+                                                      prog.input_sharding(), self.edge_in[c], timeout)
+        elif kind == "RECV_B":
+            dys[key] = self.transport.recv_operand((step, "B") + key, self.out_shape[c], np.float32,
+                                                   prog.output_sharding(), self.edge_out[c], timeout)
+        elif kind == "SEND_F":
+            peer_chunk = c + (1 if self.edge_out[c].stage < cfg.stage else 0)
+            self.transport.send((step, "F", a.microbatch, peer_chunk), outputs.pop(key), self.edge_out[c])
+        elif kind == "SEND_B":
+            peer_chunk = c - (1 if self.edge_in[c].stage > cfg.stage else 0)
+            self.transport.send((step, "B", a.microbatch, peer_chunk), dxs.pop(key), self.edge_in[c])
+        elif kind == "OPT":
+            for i, p in enumerate(self.progs):
+                self.params[i], self.opt_state[i], self.grads[i] = p.update(
+                    self.params[i], self.opt_state[i], self.grads[i])
+            jax.block_until_ready(self.params)
+        else:
+            raise ValueError(f"{cfg.who}: cannot execute action {a}")
+        st.spans.append((text, t0, time.time()))
+        st.done += 1
+
+    def _finish(self, st: "_StepState") -> dict:
+        cfg = self.cfg
+        self.transport.flush(cfg.timeouts.get("step_s", 600.0))
         from orchestrator.telemetry import stage_stats
 
-        out = {"stage": cfg.stage, "host": cfg.host, "spans": spans,
-               "stats": {**stage_stats(self), "stash_peak_bytes": stash.peak, "stash_peak_items": stash.peak_items}}
-        if last:
-            out["losses"] = [float(losses[i]) for i in range(m)]
+        out = {"stage": cfg.stage, "host": cfg.host, "spans": st.spans,
+               "stats": {**stage_stats(self), "stash_peak_bytes": st.stash.peak,
+                         "stash_peak_items": st.stash.peak_items}}
+        if self.progs[-1].last:
+            out["losses"] = [float(st.losses[i]) for i in range(cfg.microbatches)]
         return out
 
     def param_norms(self) -> dict[str, float]:
@@ -290,6 +375,18 @@ class StageWorker:
                     full = np.asarray(multihost_utils.process_allgather(p[name], tiled=True), dtype=np.float64)
                     norms[param_name(i, layer, name)] = float(np.linalg.norm(full))
         return norms
+
+
+class _StepState:
+    """What one step keeps between its actions: host batch, tensors by (microbatch, chunk), spans."""
+
+    def __init__(self, step: int):
+        self.step, self.done = step, 0
+        self.x_all = self.y_all = None
+        self.inputs, self.residuals, self.outputs, self.dys, self.dxs = {}, {}, {}, {}, {}
+        self.losses: dict[int, Any] = {}
+        self.spans: list = []
+        self.stash = _Stash()     # residuals and kept output gradients, bytes per device
 
 
 class _Stash:

@@ -94,3 +94,28 @@ def test_failed_setup_names_stage_and_leaves_nothing(tmp_path, no_leaks, monkeyp
     checked = check_job(parse_job(raw), parse_cluster({"hosts": 4, "devices_per_host": 2}))
     with pytest.raises(StageFailure, match="stage 1 host 0.*injected setup failure"):
         run_job(checked, echo=lambda s: None)
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("executor", ["step_calls", "compiled_graph", "action_calls"])
+def test_failed_step_fails_fast_everywhere_and_leaves_nothing(tmp_path, no_leaks, monkeypatch, executor):
+    """Stage 1 raises at the start of step 2; stage 0, waiting for its tensors, is told at once
+    (`abort_step`), so the run ends long before the 120 s step deadline, naming the cause."""
+    import time
+
+    monkeypatch.setenv("MESHPIPE_TEST_FAIL_STEP", "1:0:2")
+    raw = {
+        "run": {"name": f"fails-{executor}", "steps": 6, "output_dir": str(tmp_path)},
+        "model": {"name": "mlp", "args": {"blocks": 2}},
+        "data": {"source": "synthetic", "global_batch": 8},
+        "optimizer": {"name": "sgd", "args": {"learning_rate": 0.1}},
+        "pipeline": {"schedule": "1f1b", "microbatches": 2,
+                     "stages": [{"layers": [0, 2], "mesh": {"data": 1}}, {"layers": [2, 4], "mesh": {"data": 1}}]},
+        "layout": {"batch": "data"},
+    }
+    checked = check_job(parse_job(raw), parse_cluster({"hosts": 2, "devices_per_host": 1, "executor": executor,
+                                                       "timeouts": {"step_s": 120}}))
+    t0 = time.monotonic()
+    with pytest.raises(StageFailure, match="injected step failure"):
+        run_job(checked, echo=lambda s: None)
+    assert time.monotonic() - t0 < 60

@@ -320,6 +320,10 @@ class ClusterConfig(_Frozen):
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
     pin_cpus: bool = False   # pin each host actor to one core of its node (host index mod cores)
     transport: Literal["ray", "socket"] = "socket"   # stage-to-stage tensors: framed TCP (default) or Ray actor calls
+    # how the driver triggers steps (orchestrator.dispatch): a Ray call per actor per steps_per_call
+    # steps (default), the same as a Ray Compiled Graph, or a Ray call per action (the slow reference)
+    executor: Literal["step_calls", "compiled_graph", "action_calls"] = "step_calls"
+    steps_per_call: Optional[PosInt] = None   # step_calls / compiled_graph; None: 4 (action_calls: 1)
     timeouts: TimeoutsConfig = Field(default_factory=TimeoutsConfig)
     gpu: Optional[GpuConfig] = None   # platform gpu only
     tpu: Optional[TpuConfig] = None   # platform tpu only (required there)
@@ -395,6 +399,20 @@ class ClusterConfig(_Frozen):
                           f"= {need:g} CPUs do not fit in num_cpus = {self.num_cpus}; the placement "
                           "group would wait forever", ("num_cpus",), self.num_cpus)
         return self
+
+    @model_validator(mode="after")
+    def _steps_per_call(self) -> "ClusterConfig":
+        if self.executor == "action_calls" and self.steps_per_call not in (None, 1):
+            raise Problem("must be 1 (or left out) with executor: action_calls, which makes one Ray call "
+                          "per action", ("steps_per_call",), self.steps_per_call)
+        return self
+
+    @property
+    def calls_of_steps(self) -> int:
+        """Steps per executor call: steps_per_call, or 4 (1 for action_calls) when left out."""
+        if self.steps_per_call is not None:
+            return self.steps_per_call
+        return 1 if self.executor == "action_calls" else 4
 
     @model_validator(mode="after")
     def _platform(self) -> "ClusterConfig":
