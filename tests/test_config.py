@@ -363,7 +363,8 @@ CLUSTER_CASES = [
     ({"dashboard_host": "a b"}, ["dashboard_host", "'a b'", "no spaces"]),
     ({"executor": "compiled"}, ["executor", "'compiled'", "must be one of", "compiled_graph"]),
     ({"steps_per_call": 0}, ["steps_per_call", "= 0", ">= 1"]),
-    ({"executor": "action_calls", "steps_per_call": 4}, ["steps_per_call", "= 4", "must be 1", "one Ray call per action"]),
+    ({"executor": "action_calls", "steps_per_call": 4},
+     ["steps_per_call", "= 4", "must be 1", "one Ray call per action"]),
 ]
 
 
