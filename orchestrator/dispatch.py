@@ -157,6 +157,8 @@ class CompiledGraph(_Batched):
         return outs
 
     def close(self, timeout: float) -> None:
+        """Tear the graph down (bounded by Ray's own `teardown_timeout`, 30 s); the executor kills
+        the actors next. After a failed step the actors start no further step, so their loops end."""
         graph, self.graph = self.graph, None
         if graph is not None:
             graph.teardown(kill_actors=False)

@@ -8,8 +8,9 @@ Basic flow:
   steps(n): each actor runs its own lowered action list per step and
             exchanges tensors directly with its neighbours; the driver only
             triggers steps (`orchestrator.dispatch`, per `cluster.executor`: one
-            `run_step` call per actor per step by default, or a Ray Compiled
-            Graph, or one call per action as a reference), waits with a
+            `run_steps` call per actor per `steps_per_call` steps by default, or
+            the same as a Ray Compiled Graph, or one call per action as a
+            reference), waits with a
             deadline, and collects losses and spans. It makes no scheduling
             decisions and never touches a tensor.
   shutdown(): bounded `shutdown` call, then kill every actor and remove the
