@@ -108,17 +108,21 @@ def test_gpt_one_device_stages_match_reference(tmp_path, no_leaks, schedule):
     assert pipe["losses"][-1] < pipe["losses"][0]
 
 
-@pytest.mark.parametrize("executor,per_call,dispatcher", [
-    ("compiled_graph", 2, "CompiledGraph"), ("action_calls", None, "ActionCalls"), ("step_calls", 3, "StepCalls")])
-def test_gpt_every_executor_matches_reference(tmp_path, no_leaks, executor, per_call, dispatcher):
-    """The same action lists driven as a Ray Compiled Graph, one Ray call per action, and batches of
-    steps per call that do not divide the run (5 = 3 + 2) train exactly like the reference."""
-    checked = check_job(parse_job(gpt_job(tmp_path)),
-                        parse_cluster({**CLUSTER, "executor": executor, "steps_per_call": per_call}))
+@pytest.mark.parametrize("executor,per_call,dispatcher,transport", [
+    ("compiled_graph", 2, "CompiledGraph", "socket"), ("compiled_graph", None, "CompiledGraph", "ray"),
+    ("action_calls", None, "ActionCalls", "socket"), ("step_calls", 3, "StepCalls", "socket")])
+def test_gpt_every_executor_matches_reference(tmp_path, no_leaks, executor, per_call, dispatcher, transport):
+    """The same action lists driven as a Ray Compiled Graph (also with tiles as Ray calls into the
+    actors' io group beside the graph's thread), one Ray call per action, and batches of steps per
+    call that do not divide the run (5 = 3 + 2) train exactly like the reference."""
+    checked = check_job(parse_job(gpt_job(tmp_path)), parse_cluster(
+        {**CLUSTER, "executor": executor, "steps_per_call": per_call, "transport": transport}))
     pipe = run_job(checked, echo=lambda s: None)
     ref = run_job(checked, reference=True, echo=lambda s: None)
     assert_same_training(pipe, ref)
-    assert pipe["executor"] == {"dispatcher": dispatcher, "steps_per_call": per_call or 1}
+    default_k = 1 if executor == "action_calls" else 4
+    assert pipe["executor"] == {"dispatcher": dispatcher, "steps_per_call": per_call or default_k}
+    assert {w["transport"] for w in pipe["workers"]} == {"SocketTransport" if transport == "socket" else "RayTransport"}
     assert len(pipe["step_times_s"]) == 5 and min(pipe["step_times_s"]) > 0
 
 
