@@ -26,6 +26,7 @@ first step and for action_calls, driver time. Every wait has a deadline.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections import deque
 
@@ -129,14 +130,19 @@ class CompiledGraph(_Batched):
         box: queue.Queue = queue.Queue()
 
         def read():
-            os.setpriority(os.PRIO_PROCESS, 0, 19)    # Linux: this thread only
+            if sys.platform.startswith("linux"):    # per thread on Linux only (elsewhere: the whole process)
+                os.setpriority(os.PRIO_PROCESS, 0, 19)
             try:
                 box.put((True, self._read(first, n, refs)))
             except BaseException as e:  # noqa: BLE001 - handed to the caller
                 box.put((False, e))
 
         threading.Thread(target=read, name="meshpipe compiled-graph read", daemon=True).start()
-        ok, value = box.get(timeout=self.step_s * n + 60.0)   # _read itself has the deadline
+        try:   # _read has the call's deadline; this one only guards against a reader that never returns
+            ok, value = box.get(timeout=self.step_s * n + 60.0)
+        except queue.Empty:
+            raise TimeoutError(f"steps {first}-{first + n - 1}: the compiled graph's reader did not return "
+                               f"within {self.step_s * n + 60.0:.0f} s") from None
         if not ok:
             raise value
         return value

@@ -82,16 +82,8 @@ def test_cli_run_on_embedded_ray_writes_summary(tmp_path, example, run_name):
 @pytest.mark.ray
 def test_failed_setup_names_stage_and_leaves_nothing(tmp_path, no_leaks, monkeypatch):
     monkeypatch.setenv("MESHPIPE_TEST_FAIL_SETUP", "1:0")
-    raw = {
-        "run": {"name": "fails", "steps": 1, "output_dir": str(tmp_path)},
-        "model": {"name": "mlp", "args": {"blocks": 2}},
-        "data": {"source": "synthetic", "global_batch": 8},
-        "optimizer": {"name": "sgd", "args": {"learning_rate": 0.1}},
-        "pipeline": {"schedule": "1f1b", "microbatches": 2,
-                     "stages": [{"layers": [0, 2], "mesh": {"data": 2}}, {"layers": [2, 4], "mesh": {"data": 2}}]},
-        "layout": {"batch": "data"},
-    }
-    checked = check_job(parse_job(raw), parse_cluster({"hosts": 4, "devices_per_host": 2}))
+    checked = check_job(parse_job(_mlp_job(tmp_path, "fails", 1, data=2)),
+                        parse_cluster({"hosts": 4, "devices_per_host": 2}))
     with pytest.raises(StageFailure, match="stage 1 host 0.*injected setup failure"):
         run_job(checked, echo=lambda s: None)
 
@@ -104,18 +96,22 @@ def test_failed_step_fails_fast_everywhere_and_leaves_nothing(tmp_path, no_leaks
     import time
 
     monkeypatch.setenv("MESHPIPE_TEST_FAIL_STEP", "1:0:2")
-    raw = {
-        "run": {"name": f"fails-{executor}", "steps": 6, "output_dir": str(tmp_path)},
-        "model": {"name": "mlp", "args": {"blocks": 2}},
-        "data": {"source": "synthetic", "global_batch": 8},
-        "optimizer": {"name": "sgd", "args": {"learning_rate": 0.1}},
-        "pipeline": {"schedule": "1f1b", "microbatches": 2,
-                     "stages": [{"layers": [0, 2], "mesh": {"data": 1}}, {"layers": [2, 4], "mesh": {"data": 1}}]},
-        "layout": {"batch": "data"},
-    }
-    checked = check_job(parse_job(raw), parse_cluster({"hosts": 2, "devices_per_host": 1, "executor": executor,
-                                                       "timeouts": {"step_s": 120}}))
+    checked = check_job(parse_job(_mlp_job(tmp_path, f"fails-{executor}", 6, data=1)), parse_cluster(
+        {"hosts": 2, "devices_per_host": 1, "executor": executor, "timeouts": {"step_s": 120}}))
     t0 = time.monotonic()
     with pytest.raises(StageFailure, match="injected step failure"):
         run_job(checked, echo=lambda s: None)
     assert time.monotonic() - t0 < 60
+
+
+def _mlp_job(tmp_path, name: str, steps: int, data: int) -> dict:
+    """A 2-stage MLP job (1F1B, 2 microbatches), each stage mesh {data: data}."""
+    return {
+        "run": {"name": name, "steps": steps, "output_dir": str(tmp_path)},
+        "model": {"name": "mlp", "args": {"blocks": 2}},
+        "data": {"source": "synthetic", "global_batch": 8},
+        "optimizer": {"name": "sgd", "args": {"learning_rate": 0.1}},
+        "pipeline": {"schedule": "1f1b", "microbatches": 2,
+                     "stages": [{"layers": [a, a + 2], "mesh": {"data": data}} for a in (0, 2)]},
+        "layout": {"batch": "data"},
+    }
