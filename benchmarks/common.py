@@ -4,7 +4,7 @@ Pure except `machine_info` (reads /proc and package versions) and
 `run_child` (starts a Python subprocess with a deadline). No ray, no jax, no
 torch at import time.
 
-Sizes: one GPT (`stages/models/gpt.py`) per size, cut into two stages of
+Sizes: one GPT (`orchestrator/core/model/gpt.py`) per size, cut into two stages of
 equal block count (stage 0 = embed + first half of the blocks, stage 1 = the
 rest + head); the microbatch size is fixed per size, so the global batch is
 m × microbatch. `small` and `large` aim at ≈ 4 ms and ≈ 30 ms per forward
@@ -92,7 +92,7 @@ def spread(xs: Sequence[float]) -> float:
 
 def kind_of(action_text: str) -> str:
     """'1SEND_F3' -> 'SEND_F', '0OPT' -> 'OPT', '1F3c1' -> 'F'."""
-    from orchestrator.schedule import Action
+    from orchestrator.core.schedule import Action
 
     return Action.parse(action_text).kind.value
 
@@ -107,7 +107,7 @@ def span_costs(steps_spans: list[list[tuple]], p: int, stat=None) -> list[dict[s
     kind, and every chunk runs the same number of actions, so the stage's busy
     time is kept.
     """
-    from orchestrator.schedule import Action
+    from orchestrator.core.schedule import Action
 
     per: list[dict[tuple[str, int], list[float]]] = [{} for _ in range(p)]
     for spans in steps_spans:
@@ -167,7 +167,7 @@ def critical_path_actions(sim, lowered) -> int:
     From an action, the path goes to the previous action of the same stage,
     except at a RECV that waited: there it jumps to the matching SEND.
     """
-    from orchestrator.schedule.ir import RECVS, comm_peer
+    from orchestrator.core.schedule.ir import RECVS, comm_peer
 
     rows: list[list] = [[] for _ in range(lowered.p)]
     where = {}

@@ -1,5 +1,5 @@
 """Section `executors` of `benchmarks.run`: the same pipeline driven by each dispatcher of
-`orchestrator.dispatch`, side by side in one run.
+`orchestrator.driver.dispatch`, side by side in one run.
 
 Variants (executor, steps per call): one `run_steps` Ray call per actor per step and per
 4 steps, the same two as a Ray Compiled Graph, and the one-call-per-action reference.
@@ -74,7 +74,7 @@ def render(records: list[dict], derived: list[dict]) -> list[str]:
               for r in records if r.get("status") != "ok"]
     return ["## 2b. Executors side by side", "",
             ("The same schedule and model driven by each dispatcher (`cluster.executor`, `cluster.steps_per_call`; "
-             "`orchestrator/dispatch.py`): *step_calls* = one Ray call per actor per k steps (default, k = 4), "
+             "`orchestrator/driver/dispatch.py`): *step_calls* = one Ray call per actor per k steps (default, k = 4), "
              "*compiled_graph* = the same call as a Ray Compiled Graph, *action_calls* = one Ray call per action "
              "(the reference). Variants ran in turns; medians over the rounds; *step ÷ default* < 1 is faster "
              "than the default. Overhead and efficiency as in sections 1-2."), "",

@@ -2,7 +2,7 @@
 
 Pipelined runs (`measure_pipeline`): one job per (size, schedule, m) — the GPT
 of `benchmarks.common.SIZES`, 2 stages, each 1 host × 1 simulated device,
-mesh {data: 1} — run by `orchestrator.executor.PipelineExecutor` in the
+mesh {data: 1} — run by `orchestrator.driver.executor.PipelineExecutor` in the
 driver's Ray session, shut down in `finally`. By default each stage actor is
 pinned to its own core (`WorkerConfig.pin_cpus`, stage s → core s mod nproc;
 set by a benchmark subclass of the executor, which does not set it itself), so
@@ -72,7 +72,7 @@ CLUSTER = {"address": None, "platform": "cpu", "hosts": 2, "devices_per_host": 1
 
 def checked_job(size: Size, schedule: str, m: int, steps: int, executor: str = "step_calls",
                 steps_per_call: int | None = None):
-    from orchestrator.config import check_job, parse_cluster, parse_job
+    from orchestrator.core.config import check_job, parse_cluster, parse_job
 
     name = f"bench-{size.name}-{schedule}-m{m}"
     return check_job(parse_job(job_dict(size, schedule, m, steps, name)),
@@ -80,7 +80,7 @@ def checked_job(size: Size, schedule: str, m: int, steps: int, executor: str = "
 
 
 def _executor_class(pin: bool):
-    from orchestrator.executor import PipelineExecutor
+    from orchestrator.driver.executor import PipelineExecutor
 
     class BenchExecutor(PipelineExecutor):
         """Pins stage s to core s mod nproc when the executor has not pinned it itself."""
@@ -97,8 +97,8 @@ def _executor_class(pin: bool):
 def measure_pipeline(size: Size, schedule: str, m: int, *, steps: int, warmup: int, pin: bool = True,
                      executor: str = "step_calls", steps_per_call: int | None = None) -> dict:
     """One pipelined run in the connected Ray session; a dict of raw measurements (see module doc)."""
-    from orchestrator.plan import make_plan
-    from orchestrator.schedule import simulate
+    from orchestrator.core.plan import make_plan
+    from orchestrator.core.schedule import simulate
     from stages.data import make_source
 
     rec: dict = {"size": size.name, "schedule": schedule, "m": m, "p": 2, "pinned": pin, "executor": executor}
@@ -170,7 +170,7 @@ def plain_jax(size: Size, m: int, steps: int) -> dict:
     import optax
 
     from stages.data import make_source, microbatch
-    from stages.models import build_spec
+    from orchestrator.core.model.registry import build_spec
     from stages.models.base import init_layer, layer_key, load_impl
 
     spec = build_spec("gpt", size.model_args(), size.seq)
@@ -249,7 +249,7 @@ def residual_bytes(size: Size) -> list[dict]:
     import jax
     import jax.numpy as jnp
 
-    from stages.models import build_spec
+    from orchestrator.core.model.registry import build_spec
     from stages.models.base import load_impl
     from stages.program import StageProgram, make_optimizer
 

@@ -5,7 +5,7 @@ Writes benchmarks/results/reshard.{md,json} (--quick: reshard.quick.{md,json}) a
 
 For every case (two stage geometries, a float32 tensor with logical axes
 ("batch", "embed")) and size (16 MiB, 64 MiB, 7 repeats; --quick: 16 MiB, 5 repeats),
-between the same sender and receiver actors (`stages.reshard_probe`), the
+between the same sender and receiver actors (`benchmarks.reshard_probe`), the
 median over repeats of the time from the sender's first instruction to the
 receiver holding its result (one monotonic clock: the actors share a machine),
 after WARMUP untimed moves of each variant. Variants alternate within each repeat:
@@ -46,10 +46,10 @@ from pathlib import Path
 
 import numpy as np
 
-from orchestrator.edges import StageGeom, edge_plan
-from orchestrator.reshard.tiles import aligned_empty
+from orchestrator.core.edges import StageGeom, edge_plan
+from orchestrator.core.reshard.tiles import aligned_empty
 from stages.mailbox import Mailbox
-from stages.reshard_probe import ProbeSet, ReshardProbe, random_array
+from benchmarks.reshard_probe import ProbeSet, ReshardProbe, random_array
 
 AXES = ("batch", "embed")
 VARIANTS = ("socket", "tcp", "ray", "ray-put", "raw")
@@ -93,7 +93,7 @@ def _median(xs):
 
 def _groups(plan, dst_host: int) -> dict:
     """Destination devices on `dst_host` grouped by the global box they hold (replicas share a group)."""
-    from orchestrator.reshard import shard_boxes
+    from orchestrator.core.reshard import shard_boxes
 
     boxes = shard_boxes(plan.dst, plan.shape)
     groups: dict = {}
@@ -109,7 +109,7 @@ def ship_shards(plan, src_host: int, dst_host: int, shards: dict) -> tuple:
     destination block on `dst_host` (a tile that is a whole contiguous shard is
     used as is) — or ("tiles", [contiguous tile arrays]) in plan order.
     """
-    from orchestrator.reshard import pack
+    from orchestrator.core.reshard import pack
 
     tiles = plan.sends[src_host][dst_host]
     arrays = pack(plan, src_host, dst_host, shards)
@@ -130,7 +130,7 @@ def ship_shards(plan, src_host: int, dst_host: int, shards: dict) -> tuple:
 
 def local_shards(plan, dst_host: int, received: dict) -> dict:
     """Receiver side of ray-put: dst device -> numpy shard, from shipped shards or tiles."""
-    from orchestrator.reshard import assemble
+    from orchestrator.core.reshard import assemble
 
     shipped = [p for p in received.values() if p[0] == "shards"]
     if shipped:

@@ -76,7 +76,7 @@ All times are medians; a run's first `warmup` steps (compilation) are dropped. p
   median in-pipeline time of the stage's `forward_one_chunk` (+ the loss on the last stage) = F,
   `backward_one_chunk` = B and adam `step()` = OPT (timing wrappers on the stage instance; a standalone
   timing is reported as a check).
-- **ideal** — `orchestrator.schedule.simulate` of the lowered schedule with those costs, OPT included,
+- **ideal** — `orchestrator.core.schedule.simulate` of the lowered schedule with those costs, OPT included,
   transfers free: the step a runtime with zero orchestration and transfer cost would take.
 - **efficiency** = ideal ÷ step (1.0 = the runtime adds nothing to the schedule's own bubble).
 - **overhead per action** = (step − ideal) ÷ N, N = compute actions (F, B, I, W, OPT) in one stage's
@@ -138,7 +138,7 @@ def _ray_session(raw: dict) -> bool:
     # more logical CPUs than cores: the 2 stage bundles take 1 each, the driver needs none
     ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level=logging.WARNING,
              namespace="meshpipe-bench", _system_config={"worker_niceness": RAY_WORKER_NICENESS})
-    from orchestrator.waiting import wait_all
+    from orchestrator.driver.waiting import wait_all
 
     try:
         raw["ray_worker_niceness"] = wait_all([ray.remote(num_cpus=0)(_niceness).remote()], 60, "niceness probe")[0]
@@ -247,7 +247,7 @@ def measure_torch(cfg: dict, echo) -> dict:
 
 def measure_memory(cfg: dict) -> list[dict]:
     from benchmarks.pipeline import residual_bytes
-    from orchestrator.schedule import generate, lower, simulate
+    from orchestrator.core.schedule import generate, lower, simulate
 
     out = []
     for size in cfg["sizes"]:
@@ -337,7 +337,7 @@ def derive_meshpipe(rec: dict, raw: dict) -> dict:
 
 
 def derive_torch(rec: dict, raw: dict) -> dict:
-    from orchestrator.schedule import generate, lower, simulate
+    from orchestrator.core.schedule import generate, lower, simulate
 
     low = lower(generate(rec["schedule"], P, rec["m"]))
     sim = simulate(low, sim_costs(rec["costs"]))
@@ -482,7 +482,7 @@ def _render_overhead(raw, der) -> list[str]:
                      _fb_ms(r["costs"]), _per_send_ms(r), fmt(r["step_spread"])])
     for d, r in _torch_pairs(raw, der):
         if r["size"] == "tiny":
-            from orchestrator.schedule import generate, lower
+            from orchestrator.core.schedule import generate, lower
 
             n = common.compute_actions_per_stage(lower(generate(r["schedule"], P, r["m"])))
             rows.append([f"torch {r['schedule']}", r["m"], fmt(r["step_s"] * 1e3), fmt(d["ideal_s"] * 1e3), n,

@@ -4,7 +4,7 @@ Optional: torch is a benchmark-only dependency (`pip install torch==2.13.0`,
 the CPU wheel); without it `available()` is False and the runner notes the skip.
 
 Model: a torch GPT with the same layers and matmul shapes as
-`stages/models/gpt.py` (token + position embedding; pre-RMSNorm blocks with
+`orchestrator/core/model/gpt.py` (token + position embedding; pre-RMSNorm blocks with
 causal multi-head attention written as explicit matmuls, as the JAX model does,
 and a GELU MLP; RMSNorm + unembedding head; mean next-token cross-entropy), so
 the same FLOPs per microbatch; parameters are not bit-equal to meshpipe's.

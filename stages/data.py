@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from stages.spec import ModelSpec
+from orchestrator.core.model.spec import ModelSpec
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@
   frame:      struct "!4sIQ" (b"MPF1", JSON header length, data length), the JSON
               header {"key": [...], "arrays": [[dtype str, shape], ...], ...}, then the
               data: every array's C-order bytes back to back, or a tensor frame's byte
-              stream (header "tensor"; `orchestrator.reshard.stream` lays it out).
+              stream (header "tensor"; `orchestrator.core.reshard.stream` lays it out).
   grant:      (Unix sockets only, listener -> connector) struct "!4sI" (b"MPG1", JSON
               length) + JSON, with file descriptors attached (SCM_RIGHTS).
 
@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from orchestrator.reshard.tiles import aligned_empty
+from orchestrator.core.reshard.tiles import aligned_empty
 
 HELLO = struct.Struct("!4sH")
 HELLO_MAGIC = b"MPH1"

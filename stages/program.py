@@ -27,7 +27,7 @@ import optax
 
 from stages import sharding
 from stages.models.base import ModelImpl, init_layer, layer_key
-from stages.spec import LayerSpec, ModelSpec
+from orchestrator.core.model.spec import LayerSpec, ModelSpec
 
 
 def make_optimizer(name: str, args: dict[str, Any]) -> optax.GradientTransformation:

@@ -14,7 +14,7 @@ from typing import Iterable, Mapping
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from stages.layout import partition_spec
+from orchestrator.core.model.layout import partition_spec
 
 _CURRENT: contextvars.ContextVar = contextvars.ContextVar("meshpipe_sharding", default=None)
 

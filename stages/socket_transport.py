@@ -16,7 +16,7 @@ Moving one tensor from this host to destination host d (one payload per pair):
                  shard), then sends "done". d refuses the grant when its pool is full,
                  and the sender falls back to:
   stream         a tensor frame carrying the tiles as one byte stream laid out by
-                 `orchestrator.reshard.stream`: destination blocks one after another,
+                 `orchestrator.core.reshard.stream`: destination blocks one after another,
                  each in its own C order; d's reader thread reads it straight into place
                  (one `recv_into` per block the sender supplies whole). The sender
                  gathers it from its shards (`sendmsg`) or stages a block whose pieces
@@ -41,7 +41,7 @@ import weakref
 
 import numpy as np
 
-from orchestrator.reshard.stream import blocks_on, stream_layout
+from orchestrator.core.reshard.stream import blocks_on, stream_layout
 from stages.bufpool import BufferPool, as_array, shm_block, shm_supported
 from stages.frames import (
     Frame,

@@ -1,7 +1,7 @@
 """Moving tensors between stages along a resharding plan.
 
 The schedule decides *when* a tensor moves; the transport decides *how*. The
-plan (`orchestrator.reshard`, pure) says which tiles of which source shard each
+plan (`orchestrator.core.reshard`, pure) says which tiles of which source shard each
 destination host needs; this module executes it with Ray:
 
   send:  the sender cuts the tiles for each destination host out of its own
@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from orchestrator.edges import StageGeom, edge_plan
-from orchestrator.reshard import assemble, pack
+from orchestrator.core.edges import StageGeom, edge_plan
+from orchestrator.core.reshard import assemble, pack
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,10 @@
 """The stage worker: one Ray actor per host of a stage's submesh.
 
-Basic flow (driven by `orchestrator.executor`):
+Basic flow (driven by `orchestrator.driver.executor`):
   1. `__init__` runs in a fresh process whose env (XLA_FLAGS device count,
      JAX_PLATFORMS) was set by the actor's runtime_env before jax is imported.
   2. `setup(coordinator)` — for a multi-host stage, joins the stage's own JAX
-     world as the platform's backend planned it (`orchestrator.backends.jaxinit`:
+     world as the platform's backend planned it (`orchestrator.core.backends.jaxinit`:
      explicit coordinator on CPU/GPU, auto-detection on whole TPU slices;
      bounded timeout); builds the stage's
      named `Mesh`, the jitted programs, parameters and optimizer state.
@@ -34,7 +34,7 @@ import numpy as np
 
 from stages.data import DataSource, microbatch
 from stages.mailbox import Mailbox
-from stages.spec import ModelSpec, param_name
+from orchestrator.core.model.spec import ModelSpec, param_name
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ class WorkerConfig:
     timeouts: dict[str, float] = field(default_factory=dict)
     hosts: tuple[int, ...] = (0,)   # cluster host index of each host of this stage
     devices_per_host: int = 1
-    geoms: tuple = ()               # orchestrator.edges.StageGeom of every stage (peers' meshes/layouts)
+    geoms: tuple = ()               # orchestrator.core.edges.StageGeom of every stage (peers' meshes/layouts)
     chunks: tuple[tuple[int, int], ...] = ()   # layer range per virtual chunk; () means (layers,)
     pin_cpus: bool = False          # pin this process to core (cluster_host mod cores) before jax loads
     fail_setup: str | None = None   # test-only fault injection: setup raises this message
@@ -80,7 +80,7 @@ class StageWorker:
         self.inbox = Mailbox(cfg.who)
         self.actors: list[list] = []    # every stage's actor handles, set by connect()
         self._step_state = None         # the step run_action is in
-        from orchestrator.schedule import Action
+        from orchestrator.core.schedule import Action
 
         self.actions = [Action.parse(text) for text in cfg.actions]
         self.action_texts = [str(a) for a in self.actions]
@@ -109,11 +109,11 @@ class StageWorker:
             raise RuntimeError(f"{cfg.who}: {cfg.fail_setup}")
         import jax
 
-        from orchestrator.telemetry import watch_compiles
+        from stages.telemetry import watch_compiles
 
         watch_compiles()   # sums jax compile time in this process, for stage_stats
 
-        from orchestrator.backends.jaxinit import initialize as join_submesh
+        from stages.jaxinit import initialize as join_submesh
 
         # as the platform's backend planned it (MESHPIPE_JAX_INIT): explicit coordinator, TPU auto-detect, none
         join_submesh(cfg.stage_hosts, cfg.host, coordinator, cfg.timeouts.get("jax_distributed_init_s", 60),
@@ -355,7 +355,7 @@ class StageWorker:
     def _finish(self, st: "_StepState") -> dict:
         cfg = self.cfg
         self.transport.flush(cfg.timeouts.get("step_s", 600.0))
-        from orchestrator.telemetry import stage_stats
+        from stages.telemetry import stage_stats
 
         out = {"stage": cfg.stage, "host": cfg.host, "spans": st.spans,
                "stats": {**stage_stats(self), "stash_peak_bytes": st.stash.peak,

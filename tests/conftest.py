@@ -28,7 +28,7 @@ def free_port() -> int:
 def ray_local():
     import ray
 
-    from orchestrator.placement import loopback_only
+    from orchestrator.driver.placement import loopback_only
 
     if not ray.is_initialized():
         # the dashboard serves the state API the leak checks use; loopback only, any free port

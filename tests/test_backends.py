@@ -15,11 +15,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from orchestrator.backends import Backend, JaxInit, Node, PlacementError, get_backend, platforms
-from orchestrator.backends.jaxinit import ENV_KEY, initialize
-from orchestrator.backends.tpu_topology import VALID_TOPOLOGIES, WORKER_DIMS, aligned_block, geometry
-from orchestrator.config import ConfigError, check_job, load_cluster, load_job, parse_cluster, parse_job
-from orchestrator.placement import plan_hosts
+from orchestrator.core.backends import Backend, JaxInit, Node, PlacementError, get_backend, platforms
+from orchestrator.core.backends.jaxinit import ENV_KEY
+from stages.jaxinit import initialize
+from orchestrator.core.backends.tpu_topology import VALID_TOPOLOGIES, WORKER_DIMS, aligned_block, geometry
+from orchestrator.core.config import ConfigError, check_job, load_cluster, load_job, parse_cluster, parse_job
+from orchestrator.core.hosts import plan_hosts
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "cluster_configs"
@@ -84,8 +85,8 @@ def test_backends_register_themselves():
         get_backend(type("C", (), {"platform": "nope"})())
 
 
-@pytest.mark.parametrize("module", ["orchestrator.backends", "orchestrator.backends.base",
-                                    "orchestrator.backends.jaxinit", "orchestrator.backends.tpu_topology"])
+@pytest.mark.parametrize("module", ["orchestrator.core.backends", "orchestrator.core.backends.base",
+                                    "orchestrator.core.backends.jaxinit", "orchestrator.core.backends.tpu_topology"])
 def test_docstring_examples(module):
     import doctest
     import importlib
@@ -325,24 +326,41 @@ def test_jax_init_values_and_worker_checks(monkeypatch):
 
 # ----------------------------------------------------------------------------- the driver never grabs devices
 
-def test_driver_paths_import_no_jax_and_pin_cpu():
+def test_planning_has_no_side_effects_on_the_caller():
+    """check_job and make_plan import no jax up front, initialise no backend, and leave the
+    caller's JAX_PLATFORMS and jax.config alone (a notebook keeps its accelerator)."""
     code = """
 import os, sys, json
-import orchestrator.backends, orchestrator.placement, orchestrator.plan, orchestrator.config
+import orchestrator.core.backends, orchestrator.driver.placement, orchestrator.core.plan, orchestrator.core.config
 before = "jax" in sys.modules
-from orchestrator.config import check_job, load_cluster, load_job
-from orchestrator.plan import make_plan
-from orchestrator.placement import describe
+from orchestrator.core.config import check_job, load_cluster, load_job
+from orchestrator.core.plan import make_plan
+from orchestrator.core.hosts import describe
 ck = check_job(load_job("examples/gpt.yaml", overrides=["pipeline.stages=[{layers: [0, 2], hosts: 2, mesh: {data: 2, model: 4}}, {layers: [2, 4], hosts: 2, mesh: {data: 2, model: 4}}]"]),
                load_cluster("cluster_configs/tpu-v5e-16.yaml"))
 make_plan(ck); describe(ck)
+import jax
 from jax._src import xla_bridge
-print(json.dumps([before, os.environ.get("JAX_PLATFORMS"), len(xla_bridge._backends)]))
+print(json.dumps([before, os.environ.get("JAX_PLATFORMS"), jax.config.jax_platforms, len(xla_bridge._backends)]))
 """
     env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout.strip().splitlines()[-1]) == [False, "cpu", 0]
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == [False, None, None, 0]
+
+
+def test_cli_keeps_the_driver_on_the_cpu():
+    """The one place the driver's jax is put on the CPU: the CLI entry point."""
+    code = """
+import os, sys
+from click.testing import CliRunner
+from orchestrator.driver.cli import main
+r = CliRunner().invoke(main, ["plan", "examples/gpt.yaml"])
+print(r.exit_code, os.environ.get("JAX_PLATFORMS"))
+"""
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert r.stdout.split() == ["0", "cpu"], r.stderr
 
 
 # ----------------------------------------------------------------------------- the YAML files
@@ -362,7 +380,7 @@ def _entrypoint_args(manifest: Path) -> list[str]:
     import shlex
 
     args = shlex.split(yaml.safe_load(manifest.read_text())["spec"]["entrypoint"])
-    assert args[:4] == ["python", "-m", "orchestrator.cli", "run"]
+    assert args[:4] == ["python", "-m", "orchestrator.driver.cli", "run"]
     return args[4:]
 
 
@@ -370,7 +388,7 @@ def _entrypoint_args(manifest: Path) -> list[str]:
 def test_rayjob_entrypoints_plan_cleanly(manifest):
     from click.testing import CliRunner
 
-    from orchestrator.cli import main
+    from orchestrator.driver.cli import main
 
     r = CliRunner().invoke(main, ["plan", "--json", *_entrypoint_args(CONFIGS / "kuberay" / manifest)],
                            catch_exceptions=False)

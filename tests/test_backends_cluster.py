@@ -20,10 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import placement
-from orchestrator.backends import JaxInit, PlacementError
-from orchestrator.backends.jaxinit import ENV_KEY
-from orchestrator.config import check_job, load_raw, parse_cluster
+from orchestrator.driver import placement
+from orchestrator.core.backends import JaxInit, PlacementError
+from orchestrator.core.backends.jaxinit import ENV_KEY
+from orchestrator.core.config import check_job, load_raw, parse_cluster
 from tests.test_backends import gpt_job
 
 pytestmark = pytest.mark.multinode

@@ -44,9 +44,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from orchestrator.config import (ConfigError, check_job, check_output_dir, load_cluster, load_job,
+from orchestrator.core.config import (ConfigError, check_job, check_output_dir, load_cluster, load_job,
                                  parse_cluster, parse_job)
-from orchestrator.placement import PlacementError, check_fits
+from orchestrator.driver.placement import PlacementError, check_fits
 from tests.conftest import ROOT
 
 from tests.test_config import GPT, LOCAL, MLP, _repo_cwd, local  # noqa: F401 - shared paths and fixtures
@@ -140,7 +140,7 @@ def test_microbatch_not_divisible_by_two_axis_batch_rule(local):
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "eager-1f1b", "zb-h1"])
 def test_fewer_microbatches_than_stages_is_allowed(local, schedule):
-    from orchestrator.plan import make_plan
+    from orchestrator.core.plan import make_plan
 
     job = load_job(MLP, [f"pipeline.schedule={schedule}", "pipeline.microbatches=2", "data.global_batch=4"])
     checked = check_job(job, local)  # p = 3 > m = 2: the schedule layer's rule allows it
@@ -310,7 +310,7 @@ def test_output_dir_with_nul_refused():
 
 BATCH = """
 import contextlib, io, json, sys
-from orchestrator.cli import main
+from orchestrator.driver.cli import main
 results = []
 for args in json.loads(sys.argv[1]):
     err = io.StringIO()
@@ -424,7 +424,7 @@ def my_groups(name: str) -> list:
      ["cannot place 2 host bundles", "required CPU: 2 × 64 = 128", "has only CPU", "cluster.cpus_per_host"]),
 ], ids=["gpu-on-cpu-cluster", "missing-custom-resource", "more-hosts-than-nodes", "too-many-cpus"])
 def test_reserve_refuses_impossible_request_at_once(no_leaks, cluster, needles):
-    from orchestrator import placement
+    from orchestrator.driver import placement
 
     checked = checked_for(cluster)
     t0 = time.perf_counter()
@@ -438,7 +438,7 @@ def test_reserve_refuses_impossible_request_at_once(no_leaks, cluster, needles):
 @pytest.mark.ray
 def test_run_job_on_a_cpu_cluster_asking_for_gpus_fails_fast(no_leaks, tmp_path):
     """The whole run path: a clear error, no actor, no placement group, no hang (init_s is 120)."""
-    from orchestrator.runner import run_job
+    from orchestrator.driver.runner import run_job
 
     checked = checked_for({"platform": "gpu", "hosts": 2, "devices_per_host": 1, "cpus_per_host": 0.5},
                           tmp_path=tmp_path)
@@ -454,7 +454,7 @@ def test_reserve_times_out_when_satisfiable_but_busy(no_leaks):
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    from orchestrator import placement
+    from orchestrator.driver import placement
 
     free = ray.available_resources().get("CPU", 0.0)
     assert free >= 1.0

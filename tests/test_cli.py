@@ -8,13 +8,13 @@ import sys
 
 import pytest
 
-from orchestrator.config import check_job, load_cluster, load_job, parse_cluster, parse_job
-from orchestrator.plan import make_plan, plan_json
-from orchestrator.runner import run_job
-from orchestrator.waiting import StageFailure
+from orchestrator.core.config import check_job, load_cluster, load_job, parse_cluster, parse_job
+from orchestrator.core.plan import make_plan, plan_json
+from orchestrator.driver.runner import run_job
+from orchestrator.driver.waiting import StageFailure
 from tests.conftest import ROOT
 
-CALL = ("import sys; from orchestrator.cli import main\n"
+CALL = ("import sys; from orchestrator.driver.cli import main\n"
         "try:\n    main(sys.argv[1:])\n"
         "except SystemExit as e:\n    code = e.code\n"
         "else:\n    code = 0\n"

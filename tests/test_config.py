@@ -10,16 +10,15 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import types
 from pathlib import Path
 
 import pytest
 import yaml
 
-from orchestrator.config import (Checked, ClusterConfig, ConfigError, StagePlan,
+from orchestrator.core.config import (Checked, ClusterConfig, ConfigError, StagePlan,
                                  apply_overrides, check_job, check_output_dir, load_cluster,
                                  load_job, parse_cluster, parse_job)
-from orchestrator.config import check as check_mod
+from orchestrator.core.config import check as check_mod
 
 REPO = Path(__file__).resolve().parents[1]
 GPT = REPO / "examples" / "gpt.yaml"
@@ -162,24 +161,17 @@ def test_schedule_check_params_is_called(local, monkeypatch):
         if m < 2 * p:
             raise FakeScheduleError(f"m={m} must be >= 2p for this test")
 
-    fake = types.ModuleType("orchestrator.schedule")
-    fake.__file__ = "fake.py"
-    fake.check_params, fake.ScheduleError = check_params, FakeScheduleError
-    fake.SCHEDULES = {"gpipe": None, "1f1b": None}
-    monkeypatch.setitem(sys.modules, "orchestrator.schedule", fake)
+    from orchestrator.core.config import check as check_mod
+
+    monkeypatch.setattr(check_mod, "check_params", check_params)
+    monkeypatch.setattr(check_mod, "ScheduleError", FakeScheduleError)
+    monkeypatch.setattr(check_mod, "SCHEDULES", {"gpipe": None, "1f1b": None})
     check_job(load_job(GPT), local)
     assert calls == [("1f1b", 2, 4, 1)]
     msg = error_of(check_job, load_job(GPT, ["pipeline.microbatches=2", "data.global_batch=8"]), local)
     has_all(msg, "pipeline.microbatches", "= 2", "m=2 must be >= 2p", "rejects")
     msg = error_of(check_job, load_job(GPT, ["pipeline.schedule=zb-h1"]), local)
     has_all(msg, "pipeline.schedule", "'zb-h1'", "unknown schedule", "1f1b, gpipe")
-
-
-def test_schedule_fallback_when_package_absent(local, monkeypatch):
-    monkeypatch.setitem(sys.modules, "orchestrator.schedule", None)  # import now fails
-    check_job(load_job(GPT), local)
-    msg = error_of(check_job, load_job(GPT, ["pipeline.schedule=1f1bb"]), local)
-    has_all(msg, "pipeline.schedule", "'1f1bb'", "unknown schedule", "interleaved-1f1b")
 
 
 # ----------------------------------------------------------------------------- bad inputs

@@ -11,9 +11,9 @@ import pytest
 import yaml
 from hypothesis import given, settings, strategies as st
 
-from orchestrator.config import ConfigError, check_job, load_job, parse_cluster, parse_job
-from orchestrator.config.overrides import parse_key_path
-from orchestrator.safe_yaml import YamlError, safe_load_file, safe_load_text, safe_load_value
+from orchestrator.core.config import ConfigError, check_job, load_job, parse_cluster, parse_job
+from orchestrator.core.config.overrides import parse_key_path
+from orchestrator.core.safe_yaml import YamlError, safe_load_file, safe_load_text, safe_load_value
 
 
 def err(text: str, **kw) -> str:

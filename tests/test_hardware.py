@@ -32,8 +32,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from orchestrator.config import check_job, load_job, load_raw, parse_cluster
-from orchestrator.runner import run_job
+from orchestrator.core.config import check_job, load_job, load_raw, parse_cluster
+from orchestrator.driver.runner import run_job
 
 ROOT = Path(__file__).resolve().parent.parent
 RTOL, ATOL = 1e-4, 1e-5
@@ -108,7 +108,7 @@ def test_gpt_on_tpu(request, tmp_path):
         pod, topo = M.get_current_node_tpu_pod_type(), M.get_current_node_tpu_topology()
         if not pod or not topo:
             pytest.skip("TPU chips present but the TPU type/topology is unknown (no metadata, no TPU_ACCELERATOR_TYPE)")
-        from orchestrator.backends.tpu_topology import geometry
+        from orchestrator.core.backends.tpu_topology import geometry
 
         g = geometry(pod, topo)
         if g.hosts > 1:

@@ -36,8 +36,8 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.metrics import parse_prometheus
-from orchestrator.schedule import Action, Kind
+from orchestrator.driver.metrics import parse_prometheus
+from orchestrator.core.schedule import Action, Kind
 from tests.conftest import free_port, wait_until
 
 pytestmark = pytest.mark.ray

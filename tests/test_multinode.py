@@ -14,9 +14,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from orchestrator.config import check_job, parse_cluster, parse_job
-from orchestrator.runner import run_job
-from orchestrator.waiting import StageFailure
+from orchestrator.core.config import check_job, parse_cluster, parse_job
+from orchestrator.driver.runner import run_job
+from orchestrator.driver.waiting import StageFailure
 from tests.conftest import _address, free_port, wait_until
 
 pytestmark = pytest.mark.multinode

@@ -12,9 +12,9 @@ import json
 import numpy as np
 import pytest
 
-from orchestrator.config import check_job, parse_cluster, parse_job
-from orchestrator.runner import run_job
-from orchestrator.schedule import generate, lower, simulate
+from orchestrator.core.config import check_job, parse_cluster, parse_job
+from orchestrator.driver.runner import run_job
+from orchestrator.core.schedule import generate, lower, simulate
 
 pytestmark = pytest.mark.ray
 

@@ -20,8 +20,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from orchestrator.reshard.stream import blocks_on, stream_layout
-from orchestrator.reshard import (
+from orchestrator.core.reshard.stream import blocks_on, stream_layout
+from orchestrator.core.reshard import (
     MeshSide,
     ReshardError,
     assemble,
@@ -435,6 +435,6 @@ def test_indivisible_shapes_rejected(case, extra):
 
 
 def test_plan_modules_import_neither_jax_nor_ray():
-    code = ("import sys, orchestrator.reshard; "
+    code = ("import sys, orchestrator.core.reshard; "
             "assert not {'jax', 'ray'} & set(sys.modules), sorted({'jax', 'ray'} & set(sys.modules))")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=pathlib.Path(__file__).parents[1])

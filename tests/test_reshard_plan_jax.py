@@ -18,7 +18,7 @@ import sys
 import numpy as np
 import pytest
 
-from orchestrator.reshard import MeshSide, shard_boxes, shard_shape
+from orchestrator.core.reshard import MeshSide, shard_boxes, shard_shape
 
 pytest.importorskip("jax")
 

@@ -16,7 +16,7 @@ Every case runs through each way a stage can move a tensor: Ray actor calls
 ("tcp"), through the destination's shared memory ("shm"), and falling back to a
 stream when the destination's shared-memory pool is full ("shm-full").
 
-Actors (`stages.reshard_probe.ReshardProbe`) are shared by the whole module: two
+Actors (`benchmarks.reshard_probe.ReshardProbe`) are shared by the whole module: two
 single-host stages with 8 simulated devices each (a case's mesh uses the first
 prod(mesh) of them), and one 2-host stage of
 2 + 2 devices joined by jax.distributed, so that a destination with hosts (1, 2)
@@ -27,9 +27,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from orchestrator.edges import StageGeom, edge_plan
-from orchestrator.reshard import shard_boxes
-from stages.reshard_probe import ProbeSet, random_array
+from orchestrator.core.edges import StageGeom, edge_plan
+from orchestrator.core.reshard import shard_boxes
+from benchmarks.reshard_probe import ProbeSet, random_array
 from tests.conftest import alive_actors, wait_until
 
 pytestmark = pytest.mark.ray
@@ -70,7 +70,7 @@ ALIASES = {("replicated-vs-sharded", "backward"): "sharded->replicated",
 
 
 class Probes(ProbeSet):
-    """The module's actors (stages.reshard_probe.ProbeSet), checking the 2-host world on start."""
+    """The module's actors (benchmarks.reshard_probe.ProbeSet), checking the 2-host world on start."""
 
     def start(self) -> None:
         worlds = super().start()

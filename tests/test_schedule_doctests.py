@@ -9,6 +9,6 @@ MODULES = ["ir", "generators", "lowering", "validate", "simulate", "render"]
 
 @pytest.mark.parametrize("module", MODULES)
 def test_docstring_examples(module):
-    mod = importlib.import_module(f"orchestrator.schedule.{module}")
+    mod = importlib.import_module(f"orchestrator.core.schedule.{module}")
     result = doctest.testmod(mod, optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0

@@ -3,7 +3,7 @@ from fractions import Fraction
 
 import pytest
 
-from orchestrator.schedule import (
+from orchestrator.core.schedule import (
     SCHEDULES, Kind, ScheduleError, check_params, generate, lower, simulate, validate,
 )
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.schedule import generate, lower, render_grid, simulate
+from orchestrator.core.schedule import generate, lower, render_grid, simulate
 
 GOLDEN = Path(__file__).parent / "golden" / "schedules"
 UPDATE = os.environ.get("MESHPIPE_UPDATE_GOLDEN") == "1"

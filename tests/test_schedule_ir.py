@@ -4,8 +4,8 @@ import json
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from orchestrator.schedule import Action, Kind, Schedule, ScheduleError, generate, lower
-from orchestrator.schedule.ir import comm_peer, edge_index, next_virtual, prev_virtual
+from orchestrator.core.schedule import Action, Kind, Schedule, ScheduleError, generate, lower
+from orchestrator.core.schedule.ir import comm_peer, edge_index, next_virtual, prev_virtual
 
 actions = st.one_of(
     st.builds(Action, st.integers(0, 99), st.sampled_from([k for k in Kind if k is not Kind.OPT]),

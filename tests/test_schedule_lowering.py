@@ -1,10 +1,10 @@
 """Lowering passes: where SEND, RECV and OPT land, and that the passes are pure."""
 import pytest
 
-from orchestrator.schedule import (
+from orchestrator.core.schedule import (
     Kind, ScheduleError, add_comms, add_optimizer_step, generate, lower, validate,
 )
-from orchestrator.schedule.ir import COMM, comm_peer
+from orchestrator.core.schedule.ir import COMM, comm_peer
 
 CASES = [("gpipe", 3, 4, 1), ("1f1b", 4, 8, 1), ("1f1b", 4, 2, 1), ("eager-1f1b", 3, 5, 1),
          ("interleaved-1f1b", 2, 4, 2), ("interleaved-1f1b", 3, 6, 3),

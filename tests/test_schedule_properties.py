@@ -5,10 +5,10 @@ from dataclasses import replace
 import pytest
 from hypothesis import assume, given, settings, strategies as st
 
-from orchestrator.schedule import (
+from orchestrator.core.schedule import (
     SCHEDULES, Action, Kind, ScheduleError, generate, lower, simulate, validate,
 )
-from orchestrator.schedule.ir import COMM
+from orchestrator.core.schedule.ir import COMM
 
 FAST = settings(max_examples=150, deadline=None)
 SOME = settings(max_examples=60, deadline=None)

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from orchestrator.schedule import (
+from orchestrator.core.schedule import (
     generate, lower, render_grid, render_png, simulate, to_chrome_trace,
 )
 
@@ -70,7 +70,7 @@ def test_png(tmp_path, name, p, m, v, costs):
 
 
 def test_pure_layer_imports_neither_ray_nor_jax_nor_matplotlib():
-    code = ("import sys, orchestrator.schedule as s; "
+    code = ("import sys, orchestrator.core.schedule as s; "
             "s.simulate(s.lower(s.generate('1f1b', 2, 2)), {'F': 1, 'B': 1}); "
             "bad = [m for m in ('ray', 'jax', 'matplotlib') if m in sys.modules]; "
             "assert not bad, bad")

@@ -3,8 +3,8 @@ from fractions import Fraction
 
 import pytest
 
-from orchestrator.schedule import Action, Kind, Schedule, ScheduleError, generate, lower, simulate
-from orchestrator.schedule.ir import RECVS, comm_peer, edge_index
+from orchestrator.core.schedule import Action, Kind, Schedule, ScheduleError, generate, lower, simulate
+from orchestrator.core.schedule.ir import RECVS, comm_peer, edge_index
 
 
 def test_needs_a_lowered_schedule():

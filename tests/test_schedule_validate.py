@@ -3,7 +3,7 @@ from dataclasses import replace
 
 import pytest
 
-from orchestrator.schedule import Action, Schedule, ScheduleError, generate, lower, validate
+from orchestrator.core.schedule import Action, Schedule, ScheduleError, generate, lower, validate
 
 
 def edit(sched, stage, fn):

@@ -23,10 +23,10 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.config import (ConfigError, check_job, check_output_dir, load_cluster, load_job,
+from orchestrator.core.config import (ConfigError, check_job, check_output_dir, load_cluster, load_job,
                                  parse_cluster, parse_job)
-from orchestrator.private_fs import private_dir, write_private
-from orchestrator.redact import REDACTED, is_secret_key, looks_like_token, redact, redact_text
+from orchestrator.core.private_fs import private_dir, write_private
+from orchestrator.core.redact import REDACTED, is_secret_key, looks_like_token, redact, redact_text
 from tests.conftest import ROOT
 
 GPT = ROOT / "examples" / "gpt.yaml"
@@ -58,8 +58,8 @@ try:
 except ImportError:
     print(json.dumps({"skip": "psutil is not importable"}))
     sys.exit(0)
-from orchestrator import placement
-from orchestrator.config import parse_cluster
+from orchestrator.driver import placement
+from orchestrator.core.config import parse_cluster
 
 cluster = parse_cluster(json.loads(sys.argv[1]))
 var = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
@@ -144,7 +144,7 @@ def fake_ray_init(monkeypatch):
 def test_connect_default_is_loopback_and_quiet(fake_ray_init, caplog):
     from ray._private import ray_constants
 
-    from orchestrator import placement
+    from orchestrator.driver import placement
 
     const = ray_constants.ENABLE_RAY_CLUSTER
     with caplog.at_level(logging.WARNING, logger="meshpipe"):
@@ -157,7 +157,7 @@ def test_connect_default_is_loopback_and_quiet(fake_ray_init, caplog):
 
 
 def test_connect_warns_about_what_the_yaml_exposes(fake_ray_init, caplog):
-    from orchestrator import placement
+    from orchestrator.driver import placement
 
     cluster = parse_cluster({"hosts": 1, "devices_per_host": 1, "dashboard_host": "0.0.0.0",
                              "node_ip_address": "10.1.2.3"})
@@ -302,7 +302,7 @@ def test_checked_summary_is_redacted_but_configs_round_trip():
 
 
 def test_env_vars_reach_the_actor_runtime_env(monkeypatch):
-    from orchestrator import placement
+    from orchestrator.driver import placement
 
     monkeypatch.setattr(placement, "_bundle_addresses", lambda pg, hosts: {})
     env_vars = {"HF_TOKEN": "hunter2", "NCCL_DEBUG": "INFO"}
@@ -315,7 +315,7 @@ def test_env_vars_reach_the_actor_runtime_env(monkeypatch):
 
 def test_summary_is_redacted_and_owner_only(tmp_path):
     """A reference run under umask 0: secrets absent from summary.json, dir 0o700, file 0o600."""
-    from orchestrator.runner import run_job
+    from orchestrator.driver.runner import run_job
 
     cluster = parse_cluster({"hosts": 2, "devices_per_host": 1, "num_cpus": 2,
                              "env_vars": {"HF_TOKEN": "hunter2", "NOTES": GH_TOKEN, "NCCL_DEBUG": "INFO"}})
@@ -429,7 +429,7 @@ def test_private_dirs_and_files_ignore_umask(tmp_path, umask):
 
 
 def test_existing_run_dir_is_tightened_but_shared_parents_are_not(tmp_path):
-    from orchestrator.runner import output_dir
+    from orchestrator.driver.runner import output_dir
 
     shared = tmp_path / "shared"
     shared.mkdir(mode=0o755)
@@ -453,7 +453,7 @@ def test_check_output_dir_creates_owner_only_dirs(tmp_path):
     assert mode(tmp_path / "x") == 0o700 and mode(tmp_path / "x" / "runs") == 0o700
 
 
-@pytest.mark.parametrize("module", ["orchestrator.redact", "orchestrator.private_fs"])
+@pytest.mark.parametrize("module", ["orchestrator.core.redact", "orchestrator.core.private_fs"])
 def test_docstring_examples(module):
     import doctest
     import importlib

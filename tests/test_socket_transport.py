@@ -112,8 +112,8 @@ def test_transport_needs_a_token():
 @pytest.mark.ray
 def test_gpt_1f1b_over_ray_calls_matches_reference(tmp_path, no_leaks):
     """The other transport (`transport: ray`); the default (socket) runs in test_pipeline_numerics."""
-    from orchestrator.config import check_job, parse_cluster, parse_job
-    from orchestrator.runner import run_job
+    from orchestrator.core.config import check_job, parse_cluster, parse_job
+    from orchestrator.driver.runner import run_job
     from tests.test_pipeline_numerics import CLUSTER, assert_same_training, gpt_job
 
     checked = check_job(parse_job(gpt_job(tmp_path, "1f1b")), parse_cluster({**CLUSTER, "transport": "ray"}))
@@ -130,7 +130,7 @@ def _pair(**options):
     import jax
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    from orchestrator.edges import StageGeom
+    from orchestrator.core.edges import StageGeom
 
     geoms = tuple(StageGeom.of({"data": 1}, (host,), 1, {"batch": "data"}) for host in (0, 1))
     mesh = Mesh(np.array(jax.devices()[:1]), ("data",))

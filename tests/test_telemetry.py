@@ -15,10 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import jobs, metrics, telemetry
-from orchestrator.config import check_job, load_cluster, load_job
-from orchestrator.schedule import Action, Kind, generate, lower, simulate
-from orchestrator.telemetry import Progress, RunTelemetry, chrome_trace, step_stats, summary_block
+from orchestrator.driver import jobs
+from orchestrator.driver import metrics
+from orchestrator.driver import telemetry
+from stages import telemetry as actor_telemetry
+from orchestrator.core.config import check_job, load_cluster, load_job
+from orchestrator.core.schedule import Action, Kind, generate, lower, simulate
+from orchestrator.driver.telemetry import Progress, RunTelemetry, chrome_trace, step_stats, summary_block
 
 ROOT = Path(__file__).resolve().parent.parent
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -171,9 +174,9 @@ def test_memory_in_use_falls_back_to_process_rss():
         def memory_stats(self):
             return {"bytes_in_use": 10}
 
-    n, source = telemetry.memory_in_use([NoStats()])
+    n, source = actor_telemetry.memory_in_use([NoStats()])
     assert source == "process_rss" and n > 10_000_000
-    assert telemetry.memory_in_use([Stats(), Stats()]) == (20, "device")
+    assert actor_telemetry.memory_in_use([Stats(), Stats()]) == (20, "device")
 
 
 # -- jobs: token and packaging (no cluster) -------------------------------------

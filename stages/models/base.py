@@ -13,7 +13,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from stages.spec import LayerSpec, ModelSpec
+from orchestrator.core.model.spec import LayerSpec, ModelSpec
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,6 @@ def init_layer(layer: LayerSpec, key: jax.Array) -> dict[str, jax.Array]:
 
 
 def load_impl(spec: ModelSpec) -> ModelImpl:
-    from stages.models import resolve
+    from orchestrator.core.model.registry import resolve
 
     return resolve(spec.impl)(spec)

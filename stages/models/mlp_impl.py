@@ -6,7 +6,7 @@ import jax.numpy as jnp
 
 from stages.models.base import ModelImpl
 from stages.sharding import constrain
-from stages.spec import LayerSpec, ModelSpec
+from orchestrator.core.model.spec import LayerSpec, ModelSpec
 
 
 def _rms(x, scale):

@@ -1,0 +1,506 @@
+"""Cross-checks of a job against its model and cluster: `check_job(job, cluster) -> Checked`.
+
+Basic flow: build the model's `ModelSpec` (pure, no jax) → check data, optimizer
+(optax is imported to look the function up and call it with the args), the
+stages' layer ranges, hosts and meshes, the schedule (through
+`orchestrator.core.schedule.check_params`), the layout (names, mesh axes, and that
+every sharded parameter / activation dim divides evenly) → a `Checked` value
+with one `StagePlan` per physical stage.
+
+Invariants:
+  - Pure: no Ray, no jax arrays, no files written (`check_output_dir` is the one
+    function that touches the disk, and the runner calls it separately).
+  - All problems found are reported together, one line each
+    (`key.path = value: rule`); checks that depend on a failed one are skipped.
+  - Stages take consecutive cluster host indices in order: stage 0 gets hosts
+    0..h0-1, stage 1 the next h1, and so on.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import os
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping, Optional
+
+from orchestrator.core.backends import get_backend
+from orchestrator.core.config.errors import ConfigError, problem, suggest
+from orchestrator.core.config.schema import ClusterConfig, JobConfig, Rule
+from orchestrator.core.private_fs import private_dir
+from orchestrator.core.redact import redact
+from orchestrator.core.model.layout import partition_spec, rule_axes, shard_count, stage_layout
+from orchestrator.core.model.registry import BUILTIN, build_spec
+from orchestrator.core.model.spec import ModelSpec, param_name
+from orchestrator.core.schedule import SCHEDULES, ScheduleError, check_params
+
+__all__ = ["Checked", "StagePlan", "check_job", "check_output_dir"]
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One physical pipeline stage after checking.
+
+    Attributes:
+      index: stage number (0-based).
+      layers: the stage's layer range [start, stop); with virtual_stages > 1 this
+        is its first chunk; `chunks` lists all of them.
+      chunks: the stage's layer ranges, one per virtual stage.
+      mesh: ordered axis name -> size; the product is the stage's device count.
+      hosts: cluster host indices assigned to the stage (consecutive).
+      devices_per_host: devices each of those hosts contributes.
+      layout: the effective logical -> mesh axis layout on this stage's mesh.
+    """
+
+    index: int
+    layers: tuple[int, int]
+    mesh: dict[str, int]
+    hosts: tuple[int, ...]
+    devices_per_host: int
+    layout: dict[str, Rule]
+    chunks: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def num_devices(self) -> int:
+        return len(self.hosts) * self.devices_per_host
+
+    @property
+    def mesh_axes(self) -> tuple[str, ...]:
+        return tuple(self.mesh)
+
+    @property
+    def mesh_shape(self) -> tuple[int, ...]:
+        return tuple(self.mesh.values())
+
+    def layer_indices(self) -> tuple[int, ...]:
+        return tuple(i for a, b in (self.chunks or (self.layers,)) for i in range(a, b))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"index": self.index, "layers": list(self.layers),
+                "chunks": [list(c) for c in self.chunks], "mesh": dict(self.mesh),
+                "hosts": list(self.hosts), "devices_per_host": self.devices_per_host,
+                "devices": self.num_devices, "layout": _json_layout(self.layout)}
+
+
+@dataclass(frozen=True)
+class Checked:
+    """A job that passed every check, with its model spec and stage plans.
+
+    Attributes:
+      job, cluster: the validated configs.
+      model: the `ModelSpec` built from `job.model` and `job.data.seq_len`.
+      stages: one `StagePlan` per physical stage.
+      microbatch_size: job.data.global_batch // job.pipeline.microbatches.
+      data_path: absolute path of the text file for `data.source: text`, else None.
+    """
+
+    job: JobConfig
+    cluster: ClusterConfig
+    model: ModelSpec
+    stages: tuple[StagePlan, ...]
+    microbatch_size: int
+    data_path: Optional[str] = None
+
+    @property
+    def hosts_used(self) -> int:
+        return sum(len(s.hosts) for s in self.stages)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able summary (for summary.json), secrets redacted (`orchestrator.core.redact`).
+
+        `job.to_dict()` / `cluster.to_dict()` keep the real values (they round-trip).
+        """
+        m = self.model
+        return redact({
+            "job": self.job.to_dict(),
+            "cluster": self.cluster.to_dict(),
+            "model": {"name": m.name, "impl": m.impl, "num_layers": m.num_layers,
+                      "layers": [layer.name for layer in m.layers], "params": m.param_count(),
+                      "args": json.loads(json.dumps(dict(m.args), default=repr))},
+            "microbatch_size": self.microbatch_size,
+            "data_path": self.data_path,
+            "stages": [dict(s.to_dict(), params=sum(m.param_count(a, b) for a, b in s.chunks))
+                       for s in self.stages],
+        })
+
+    def to_json(self, indent: int = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+
+def _json_layout(layout: Mapping[str, Rule]) -> dict[str, Any]:
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in layout.items()}
+
+
+class _Problems(list):
+    def add(self, loc: str, value: Any, rule: str) -> None:
+        self.append(problem(loc, value, rule))
+
+
+# ----------------------------------------------------------------------------- model, data, run
+
+def _model_layers(model: ModelSpec) -> str:
+    names = " ".join(f"{i}:{layer.name}" for i, layer in enumerate(model.layers))
+    return f"model {model.name!r} has {model.num_layers} layers ({names})"
+
+
+def _build_model(job: JobConfig) -> ModelSpec:
+    name, args, seq_len = job.model.name, job.model.args, job.data.seq_len
+    builtin = BUILTIN.get(name)
+    defaults = getattr(sys.modules.get(builtin.__module__), "DEFAULTS", None) if builtin else None
+    probs = _Problems()
+    if defaults is not None:
+        for k, v in args.items():
+            if k not in defaults:
+                probs.add(f"model.args.{k}", v, f"unknown argument of model {name!r} (valid: "
+                          f"{', '.join(sorted(defaults))}){suggest(k, defaults)}")
+            elif isinstance(defaults[k], int):
+                low = 0 if k == "blocks" else 1  # zero blocks is a valid (tiny) model; sizes are not
+                if not isinstance(v, int) or isinstance(v, bool) or v < low:
+                    probs.add(f"model.args.{k}", v, f"must be an integer >= {low}")
+        if probs:
+            raise ConfigError(probs)
+    try:
+        return build_spec(name, args, seq_len=seq_len)
+    except KeyError as e:
+        key = e.args[0] if e.args else "?"
+        if name not in BUILTIN and ":" not in name:
+            raise ConfigError(problem("model.name", name, f"unknown model; built-in models are "
+                                      f"{', '.join(sorted(BUILTIN))}{suggest(name, BUILTIN)}")) from None
+        valid = f" (valid: {', '.join(sorted(defaults))})" if defaults else ""
+        raise ConfigError(problem(f"model.args.{key}", args.get(key), f"unknown argument of model "
+                                  f"{name!r}{valid}{suggest(key, defaults or ())}")) from None
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(problem("model.name", name, f"cannot import the model factory: {e}")) from None
+    except (ValueError, TypeError) as e:
+        if seq_len is None and "seq_len" in str(e):
+            raise ConfigError(problem("data.seq_len", None, f"required by model {name!r} ({e})")) from None
+        if builtin is None:
+            raise ConfigError(problem("model.name", name, f"the model factory failed: "
+                                      f"{type(e).__name__}: {e}")) from None
+        raise ConfigError(problem("model.args", dict(args), f"invalid model arguments: {e}")) from None
+
+
+def _check_data(job: JobConfig, model: ModelSpec, probs: _Problems) -> Optional[str]:
+    d = job.data
+    if d.seq_len is not None and "seq" not in model.logical_axes():
+        probs.add("data.seq_len", d.seq_len, f"model {model.name!r} has no 'seq' axis, so seq_len "
+                  "does not apply; remove it or set it to null")
+    if d.source != "text":
+        return None
+    if not model.input_dtype.startswith(("int", "uint")):
+        probs.add("data.source", d.source, f"text data gives token ids, but model {model.name!r} "
+                  f"takes {model.input_dtype} inputs; use 'synthetic'")
+    path = Path(d.path or "")
+    if not path.is_file():
+        probs.add("data.path", d.path, f"file not found (relative paths are read from the current "
+                  f"directory, {os.getcwd()})")
+        return None
+    return str(path.resolve())
+
+
+def _check_optimizer(job: JobConfig, probs: _Problems) -> None:
+    import optax  # builds a GradientTransformation (closures): no arrays, no device state
+
+    name, args = job.optimizer.name, job.optimizer.args
+    fn = getattr(optax, name, None)
+    if fn is None or not callable(fn) or isinstance(fn, type):
+        known = [n for n in dir(optax) if n[:1].islower() and callable(getattr(optax, n))]
+        probs.add("optimizer.name", name, f"not an optax optimizer function{suggest(name, known)}")
+        return
+    lr = args.get("learning_rate", 1.0)
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0:
+        probs.add("optimizer.args.learning_rate", lr, "must be a number > 0 (e.g. 0.001 or 1e-3)")
+        return
+    try:
+        tx = fn(**args)
+    except (TypeError, ValueError) as e:
+        probs.add("optimizer.args", dict(args), f"optax.{name} rejects these arguments: {e}")
+        return
+    if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
+        probs.add("optimizer.name", name, f"optax.{name}(...) returned {type(tx).__name__}, not an "
+                  "optimizer (GradientTransformation)")
+
+
+# ----------------------------------------------------------------------------- stages
+
+def _check_layers(job: JobConfig, model: ModelSpec, probs: _Problems) -> bool:
+    p, v = len(job.pipeline.stages), job.pipeline.virtual_stages
+    ok = True
+    for i, st in enumerate(job.pipeline.stages):
+        if len(st.chunks) != v:
+            form = "[start, stop]" if v == 1 else f"a list of {v} [start, stop] ranges"
+            probs.add(f"pipeline.stages[{i}].layers", _plain(st.layers), f"pipeline.virtual_stages is "
+                      f"{v}, so each stage needs {form} (one per virtual stage)")
+            ok = False
+    if not ok:
+        return False
+    # Virtual stage k = chunk j of stage i with k = j * p + i; they must tile [0, num_layers).
+    order = sorted(((j * p + i, i, j) for i in range(p) for j in range(v)))
+    expect, what, owner = 0, _model_layers(model), None
+
+    def label(i: int, j: int) -> str:
+        return f"stage {i}" if v == 1 else f"stage {i} chunk {j} (virtual stage {j * p + i})"
+
+    for k, i, j in order:
+        start, stop = job.pipeline.stages[i].chunks[j]
+        key = f"pipeline.stages[{i}].layers" + (f"[{j}]" if v > 1 else "")
+        where = f"{owner} ends at layer {expect}" if owner else "the first stage must start at 0"
+        if start > expect:
+            probs.add(key, [start, stop], f"gap: layers [{expect}, {start}) are in no stage ({where}); "
+                      f"ranges must be contiguous; {what}")
+            ok = False
+        elif start < expect:
+            probs.add(key, [start, stop], f"overlap: layers [{start}, {min(expect, stop)}) are already "
+                      f"in an earlier stage ({where}); {what}")
+            ok = False
+        if stop > model.num_layers:
+            probs.add(key, [start, stop], f"stop {stop} is past the model's last layer; {what}")
+            return False
+        if stop > expect:
+            expect, owner = stop, label(i, j)
+    if expect < model.num_layers:
+        i = order[-1][1]
+        probs.add(f"pipeline.stages[{i}].layers", _plain(job.pipeline.stages[i].layers),
+                  f"stages cover layers [0, {expect}) but must cover all of [0, {model.num_layers}); "
+                  f"{what}")
+        ok = False
+    return ok
+
+
+def _check_hosts_meshes(job: JobConfig, cluster: ClusterConfig, probs: _Problems) -> list[tuple[int, ...]]:
+    stages, dph = job.pipeline.stages, cluster.devices_per_host
+    total = sum(st.hosts for st in stages)
+    if total > cluster.hosts:
+        per = ", ".join(f"stage {i}: {st.hosts}" for i, st in enumerate(stages))
+        probs.add("pipeline.stages[*].hosts", [st.hosts for st in stages], f"more stages than hosts "
+                  f"can hold: the stages need {total} hosts ({per}) but the cluster offers "
+                  f"cluster.hosts = {cluster.hosts}")
+    assigned, first = [], 0
+    for i, st in enumerate(stages):
+        assigned.append(tuple(range(first, first + st.hosts)))
+        first += st.hosts
+        size = math.prod(st.mesh.values())
+        if size != st.hosts * dph:
+            probs.add(f"pipeline.stages[{i}].mesh", dict(st.mesh), f"mesh has {size} devices (product "
+                      f"of axis sizes) but the stage has hosts × devices_per_host = {st.hosts} × {dph} "
+                      f"= {st.hosts * dph} devices; the product must equal {st.hosts * dph}")
+    if cluster.address is None and cluster.num_cpus is None:
+        try:
+            cpus = len(os.sched_getaffinity(0))
+        except AttributeError:  # not Linux
+            cpus = os.cpu_count() or 1
+        need = min(total, cluster.hosts) * cluster.cpus_per_host
+        if need > cpus + 1e-9:
+            probs.add("cluster.cpus_per_host", cluster.cpus_per_host, f"too few CPUs: {min(total, cluster.hosts)} "
+                      f"hosts × {cluster.cpus_per_host} CPUs = {need:g} CPUs, but the embedded Ray "
+                      f"will see {cpus}; the placement group would wait forever (lower cpus_per_host "
+                      "or set num_cpus)")
+    if total <= cluster.hosts:  # the platform's legal submesh shapes (e.g. TPU slices / aligned subslices)
+        for key, value, rule in get_backend(cluster).check_stages(assigned):
+            probs.add(key, value, rule)
+    return assigned
+
+
+def _check_schedule(job: JobConfig, probs: _Problems) -> None:
+    pc = job.pipeline
+    if pc.schedule not in SCHEDULES:
+        probs.add("pipeline.schedule", pc.schedule, f"unknown schedule; known: "
+                  f"{', '.join(sorted(SCHEDULES))}{suggest(pc.schedule, SCHEDULES)}")
+        return
+    p, m, v = len(pc.stages), pc.microbatches, pc.virtual_stages
+    try:
+        check_params(pc.schedule, p, m, v)
+    except ScheduleError as e:
+        def ok(m2: int, v2: int) -> bool:
+            try:
+                check_params(pc.schedule, p, m2, v2)
+                return True
+            except ScheduleError:
+                return False
+
+        # Name the key to change: find which single parameter, changed, makes the schedule valid.
+        key, value = "pipeline.schedule", pc.schedule
+        if v != 1 and ok(m, 1):
+            key, value = "pipeline.virtual_stages", v
+        elif any(ok(m2, v) for m2 in (p * v, 2 * p * v, 4 * p * v, m * p * v)):
+            key, value = "pipeline.microbatches", m
+        probs.add(key, value, f"schedule {pc.schedule!r} rejects p={p} stages, m={m} microbatches, "
+                  f"v={v} virtual stages: {e}")
+
+
+# ----------------------------------------------------------------------------- layout
+
+def _check_layout_names(job: JobConfig, model: ModelSpec, probs: _Problems) -> list[dict[str, Rule]] | None:
+    logical = model.logical_axes()
+    stages = job.pipeline.stages
+    all_axes = {a for st in stages for a in st.mesh}
+    ok = True
+    for src, layout, axes, where in (
+            [("layout", job.layout, all_axes, "in no stage's mesh")]
+            + [(f"pipeline.stages[{i}].layout", st.layout or {}, set(st.mesh), f"not in stage {i}'s mesh")
+               for i, st in enumerate(stages)]):
+        for name, rule in layout.items():
+            if name not in logical:
+                probs.add(f"{src}.{name}", _json_rule(rule), f"unknown logical axis (model "
+                          f"{model.name!r} names: {', '.join(sorted(logical))}){suggest(name, logical)}")
+                ok = False
+            for a in rule_axes(rule):
+                if a not in axes:
+                    probs.add(f"{src}.{name}", _json_rule(rule), f"mesh axis {a!r} is {where} "
+                              f"(meshes have: {', '.join(sorted(axes))}){suggest(a, axes)}")
+                    ok = False
+    if not ok:
+        return None
+    return [stage_layout(job.layout, st.layout, st.mesh) for st in stages]
+
+
+def _plain(value: Any) -> Any:
+    """Tuples (as stored) → lists (as written in YAML), for messages."""
+    return [_plain(x) for x in value] if isinstance(value, (tuple, list)) else value
+
+
+def _json_rule(rule: Rule) -> Any:
+    return list(rule) if isinstance(rule, tuple) else rule
+
+
+def _rule_key(job: JobConfig, i: int, logical: str) -> tuple[str, Any]:
+    over = job.pipeline.stages[i].layout or {}
+    if logical in over:
+        return f"pipeline.stages[{i}].layout.{logical}", _json_rule(over[logical])
+    return f"layout.{logical}", _json_rule(job.layout.get(logical))
+
+
+def _check_batch(job: JobConfig, layouts: Optional[list], probs: _Problems) -> int:
+    gb, m = job.data.global_batch, job.pipeline.microbatches
+    if gb % m:
+        probs.add("data.global_batch", gb, f"not divisible by pipeline.microbatches = {m}; the "
+                  "global batch is split into equal microbatches")
+        return gb // m
+    mb = gb // m
+    for i, layout in enumerate(layouts or ()):
+        st = job.pipeline.stages[i]
+        n = shard_count(layout.get("batch"), st.mesh)
+        if mb % n:
+            key, rule = _rule_key(job, i, "batch")
+            probs.add("pipeline.microbatches", m, f"microbatch size data.global_batch / microbatches = "
+                      f"{gb} / {m} = {mb} is not divisible by {n}, the number of shards of logical axis "
+                      f"'batch' on stage {i} ({key} = {rule!r}, mesh {dict(st.mesh)})")
+    return mb
+
+
+def _axis_sizes(model: ModelSpec, mb: int, seq_len: Optional[int]) -> dict[str, int]:
+    seen: dict[str, set[int]] = {}
+    for layer in model.layers:
+        for pdef in layer.params.values():
+            for name, size in zip(pdef.axes, pdef.shape):
+                if name:
+                    seen.setdefault(name, set()).add(size)
+    sizes = {k: next(iter(v)) for k, v in seen.items() if len(v) == 1}
+    sizes["batch"] = mb
+    if seq_len is not None:
+        sizes["seq"] = seq_len
+    return sizes
+
+
+def _check_divisibility(job: JobConfig, model: ModelSpec, layouts: list, mb: int, probs: _Problems) -> None:
+    sizes = _axis_sizes(model, mb, job.data.seq_len)
+    reported: dict[tuple, int] = {}
+    for i, (st, layout) in enumerate(zip(job.pipeline.stages, layouts)):
+        tensors: list[tuple[str, tuple, tuple]] = []  # (what, axes, shape)
+        for a, b in st.chunks:
+            if a == 0:
+                tensors.append(("the model input", model.input_axes, (mb, *model.input_shape)))
+            else:
+                prev = model.layers[a - 1]
+                tensors.append((f"the activation entering layer {a} ({model.layers[a].name})",
+                                prev.out_axes, tuple(sizes.get(x) for x in prev.out_axes)))
+            for li in range(a, b):
+                layer = model.layers[li]
+                for pname, pdef in layer.params.items():
+                    tensors.append((f"parameter {param_name(li, layer, pname)}", pdef.axes, pdef.shape))
+                tensors.append((f"the output of layer {li:02d}.{layer.name}", layer.out_axes,
+                                tuple(sizes.get(x) for x in layer.out_axes)))
+        for what, axes, shape in tensors:
+            for d, (name, entry) in enumerate(zip(axes, partition_spec(axes, layout))):
+                size = shape[d] if d < len(shape) else None
+                if entry is None or size is None or name == "batch":  # batch: see _check_batch
+                    continue
+                n = shard_count(entry, st.mesh)
+                if size % n == 0:
+                    continue
+                tag = (i, name, size, n)
+                reported[tag] = reported.get(tag, 0) + 1
+                if reported[tag] > 1:
+                    continue
+                key, rule = _rule_key(job, i, name)
+                probs.add(key, rule, f"not divisible: {what} has shape {tuple(shape)}, dim {d} "
+                          f"('{name}') = {size} is not divisible by {n}, the size of mesh axis "
+                          f"{'×'.join(rule_axes(entry))} on stage {i} (mesh {dict(st.mesh)})")
+
+
+# ----------------------------------------------------------------------------- entry points
+
+def check_job(job: JobConfig, cluster: ClusterConfig) -> Checked:
+    """Cross-check a job against its model and a cluster.
+
+    Raises:
+      ConfigError: every problem found, one line each `key.path = value: rule`.
+
+    Example:
+        >>> from orchestrator.core.config import load_job, load_cluster
+        >>> checked = check_job(load_job("examples/mlp.yaml"), load_cluster("cluster_configs/local.yaml"))
+        >>> [s.hosts for s in checked.stages], checked.microbatch_size
+        ([(0,), (1,), (2,)], 8)
+    """
+    model = _build_model(job)
+    probs = _Problems()
+    data_path = _check_data(job, model, probs)
+    _check_optimizer(job, probs)
+    layers_ok = _check_layers(job, model, probs)
+    hosts = _check_hosts_meshes(job, cluster, probs)
+    _check_schedule(job, probs)
+    layouts = _check_layout_names(job, model, probs)
+    mb = _check_batch(job, layouts, probs)
+    if layers_ok and layouts is not None and job.data.global_batch % job.pipeline.microbatches == 0:
+        _check_divisibility(job, model, layouts, mb, probs)
+    if probs:
+        raise ConfigError(probs)
+    stages = tuple(StagePlan(index=i, layers=st.chunks[0], mesh=dict(st.mesh), hosts=hosts[i],
+                             devices_per_host=cluster.devices_per_host, layout=layouts[i],
+                             chunks=tuple(st.chunks))
+                   for i, st in enumerate(job.pipeline.stages))
+    return Checked(job=job, cluster=cluster, model=model, stages=stages, microbatch_size=mb,
+                   data_path=data_path)
+
+
+def check_output_dir(job: JobConfig) -> Path:
+    """Make sure `<run.output_dir>` exists (created if needed, owner-only) and is writable.
+
+    Returns the run directory `<output_dir>/<run.name>` (not created here).
+    Touches the disk, so the runner calls it just before starting anything.
+
+    Raises:
+      ConfigError: the directory cannot be created or written, or the run path is a file.
+    """
+    out = Path(job.run.output_dir)
+    run_dir = out / job.run.name
+    try:
+        private_dir(out, tighten=False)  # components it creates are 0o700; existing ones untouched
+    except OSError as e:
+        raise ConfigError(problem("run.output_dir", job.run.output_dir,
+                                  f"cannot be created: {e.strerror or e}")) from None
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError(problem("run.name", job.run.name, f"{run_dir} exists and is not a directory"))
+    target = run_dir if run_dir.is_dir() else out
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".meshpipe-write-test-", dir=target)
+        os.close(fd)
+        os.unlink(tmp)
+    except OSError as e:
+        key, value = ("run.name", job.run.name) if target == run_dir else ("run.output_dir", job.run.output_dir)
+        raise ConfigError(problem(key, value, f"not writable: cannot create a file in {target}: "
+                                  f"{e.strerror or e}")) from None
+    return run_dir

@@ -1,0 +1,120 @@
+"""The job plan as data: placement, schedule, simulation. Pure: no ray, no jax.
+
+`make_plan(checked)` builds, lowers and validates the schedule and simulates it
+with per-stage costs proportional to each stage's parameter count (a forward is
+~2 flops per parameter per token, a backward twice that), so `meshpipe plan`
+answers "what will this job look like" before any Ray process exists.
+`plan_json` is what `meshpipe plan --json` prints and what summary.json embeds.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from orchestrator.core.edges import edges_json
+from orchestrator.core.hosts import describe
+from orchestrator.core.redact import redact
+from orchestrator.core.schedule import Schedule, SimResult, generate, lower, render_grid, simulate, validate
+from orchestrator.core.model.layout import format_layout
+
+
+@dataclass(frozen=True)
+class Plan:
+    checked: object
+    schedule: Schedule      # lowered and validated
+    sim: SimResult
+    costs: list[dict]
+
+
+def stage_costs(checked) -> list[dict]:
+    counts = [max(1, checked.model.param_count(*s.layers)) for s in checked.stages]
+    top = max(counts)
+    return [{"F": c / top, "B": 2 * c / top} for c in counts]
+
+
+def make_plan(checked) -> Plan:
+    job = checked.job
+    sched = generate(job.pipeline.schedule, len(checked.stages), job.pipeline.microbatches,
+                     job.pipeline.virtual_stages)
+    lowered = lower(sched)
+    validate(lowered)
+    costs = stage_costs(checked)
+    return Plan(checked, lowered, simulate(lowered, costs), costs)
+
+
+def cross_host_axes(mesh: dict[str, int], devices_per_host: int) -> list[str]:
+    """Mesh axes along which neighbouring devices sit on different hosts (their collectives cross hosts)."""
+    shape = tuple(mesh.values())
+    hosts = np.arange(int(np.prod(shape))).reshape(shape) // devices_per_host
+    return [name for i, name in enumerate(mesh) if shape[i] > 1 and np.any(np.diff(hosts, axis=i) != 0)]
+
+
+def plan_json(plan: Plan) -> dict:
+    checked, job = plan.checked, plan.checked.job
+    stages = []
+    for s in checked.stages:
+        stages.append({
+            "index": s.index,
+            "layers": list(s.layers),
+            "layer_names": [checked.model.layers[i].name for i in range(*s.layers)],
+            "hosts": list(s.hosts),
+            "devices_per_host": s.devices_per_host,
+            "mesh": dict(s.mesh),
+            "cross_host_axes": cross_host_axes(dict(s.mesh), s.devices_per_host),
+            "layout": {k: (list(v) if isinstance(v, tuple) else v) for k, v in s.layout.items()},
+            "params": checked.model.param_count(*s.layers),
+        })
+    return {
+        "model": checked.model.name,
+        "stages": stages,
+        "schedule": {
+            "name": job.pipeline.schedule,
+            "microbatches": job.pipeline.microbatches,
+            "virtual_stages": job.pipeline.virtual_stages,
+            "grid": plan.schedule.grid(),
+        },
+        "edges": edges_json(checked),
+        "placement": redact(describe(checked)),
+        "simulated": {
+            "costs": plan.costs,
+            "step_time": plan.sim.step_time,
+            "bubble_fraction": plan.sim.bubble_fraction,
+            "bubble_per_stage": list(plan.sim.bubble_per_stage),
+            "peak_inflight": list(plan.sim.peak_inflight),
+        },
+    }
+
+
+def plan_text(plan: Plan) -> str:
+    checked, job = plan.checked, plan.checked.job
+    lines = [f"model {checked.model.name}: {checked.model.num_layers} layers, "
+             f"{checked.model.param_count():,} parameters; global batch {job.data.global_batch} = "
+             f"{job.pipeline.microbatches} microbatches × {checked.microbatch_size}", "", "placement:"]
+    for s in checked.stages:
+        names = [checked.model.layers[i].name for i in range(*s.layers)]
+        mesh = " × ".join(f"{k}={v}" for k, v in s.mesh.items())
+        lines.append(f"  stage {s.index}: layers [{s.layers[0]}, {s.layers[1]}) {','.join(names)}")
+        crossing = cross_host_axes(dict(s.mesh), s.devices_per_host)
+        lines.append(f"    hosts {list(s.hosts)} × {s.devices_per_host} devices  mesh {mesh}  "
+                     f"layout {format_layout(s.layout) or '(replicated)'}")
+        if len(s.hosts) > 1:
+            lines.append(f"    multi-host submesh: {len(s.hosts)} jax processes; axes crossing hosts: "
+                         f"{', '.join(crossing) or 'none'}")
+    lines += ["", "host actors (bundle: Ray resources; jax init):"]
+    for h in describe(checked):
+        lines.append(f"  stage {h['stage']} host {h['host']}: bundle {h['bundle']} {h['bundle_resources']}; "
+                     f"jax {h['jax_init'].get('mode')} ({h['jax_init'].get('num_processes')} process(es))")
+    edges = edges_json(checked)
+    if edges:
+        lines += ["", "resharding per stage edge (one microbatch; cross-host bytes / lower bound):"]
+    for e in edges:
+        f, b = e["forward"], e["backward"]
+        lines.append(f"  {e['edge'][0]}→{e['edge'][1]} {tuple(e['shape'])} {e['src_spec']} → {e['dst_spec']}: "
+                     f"forward {f['cross_host_bytes']:,} B / {f['lower_bound_bytes']:,} B in {f['tiles']} tiles, "
+                     f"backward {b['cross_host_bytes']:,} B / {b['lower_bound_bytes']:,} B")
+    lines += ["", f"schedule {job.pipeline.schedule} (lowered):", render_grid(plan.schedule), "",
+              f"simulated (costs ∝ parameters): bubble {plan.sim.bubble_fraction:.3f}; per stage "
+              + ", ".join(f"{b:.3f}" for b in plan.sim.bubble_per_stage),
+              "peak in-flight microbatches per stage: " + ", ".join(map(str, plan.sim.peak_inflight))]
+    return "\n".join(lines)

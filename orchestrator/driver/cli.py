@@ -1,0 +1,233 @@
+"""`meshpipe` command line: run, plan, submit, status, logs.
+
+    meshpipe run JOB.yaml [--cluster CLUSTER.yaml] [--address ADDR] [--set key.path=value ...] [--reference]
+    meshpipe plan JOB.yaml [--cluster CLUSTER.yaml] [--set ...] [--json] [--png PATH]
+    meshpipe submit JOB.yaml [--cluster CLUSTER.yaml] --address http://HOST:8265 [--set ...]
+                             [--working-dir DIR] [--follow/--no-follow] [--no-wait] [--timeout S]
+    meshpipe status SUBMISSION_ID --address http://HOST:8265
+    meshpipe logs SUBMISSION_ID --address http://HOST:8265 [--follow]
+
+Config errors print one line per problem (key, value, rule) and exit with 2
+before anything starts. submit/status exit with the job's outcome: 0 SUCCEEDED,
+1 FAILED, 3 STOPPED; 4 cannot reach or authenticate to the cluster, 5 --timeout,
+130 interrupted (the job keeps running). See `orchestrator.driver.jobs`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import click
+
+DEFAULT_CLUSTER = Path(__file__).resolve().parents[2] / "cluster_configs" / "local.yaml"
+
+
+def _checked(job_path: str, cluster_path: str | None, overrides: tuple[str, ...], address: str | None = None):
+    from orchestrator.core.config import ConfigError, check_job, check_output_dir, load_cluster, load_job
+
+    try:
+        job = load_job(job_path, overrides=list(overrides))
+        # --address: a running Ray replaces the file's address (whose num_cpus is then meaningless)
+        cluster = load_cluster(cluster_path or str(DEFAULT_CLUSTER),
+                               overrides=[f"address={address}", "num_cpus=null"] if address else None)
+        checked = check_job(job, cluster)
+        return checked, check_output_dir
+    except ConfigError as e:
+        click.echo(f"meshpipe: invalid configuration:\n{e}", err=True)
+        sys.exit(2)
+
+
+job_arg = click.argument("job", type=click.Path(exists=True, dir_okay=False))
+cluster_opt = click.option("--cluster", type=click.Path(exists=True, dir_okay=False), default=None,
+                           help="cluster YAML (default: cluster_configs/local.yaml, an embedded local Ray)")
+set_opt = click.option("--set", "overrides", multiple=True, metavar="KEY.PATH=VALUE",
+                       help="override one job key, e.g. --set run.steps=3 (repeatable)")
+
+
+def driver_cpu_only() -> None:
+    """Keep any jax the driver uses (optax lookups, `--reference`) off accelerators.
+
+    The driver never needs an accelerator, and on a TPU VM initialising jax's TPU
+    backend would grab the chips the stage actors need. The CLI calls this once,
+    before anything imports jax; library callers (a notebook calling `check_job`)
+    keep their own platform.
+    """
+    os.environ["JAX_PLATFORMS"] = "cpu"
+
+
+@click.group()
+def main():
+    """meshpipe: pipelined, mesh-sharded JAX training on Ray."""
+    driver_cpu_only()
+
+
+@main.command()
+@job_arg
+@cluster_opt
+@set_opt
+@click.option("--reference", is_flag=True, help="train in one process with plain JAX (the numerical oracle)")
+@click.option("--address", default=None, metavar="ADDR",
+              help="connect to this running Ray ('auto', host:port) instead of the cluster file's address "
+                   "(what `meshpipe submit` uses inside the job)")
+def run(job, cluster, overrides, reference, address):
+    """Train JOB on the cluster (or, with --reference, in this process)."""
+    from orchestrator.core.config import ConfigError
+    from orchestrator.driver.runner import run_job
+
+    checked, check_output_dir = _checked(job, cluster, overrides, address)
+    try:
+        check_output_dir(checked.job)
+    except ConfigError as e:
+        click.echo(f"meshpipe: invalid configuration:\n{e}", err=True)
+        sys.exit(2)
+    from orchestrator.driver.placement import PlacementError
+    from orchestrator.driver.waiting import StageFailure
+
+    try:
+        run_job(checked, reference=reference, echo=lambda s: click.echo(s), tty=sys.stdout.isatty())
+    except (PlacementError, StageFailure, TimeoutError) as e:
+        # the run was torn down already (runner's finally); say what failed, without a driver traceback
+        click.echo(f"meshpipe: run failed: {e}", err=True)
+        sys.exit(1)
+
+
+@main.command()
+@job_arg
+@cluster_opt
+@set_opt
+@click.option("--json", "as_json", is_flag=True, help="print the plan as JSON")
+@click.option("--png", type=click.Path(dir_okay=False), default=None, help="write the simulated timeline PNG")
+def plan(job, cluster, overrides, as_json, png):
+    """Show placement, schedule and simulated bubble without starting Ray."""
+    from orchestrator.core.plan import make_plan, plan_json, plan_text
+
+    checked, _ = _checked(job, cluster, overrides)
+    p = make_plan(checked)
+    if png:
+        from orchestrator.core.schedule import render_png
+
+        render_png(p.sim, p.schedule, png, title=f"{checked.job.run.name}: {checked.job.pipeline.schedule}")
+    if as_json:
+        click.echo(json.dumps(plan_json(p), indent=1))
+    else:
+        click.echo(plan_text(p))
+
+
+address_opt = click.option("--address", envvar="RAY_API_SERVER_ADDRESS", default="http://127.0.0.1:8265",
+                           show_default=True, help="the Ray dashboard (Jobs API) address; env RAY_API_SERVER_ADDRESS")
+
+
+def _fail(e) -> None:
+    click.echo(f"meshpipe: {e}", err=True)
+    sys.exit(e.code)
+
+
+@main.command()
+@job_arg
+@cluster_opt
+@set_opt
+@address_opt
+@click.option("--working-dir", type=click.Path(exists=True, file_okay=False), default=None,
+              help="directory shipped to the cluster as the job's working dir (default: the job file's)")
+@click.option("--follow/--no-follow", default=True, show_default=True, help="stream the job's logs until it ends")
+@click.option("--no-wait", is_flag=True, help="return right after submitting (exit 0)")
+@click.option("--timeout", type=float, default=None, help="stop waiting after this many seconds (exit 5)")
+def submit(job, cluster, overrides, address, working_dir, follow, no_wait, timeout):
+    """Submit JOB to a running Ray cluster as a Ray Job; exit with its outcome."""
+    from orchestrator.driver import jobs
+
+    checked, _ = _checked(job, cluster, overrides, address="auto")
+    try:
+        pkg = jobs.package(checked, job, cluster, overrides, address, working_dir)
+    except jobs.JobsError as e:
+        _fail(e)
+    for w in pkg.warnings:
+        click.echo(f"meshpipe: warning: {w}", err=True)
+    headers, where = jobs.auth_headers()
+    click.echo(f"meshpipe: {where}", err=True)
+    try:
+        c = jobs.client(address)
+        sid = jobs.bounded(lambda: c.submit_job(entrypoint=pkg.entrypoint, runtime_env=pkg.runtime_env,
+                                                submission_id=pkg.submission_id,
+                                                metadata={"meshpipe_run": pkg.run}),
+                           timeout=120, what="submitting (uploading the working dir)")
+    except jobs.JobsError as e:
+        _fail(e)
+    except Exception as e:  # noqa: BLE001 - Ray raises several types; say which and why
+        _fail(jobs.JobsError(jobs.explain(e, address)))
+    from orchestrator.core.redact import redact_text
+
+    click.echo(f"submitted {sid}  (run {pkg.run}, working dir {pkg.working_dir})")
+    click.echo(f"  entrypoint: {redact_text(pkg.entrypoint)}")
+    for line in jobs.commands(sid, address, bool(headers)):
+        click.echo(f"  {line}")
+    if no_wait:
+        return
+    _wait(c, sid, address, follow, timeout)
+
+
+def _wait(c, sid: str, address: str, follow: bool, timeout: float | None) -> None:
+    from orchestrator.driver import jobs
+
+    try:
+        if follow:
+            status = jobs.follow(c, sid, lambda chunk: click.echo(chunk, nl=False), timeout)
+        else:
+            status = jobs.wait_for_end(c, sid, timeout)
+        info = jobs.bounded(c.get_job_info, sid, what="job info")
+    except KeyboardInterrupt:
+        click.echo(f"\nmeshpipe: stopped waiting; job {sid} keeps running "
+                   f"(meshpipe status {sid} --address {address})", err=True)
+        sys.exit(jobs.EXIT_INTERRUPTED)
+    except jobs.JobsError as e:
+        _fail(e)
+    except Exception as e:  # noqa: BLE001 - the log stream or status call failed; say why
+        _fail(jobs.JobsError(jobs.explain(e, address)))
+    click.echo(f"job {sid}: {status}" + (f" ({info.message})" if getattr(info, "message", None) else ""))
+    sys.exit(jobs.EXIT_CODES.get(status, 0))
+
+
+@main.command()
+@click.argument("submission_id")
+@address_opt
+def status(submission_id, address):
+    """Print a submitted job's status (exit 1 FAILED, 3 STOPPED, else 0)."""
+    from orchestrator.driver import jobs
+
+    try:
+        c = jobs.client(address)
+        info = jobs.bounded(c.get_job_info, submission_id, what="job info")
+    except jobs.JobsError as e:
+        _fail(e)
+    except Exception as e:  # noqa: BLE001
+        _fail(jobs.JobsError(jobs.explain(e, address)))
+    state = str(info.status).split(".")[-1]
+    click.echo(f"{submission_id}: {state}" + (f" ({info.message})" if info.message else ""))
+    click.echo(f"  entrypoint: {info.entrypoint}")
+    sys.exit(jobs.EXIT_CODES.get(state, 0))
+
+
+@main.command()
+@click.argument("submission_id")
+@address_opt
+@click.option("--follow", is_flag=True, help="keep streaming until the job ends (exit with its outcome)")
+def logs(submission_id, address, follow):
+    """Print a submitted job's logs."""
+    from orchestrator.driver import jobs
+
+    try:
+        c = jobs.client(address)
+        if not follow:
+            click.echo(jobs.bounded(c.get_job_logs, submission_id, what="job logs"), nl=False)
+            return
+    except jobs.JobsError as e:
+        _fail(e)
+    except Exception as e:  # noqa: BLE001
+        _fail(jobs.JobsError(jobs.explain(e, address)))
+    _wait(c, submission_id, address, True, None)
+
+
+if __name__ == "__main__":
+    main()

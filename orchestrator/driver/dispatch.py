@@ -1,0 +1,203 @@
+"""How the driver triggers steps on the stage actors — swappable (`cluster.executor`).
+
+Every dispatcher runs the same per-actor lowered action lists (`stages.worker`);
+tensors always go actor to actor through the stage transport. They differ only
+in how the driver tells the actors to go and gets their results back:
+
+  step_calls      one `run_steps(first, k)` Ray call per actor for every k steps
+                  (`cluster.steps_per_call`, default 4); the next call is queued
+                  before the current one is collected, so neither the driver's
+                  round trip nor (inside a call) the Ray task boundary between
+                  steps is on the critical path. The default.
+  compiled_graph  the same call as a Ray Compiled Graph: `run_steps` bound once
+                  per actor, executed through shared-memory channels (no Ray
+                  task submission); compiled at the first step, torn down
+                  (bounded) before the actors are killed.
+  action_calls    the simple reference: one Ray call per action, the driver in
+                  the loop (each actor gets its next action when it returned the
+                  previous one). Slow by design; kept to measure against.
+
+`steps(count)` yields (step, outs, wall_s) in step order: outs is every actor's
+result dict (`flat` order). wall_s is the step's period — for the batched
+dispatchers, the largest over actors of the time between that actor's
+consecutive step ends on its own clock (so also right across machines); for the
+first step and for action_calls, driver time. Every wait has a deadline.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections import deque
+
+from orchestrator.driver.waiting import StageFailure, short_error, wait_all
+
+KINDS = ("step_calls", "compiled_graph", "action_calls")
+
+
+def make(kind: str, actors: list, labels: list[str], action_counts: list[int], step_s: float,
+         steps_per_call: int = 1):
+    """A dispatcher over the flat actor list (one entry per stage host)."""
+    if kind == "step_calls":
+        return StepCalls(actors, labels, step_s, steps_per_call)
+    if kind == "compiled_graph":
+        return CompiledGraph(actors, labels, step_s, steps_per_call)
+    if kind == "action_calls":
+        return ActionCalls(actors, labels, step_s, action_counts)
+    raise ValueError(f"executor {kind!r}: must be one of {', '.join(KINDS)}")
+
+
+class _Batched:
+    """Calls of `per_call` steps, one call queued ahead; subclasses submit and collect one call."""
+
+    ahead = 1
+
+    def __init__(self, labels: list[str], step_s: float, per_call: int):
+        self.labels, self.step_s, self.per_call = labels, step_s, per_call
+
+    def _submit(self, first: int, n: int):
+        raise NotImplementedError
+
+    def _collect(self, first: int, n: int, handle) -> list:
+        """Every actor's list of n step results."""
+        raise NotImplementedError
+
+    def steps(self, count: int):
+        queued: deque = deque()
+        nxt = 0
+
+        def submit() -> None:
+            nonlocal nxt
+            n = min(self.per_call, count - nxt)
+            queued.append((nxt, n, self._submit(nxt, n)))
+            nxt += n
+
+        start = time.perf_counter()
+        ends: list | None = None           # each actor's clock when its previous step ended
+        while nxt < count and len(queued) < 1 + self.ahead:
+            submit()
+        while queued:
+            first, n, handle = queued.popleft()
+            outs = self._collect(first, n, handle)
+            if nxt < count:
+                submit()
+            for j in range(n):
+                step_outs = [o[j] for o in outs]
+                stamps = [o["end"] for o in step_outs]
+                if ends is None:
+                    wall = time.perf_counter() - start
+                else:
+                    wall = max(e - e0 for e, e0 in zip(stamps, ends))
+                ends = stamps
+                yield first + j, step_outs, wall
+
+    def close(self, timeout: float) -> None:
+        pass
+
+
+class StepCalls(_Batched):
+    def __init__(self, actors, labels, step_s: float, per_call: int = 1):
+        super().__init__(labels, step_s, per_call)
+        self.actors = actors
+
+    def _submit(self, first, n):
+        return [a.run_steps.remote(first, n) for a in self.actors]
+
+    def _collect(self, first, n, refs):
+        return wait_all(refs, self.step_s * n, f"steps {first}-{first + n - 1}", self.labels)
+
+
+class CompiledGraph(_Batched):
+    def __init__(self, actors, labels, step_s: float, per_call: int = 1):
+        from ray.dag import InputNode, MultiOutputNode
+
+        super().__init__(labels, step_s, per_call)
+        with InputNode() as call:
+            dag = MultiOutputNode([a.run_steps.bind(call[0], call[1]) for a in actors])
+        self.graph = dag.experimental_compile(_submit_timeout=step_s * per_call,
+                                              _max_inflight_executions=1 + self.ahead)
+
+    def _submit(self, first, n):
+        return self.graph.execute(first, n)
+
+    def _collect(self, first, n, refs):
+        """Ray 2.60's channel read polls (sched_yield) and would take a whole core from the stages
+        while it waits (measured: 97% of one); the read runs on a thread at the lowest priority
+        and this thread blocks on a queue."""
+        import queue
+        import threading
+
+        box: queue.Queue = queue.Queue()
+
+        def read():
+            if sys.platform.startswith("linux"):    # per thread on Linux only (elsewhere: the whole process)
+                os.setpriority(os.PRIO_PROCESS, 0, 19)
+            try:
+                box.put((True, self._read(first, n, refs)))
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                box.put((False, e))
+
+        threading.Thread(target=read, name="meshpipe compiled-graph read", daemon=True).start()
+        try:   # _read has the call's deadline; this one only guards against a reader that never returns
+            ok, value = box.get(timeout=self.step_s * n + 60.0)
+        except queue.Empty:
+            raise TimeoutError(f"steps {first}-{first + n - 1}: the compiled graph's reader did not return "
+                               f"within {self.step_s * n + 60.0:.0f} s") from None
+        if not ok:
+            raise value
+        return value
+
+    def _read(self, first, n, refs) -> list:
+        from ray.exceptions import RayChannelTimeoutError
+
+        deadline = time.monotonic() + self.step_s * n
+        outs = []
+        for ref, label in zip(refs, self.labels):
+            try:   # a ref may be read once; each waits what is left of the call's deadline
+                outs.append(ref.get(timeout=max(0.001, deadline - time.monotonic())))
+            except RayChannelTimeoutError as e:
+                raise TimeoutError(f"steps {first}-{first + n - 1}: no answer within "
+                                   f"{self.step_s * n:.0f} s from {label}") from e
+            except Exception as e:  # noqa: BLE001 - re-raised with the stage named
+                raise StageFailure(f"steps {first}-{first + n - 1} failed on {label}: {short_error(e)}") from e
+        return outs
+
+    def close(self, timeout: float) -> None:
+        """Tear the graph down (bounded by Ray's own `teardown_timeout`, 30 s); the executor kills
+        the actors next. After a failed step the actors start no further step, so their loops end."""
+        graph, self.graph = self.graph, None
+        if graph is not None:
+            graph.teardown(kill_actors=False)
+
+
+class ActionCalls:
+    def __init__(self, actors, labels, step_s: float, action_counts: list[int]):
+        self.actors, self.labels, self.step_s, self.counts = actors, labels, step_s, action_counts
+
+    def steps(self, count: int):
+        import ray
+
+        last = time.perf_counter()
+        for i in range(count):
+            deadline = time.monotonic() + self.step_s
+            nxt = [0] * len(self.actors)
+            outs: list = [None] * len(self.actors)
+            pending = {self.actors[j].run_action.remote(i, 0): j for j in range(len(self.actors))}
+            while pending:
+                ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+                if not ready:
+                    stuck = ", ".join(self.labels[j] for j in pending.values())
+                    raise TimeoutError(f"step {i}: no answer within {self.step_s:.0f} s from {stuck}")
+                j = pending.pop(ready[0])
+                out = wait_all(ready, 1.0, f"step {i} action {nxt[j]}", [self.labels[j]])[0]
+                nxt[j] += 1
+                if nxt[j] < self.counts[j]:
+                    pending[self.actors[j].run_action.remote(i, nxt[j])] = j
+                else:
+                    outs[j] = out
+            now = time.perf_counter()
+            yield i, outs, now - last
+            last = now
+
+    def close(self, timeout: float) -> None:
+        pass

@@ -1,0 +1,190 @@
+"""The pipeline executor: a thin dispatcher over a lowered, validated schedule.
+
+Basic flow:
+  start():  one actor per host of each stage (placement.actor_options), then
+            for multi-host stages the stage's coordinator address from its host
+            0, then `setup` on all actors at once, then `connect` neighbours
+            (transport socket: with every actor's listening address).
+  steps(n): each actor runs its own lowered action list per step and
+            exchanges tensors directly with its neighbours; the driver only
+            triggers steps (`orchestrator.driver.dispatch`, per `cluster.executor`: one
+            `run_steps` call per actor per `steps_per_call` steps by default, or
+            the same as a Ray Compiled Graph, or one call per action as a
+            reference), waits with a
+            deadline, and collects losses and spans. It makes no scheduling
+            decisions and never touches a tensor.
+  shutdown(): bounded `shutdown` call, then kill every actor and remove the
+            placement group — also after errors and Ctrl-C.
+"""
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass, field
+
+from orchestrator.driver import placement
+from orchestrator.core.edges import stage_geoms
+from orchestrator.driver.waiting import wait_all
+from stages.worker import StageWorker, WorkerConfig
+
+
+@dataclass
+class StepResult:
+    step: int
+    loss: float
+    wall_s: float
+    spans: list          # (stage, host, action, start, end)
+    stats: list = field(default_factory=list)   # per actor: {stage, host, **telemetry.stage_stats}
+
+
+class PipelineExecutor:
+    def __init__(self, checked, lowered, data_source, run: str):
+        self.checked, self.lowered, self.data, self.run = checked, lowered, data_source, run
+        t = checked.cluster.timeouts
+        self.timeouts = {"init_s": t.init_s, "step_s": t.step_s, "shutdown_s": t.shutdown_s,
+                         "jax_distributed_init_s": t.jax_distributed_init_s}
+        self.pg = None
+        self.actors: list[list] = []     # [stage][host]
+        self.labels: list[list[str]] = []
+        self.info: list[dict] = []
+        # transport "socket": a fresh secret per run; peers' connections must present it
+        self.token = secrets.token_bytes(32) if checked.cluster.transport == "socket" else None
+        self.kind = checked.cluster.executor
+        self.dispatcher = None      # made by the first steps() call
+        self.dispatch_info: dict = {}
+
+    # -- lifecycle ---------------------------------------------------------
+    def worker_config(self, stage, host: int) -> WorkerConfig:
+        job = self.checked.job
+        grid = self.lowered.actions[stage.index]
+        geoms = stage_geoms(self.checked)
+        return WorkerConfig(
+            run=self.run, stage=stage.index, host=host, stage_hosts=len(stage.hosts),
+            cluster_host=stage.hosts[host], layers=tuple(stage.layers), mesh=dict(stage.mesh),
+            layout=dict(stage.layout), spec=self.checked.model, data=self.data,
+            microbatches=job.pipeline.microbatches,
+            optimizer=(job.optimizer.name, dict(job.optimizer.args)), seed=job.run.seed,
+            actions=tuple(str(a) for a in grid if a is not None), num_stages=len(self.checked.stages),
+            timeouts=dict(self.timeouts), pin_cpus=self.checked.cluster.pin_cpus,
+            fail_setup=_injected_failure(stage.index, host), fail_step=_injected_step_failure(stage.index, host),
+            hosts=tuple(stage.hosts), devices_per_host=stage.devices_per_host,
+            geoms=tuple(geoms), chunks=tuple(tuple(c) for c in stage.chunks),
+            transport=self.checked.cluster.transport, transport_token=self.token)
+
+    def start(self) -> None:
+        import ray
+
+        from ray.util import placement_group_table
+
+        self.pg = placement.reserve(self.checked, f"{self.run}/pg", self.timeouts["init_s"])
+        bundle_nodes = placement_group_table(self.pg).get("bundles_to_node_id", {})
+        # the mailbox ("io") accepts pushes while the default group runs the step
+        remote = ray.remote(concurrency_groups={"io": 4})(StageWorker)
+        for stage in self.checked.stages:
+            row, names = [], []
+            for host in range(len(stage.hosts)):
+                opts = placement.actor_options(self.checked, stage, host, self.pg, self.run)
+                opts["namespace"] = f"meshpipe-{self.run}"   # also when the driver attached elsewhere
+                row.append(remote.options(**opts).remote(self.worker_config(stage, host)))
+                names.append(f"stage {stage.index} host {host}")
+            self.actors.append(row)
+            self.labels.append(names)
+        coords = []
+        for row, names in zip(self.actors, self.labels):
+            if len(row) > 1:
+                coords.append(wait_all([row[0].coordinator_address.remote()], self.timeouts["init_s"],
+                                       "picking the stage coordinator", names[:1])[0])
+            else:
+                coords.append(None)
+        refs, labels = [], []
+        for row, names, coord in zip(self.actors, self.labels, coords):
+            refs += [a.setup.remote(coord) for a in row]
+            labels += names
+        self.info = wait_all(refs, self.timeouts["init_s"], "stage setup", labels)
+        for rec in self.info:
+            bundle = self.checked.stages[rec["stage"]].hosts[rec["host"]]
+            rec["bundle"], rec["bundle_node_id"] = bundle, bundle_nodes.get(bundle)
+        if self.token is None:
+            refs = [a.connect.remote(self.actors) for row in self.actors for a in row]
+        else:   # socket transport: every actor's listening address, [stage][host]
+            flat = wait_all([a.transport_address.remote() for row in self.actors for a in row],
+                            self.timeouts["init_s"], "collecting transport addresses", labels)
+            it = iter(flat)
+            addresses = [[next(it) for _ in row] for row in self.actors]
+            refs = [a.connect.remote(self.actors, addresses) for row in self.actors for a in row]
+        wait_all(refs, self.timeouts["init_s"], "connecting stages", labels)
+
+    def shutdown(self) -> None:
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        flat = [a for row in self.actors for a in row]
+        dispatcher, self.dispatcher = self.dispatcher, None
+        if dispatcher is not None:
+            try:   # a compiled graph is torn down before its actors die
+                dispatcher.close(self.timeouts["shutdown_s"])
+            except Exception:  # noqa: BLE001 - best effort; the kill below is what counts
+                pass
+        if flat:
+            try:
+                ray.wait([a.shutdown.remote() for a in flat], num_returns=len(flat),
+                         timeout=self.timeouts["shutdown_s"])
+            except Exception:  # noqa: BLE001 - best effort; the kill below is what counts
+                pass
+        for a in flat:
+            ray.kill(a, no_restart=True)
+        self.actors = []
+        if self.pg is not None:
+            remove_placement_group(self.pg)
+            self.pg = None
+
+    # -- running -----------------------------------------------------------
+    def steps(self, count: int):
+        """Run `count` steps, yielding a StepResult as each completes (orchestrator.driver.dispatch:
+        how the actors are told to go is `cluster.executor`; wall = time between completions)."""
+        from orchestrator.driver import dispatch
+
+        flat = [a for row in self.actors for a in row]
+        labels = [lbl for names in self.labels for lbl in names]
+        counts = [len(self.lowered.actions[s]) - self.lowered.actions[s].count(None)
+                  for s, row in enumerate(self.actors) for _ in row]
+        if self.dispatcher is None:
+            self.dispatcher = dispatch.make(self.kind, flat, labels, counts, self.timeouts["step_s"],
+                                            self.checked.cluster.calls_of_steps)
+        self.dispatch_info = {"dispatcher": type(self.dispatcher).__name__,
+                              "steps_per_call": getattr(self.dispatcher, "per_call", 1)}
+        for i, outs, wall in self.dispatcher.steps(count):
+            losses = next(o["losses"] for o in outs if "losses" in o)
+            spans = [(o["stage"], o["host"], *span) for o in outs for span in o["spans"]]
+            stats = [{"stage": o["stage"], "host": o["host"], **o.get("stats", {})} for o in outs]
+            yield StepResult(step=i, loss=sum(losses) / len(losses), wall_s=wall, spans=spans, stats=stats)
+
+    def param_norms(self) -> dict[str, float]:
+        refs, labels = [], []
+        for row, names in zip(self.actors, self.labels):
+            refs += [a.param_norms.remote() for a in row]
+            labels += names
+        norms: dict[str, float] = {}
+        for part in wait_all(refs, self.timeouts["step_s"], "param norms", labels):
+            norms.update(part)
+        return dict(sorted(norms.items()))
+
+
+def _injected_failure(stage: int, host: int) -> str | None:
+    """Test-only fault injection: MESHPIPE_TEST_FAIL_SETUP="<stage>:<host>" makes that host's setup fail."""
+    import os
+
+    target = os.environ.get("MESHPIPE_TEST_FAIL_SETUP")
+    if target and target == f"{stage}:{host}":
+        return f"injected setup failure (MESHPIPE_TEST_FAIL_SETUP={target})"
+    return None
+
+
+def _injected_step_failure(stage: int, host: int) -> int | None:
+    """Test-only: MESHPIPE_TEST_FAIL_STEP="<stage>:<host>:<step>" makes that host raise at that step's start."""
+    import os
+
+    target = os.environ.get("MESHPIPE_TEST_FAIL_STEP", "")
+    parts = target.split(":")
+    if len(parts) == 3 and parts[:2] == [str(stage), str(host)] and parts[2].isdigit():
+        return int(parts[2])
+    return None

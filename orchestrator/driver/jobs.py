@@ -1,0 +1,290 @@
+"""`meshpipe submit/status/logs`: a run as a Ray Job, through the Ray Jobs SDK.
+
+Basic flow of `submit`:
+  1. The job and cluster files are loaded and checked here, as `meshpipe run`
+     would (errors exit 2 before anything is sent).
+  2. `package(...)` (pure) decides what travels: runtime_env `working_dir` = the
+     directory holding the job YAML (or `--working-dir`); the entrypoint is
+     `meshpipe run <job, relative to it> [--cluster <cluster, relative>]
+     --address auto --set ...`: inside the job the driver connects to the
+     cluster it runs on (Ray Jobs sets RAY_ADDRESS) instead of starting Ray.
+     Paths the job reads (`data.path`) must lie inside the working dir and are
+     rewritten relative to it; a relative `run.output_dir` is made absolute
+     when the cluster is this machine (loopback address), so results land where
+     `meshpipe run` would put them; otherwise it stays inside the job's
+     temporary working dir on the head node and a warning says so.
+  3. `client()` connects with Ray's token (see `auth_headers`), submits, prints
+     the submission id and the `ray job status/logs` commands, then follows the
+     logs (`--follow`, default), waits (`--no-follow`) or returns (`--no-wait`).
+  4. The exit code is the job's outcome (`EXIT_CODES`).
+
+Code on the cluster: the entrypoint runs the `meshpipe` command, so the meshpipe
+package (and jax, optax) must be installed in the Python environment the Ray
+cluster runs (true for a local cluster started from this venv, and for a cluster
+image with meshpipe installed); the working dir ships only the job's files, not
+the code, so the cluster runs the code it has installed.
+
+Token: Ray 2.60 turns token authentication on by default; its dashboard REST API
+answers 401 without `Authorization: Bearer <token>`. `auth_headers` finds the
+token where Ray's own CLI and `ray.init` do (Ray's `AuthenticationTokenLoader`:
+`RAY_AUTH_TOKEN`, then the file named by `RAY_AUTH_TOKEN_PATH`, then
+`~/.ray/auth_token`) and sends it unless `RAY_AUTH_MODE=disabled` is set by the
+user. meshpipe never turns authentication off and never prints the token.
+
+Every HTTP call is bounded (`HTTP_TIMEOUT_S`); waiting for a job has no overall
+limit unless `--timeout` is given (a training run may take days), but each poll
+is bounded and Ctrl-C stops only the waiting, not the job.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import secrets
+import shlex
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+from urllib.parse import urlparse
+
+EXIT_CODES = {"SUCCEEDED": 0, "FAILED": 1, "STOPPED": 3}
+EXIT_CONFIG, EXIT_CONNECT, EXIT_TIMEOUT, EXIT_INTERRUPTED = 2, 4, 5, 130
+TERMINAL = frozenset(EXIT_CODES)
+HTTP_TIMEOUT_S = 30.0
+POLL_S = 1.0
+LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1", "[::1]"})
+
+
+class JobsError(RuntimeError):
+    """A problem talking to the cluster; `code` is the exit code to use."""
+
+    def __init__(self, message: str, code: int = EXIT_CONNECT):
+        super().__init__(message)
+        self.code = code
+
+
+# -- the token ---------------------------------------------------------------
+def token_source() -> str | None:
+    """Where Ray would read the token from (no value), in Ray's order; None if nowhere."""
+    if os.environ.get("RAY_AUTH_TOKEN", "").strip():
+        return "RAY_AUTH_TOKEN"
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH")
+    if path:
+        return f"RAY_AUTH_TOKEN_PATH ({path})"
+    default = Path.home() / ".ray" / "auth_token"
+    return str(default) if default.is_file() else None
+
+
+def auth_headers() -> tuple[dict[str, str], str]:
+    """({"authorization": "Bearer …"} or {}, a sentence saying where it came from — never the token)."""
+    if os.environ.get("RAY_AUTH_MODE", "").strip().lower() == "disabled":
+        return {}, "RAY_AUTH_MODE=disabled is set: no Ray auth token sent"
+    source = token_source()
+    headers: dict[str, str] = {}
+    try:
+        from ray._raylet import AuthenticationTokenLoader
+
+        loader = AuthenticationTokenLoader.instance()
+        loader.reset_cache()   # read the environment as it is now
+        headers = dict(loader.get_token_for_http_header(ignore_auth_mode=True))
+    except ImportError:  # a Ray without the loader: read the same places ourselves
+        token = _read_token()
+        headers = {"authorization": f"Bearer {token}"} if token else {}
+    if not headers:
+        return {}, ("no Ray auth token found (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token); "
+                    "sending none")
+    return headers, f"using the Ray auth token from {source or 'Ray’s token loader'}"
+
+
+def _read_token() -> str | None:
+    if os.environ.get("RAY_AUTH_TOKEN", "").strip():
+        return os.environ["RAY_AUTH_TOKEN"].strip()
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH") or str(Path.home() / ".ray" / "auth_token")
+    try:
+        return Path(path).read_text().strip() or None
+    except OSError:
+        return None
+
+
+# -- what travels ------------------------------------------------------------
+@dataclass(frozen=True)
+class Package:
+    """A submission, as data: what `submit_job` receives, plus warnings for the user."""
+
+    run: str
+    working_dir: str
+    entrypoint: str
+    runtime_env: dict
+    submission_id: str
+    warnings: tuple[str, ...] = field(default_factory=tuple)
+
+
+def package(checked, job_path: str, cluster_path: str | None, overrides: tuple[str, ...],
+            address: str, working_dir: str | None = None, submission_id: str | None = None) -> Package:
+    """Decide the working dir, entrypoint and runtime_env of a submission (pure, apart from path checks).
+
+    Raises:
+      JobsError(code=2): a file the job needs lies outside the working dir.
+
+    Example:
+      >>> from orchestrator.core.config import check_job, load_cluster, load_job
+      >>> checked = check_job(load_job("examples/mlp.yaml"), load_cluster("cluster_configs/local.yaml"))
+      >>> p = package(checked, "examples/mlp.yaml", None, ("run.steps=3",), "http://10.0.0.5:8265",
+      ...             submission_id="meshpipe-x")
+      >>> p.entrypoint
+      'meshpipe run mlp.yaml --address auto --set run.steps=3'
+      >>> Path(p.runtime_env["working_dir"]).name
+      'examples'
+    """
+    job = checked.job
+    wd = Path(working_dir or Path(job_path).resolve().parent).resolve()
+    sets = list(overrides)
+    warnings: list[str] = []
+
+    def inside(path: Path, what: str, key: str) -> str:
+        try:
+            return path.resolve().relative_to(wd).as_posix()
+        except ValueError:
+            raise JobsError(f"{what} {path} is outside the working dir {wd} that the job ships to the "
+                            f"cluster ({key}); pass --working-dir with a directory that holds both "
+                            f"(e.g. --working-dir .)", code=EXIT_CONFIG) from None
+
+    args = ["meshpipe", "run", inside(Path(job_path), "the job file", "JOB")]
+    if cluster_path:
+        args += ["--cluster", inside(Path(cluster_path), "the cluster file", "--cluster")]
+    args += ["--address", "auto"]
+    if job.data.source == "text" and job.data.path:
+        src = Path(checked.data_path or job.data.path)
+        sets.append(f"data.path={inside(src, 'the data file', 'data.path')}")
+    if not Path(job.run.output_dir).is_absolute():
+        if _is_loopback(address):
+            sets.append(f"run.output_dir={Path(job.run.output_dir).resolve()}")
+        else:
+            warnings.append(f"run.output_dir = {job.run.output_dir!r} is relative: on the cluster it lands "
+                            "inside the job's temporary working dir on the head node; pass "
+                            "--set run.output_dir=/an/absolute/path to keep the results")
+    for s in sets:
+        args += ["--set", s]
+    sid = submission_id or f"meshpipe-{job.run.name}-{secrets.token_hex(4)}"
+    runtime_env = {"working_dir": str(wd), "env_vars": {"PYTHONUNBUFFERED": "1"}}
+    return Package(run=job.run.name, working_dir=str(wd), entrypoint=shlex.join(args),
+                   runtime_env=runtime_env, submission_id=sid, warnings=tuple(warnings))
+
+
+def _is_loopback(address: str) -> bool:
+    host = urlparse(address if "://" in address else f"http://{address}").hostname or ""
+    return host in LOOPBACK or host.startswith("127.")
+
+
+# -- talking to the cluster ----------------------------------------------------
+def bounded(fn: Callable[..., Any], *args, timeout: float = HTTP_TIMEOUT_S, what: str = "request") -> Any:
+    """fn(*args) in a daemon thread; JobsError if it takes longer than `timeout`."""
+    box: queue.Queue = queue.Queue(maxsize=1)
+
+    def target():
+        try:
+            box.put((True, fn(*args)))
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            box.put((False, e))
+
+    threading.Thread(target=target, daemon=True, name=f"meshpipe-{what}").start()
+    try:
+        ok, value = box.get(timeout=timeout)
+    except queue.Empty:
+        raise JobsError(f"{what}: no answer within {timeout:.0f} s") from None
+    if not ok:
+        raise value
+    return value
+
+
+def client(address: str):
+    """A `JobSubmissionClient` with the token header; JobsError with a readable cause otherwise."""
+    from ray.job_submission import JobSubmissionClient
+
+    headers, _ = auth_headers()
+    try:
+        return bounded(lambda: JobSubmissionClient(address, headers=headers), what=f"connecting to {address}")
+    except JobsError:
+        raise
+    except Exception as e:  # noqa: BLE001 - Ray raises several types; name the cause
+        raise JobsError(explain(e, address)) from None
+
+
+def explain(e: Exception, address: str) -> str:
+    """A one-paragraph reason for a failed request, auth problems spelled out."""
+    text = str(e)
+    _, where = auth_headers()
+    if "Authentication failed" in text or "403" in text or "Forbidden" in text:
+        return (f"the Ray cluster at {address} refused the authentication token ({where}): it is not "
+                "this cluster's token. Use the token the cluster was started with (on its head node: "
+                "`ray get-auth-token`) via RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token.")
+    if "Authentication required" in text or "401" in text or "Unauthorized" in text:
+        return (f"the Ray cluster at {address} requires token authentication and {where}. Provide the "
+                "cluster's token via RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token.")
+    first = next((ln for ln in text.splitlines() if ln.strip()), type(e).__name__)
+    return f"cannot reach the Ray dashboard at {address}: {first}"
+
+
+def status_of(c, sid: str) -> str:
+    return str(bounded(c.get_job_status, sid, what="job status")).split(".")[-1]
+
+
+def wait_for_end(c, sid: str, timeout: float | None = None) -> str:
+    """Poll the job's status until it is terminal (or `timeout`, JobsError code 5)."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        status = status_of(c, sid)
+        if status in TERMINAL:
+            return status
+        if deadline is not None and time.monotonic() > deadline:
+            raise JobsError(f"job {sid} still {status} after {timeout:.0f} s (it keeps running)",
+                            code=EXIT_TIMEOUT)
+        time.sleep(POLL_S)
+
+
+def follow(c, sid: str, out: Callable[[str], None], timeout: float | None = None) -> str:
+    """Stream the job's logs until it ends; returns the final status."""
+    import asyncio
+
+    async def run() -> str:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        agen = c.tail_job_logs(sid)
+        pending = None
+        ended_at = None
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(agen.__anext__())
+            done, _ = await asyncio.wait({pending}, timeout=POLL_S * 5)
+            if pending in done:
+                try:
+                    chunk = pending.result()
+                except StopAsyncIteration:
+                    break
+                pending = None
+                out(chunk)
+                continue
+            status = await asyncio.to_thread(status_of, c, sid)
+            if status in TERMINAL:
+                ended_at = ended_at or time.monotonic()
+                if time.monotonic() - ended_at > 10:   # the log stream lags the end: give it 10 s
+                    break
+            if deadline is not None and time.monotonic() > deadline:
+                pending.cancel()
+                raise JobsError(f"job {sid} still {status} after {timeout:.0f} s (it keeps running)",
+                                code=EXIT_TIMEOUT)
+        if pending is not None and not pending.done():
+            pending.cancel()
+        return await asyncio.to_thread(wait_for_end, c, sid, 60.0)
+
+    return asyncio.run(run())
+
+
+def commands(sid: str, address: str, token_sent: bool) -> list[str]:
+    """What a person can type to look at the job."""
+    prefix = "RAY_AUTH_MODE=token " if token_sent and os.environ.get("RAY_AUTH_MODE", "") != "token" else ""
+    return [f"meshpipe status {sid} --address {address}",
+            f"meshpipe logs {sid} --address {address} --follow",
+            f"{prefix}ray job status {sid} --address {address}",
+            f"{prefix}ray job logs {sid} --address {address} --follow",
+            f"{prefix}ray job stop {sid} --address {address}"]

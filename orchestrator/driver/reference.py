@@ -1,0 +1,54 @@
+"""The numerical oracle: the same model trained in one process with plain JAX.
+
+Same parameters (seed, layer index), same data (seed, step), same optimizer and
+the same microbatch accumulation order (microbatch 0, 1, …, m−1; gradients of
+the mean loss), no pipeline and no mesh. `meshpipe run JOB.yaml --reference`
+runs this; every pipeline numerics test compares against it.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import numpy as np
+
+from stages.data import DataSource, microbatch
+from orchestrator.core.model.spec import ModelSpec, param_name
+
+
+def train_reference(spec: ModelSpec, source: DataSource, *, steps: int, seed: int, microbatches: int,
+                    optimizer: tuple[str, dict], on_step: Callable[[dict], None] | None = None) -> dict:
+    """Train for `steps`; return {"losses", "step_times_s", "param_norms"}."""
+    import jax
+    import jax.numpy as jnp
+
+    from stages.models.base import load_impl
+    from stages.program import StageProgram, make_optimizer
+
+    prog = StageProgram(spec, load_impl(spec), 0, spec.num_layers, microbatches=microbatches,
+                        optimizer=make_optimizer(*optimizer))
+    params = prog.init_params(seed)
+    opt_state, grads = prog.init_state(params)
+    losses, times = [], []
+    for step in range(steps):
+        t0 = time.perf_counter()
+        x, y = source.batch(step)
+        mb_losses = []
+        for i in range(microbatches):
+            loss, res = prog.fwd(params, jnp.asarray(microbatch(x, i, microbatches)),
+                                 jnp.asarray(microbatch(y, i, microbatches)))
+            _, g = prog.bwd(params, res, None)
+            grads = prog.accumulate(grads, g)
+            mb_losses.append(loss)
+        params, opt_state, grads = prog.update(params, opt_state, grads)
+        loss = float(np.mean([float(v) for v in mb_losses]))
+        jax.block_until_ready(params)
+        losses.append(loss)
+        times.append(time.perf_counter() - t0)
+        if on_step:
+            on_step({"step": step, "loss": loss, "step_time_s": times[-1]})
+    norms = {}
+    for i, (layer, p) in enumerate(zip(spec.layers, params)):
+        for name in sorted(p):
+            norms[param_name(i, layer, name)] = float(np.linalg.norm(np.asarray(p[name], dtype=np.float64)))
+    return {"losses": losses, "step_times_s": times, "param_norms": norms}

@@ -1,0 +1,166 @@
+"""Running a checked job: pipeline on Ray, or the single-process reference.
+
+Basic flow of `run_job`:
+  plan (pure) → output dir checked/created (owner-only) → data source →
+  [Ray: connect → executor.start → step × N → param norms] or [reference] →
+  summary.json. Whatever was started is shut down in `finally` (actors,
+  placement group, and an embedded Ray we started), also on Ctrl-C.
+
+Telemetry (`orchestrator.driver.telemetry`, `orchestrator.driver.metrics`): every step's
+spans and per-actor stats feed the progress display (a bar on a terminal, one
+`step_line` per step otherwise, e.g. in Ray Jobs logs), the Ray metrics, and at
+the end `trace.json` + `timeline.png` in the run directory (also after a failed
+step, for what ran) and a summary block.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Callable
+
+from orchestrator.core.plan import make_plan, plan_json
+from orchestrator.core.private_fs import private_dir, write_private
+from orchestrator.core.redact import redact
+from stages.data import make_source
+
+log = logging.getLogger("meshpipe")
+
+
+def output_dir(checked) -> Path:
+    """The run directory, created owner-only (0o700 whatever the umask; see private_fs)."""
+    job = checked.job
+    return private_dir(Path(job.run.output_dir) / job.run.name)
+
+
+def load_text(checked) -> bytes | None:
+    data = checked.job.data
+    if data.source != "text":
+        return None
+    return Path(checked.data_path or data.path).read_bytes()
+
+
+def step_line(rec: dict, samples: int) -> str:
+    return (f"step {rec['step']:>4d}  loss {rec['loss']:.5f}  time {rec['step_time_s'] * 1e3:8.1f} ms  "
+            f"{samples / rec['step_time_s']:9.1f} samples/s")
+
+
+def run_job(checked, *, reference: bool = False, echo: Callable[[str], None] = print,
+            tty: bool = False) -> dict:
+    """Train the checked job; `tty`: draw a progress bar on stdout instead of one line per step."""
+    from orchestrator.driver.telemetry import Progress, summary_block
+
+    job = checked.job
+    plan = make_plan(checked)
+    out = output_dir(checked)
+    source = make_source(checked.model, job.data.source, job.data.global_batch, job.run.seed,
+                         text=load_text(checked))
+    samples = job.data.global_batch
+    progress = Progress(job.run.steps, tty=tty, echo=echo, line=lambda rec: step_line(rec, samples))
+
+    def on_step(rec):
+        progress.update({**rec, "samples_per_s": samples / rec["step_time_s"] if rec["step_time_s"] else 0.0})
+
+    try:
+        if reference:
+            from orchestrator.driver.reference import train_reference
+
+            result = train_reference(checked.model, source, steps=job.run.steps, seed=job.run.seed,
+                                     microbatches=job.pipeline.microbatches,
+                                     optimizer=(job.optimizer.name, dict(job.optimizer.args)), on_step=on_step)
+            extra = {"mode": "reference"}
+        else:
+            result, extra = _run_pipeline(checked, plan, source, on_step, out, echo)
+    finally:
+        progress.close()   # end the bar's line before anything else is printed
+    summary = {
+        "run": job.run.name,
+        "losses": result["losses"],
+        "step_times_s": result["step_times_s"],
+        "param_norms": result["param_norms"],
+        "plan": plan_json(plan),
+        "config": json.dumps(redact(checked.to_dict()), indent=2),  # secrets never reach disk
+        **extra,
+    }
+    path = out / ("summary.reference.json" if reference else "summary.json")
+    write_private(path, json.dumps(summary, indent=1))  # 0o600, atomic
+    echo(f"wrote {path}")
+    if not reference:
+        echo(summary_block(summary, out))
+    return summary
+
+
+def _run_pipeline(checked, plan, source, on_step, out: Path, echo) -> tuple[dict, dict]:
+    from orchestrator.driver import placement
+    from orchestrator.driver.executor import PipelineExecutor
+    from orchestrator.driver.telemetry import RunTelemetry
+
+    job = checked.job
+    run = job.run.name
+    started = placement.connect(checked.cluster, namespace=f"meshpipe-{run}")
+    ray_info = _ray_info(run, echo)
+    ex = PipelineExecutor(checked, plan.schedule, source, run)
+    tel = RunTelemetry(run, plan.schedule, plan.sim.bubble_fraction, job.data.global_batch)
+    metrics = _metrics(run, plan.sim.bubble_fraction)
+    losses, times, spans = [], [], []
+    ok = False
+    try:
+        t0 = time.perf_counter()
+        ex.start()
+        startup = time.perf_counter() - t0
+        for r in ex.steps(job.run.steps):
+            step = r.step
+            losses.append(r.loss)
+            times.append(r.wall_s)
+            spans.append(r.spans)
+            st = tel.add(step, r.wall_s, r.loss, r.spans, r.stats)
+            if metrics is not None:
+                metrics.record(st)
+            on_step({"step": step, "loss": r.loss, "step_time_s": r.wall_s})
+        norms = ex.param_norms()
+        ok = True
+    finally:
+        ex.shutdown()
+        try:
+            tel.write(out)
+        except Exception as e:  # noqa: BLE001 - pictures must not hide the run's own error
+            log.warning("could not write trace.json/timeline.png: %s", e)
+        if ok and metrics is not None and checked.cluster.address is not None:
+            metrics.flush()   # a long-lived cluster: let the last values reach its metrics agent
+        if started:
+            import ray
+
+            ray.shutdown()
+    extra = {"mode": "pipeline", "startup_s": startup, "workers": ex.info, "executor": ex.dispatch_info,
+             "last_step_spans": [list(s) for s in spans[-1]] if spans else [],
+             "telemetry": tel.summary(), "ray": ray_info}
+    return {"losses": losses, "step_times_s": times, "param_norms": norms}, extra
+
+
+def _ray_info(run: str, echo) -> dict:
+    """Where to look while the run is on: dashboard, actor namespace, metrics endpoints."""
+    from orchestrator.driver.metrics import metrics_endpoints
+
+    info = {"namespace": f"meshpipe-{run}", "actors": f"{run}/stage<s>/host<h>", "placement_group": f"{run}/pg"}
+    try:
+        from ray._private.worker import get_dashboard_url
+
+        url = get_dashboard_url()
+        info["dashboard_url"] = f"http://{url}" if url and "://" not in url else url
+        info["metrics_endpoints"] = metrics_endpoints()
+    except Exception as e:  # noqa: BLE001 - informational only
+        log.debug("no dashboard/metrics info: %s", e)
+    if info.get("dashboard_url"):
+        echo(f"Ray dashboard {info['dashboard_url']}  (namespace {info['namespace']}, actors {info['actors']})")
+    return info
+
+
+def _metrics(run: str, simulated_bubble: float):
+    from orchestrator.driver.metrics import RunMetrics
+
+    try:
+        return RunMetrics(run, simulated_bubble)
+    except Exception as e:  # noqa: BLE001 - metrics are an aid, never a reason to fail a run
+        log.warning("Ray metrics disabled for this run: %s", e)
+        return None

@@ -1,0 +1,72 @@
+"""Actor-side telemetry: compile time, memory in use, bytes sent per edge.
+
+`watch_compiles()` once before jax compiles anything; `stage_stats(worker)` after
+each step; the driver aggregates them (`orchestrator.driver.telemetry`).
+"""
+from __future__ import annotations
+
+import os
+
+
+
+_COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
+                   "/jax/core/compile/jaxpr_to_mlir_module_duration",
+                   "/jax/core/compile/backend_compile_duration")
+_compile_s = [0.0]
+_watching = [False]
+
+
+def watch_compiles() -> None:
+    """Sum jax's tracing + lowering + XLA compile durations in this process (idempotent)."""
+    if _watching[0]:
+        return
+    import jax.monitoring
+
+    def listener(event: str, duration: float, **_: object) -> None:
+        if event in _COMPILE_EVENTS:
+            _compile_s[0] += duration
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    _watching[0] = True
+
+
+def memory_in_use(devices) -> tuple[int, str]:
+    """(bytes, source): the devices' bytes_in_use when jax reports it (GPU/TPU), else process RSS.
+
+    XLA:CPU devices report no memory_stats, so on CPU this is the actor process's
+    resident set (Linux /proc), which includes the Python and jax runtime.
+    """
+    total, seen = 0, False
+    for d in devices:
+        try:
+            stats = d.memory_stats()
+        except Exception:  # noqa: BLE001 - backends without stats raise or return None
+            stats = None
+        if stats and "bytes_in_use" in stats:
+            total += int(stats["bytes_in_use"])
+            seen = True
+    if seen:
+        return total, "device"
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE"), "process_rss"
+    except OSError:
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "process_peak_rss"
+
+
+def stage_stats(worker) -> dict:
+    """Per-host numbers a stage worker returns with each step (cumulative where it says so)."""
+    import jax
+
+    transport = getattr(worker, "transport", None)
+    by_direction = dict(getattr(transport, "sent_bytes_to", {}) or {})
+    mem, source = memory_in_use(jax.local_devices())
+    return {
+        "sent_bytes": int(getattr(transport, "sent_bytes", 0)),      # cumulative, both directions
+        "sent_bytes_to": {k: int(v) for k, v in by_direction.items()},  # cumulative, per neighbour
+        "memory_bytes": int(mem),
+        "memory_source": source,
+        "compile_s": float(_compile_s[0]),                           # cumulative
+    }
