@@ -176,6 +176,10 @@ class StageWorker:
                 after % p, cfg.geoms[after % p], tuple(cfg.spec.layers[stop - 1].out_axes)))
             self.in_shape.append((mbs, *cfg.spec.layers[start - 1].out_shape) if start > 0 else None)
             self.out_shape.append((mbs, *cfg.spec.layers[stop - 1].out_shape))
+            if self.edge_in[c] is not None:       # what may arrive: activations in, gradients back
+                self.transport.expect(self.edge_in[c], self.in_shape[c], np.float32)
+            if self.edge_out[c] is not None:
+                self.transport.expect(self.edge_out[c], self.out_shape[c], np.float32)
 
     def transport_address(self):
         """(host, port) this actor's transport listens on after setup; None for the Ray transport."""
