@@ -291,7 +291,8 @@ class _Conn:
             try:
                 self.sock = self._open(token, min(io_timeout, HANDSHAKE_S), unix)
                 break
-            except (FrameError, ConnectionResetError, BrokenPipeError, TimeoutError):
+            except (FrameError, ConnectionResetError, BrokenPipeError, TimeoutError, BlockingIOError):
+                # (a Unix connect whose backlog is full fails with EAGAIN at once)
                 if time.monotonic() + 0.1 > deadline:
                     raise
                 time.sleep(0.1)
