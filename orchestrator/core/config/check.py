@@ -29,6 +29,7 @@ from typing import Any, Callable, Mapping, Optional
 
 from orchestrator.core.backends import get_backend
 from orchestrator.core.config.errors import ConfigError, problem, suggest
+from orchestrator.core.config.limits import data_file_problems, memory_problems, optimizer_problems
 from orchestrator.core.config.schema import ClusterConfig, JobConfig, Rule
 from orchestrator.core.private_fs import private_dir
 from orchestrator.core.redact import redact
@@ -193,12 +194,10 @@ def _check_data(job: JobConfig, model: ModelSpec, probs: _Problems) -> Optional[
     if not model.input_dtype.startswith(("int", "uint")):
         probs.add("data.source", d.source, f"text data gives token ids, but model {model.name!r} "
                   f"takes {model.input_dtype} inputs; use 'synthetic'")
-    path = Path(d.path or "")
-    if not path.is_file():
-        probs.add("data.path", d.path, f"file not found (relative paths are read from the current "
-                  f"directory, {os.getcwd()})")
-        return None
-    return str(path.resolve())
+    # one window of seq_len + 1 tokens needs seq_len + 2 bytes (stages.data: one byte a token)
+    resolved, found = data_file_problems("data.path", d.path, min_bytes=(d.seq_len or 0) + 2)
+    probs.extend(found)
+    return resolved
 
 
 def _check_optimizer(job: JobConfig, probs: _Problems) -> None:
@@ -222,6 +221,8 @@ def _check_optimizer(job: JobConfig, probs: _Problems) -> None:
     if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
         probs.add("optimizer.name", name, f"optax.{name}(...) returned {type(tx).__name__}, not an "
                   "optimizer (GradientTransformation)")
+        return
+    probs.extend(optimizer_problems(name, args, fn))
 
 
 # ----------------------------------------------------------------------------- stages
@@ -466,6 +467,8 @@ def check_job(job: JobConfig, cluster: ClusterConfig) -> Checked:
     mb = _check_batch(job, layouts, probs)
     if layers_ok and layouts is not None and job.data.global_batch % job.pipeline.microbatches == 0:
         _check_divisibility(job, model, layouts, mb, probs)
+        if not probs:
+            probs.extend(memory_problems(job, cluster, model, layouts, mb))
     if probs:
         raise ConfigError(probs)
     stages = tuple(StagePlan(index=i, layers=st.chunks[0], mesh=dict(st.mesh), hosts=hosts[i],
