@@ -82,12 +82,13 @@ def run(job, cluster, overrides, reference, address):
     except ConfigError as e:
         click.echo(f"meshpipe: invalid configuration:\n{e}", err=True)
         sys.exit(2)
+    from orchestrator.core.private_fs import DiskFullError
     from orchestrator.driver.placement import PlacementError
     from orchestrator.driver.waiting import StageFailure
 
     try:
         run_job(checked, reference=reference, echo=lambda s: click.echo(s), tty=sys.stdout.isatty())
-    except (PlacementError, StageFailure, TimeoutError) as e:
+    except (PlacementError, StageFailure, TimeoutError, DiskFullError) as e:
         # the run was torn down already (runner's finally); say what failed, without a driver traceback
         click.echo(f"meshpipe: run failed: {e}", err=True)
         sys.exit(1)
