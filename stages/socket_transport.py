@@ -50,7 +50,6 @@ from stages.frames import (
     HANDSHAKE_S,
     Frame,
     FrameError,
-    HandshakeRefused,
     PeerError,
     ServerHandshake,
     client_handshake,

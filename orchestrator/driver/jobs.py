@@ -82,13 +82,10 @@ def auth_headers() -> tuple[dict[str, str], str]:
         return {}, "RAY_AUTH_MODE=disabled is set: no Ray auth token sent"
     source = token_source()
     headers: dict[str, str] = {}
-    try:
-        from ray._raylet import AuthenticationTokenLoader
+    from orchestrator.driver.ray_internals import auth_headers_from_ray
 
-        loader = AuthenticationTokenLoader.instance()
-        loader.reset_cache()   # read the environment as it is now
-        headers = dict(loader.get_token_for_http_header(ignore_auth_mode=True))
-    except ImportError:  # a Ray without the loader: read the same places ourselves
+    headers = auth_headers_from_ray()
+    if headers is None:   # a Ray whose loader is missing or changed: read the same places ourselves
         token = _read_token()
         headers = {"authorization": f"Bearer {token}"} if token else {}
     if not headers:
