@@ -93,14 +93,15 @@ class StageWorker:
 
     # -- lifecycle ---------------------------------------------------------
     def coordinator_address(self) -> str:
-        """host 0 of a multi-host stage: pick a free port for this stage's JAX world."""
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
+        """host 0 of a multi-host stage: pick a free port on the node address for this stage's
+        JAX world (its coordinator binds only there; `stages.jaxinit` checks it got the port)."""
         import ray
 
         ip = ray.util.get_node_ip_address()
-        return f"{ip}:{port}"
+        with socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET) as s:
+            s.bind((ip, 0))
+            port = s.getsockname()[1]
+        return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
 
     def setup(self, coordinator: str | None = None) -> dict:
         cfg = self.cfg
