@@ -101,10 +101,17 @@ def run(job, cluster, overrides, reference, address):
 @click.option("--json", "as_json", is_flag=True, help="print the plan as JSON")
 @click.option("--png", type=click.Path(dir_okay=False), default=None, help="write the simulated timeline PNG")
 def plan(job, cluster, overrides, as_json, png):
-    """Show placement, schedule and simulated bubble without starting Ray."""
+    """Show placement, schedule and simulated bubble without starting Ray.
+
+    A job whose model.name is a `package.module:function` factory has that module imported
+    and the function called here too (it describes the model): plan a job only if you would
+    run it (docs/security.md)."""
     from orchestrator.core.plan import make_plan, plan_json, plan_text
 
     checked, _ = _checked(job, cluster, overrides)
+    if ":" in checked.job.model.name:
+        click.echo(f"meshpipe: note: model.name {checked.job.model.name!r} was imported and called to "
+                   "describe the model (job code ran; no Ray was started)", err=True)
     p = make_plan(checked)
     if png:
         from orchestrator.core.schedule import render_png
