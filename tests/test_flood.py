@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import re
 import socket
+from pathlib import Path
 import threading
 import time
 
@@ -65,6 +66,7 @@ class Flood:
         self.peak: dict[int, int] = {}
         self.unclosed = 0
         self.connected = self.not_connected = 0
+        self.listeners: dict[tuple, tuple] = {}     # (ip, port) -> (pid, process name, cmdline)
         self.error: str | None = None
 
     def find(self) -> bool:
@@ -140,6 +142,19 @@ class Flood:
             self._sample()
         self.waves += 1
 
+    def census(self) -> None:
+        """Every listening TCP socket of this run's processes (the driver and all it started)."""
+        import psutil
+
+        from orchestrator.driver.ray_internals import listening_sockets
+
+        for ip, port, pid, name in listening_sockets():
+            try:
+                cmd = " ".join(psutil.Process(pid).cmdline())
+            except psutil.Error:
+                cmd = ""
+            self.listeners[(ip, port)] = (pid, name, cmd)
+
     def _sample(self) -> None:
         for pid in self.pids:
             try:
@@ -153,13 +168,43 @@ class Flood:
                 time.sleep(0.5)
             rng = np.random.default_rng(0)
             while not self.stop.is_set():
+                self.census()
                 self.wave(rng)
         except Exception as e:  # noqa: BLE001 - reported by the test
             if not self.stop.is_set():
                 self.error = f"{type(e).__name__}: {e}"
 
 
+def _doc_table() -> dict[str, str]:
+    """docs/security.md's listener table: first backticked name of a row -> its 'binds' cell."""
+    rows = {}
+    for line in (Path(__file__).resolve().parents[1] / "docs" / "security.md").read_text().splitlines():
+        m = re.match(r"^\| `([^`]+)`[^|]*\| ([^|]+) \|", line)
+        if m:
+            rows.setdefault(m.group(1), m.group(2))
+    return rows
+
+
+def _kind(pid: int, name: str, cmd: str, transport_ports: set, port: int) -> str:
+    """Which row of the table a listening socket belongs to."""
+    if port in transport_ports:
+        return "meshpipe transport"
+    if name == "gcs_server":
+        return "gcs_server"
+    if name == "raylet":
+        return "raylet"
+    if "dashboard/dashboard.py" in cmd:
+        return "ray dashboard"
+    if "agent" in cmd or "monitor" in cmd or "reaper" in cmd:
+        return "ray agents"
+    if pid == os.getpid() or name.startswith("ray::") or "default_worker.py" in cmd:
+        return "ray worker"
+    return f"unknown ({name}: {cmd[:120]})"
+
+
 def test_a_run_under_a_connection_flood_trains_as_the_reference(tmp_path, no_leaks):
+    """Also the listener census: every socket the run's processes listen on is a row of
+    docs/security.md's table and binds loopback, as the table says for an embedded cluster."""
     checked = check_job(parse_job(gpt_job(tmp_path, "1f1b", steps=40)), parse_cluster(CLUSTER))
     flood = Flood()
     attacker = threading.Thread(target=flood.run, daemon=True)
@@ -184,3 +229,16 @@ def test_a_run_under_a_connection_flood_trains_as_the_reference(tmp_path, no_lea
     assert flood.unclosed == 0, f"{flood.unclosed} flood connections outlived the handshake deadline"
     for pid, base in flood.baseline.items():
         assert flood.peak[pid] <= base + THREAD_SLACK, (pid, base, flood.peak[pid])
+
+    table = _doc_table()
+    assert {"gcs_server", "raylet", "ray worker", "meshpipe transport", "jax coordinator"} <= set(table), table
+    transport_ports = {address[1] for family, address in flood.targets if family == socket.AF_INET}
+    kinds = {}
+    for (ip, port), (pid, name, cmd) in flood.listeners.items():
+        kinds.setdefault(_kind(pid, name, cmd, transport_ports, port), set()).add(ip)
+    print("listeners by kind:", kinds)
+    assert set(kinds) <= set(table), f"listening, but not in docs/security.md: {set(kinds) - set(table)}"
+    assert {"gcs_server", "raylet", "ray worker", "meshpipe transport"} <= set(kinds), kinds
+    for kind, ips in kinds.items():
+        assert "127.0.0.1" in table[kind] or "dashboard_host" in table[kind], (kind, table[kind])
+        assert ips <= {"127.0.0.1", "::1", "::ffff:127.0.0.1"}, (kind, ips)
