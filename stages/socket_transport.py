@@ -4,7 +4,10 @@ Same plan, mailbox keys and counters as `RayTransport` (both are `TiledTransport
 only the hop differs. Every actor listens on TCP and, on Linux, on an abstract Unix
 socket; its address is (ip, port, machine, unix name), `machine` being the kernel's
 boot id. A sender reaches a peer on the same machine over the Unix socket, any other
-over TCP; both connections start with the run-token handshake (`stages.frames`).
+over TCP; both connections start with the mutual challenge-response handshake over the
+run key (`stages.frames`). A receiver accepts only tensors it announced (`expect`) and
+checks every frame against its own plan; a peer that breaks the protocol loses its
+connection (`PeerError`, logged), not the run.
 
 Moving one tensor from this host to destination host d (one payload per pair):
   shared memory  (same machine, at least SHM_MIN_BYTES for d): the sender asks d for
@@ -25,9 +28,10 @@ Either way d allocates each distinct destination block once, 64-byte aligned (CP
 `device_put` adopts it without a copy; replicas share it), and when every sending host
 of the key is done, the shards go into the mailbox under `(*key, ASSEMBLED)`.
 
-Every blocking socket operation has a timeout: connects, handshakes and grants
-`io_timeout`, sends `io_timeout` per blocked write; reader threads poll their stop flag
-between frames and give up mid-frame after `io_timeout`.
+Every blocking socket operation has a timeout: handshakes HANDSHAKE_S (the listener
+drives them on one selector thread, see `Listener`), connects and grants `io_timeout`,
+sends `io_timeout` per blocked write; reader threads poll their stop flag between frames
+and give up mid-frame after `io_timeout`.
 """
 from __future__ import annotations
 
