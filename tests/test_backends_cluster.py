@@ -54,12 +54,11 @@ def nodes():
     if ray.is_initialized():
         pytest.fail("the multinode tests need a pytest process of their own: run `pytest -m multinode`")
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])   # workers cannot import tests/
-    lo = {"node_ip_address": "127.0.0.1"}                               # test traffic stays on loopback
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False, **lo})
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
     for _ in range(2):                                                  # nodes start in parallel
-        c.add_node(wait=False, num_cpus=2, num_gpus=8, resources={"accelerator_type:H100": 1}, **lo)
+        c.add_node(wait=False, num_cpus=2, num_gpus=8, resources={"accelerator_type:H100": 1})
     for w in range(4):
-        c.add_node(wait=False, **lo, num_cpus=2, resources={"TPU": 4, SLICE: 1, **({f"TPU-{POD}-head": 1} if w == 0 else {})},
+        c.add_node(wait=False, num_cpus=2, resources={"TPU": 4, SLICE: 1, **({f"TPU-{POD}-head": 1} if w == 0 else {})},
                    labels={"ray.io/tpu-slice-name": SLICE, "ray.io/tpu-worker-id": str(w),
                            "ray.io/tpu-pod-type": POD, "ray.io/tpu-topology": "4x4"})
     ray.init(address=c.address, namespace="meshpipe-backend-tests", logging_level="WARNING")

@@ -31,11 +31,11 @@ def cluster():
 
     if ray.is_initialized():
         pytest.fail("the multinode tests need a pytest process of their own: run `pytest -m multinode`")
-    c = Cluster(initialize_head=True, head_node_args={   # test traffic stays on loopback
-        "num_cpus": 1, "include_dashboard": True, "dashboard_host": "127.0.0.1", "node_ip_address": "127.0.0.1",
+    c = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 1, "include_dashboard": True, "dashboard_host": "127.0.0.1",
         "dashboard_port": free_port()})
     for _ in range(3):
-        c.add_node(num_cpus=2, node_ip_address="127.0.0.1")
+        c.add_node(num_cpus=2)
     ray.init(address=c.address, namespace="meshpipe-multinode-tests")
     c.wait_for_nodes()
     yield c
