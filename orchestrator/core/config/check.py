@@ -499,15 +499,6 @@ def check_output_dir(job: JobConfig) -> Path:
         raise ConfigError(problem("run.name", job.run.name, f"{run_dir} exists and is not a directory"))
     target = run_dir if run_dir.is_dir() else out
     key, value = ("run.name", job.run.name) if target == run_dir else ("run.output_dir", job.run.output_dir)
-    need = run_output_bytes(job)
-    try:
-        free = free_bytes(target)
-    except OSError:
-        free = None
-    if free is not None and free < need:
-        raise ConfigError(problem(key, value, f"not enough free space in {target}: {free:,} bytes free, "
-                                  f"the run writes about {need:,} (summary, trace, timeline and a record "
-                                  f"per step for {job.run.steps:,} steps)"))
     try:   # real bytes, synced: an empty file can be created on a full disk, a block cannot
         fd, tmp = tempfile.mkstemp(prefix=".meshpipe-write-test-", dir=target)
         try:
@@ -519,6 +510,15 @@ def check_output_dir(job: JobConfig) -> Path:
     except OSError as e:
         raise ConfigError(problem(key, value, f"not writable: cannot write {WRITE_PROBE_BYTES} bytes in "
                                   f"{target}: {e.strerror or e}")) from None
+    need = run_output_bytes(job)
+    try:
+        free = free_bytes(target)
+    except OSError:
+        free = None
+    if free is not None and free < need:
+        raise ConfigError(problem(key, value, f"not enough free space in {target}: {free:,} bytes free, "
+                                  f"the run writes about {need:,} (summary, trace, timeline and a record "
+                                  f"per step for {job.run.steps:,} steps)"))
     return run_dir
 
 
