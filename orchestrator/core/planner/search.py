@@ -114,6 +114,7 @@ class SearchResult:
     space: dict = field(default_factory=dict)
     timings: dict = field(default_factory=dict)
     topology: Optional[Topology] = None
+    ranked: list[Candidate] = field(default_factory=list)   # every plan evaluated, best first
 
     @property
     def best(self) -> Candidate:
@@ -256,7 +257,7 @@ def search(model: PlanModel, topo: Topology, global_batch: int, *, profile: Prof
         raise PlanningError(f"target step time {options.target_step_s:g} s is unreachable: the fastest "
                             f"plan found is predicted at {ranked[0].step_s:.4g} s "
                             f"({len(ranked[0].stages)} stages, m={ranked[0].microbatches}, {ranked[0].schedule})")
-    return SearchResult(ranked[: max(options.top, 1)] if options.top else ranked, space, timings, topo)
+    return SearchResult(ranked[: max(options.top, 1)] if options.top else ranked, space, timings, topo, ranked)
 
 
 def _stage_tables(model, topo, choices, tables, m, ns, slots):
