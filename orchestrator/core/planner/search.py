@@ -204,11 +204,17 @@ def search(model: PlanModel, topo: Topology, global_batch: int, *, profile: Prof
     # 3. cost tables
     slots = options.optimizer_slots
     tables: dict[tuple[int, int, int], _Table] = {}
+    memo: dict = {}
     for k, cs in choices.items():
         for ci, c in enumerate(cs):
             for m in ms:
                 micro = global_batch // m
-                cols = [layer_cost(layer, c, micro, topo, 0, profiles) for layer in model.layers]
+                cols = []
+                for layer in model.layers:      # equal layers (same signature) cost the same
+                    key = (layer.signature, c, micro)
+                    if key not in memo:
+                        memo[key] = layer_cost(layer, c, micro, topo, 0, profiles)
+                    cols.append(memo[key])
                 inf = float("inf")
                 f = np.array([x.fwd_s if x else inf for x in cols])
                 b = np.array([x.bwd_s if x else inf for x in cols])
@@ -224,6 +230,7 @@ def search(model: PlanModel, topo: Topology, global_batch: int, *, profile: Prof
              "schedules": list(options.schedules), "rulesets": {k: [a for a, _ in v] for k, v in rulesets.items()},
              "mesh_choices": sum(len(v) for v in choices.values()), "profiles": len(reqs)}
     plans_considered = 0
+    stage_memo: dict = {}
     for m in ms:
         micro = global_batch // m
         for p in range(1, min(H, L) + 1):
@@ -231,7 +238,7 @@ def search(model: PlanModel, topo: Topology, global_batch: int, *, profile: Prof
                 infl = _inflight(sched, p, m)
                 if infl is None:
                     continue
-                stage_tab = _stage_tables(model, topo, choices, tables, m, sorted(set(infl)), slots)
+                stage_tab = _stage_tables(model, topo, choices, tables, m, sorted(set(infl)), slots, stage_memo)
                 edge = _edge_times(model, topo, micro)
                 plans, mem_need = _solve(stage_tab, edge, infl, m, L, H, topo, options.thresholds)
                 min_memory = min(min_memory, mem_need)
@@ -260,42 +267,47 @@ def search(model: PlanModel, topo: Topology, global_batch: int, *, profile: Prof
     return SearchResult(ranked[: max(options.top, 1)] if options.top else ranked, space, timings, topo, ranked)
 
 
-def _stage_tables(model, topo, choices, tables, m, ns, slots):
-    """Best (time, choice index) per (k, n, i, j) for stage [i, j) on k hosts with n microbatches in flight."""
+def _stage_tables(model, topo, choices, tables, m, ns, slots, memo):
+    """Best (time, choice index, least memory) per (k, n) over stages [i, j) on k hosts, n microbatches in flight."""
     L = model.num_layers
     out = {}
     for k, cs in choices.items():
         if not cs:
             continue
-        fs, bs, mem_static, resid, tmax = [], [], [], [], []
-        for ci in range(len(cs)):
-            t = tables[(k, ci, m)]
-            pf, pb = np.concatenate([[0], np.cumsum(t.fwd)]), np.concatenate([[0], np.cumsum(t.bwd)])
-            pp = np.concatenate([[0], np.cumsum(t.params)])
-            pr = np.concatenate([[0], np.cumsum(t.resid)])
-            with np.errstate(invalid="ignore"):
-                fs.append(pf[None, :] - pf[:, None])
-                bs.append(pb[None, :] - pb[:, None])
-                mem_static.append((pp[None, :] - pp[:, None]) * (2 + slots))
-                resid.append(pr[None, :] - pr[:, None])
-            tm = np.full((L + 1, L + 1), np.inf)
-            for i in range(L):
-                tm[i, i + 1:] = np.maximum.accumulate(t.temp[i:])
-            tmax.append(tm)
-        F, B = np.stack(fs), np.stack(bs)
-        T = F + B
-        bad = ~np.isfinite(T) | (np.triu(np.ones((L + 1, L + 1), bool), 1)[None] == 0)
-        T = np.where(bad, np.inf, T)
-        MS, R, TM = np.stack(mem_static), np.stack(resid), np.stack(tmax)
+        if (k, m) not in memo:
+            memo[(k, m)] = _stacked(tables, k, len(cs), m, L, slots)
+        T, MS, R, TM, bad = memo[(k, m)]
         for n in ns:
-            with np.errstate(invalid="ignore"):
-                mem = np.where(bad, np.inf, MS + n * R + TM)
-            ok = mem <= topo.memory_bytes
-            Tn = np.where(ok, T, np.inf)
-            best = Tn.argmin(axis=0)
-            out[(k, n)] = (np.take_along_axis(Tn, best[None], 0)[0], best,
-                           np.take_along_axis(mem, mem.argmin(axis=0)[None], 0)[0])
+            if (k, m, n) not in memo:
+                with np.errstate(invalid="ignore"):
+                    mem = np.where(bad, np.inf, MS + n * R + TM)
+                Tn = np.where(mem <= topo.memory_bytes, T, np.inf)
+                best = Tn.argmin(axis=0)
+                memo[(k, m, n)] = (np.take_along_axis(Tn, best[None], 0)[0], best, mem.min(axis=0))
+            out[(k, n)] = memo[(k, m, n)]
     return out
+
+
+def _stacked(tables, k, count, m, L, slots):
+    """Per choice, (i, j) arrays of stage time, static memory, residuals per microbatch, largest temp."""
+    fs, bs, mem_static, resid, tmax = [], [], [], [], []
+    for ci in range(count):
+        t = tables[(k, ci, m)]
+        pf, pb = np.concatenate([[0], np.cumsum(t.fwd)]), np.concatenate([[0], np.cumsum(t.bwd)])
+        pp = np.concatenate([[0], np.cumsum(t.params)])
+        pr = np.concatenate([[0], np.cumsum(t.resid)])
+        with np.errstate(invalid="ignore"):
+            fs.append(pf[None, :] - pf[:, None])
+            bs.append(pb[None, :] - pb[:, None])
+            mem_static.append((pp[None, :] - pp[:, None]) * (2 + slots))
+            resid.append(pr[None, :] - pr[:, None])
+        tm = np.full((L + 1, L + 1), np.inf)
+        for i in range(L):
+            tm[i, i + 1:] = np.maximum.accumulate(t.temp[i:])
+        tmax.append(tm)
+    T = np.stack(fs) + np.stack(bs)
+    bad = ~np.isfinite(T) | (np.triu(np.ones((L + 1, L + 1), bool), 1)[None] == 0)
+    return np.where(bad, np.inf, T), np.stack(mem_static), np.stack(resid), np.stack(tmax), bad
 
 
 def _edge_times(model, topo, micro):
@@ -351,16 +363,22 @@ def _dp(stage_tab, edge, infl, L, H, topo, bound):
                 continue
             t, best, _ = stage_tab[(k, n)]
             t = np.where(t <= bound, t, inf)
-            for h in range(0, H - k + 1):
-                if not _aligned(h, k, topo.hosts_per_group, H):
-                    continue
-                tail = nxt[:, h + k] + (edge[:, h + k] if s < p - 1 else 0.0)
-                tot = t + tail[None, :]            # (i, j)
-                j = tot.argmin(axis=1)
-                val = tot[np.arange(L + 1), j]
-                better = val < cur[:, h]
-                cur[better, h] = val[better]
-                arg[better, h] = np.stack([j[better], np.full(better.sum(), k), best[np.arange(L + 1), j][better]], 1)
+            hs = np.array([h for h in range(0, H - k + 1) if _aligned(h, k, topo.hosts_per_group, H)], dtype=np.int64)
+            if hs.size == 0:
+                continue
+            tail = nxt[:, hs + k] + (edge[:, hs + k] if s < p - 1 else 0.0)     # (j, h)
+            tot = t[:, :, None] + tail[None, :, :]                               # (i, j, h)
+            j = tot.argmin(axis=1)                                               # (i, h)
+            val = np.take_along_axis(tot, j[:, None, :], 1)[:, 0, :]
+            old = cur[:, hs]
+            better = val < old
+            cur[:, hs] = np.where(better, val, old)
+            rows = np.arange(L + 1)[:, None]
+            for col, h in enumerate(hs):
+                b = better[:, col]
+                if b.any():
+                    jj = j[b, col]
+                    arg[b, h] = np.stack([jj, np.full(b.sum(), k), best[rows[b, 0], jj]], 1)
         choice.append(arg)
         nxt = cur
     choice.reverse()
