@@ -163,3 +163,12 @@ def test_linear_profile_in_batch():
     p4 = linear(p1, p2, 4)
     assert p4.flops == {"fwd": 34.0, "bwd": 68.0} and p4.residual_bytes == 340.0
     assert p4.collectives == (("fwd", "all-reduce", 32.0, g),)     # both all-reduces, summed
+
+
+def test_parse_collectives_mesh_groups_with_device_ids():
+    line = ("%r = f32[2,4]{1,0} all-reduce(%x), channel_id=3, replica_groups=mesh['axis_0'=2,'axis_1'=2,"
+            "'axis_2'=2], device_ids=([2,2,2]T(0,2,1)) {'axis_1'}, use_global_device_ids=true, to_apply=%r")
+    # ids[a0, a1, a2] = arange(8).reshape(2,2,2).transpose(0,2,1): ids[a0, a1, a2] = 4·a0 + a1 + 2·a2
+    (kind, nbytes, groups), = parse_collectives(line, 8)
+    assert kind == "all-reduce" and nbytes == 32.0
+    assert groups == ((0, 1), (2, 3), (4, 5), (6, 7))

@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
+import numpy as np
+
 __all__ = ["ProfileRequest", "LayerProfile", "Profiler", "ProfileError", "parse_collectives",
            "PROTOCOL", "linear"]
 
@@ -149,8 +151,6 @@ def _braces(text: str, start: int) -> str:
 
 def _groups(line: str, n: int) -> tuple[tuple[int, ...], ...]:
     """Replica groups of one HLO collective line, as tuples of device positions 0..n-1."""
-    import numpy as np
-
     for key in ("replica_groups=", "source_target_pairs="):
         at = line.find(key)
         if at < 0:
@@ -170,15 +170,32 @@ def _groups(line: str, n: int) -> tuple[tuple[int, ...], ...]:
             if m.group(3):
                 ids = ids.transpose([int(x) for x in m.group(3).split(",")])
             return tuple(tuple(int(x) for x in row) for row in ids.reshape(shape[0], -1))
-        m = re.match(r"mesh\[([^\]]*)\](?:T\(([0-9,]+)\))?\s*\{([^}]*)\}", rest)
+        m = re.match(r"mesh\[([^\]]*)\]", rest)
         if m:
             axes = re.findall(r"'([^']+)'=(\d+)", m.group(1))
             names, sizes = [a for a, _ in axes], [int(s) for _, s in axes]
             ids = np.arange(math.prod(sizes)).reshape(sizes)
-            if m.group(2):
-                raise ValueError(f"transposed mesh replica groups are not supported: {rest[:120]!r}")
-            chosen = re.findall(r"'([^']+)'", m.group(3))
-            keep = [names.index(c) for c in chosen]
+            tail = rest[m.end():]
+            d = re.match(r",\s*device_ids=\(", tail)
+            if d:                                   # device_ids=([dims]T(perm)) or device_ids=(0,1,...)
+                depth, end = 1, d.end()
+                while depth and end < len(tail):
+                    depth += {"(": 1, ")": -1}.get(tail[end], 0)
+                    end += 1
+                body, tail = tail[d.end():end - 1], tail[end:]
+                it = re.fullmatch(r"\[([0-9,]+)\](?:T\(([0-9,]+)\))?", body.strip())
+                if it:
+                    base = np.arange(math.prod(sizes)).reshape([int(x) for x in it.group(1).split(",")])
+                    if it.group(2):
+                        base = base.transpose([int(x) for x in it.group(2).split(",")])
+                    ids = base.reshape(sizes)
+                else:
+                    ids = np.array([int(x) for x in body.split(",") if x.strip()]).reshape(sizes)
+            c = re.match(r"\s*\{([^}]*)\}", tail)
+            if not c:
+                raise ValueError(f"cannot read replica groups {rest[:120]!r}")
+            chosen = re.findall(r"'([^']+)'", c.group(1))
+            keep = [names.index(x) for x in chosen]
             other = [i for i in range(len(names)) if i not in keep]
             moved = ids.transpose(other + keep).reshape(-1, math.prod(sizes[i] for i in keep) if keep else 1)
             return tuple(tuple(int(x) for x in row) for row in moved)
