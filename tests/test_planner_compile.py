@@ -93,3 +93,17 @@ def test_plan_auto_model_that_cannot_fit_exits_2_naming_the_memory(cache, tmp_pa
     assert r.returncode == 2
     assert "does not fit" in r.stderr and "the smallest needs" in r.stderr and "GB per device" in r.stderr
     assert not (tmp_path / "x.yaml").exists()
+
+
+@pytest.mark.ray
+def test_plan_auto_measure_runs_the_top_candidate_on_ray(cache, tmp_path):
+    r = meshpipe("plan", "examples/mlp.yaml", "--auto", "--json", "--measure", "1", "--max-model", "2",
+                 "--microbatches", "2,4", "--out", str(tmp_path / "m.yaml"), "--cache-dir", str(cache),
+                 "--set", f"run.output_dir={tmp_path / 'runs'}", timeout=900)
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(r.stdout)
+    (row,) = rep["measured"]
+    assert row["predicted_s"] == rep["candidates"][0]["step_s"] and row["measured_s"] > 0
+    assert row["steps_timed"] == 4
+    summary = json.loads((tmp_path / "runs" / "mlp-tiny-auto0" / "summary.json").read_text())
+    assert len(summary["step_times_s"]) == 8

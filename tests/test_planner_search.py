@@ -172,3 +172,31 @@ def test_parse_collectives_mesh_groups_with_device_ids():
     (kind, nbytes, groups), = parse_collectives(line, 8)
     assert kind == "all-reduce" and nbytes == 32.0
     assert groups == ((0, 1), (2, 3), (4, 5), (6, 7))
+
+
+def test_written_job_for_a_real_model_loads_checks_and_plans():
+    from orchestrator.core.config import check_job, load_cluster, load_raw, parse_job
+    from orchestrator.core.model.registry import build_spec
+    from orchestrator.core.plan import make_plan
+    from orchestrator.core.planner.adapter import from_spec
+    from orchestrator.core.planner.report import explain, job_dict, table
+    from tests.conftest import ROOT
+
+    raw = load_raw(ROOT / "examples" / "mlp.yaml")
+    spec = build_spec("mlp", raw["model"]["args"])
+    model = from_spec(spec, "mlp", raw["model"]["args"], None)
+    assert model.layers[1].signature == model.layers[2].signature != model.layers[0].signature
+    cluster = load_cluster(ROOT / "cluster_configs" / "local.yaml")
+    t = from_cluster(cluster)
+    costs = [1e5 * (i + 1) for i in range(model.num_layers)]
+    r = search(model, t, raw["data"]["global_batch"], profile=FakeProfiles(model, costs), options=SearchOptions(top=0))
+    assert len(r.candidates) > 5
+    for c in r.candidates[:10]:            # every candidate, not only the winner, is a runnable job
+        checked = check_job(parse_job(job_dict(raw, c)), cluster)
+        plan = make_plan(checked)
+        assert [s.layers for s in checked.stages] == [s.layers for s in c.stages]
+        assert plan.schedule.m == c.microbatches
+    text = table(r)
+    assert "step ms" in text and "edges" in text
+    why = explain(r, t.devices_per_host)
+    assert "winner:" in why and "model axis inside hosts vs across hosts" in why

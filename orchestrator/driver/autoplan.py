@@ -12,7 +12,7 @@ from typing import Callable, Optional
 
 import yaml
 
-from orchestrator.core.config import ConfigError, check_job, load_cluster, load_job, load_raw
+from orchestrator.core.config import ConfigError, check_job, check_output_dir, load_cluster, load_job, load_raw
 from orchestrator.core.config.overrides import apply_overrides
 from orchestrator.core.config.schema import JobConfig
 from orchestrator.core.planner import PlanningError, ProfileError, Profiler, SearchOptions, from_cluster, search
@@ -26,7 +26,8 @@ WORKER = "stages.aot_profile"
 
 def auto_plan(job_path: str, cluster_path: str, overrides, *, out: Optional[str], explain_: bool, top: int,
               max_model: Optional[int], microbatches: Optional[tuple[int, ...]], target_step_ms: Optional[float],
-              cache_dir: Optional[str], as_json: bool, echo: Callable[[str], None]) -> dict:
+              cache_dir: Optional[str], as_json: bool, echo: Callable[[str], None], measure: int = 0,
+              measure_steps: int = 8) -> dict:
     """Plan JOB on CLUSTER; returns the JSON report. Raises ConfigError / PlanningError / ProfileError."""
     job = load_job(job_path, overrides=list(overrides))
     cluster = load_cluster(cluster_path)
@@ -55,6 +56,9 @@ def auto_plan(job_path: str, cluster_path: str, overrides, *, out: Optional[str]
               "profiles": {"requested": st.requested, "cache_hits": st.cache_hits, "compiled": st.compiled,
                            "compile_s": st.compile_s, "worker_s": st.worker_s},
               "topology_notes": list(topo.notes)}
+    if measure:
+        report["measured"] = measure_candidates(raw, result.candidates[:measure], cluster, dest, measure_steps,
+                                                echo=(lambda s: None) if as_json else echo)
     if as_json:
         echo(json.dumps(report, indent=1))
         return report
@@ -69,9 +73,54 @@ def auto_plan(job_path: str, cluster_path: str, overrides, *, out: Optional[str]
     if explain_:
         echo("")
         echo(explain(result, topo.devices_per_host))
+    if measure:
+        echo("")
+        echo(measured_table(report["measured"]))
     echo("")
     echo(f"wrote the winning plan to {dest} (meshpipe plan {dest} / meshpipe run {dest})")
     return report
 
 
-__all__ = ["auto_plan", "PlanningError", "ProfileError"]
+def measure_candidates(raw: dict, candidates, cluster, dest: Path, steps: int, echo) -> list[dict]:
+    """Run each candidate for `steps` steps on the cluster (Ray); predicted vs measured step time.
+
+    Measured = median step time of the second half of the steps (the first ones compile).
+    """
+    import statistics
+
+    from orchestrator.driver.runner import run_job
+
+    rows = []
+    for i, c in enumerate(candidates):
+        job = job_dict(raw, c)
+        job["run"] = {**job.get("run", {}), "name": f"{job['run']['name']}-auto{i}", "steps": steps}
+        path = dest.with_name(f"{dest.stem}.measure{i}.yaml")
+        path.write_text(yaml.safe_dump(job, sort_keys=False))
+        checked = check_job(load_job(path), cluster)
+        check_output_dir(checked.job)
+        echo(f"measuring candidate #{i} ({steps} steps) ...")
+        summary = run_job(checked, echo=lambda s: None)
+        times = summary["step_times_s"][steps // 2:]
+        measured = statistics.median(times)
+        rows.append({"candidate": i, "predicted_s": c.step_s, "measured_s": measured,
+                     "error": (c.step_s - measured) / measured, "job": str(path), "steps_timed": len(times)})
+    return rows
+
+
+def measured_table(rows: list[dict]) -> str:
+    """Predicted vs measured step per candidate, and the median absolute error."""
+    lines = [f"{'#':>2} {'predicted ms':>12} {'measured ms':>12} {'error':>7}"]
+    for r in rows:
+        lines.append(f"{r['candidate']:>2} {r['predicted_s'] * 1e3:>12.3f} {r['measured_s'] * 1e3:>12.3f} "
+                     f"{r['error'] * 100:>6.1f}%")
+    if rows:
+        import statistics
+
+        lines.append(f"median |error| {statistics.median(abs(r['error']) for r in rows) * 100:.1f}% over {len(rows)} "
+                     "candidate(s); ranking agrees with measurement: "
+                     + str([r["candidate"] for r in sorted(rows, key=lambda r: r["measured_s"])]
+                           == [r["candidate"] for r in rows]))
+    return "\n".join(lines)
+
+
+__all__ = ["auto_plan", "measure_candidates", "measured_table", "PlanningError", "ProfileError"]

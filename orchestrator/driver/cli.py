@@ -2,7 +2,7 @@
 
     meshpipe run JOB.yaml [--cluster CLUSTER.yaml] [--address ADDR] [--set key.path=value ...] [--reference]
     meshpipe plan JOB.yaml [--cluster CLUSTER.yaml] [--set ...] [--json] [--png PATH]
-    meshpipe plan JOB.yaml --auto [--cluster C.yaml] [--out PATH] [--explain] [--top K] [--max-model M]
+    meshpipe plan JOB.yaml --auto [--cluster C.yaml] [--out PATH] [--explain] [--top K] [--max-model M] [--measure K]
     meshpipe submit JOB.yaml [--cluster CLUSTER.yaml] --address http://HOST:8265 [--set ...]
                              [--working-dir DIR] [--follow/--no-follow] [--no-wait] [--timeout S]
     meshpipe status SUBMISSION_ID --address http://HOST:8265
@@ -113,13 +113,17 @@ def run(job, cluster, overrides, reference, address):
               help="--auto: fail unless a plan is predicted at most this fast")
 @click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
               help="--auto: per-layer compile cache (default: ~/.cache/meshpipe/planner)")
+@click.option("--measure", type=click.IntRange(0), default=0, metavar="K",
+              help="--auto: run the top K candidates for a few steps on the cluster (starts Ray); "
+                   "predicted vs measured")
 def plan(job, cluster, overrides, as_json, png, auto, out, explain_, top, max_model, microbatches,
-         target_step_ms, cache_dir):
+         target_step_ms, cache_dir, measure):
     """Show placement, schedule and simulated bubble without starting Ray (--auto: plan it for you)."""
     from orchestrator.core.plan import make_plan, plan_json, plan_text
 
     if auto:
-        _auto(job, cluster, overrides, out, explain_, top, max_model, microbatches, target_step_ms, cache_dir, as_json)
+        _auto(job, cluster, overrides, out, explain_, top, max_model, microbatches, target_step_ms, cache_dir, as_json,
+              measure)
         return
     checked, _ = _checked(job, cluster, overrides)
     p = make_plan(checked)
@@ -133,7 +137,8 @@ def plan(job, cluster, overrides, as_json, png, auto, out, explain_, top, max_mo
         click.echo(plan_text(p))
 
 
-def _auto(job, cluster, overrides, out, explain_, top, max_model, microbatches, target_step_ms, cache_dir, as_json):
+def _auto(job, cluster, overrides, out, explain_, top, max_model, microbatches, target_step_ms, cache_dir, as_json,
+          measure):
     from orchestrator.core.config import ConfigError
     from orchestrator.driver.autoplan import PlanningError, ProfileError, auto_plan
 
@@ -146,7 +151,7 @@ def _auto(job, cluster, overrides, out, explain_, top, max_model, microbatches, 
     try:
         auto_plan(job, cluster or str(DEFAULT_CLUSTER), overrides, out=out, explain_=explain_, top=top,
                   max_model=max_model, microbatches=ms, target_step_ms=target_step_ms, cache_dir=cache_dir,
-                  as_json=as_json, echo=click.echo)
+                  as_json=as_json, echo=click.echo, measure=measure)
     except ConfigError as e:
         click.echo(f"meshpipe: invalid configuration:\n{e}", err=True)
         sys.exit(2)
@@ -155,6 +160,9 @@ def _auto(job, cluster, overrides, out, explain_, top, max_model, microbatches, 
         sys.exit(2)
     except ProfileError as e:
         click.echo(f"meshpipe: profiling failed: {e}", err=True)
+        sys.exit(1)
+    except (RuntimeError, TimeoutError) as e:   # --measure: a candidate's run failed (torn down already)
+        click.echo(f"meshpipe: measuring failed: {e}", err=True)
         sys.exit(1)
 
 
