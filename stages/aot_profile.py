@@ -6,8 +6,8 @@ Run as `python -m stages.aot_profile` by `orchestrator.core.planner.profile.Prof
 Reads one JSON request on stdin:
     {"protocol": 1, "source": {"kind": "modelspec", "name", "args", "seq_len"},
      "requests": [{"key", "layer", "model_size", "rules", "batch"}, ...]}
-and writes one JSON line per request, `{"key": ..., "profile": LayerProfile JSON}`,
-as soon as it is compiled (so a timeout keeps what was done).
+and writes one JSON line per request, `{"key": ..., "profile": LayerProfile JSON}` (or
+`{"key": ..., "error": "..."}`), as soon as it is compiled (so a timeout keeps what was done).
 
 For each request it builds the layer as a one-layer `StageProgram` on a
 `(data=1, model=M)` mesh with layout `batch → data` plus the request's rules,
@@ -99,8 +99,11 @@ def main() -> int:
         print(f"aot_profile: unsupported protocol {request.get('protocol')!r}", file=sys.stderr)
         return 2
     for req in request["requests"]:
-        prof = profile_one(request["source"], req)
-        sys.stdout.write(json.dumps({"key": req["key"], "profile": prof}) + "\n")
+        try:
+            line = {"key": req["key"], "profile": profile_one(request["source"], req)}
+        except Exception as e:  # noqa: BLE001 - report which program failed and go on with the others
+            line = {"key": req["key"], "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+        sys.stdout.write(json.dumps(line) + "\n")
         sys.stdout.flush()
     return 0
 

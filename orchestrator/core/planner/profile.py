@@ -317,17 +317,21 @@ class Profiler:
                 todo[key] = r
             out[r] = hit
         if todo:
-            for key, prof in self._run(source, todo):
+            done, error = self._run(source, todo)
+            for key, prof in done.items():      # keep what compiled, even when a later program failed
                 self._write(key, prof)
                 out[todo[key]] = prof
                 self.stats.compiled += 1
                 self.stats.compile_s += prof.compile_s
+            if error:
+                raise ProfileError(error)
         for key, rs in same.items():
             for r in rs[1:]:
                 out[r] = out[rs[0]]
         return out
 
-    def _run(self, source: Mapping[str, Any], todo: Mapping[str, ProfileRequest]) -> Iterable[tuple[str, LayerProfile]]:
+    def _run(self, source: Mapping[str, Any], todo: Mapping[str, ProfileRequest]) -> tuple[dict, str]:
+        """({key: profile} for what the worker finished, an error message or "")."""
         devices = max(r.model_size for r in todo.values())
         env = dict(os.environ)
         flags = [f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
@@ -339,29 +343,42 @@ class Profiler:
         request = {"protocol": PROTOCOL, "source": dict(source),
                    "requests": [dict(r.to_json(), key=k) for k, r in todo.items()]}
         t0 = time.perf_counter()
+        timed_out = False
         try:
             proc = subprocess.run([self.python, "-m", self.worker], input=json.dumps(request), text=True,
                                   capture_output=True, env=env, timeout=self.timeout_s)
+            stdout, stderr, rc = proc.stdout, proc.stderr, proc.returncode
         except subprocess.TimeoutExpired as e:
-            done = (e.stdout or b"")
-            raise ProfileError(f"profiling worker {self.worker} ran past {self.timeout_s:g} s on "
-                               f"{len(todo)} layer programs ({len(str(done).splitlines())} done); "
-                               "raise the timeout or narrow the search (--max-model)") from None
+            timed_out = True
+            stdout = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+            stderr = e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
+            rc = None
         finally:
             self.stats.worker_s += time.perf_counter() - t0
-        results = {}
-        for line in proc.stdout.splitlines():
+        results, failures = {}, []
+        for line in stdout.splitlines():
             line = line.strip()
-            if line.startswith("{"):
+            if not line.startswith("{"):
+                continue
+            try:
                 d = json.loads(line)
-                if "key" in d:
-                    results[d["key"]] = LayerProfile.from_json(d["profile"])
-        if proc.returncode != 0 or set(results) != set(todo):
-            tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
-            missing = [todo[k] for k in todo if k not in results][:1]
-            raise ProfileError(f"profiling worker {self.worker} exited with {proc.returncode} after "
-                               f"{len(results)}/{len(todo)} layer programs"
-                               + (f"; first missing: layer {missing[0].layer} on model={missing[0].model_size} "
-                                  f"rules {dict(missing[0].rules)} batch {missing[0].batch}" if missing else "")
-                               + f":\n{tail}")
-        return results.items()
+            except ValueError:          # a line cut short by the timeout
+                continue
+            if "profile" in d and d.get("key") in todo:
+                results[d["key"]] = LayerProfile.from_json(d["profile"])
+            elif "error" in d and d.get("key") in todo:
+                failures.append((todo[d["key"]], d["error"]))
+        if timed_out:
+            return results, (f"profiling worker {self.worker} ran past {self.timeout_s:g} s; {len(results)} of "
+                             f"{len(todo)} layer programs done (kept in the cache); run again to continue, "
+                             "or narrow the search (--max-model, --microbatches)")
+        if failures:
+            r, why = failures[0]
+            return results, (f"profiling worker {self.worker} could not compile layer {r.layer} on model={r.model_size} "
+                             f"rules {dict(r.rules)} batch {r.batch}: {why}"
+                             + (f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""))
+        if rc != 0 or set(results) != set(todo):
+            tail = "\n".join(stderr.strip().splitlines()[-15:])
+            return results, (f"profiling worker {self.worker} exited with {rc} after {len(results)}/{len(todo)} "
+                             f"layer programs:\n{tail}")
+        return results, ""

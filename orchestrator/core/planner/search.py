@@ -30,7 +30,7 @@ from typing import Callable, Mapping, Optional, Sequence
 
 import numpy as np
 
-from orchestrator.core.planner.cost import MeshChoice, layer_cost, layer_request, mesh_choices
+from orchestrator.core.planner.cost import MeshChoice, fits_layer, layer_cost, layer_request, mesh_choices
 from orchestrator.core.planner.model import PlanModel
 from orchestrator.core.planner.profile import LayerProfile, ProfileRequest
 from orchestrator.core.planner.topology import Topology
@@ -195,8 +195,8 @@ def search(model: PlanModel, topo: Topology, global_batch: int, *, profile: Prof
     for k, cs in choices.items():
         for c in cs:
             for layer in model.layers:
-                for b in (1, 2):
-                    reqs.append(layer_request(layer, c, b))
+                if fits_layer(layer, c):          # a dim the rules shard must divide by the model axis
+                    reqs += [layer_request(layer, c, b) for b in (1, 2)]
     reqs = list(dict.fromkeys(reqs))
     t1 = time.perf_counter()
     profiles = profile(reqs)
@@ -248,6 +248,7 @@ def search(model: PlanModel, topo: Topology, global_batch: int, *, profile: Prof
                     found.setdefault(cand.key(), cand)
     t4 = time.perf_counter()
     space["stage_options"] = sum(L * (L + 1) // 2 * len(cs) for cs in choices.values()) * len(ms)
+    space["plans_from_dp"] = plans_considered
     space["plans_evaluated"] = len(found)
     timings = {"compile_s": t2 - t1, "cost_s": t3 - t2, "solve_s": t4 - t3, "setup_s": t1 - t0}
     if not found:
@@ -323,7 +324,6 @@ def _edge_times(model, topo, micro):
 
 def _solve(stage_tab, edge, infl, m, L, H, topo, n_thresholds):
     """Plans (lists of (i, j, h, k, choice index)) from the bottleneck-bounded DP; and the least memory any plan needs."""
-    p = len(infl)
     ks = sorted({k for k, _ in stage_tab})
     finite = np.concatenate([stage_tab[(k, infl[0])][0][np.isfinite(stage_tab[(k, infl[0])][0])] for k in ks]
                             + [np.zeros(0)])
