@@ -200,3 +200,23 @@ def test_written_job_for_a_real_model_loads_checks_and_plans():
     assert "step ms" in text and "edges" in text
     why = explain(r, t.devices_per_host)
     assert "winner:" in why and "model axis inside hosts vs across hosts" in why
+
+
+def test_profiler_subprocess_cache_errors_and_deadline(tmp_path):
+    from orchestrator.core.planner.profile import ProfileError, ProfileRequest, Profiler
+
+    src = {"kind": "fake"}
+    good = [ProfileRequest("s", 0, 4, (), b) for b in (1, 2)]
+    p = Profiler("tests.planner_fake_worker", tmp_path)
+    got = p.profile(src, good)
+    assert p.stats.compiled == 2 and got[good[1]].flops["bwd"] == 4.0
+    assert p.profile(src, good)[good[0]].cached and p.stats.cache_hits == 2
+    bad = ProfileRequest("s", 0, 4, (("bad", "model"),), 1)
+    new = ProfileRequest("s", 1, 2, (), 3)
+    with pytest.raises(ProfileError, match=r"could not compile layer 0 on model=4 rules \{'bad': 'model'\}"):
+        p.profile(src, [new, bad])
+    assert Profiler("tests.planner_fake_worker", tmp_path).profile(src, [new])[new].cached   # kept anyway
+    slow = Profiler("tests.planner_fake_worker", tmp_path, timeout_s=3)
+    with pytest.raises(ProfileError, match="ran past 3 s; 1 of 2 layer programs done"):
+        slow.profile(src, [ProfileRequest("s", 0, 2, (), 5), ProfileRequest("s", 0, 2, (), 99)])
+    assert slow.profile(src, [ProfileRequest("s", 0, 2, (), 5)])[ProfileRequest("s", 0, 2, (), 5)].cached
