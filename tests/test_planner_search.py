@@ -220,3 +220,18 @@ def test_profiler_subprocess_cache_errors_and_deadline(tmp_path):
     with pytest.raises(ProfileError, match="ran past 3 s; 1 of 2 layer programs done"):
         slow.profile(src, [ProfileRequest("s", 0, 2, (), 5), ProfileRequest("s", 0, 2, (), 99)])
     assert slow.profile(src, [ProfileRequest("s", 0, 2, (), 5)])[ProfileRequest("s", 0, 2, (), 5)].cached
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["balanced", "imbalanced", "tight-memory", "slow-dcn"])
+def test_search_is_within_5_percent_of_exhaustive_simulation(case):
+    """The DP's winner vs every legal plan replayed in the simulator (bounded space: 4 layers, 3 hosts × 2)."""
+    costs = {"balanced": [1e6] * 4, "imbalanced": [1e6, 3e6, 1e6, 5e5]}.get(case, [2e6, 1e6, 1e6, 2e6])
+    t = topo(hosts=3, dph=2, inter_gbps=0.05 if case == "slow-dcn" else 10.0,
+             mem=4.5e5 if case == "tight-memory" else 1e9)
+    kw = dict(gb=16, microbatches=(2, 4, 8), max_model=4, act_bytes=8192, optimizer_slots=2)
+    dp = run(costs, t, top=0, **kw)
+    ex = run(costs, t, top=0, exhaustive=True, **kw)
+    assert len(ex.candidates) > len(dp.candidates) > 0
+    assert dp.best.step_s <= 1.05 * ex.best.step_s, (dp.best, ex.best)
+    assert all(c.memory_bytes <= t.memory_bytes for c in ex.candidates)

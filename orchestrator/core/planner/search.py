@@ -65,6 +65,7 @@ class SearchOptions:
     top: int = 5
     target_step_s: Optional[float] = None
     thresholds: int = 12
+    exhaustive: bool = False       # simulate every legal plan instead of the DP's (small spaces only)
 
 
 @dataclass(frozen=True)
@@ -240,12 +241,17 @@ def search(model: PlanModel, topo: Topology, global_batch: int, *, profile: Prof
                     continue
                 stage_tab = _stage_tables(model, topo, choices, tables, m, sorted(set(infl)), slots, stage_memo)
                 edge = _edge_times(model, topo, micro)
-                plans, mem_need = _solve(stage_tab, edge, infl, m, L, H, topo, options.thresholds)
+                if options.exhaustive:
+                    plans = _enumerate(choices, tables, m, L, H, topo, p)
+                    mem_need = _min_memory(stage_tab, infl, L, H, topo)
+                else:
+                    plans, mem_need = _solve(stage_tab, edge, infl, m, L, H, topo, options.thresholds)
                 min_memory = min(min_memory, mem_need)
-                plans_considered += len(plans)
                 for stages in plans:
+                    plans_considered += 1
                     cand = evaluate(model, topo, choices, tables, stages, m, sched, infl, global_batch, slots)
-                    found.setdefault(cand.key(), cand)
+                    if cand.memory_bytes <= topo.memory_bytes:
+                        found.setdefault(cand.key(), cand)
     t4 = time.perf_counter()
     space["stage_options"] = sum(L * (L + 1) // 2 * len(cs) for cs in choices.values()) * len(ms)
     space["plans_from_dp"] = plans_considered
@@ -390,6 +396,32 @@ def _dp(stage_tab, edge, infl, L, H, topo, bound):
         plan.append((i, j, h, k, c))
         i, h = j, h + k
     return plan
+
+
+def _enumerate(choices, tables, m, L, H, topo, p, limit=200_000):
+    """Every legal plan with p stages (cuts × host counts × one choice per stage), for `exhaustive`."""
+    import itertools
+
+    count = 0
+    for cuts in itertools.combinations(range(1, L), p - 1):
+        bounds = (0, *cuts, L)
+        for ks in itertools.product(range(1, H + 1), repeat=p):
+            if sum(ks) > H:
+                continue
+            starts = np.concatenate([[0], np.cumsum(ks)[:-1]]).astype(int)
+            if not all(_aligned(int(h), k, topo.hosts_per_group, H) for h, k in zip(starts, ks)):
+                continue
+            options = []
+            for s in range(p):
+                i, j, k = bounds[s], bounds[s + 1], ks[s]
+                options.append([ci for ci in range(len(choices[k]))
+                                if np.isfinite(tables[(k, ci, m)].fwd[i:j]).all()
+                                and np.isfinite(tables[(k, ci, m)].bwd[i:j]).all()])
+            for cis in itertools.product(*options):
+                count += 1
+                if count > limit:
+                    raise PlanningError(f"exhaustive search: more than {limit:,} plans; narrow the space")
+                yield [(bounds[s], bounds[s + 1], int(starts[s]), ks[s], cis[s]) for s in range(p)]
 
 
 def _min_max(stage_tab, infl, L, H, topo, index):
