@@ -56,10 +56,10 @@ class ProfileRequest:
     """One layer program to profile (see the module docstring)."""
 
     signature: str
-    layer: int
-    model_size: int
-    rules: tuple[tuple[str, str], ...]
-    batch: int
+    layer: int = field(compare=False)       # which layer to build: any one with this signature
+    model_size: int = 1
+    rules: tuple[tuple[str, str], ...] = ()
+    batch: int = 1
 
     def to_json(self) -> dict:
         return {"signature": self.signature, "layer": self.layer, "model_size": self.model_size,

@@ -23,6 +23,7 @@ Stages take whole consecutive hosts (as `check_job` requires); with node groups
 """
 from __future__ import annotations
 
+import functools
 import math
 import time
 from dataclasses import dataclass, field
@@ -64,7 +65,7 @@ class SearchOptions:
     optimizer_slots: int = 2
     top: int = 5
     target_step_s: Optional[float] = None
-    thresholds: int = 12
+    thresholds: int = 8
     exhaustive: bool = False       # simulate every legal plan instead of the DP's (small spaces only)
 
 
@@ -142,14 +143,21 @@ def rulesets_for(model: PlanModel, extra: Optional[Mapping[str, object]] = None,
     return out
 
 
-def _inflight(schedule: str, p: int, m: int) -> Optional[list[int]]:
-    from orchestrator.core.schedule import ScheduleError, generate, lower, simulate
+@functools.lru_cache(maxsize=512)
+def _lowered(schedule: str, p: int, m: int):
+    from orchestrator.core.schedule import ScheduleError, generate, lower
 
     try:
-        low = lower(generate(schedule, p, m))
-        return list(simulate(low, {"F": 1, "B": 2}).peak_inflight)
+        return lower(generate(schedule, p, m))
     except ScheduleError:
         return None
+
+
+def _inflight(schedule: str, p: int, m: int) -> Optional[list[int]]:
+    from orchestrator.core.schedule import simulate
+
+    low = _lowered(schedule, p, m)
+    return None if low is None else list(simulate(low, {"F": 1, "B": 2}).peak_inflight)
 
 
 def _aligned(h: int, k: int, hpg: int, hosts: int) -> bool:
@@ -193,9 +201,10 @@ def search(model: PlanModel, topo: Topology, global_batch: int, *, profile: Prof
     choices = {k: mesh_choices(k * dph, max_model, rulesets, k > 1) for k in range(1, H + 1)}
     # 2. profiles (one per distinct program; equal layers share)
     reqs = []
+    reps = list({layer.signature: layer for layer in model.layers}.values())   # one layer per program
     for k, cs in choices.items():
         for c in cs:
-            for layer in model.layers:
+            for layer in reps:
                 if fits_layer(layer, c):          # a dim the rules shard must divide by the model axis
                     reqs += [layer_request(layer, c, b) for b in (1, 2)]
     reqs = list(dict.fromkeys(reqs))
@@ -328,7 +337,7 @@ def _edge_times(model, topo, micro):
     return times
 
 
-def _solve(stage_tab, edge, infl, m, L, H, topo, n_thresholds):
+def _solve(stage_tab, edge, infl, m, L, H, topo, n_thresholds, keep=3):
     """Plans (lists of (i, j, h, k, choice index)) from the bottleneck-bounded DP; and the least memory any plan needs."""
     ks = sorted({k for k, _ in stage_tab})
     finite = np.concatenate([stage_tab[(k, infl[0])][0][np.isfinite(stage_tab[(k, infl[0])][0])] for k in ks]
@@ -350,24 +359,32 @@ def _solve(stage_tab, edge, infl, m, L, H, topo, n_thresholds):
             plans.append(plan)
     if not plans:
         return [], _min_memory(stage_tab, infl, L, H, topo)
-    return plans, 0.0
+
+    def objective(plan):     # the DP's estimate: Σ stage + (m − 1) · bottleneck + edges
+        ts = [stage_tab[(k, infl[s])][0][i, j] for s, (i, j, h, k, _) in enumerate(plan)]
+        edges = sum(edge[j, h + k] for i, j, h, k, _ in plan[:-1])
+        return sum(ts) + (m - 1) * max(ts) + edges
+
+    return sorted(plans, key=objective)[:keep], 0.0
 
 
 def _dp(stage_tab, edge, infl, L, H, topo, bound):
+    """The least Σ stage time plan with every stage ≤ bound: [(i, j, h, k, choice index)] per stage, or None."""
     p = len(infl)
     inf = np.inf
-    # cost[s][i, h]: least Σ time of stages s.. starting at layer i, host h (all of them fitting and ≤ bound)
+    ks = sorted({k for k, _ in stage_tab})
+    # nxt[i, h]: least Σ time of stages s+1.. starting at layer i, host h (all fitting and ≤ bound)
     nxt = np.full((L + 1, H + 1), inf)
     nxt[L, :] = 0.0
-    choice = []
+    back = []
     for s in range(p - 1, -1, -1):
-        cur = np.full((L + 1, H + 1), inf)
-        arg = np.zeros((L + 1, H + 1, 3), dtype=np.int64)
         n = infl[s]
-        for k in sorted({k for k, _ in stage_tab}):
+        vals = np.full((len(ks), L + 1, H + 1), inf)
+        js = np.zeros((len(ks), L + 1, H + 1), dtype=np.int64)
+        for ki, k in enumerate(ks):
             if (k, n) not in stage_tab:
                 continue
-            t, best, _ = stage_tab[(k, n)]
+            t = stage_tab[(k, n)][0]
             t = np.where(t <= bound, t, inf)
             hs = np.array([h for h in range(0, H - k + 1) if _aligned(h, k, topo.hosts_per_group, H)], dtype=np.int64)
             if hs.size == 0:
@@ -375,24 +392,20 @@ def _dp(stage_tab, edge, infl, L, H, topo, bound):
             tail = nxt[:, hs + k] + (edge[:, hs + k] if s < p - 1 else 0.0)     # (j, h)
             tot = t[:, :, None] + tail[None, :, :]                               # (i, j, h)
             j = tot.argmin(axis=1)                                               # (i, h)
-            val = np.take_along_axis(tot, j[:, None, :], 1)[:, 0, :]
-            old = cur[:, hs]
-            better = val < old
-            cur[:, hs] = np.where(better, val, old)
-            rows = np.arange(L + 1)[:, None]
-            for col, h in enumerate(hs):
-                b = better[:, col]
-                if b.any():
-                    jj = j[b, col]
-                    arg[b, h] = np.stack([jj, np.full(b.sum(), k), best[rows[b, 0], jj]], 1)
-        choice.append(arg)
-        nxt = cur
-    choice.reverse()
+            vals[ki][:, hs] = np.take_along_axis(tot, j[:, None, :], 1)[:, 0, :]
+            js[ki][:, hs] = j
+        kbest = vals.argmin(axis=0)
+        back.append((kbest, js))
+        nxt = np.take_along_axis(vals, kbest[None], 0)[0]
+    back.reverse()
     if not np.isfinite(nxt[0, 0]):
         return None
     plan, i, h = [], 0, 0
     for s in range(p):
-        j, k, c = (int(x) for x in choice[s][i, h])
+        kbest, js = back[s]
+        ki = int(kbest[i, h])
+        k, j = ks[ki], int(js[ki, i, h])
+        c = int(stage_tab[(k, infl[s])][1][i, j])
         plan.append((i, j, h, k, c))
         i, h = j, h + k
     return plan
@@ -449,7 +462,7 @@ def _min_memory(stage_tab, infl, L, H, topo):
 
 def evaluate(model, topo, choices, tables, stages, m, sched, infl, global_batch, slots) -> Candidate:
     """Replay one plan in the schedule simulator: per-stage F/B/OPT and per-edge transfer times."""
-    from orchestrator.core.schedule import generate, lower, simulate
+    from orchestrator.core.schedule import simulate
 
     micro = global_batch // m
     out = []
@@ -468,7 +481,7 @@ def evaluate(model, topo, choices, tables, stages, m, sched, infl, global_batch,
         cls = topo.class_of_hosts([a.hosts[0] + a.hosts[1] - 1, b.hosts[0]])
         edges.append({"edge": [len(edges), len(edges) + 1], "bytes": nbytes, "link": cls,
                       "time_s": topo.links[cls].time(nbytes)})
-    low = lower(generate(sched, len(out), m))
+    low = _lowered(sched, len(out), m)
     costs = [{"F": st.fwd_s, "B": st.bwd_s, "OPT": st.opt_s} for st in out]
     sim = simulate(low, costs, [e["time_s"] for e in edges] if edges else 0.0)
     return Candidate(tuple(out), m, sched, float(sim.step_time), float(sim.bubble_fraction), tuple(edges))
