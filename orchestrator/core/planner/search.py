@@ -14,9 +14,11 @@ Basic flow of `search(model, topo, global_batch, profile=...)`:
      the schedule's in-flight microbatches at that stage), minimising
      Σ stage time + (m − 1) · max stage time (Alpa's stage DP: enumerate the
      bottleneck bound, minimise the sum under it) plus stage-edge transfers;
-  5. every plan found is replayed by the schedule simulator
-     (`orchestrator.core.schedule.simulate`) with its per-stage F/B/OPT costs and
-     per-edge transfer times; candidates are ranked by simulated step time.
+  5. the DP's three best plans per (m, p, schedule) — by its own estimate — are
+     replayed by the schedule simulator (`orchestrator.core.schedule.simulate`) with
+     their per-stage F/B/OPT costs and per-edge transfer times; candidates are ranked
+     by simulated step time. `SearchOptions.exhaustive` replays every legal plan
+     instead (small spaces; the tests compare the two).
 
 Stages take whole consecutive hosts (as `check_job` requires); with node groups
 (`hosts_per_group`), a stage stays inside one group or takes whole aligned groups.
