@@ -37,9 +37,11 @@ def test_profiles_come_from_compiled_programs_and_are_cached(cache):
     reqs = [ProfileRequest(block.signature, 1, 2, MEGATRON, b) for b in (1, 2, 4)]
     before = os.environ.get("XLA_FLAGS")
     prof = Profiler("stages.aot_profile", cache)
-    got = prof.profile(model.source, reqs + [ProfileRequest(block.signature, 2, 2, MEGATRON, 1)])
+    twin = ProfileRequest(block.signature, 2, 2, MEGATRON, 1)          # block 2: the same program as block 1
+    assert twin == reqs[0]
+    got = prof.profile(model.source, reqs + [twin])
     assert os.environ.get("XLA_FLAGS") == before                    # the caller's process is untouched
-    assert prof.stats.compiled == 3 and prof.stats.requested == 4   # block 2 shares block 1's program
+    assert prof.stats.compiled == 3 and got[twin] is got[reqs[0]]
     p1, p2, p4 = (got[r] for r in reqs)
     # a GPT block's forward: 2·b·s·(4·d² + 2·d·h)/M matmul flops at least, per device (M = 2)
     d, h, s = 64, 256, 32
