@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from stages.data import DataSource, microbatch
+from stages.data import HostLoader, rows_array, rows_of
 from stages.mailbox import Mailbox
 from orchestrator.core.model.spec import ModelSpec, param_name
 
@@ -48,7 +48,7 @@ class WorkerConfig:
     mesh: dict[str, int]
     layout: dict[str, Any]
     spec: ModelSpec
-    data: DataSource
+    data: Any                 # orchestrator.core.data.DataPlan: each host opens its own reader
     microbatches: int
     optimizer: tuple[str, dict]
     seed: int
@@ -151,6 +151,7 @@ class StageWorker:
 
             self.transport = RayTransport(**args)
         self._plan_edges()
+        self._open_data()
         jax.block_until_ready(self.params)
         import ray
 
@@ -177,6 +178,31 @@ class StageWorker:
             self.in_shape.append((mbs, *cfg.spec.layers[start - 1].out_shape) if start > 0 else None)
             self.out_shape.append((mbs, *cfg.spec.layers[stop - 1].out_shape))
 
+    def _open_data(self) -> None:
+        """Loaders for this host's rows: inputs on the first stage, labels on the last (else none)."""
+        cfg = self.cfg
+        mbs = cfg.data.global_batch // cfg.microbatches
+        first, last = self.progs[0], self.progs[-1]
+        self.rows_in = rows_of(first.input_sharding(), (mbs, *cfg.spec.input_shape)) if first.first else None
+        self.rows_lab = rows_of(last.label_sharding(), (mbs, *cfg.spec.label_shape)) if last.last else None
+        self.loader = None
+        if self.rows_in is not None or self.rows_lab is not None:
+            self.loader = HostLoader(cfg.data, self.rows_in, self.rows_lab, cfg.microbatches, who=cfg.who)
+
+    def _host_operand(self, local, rows, shape, sharding):
+        """This host's rows of a microbatch as the jitted program's operand."""
+        if self.transport.single_device:
+            return local                  # one device: the host holds every row (see recv_operand)
+        return rows_array(local, rows, shape, sharding)
+
+    def data_state(self) -> dict | None:
+        """The loader's position (a small dict for a checkpoint); None on a host that loads nothing."""
+        return None if self.loader is None else self.loader.state()
+
+    def load_data_state(self, state: dict) -> None:
+        if self.loader is not None:
+            self.loader.load_state(state)
+
     def transport_address(self):
         """(host, port) this actor's transport listens on after setup; None for the Ray transport."""
         return getattr(self.transport, "address", None)
@@ -193,6 +219,8 @@ class StageWorker:
 
     def shutdown(self) -> None:
         self.inbox.close("shutdown")
+        if getattr(self, "loader", None) is not None:
+            self.loader.close()
         if getattr(self, "transport", None) is not None:
             self.transport.close()
         if self.cfg.stage_hosts > 1:
@@ -278,8 +306,10 @@ class StageWorker:
         self._pin_thread()
         progs = self.progs
         st = _StepState(step)
-        if progs[0].first or progs[-1].last:
-            st.x_all, st.y_all = self.cfg.data.batch(step)
+        if self.loader is not None:
+            waited = self.loader.wait_s
+            st.batch = self.loader.get(step, self.cfg.timeouts.get("step_s", 600.0))
+            st.data_wait_s = self.loader.wait_s - waited
         return st
 
     def _act(self, st: "_StepState", a, text: str) -> None:
@@ -294,13 +324,16 @@ class StageWorker:
         prog = self.progs[c] if kind != "OPT" else None
         t0 = time.time()
         if kind == "F":
+            mbs = cfg.data.global_batch // m
             if prog.first:
-                x = self.transport.from_host(microbatch(st.x_all, a.microbatch, m), prog.input_sharding())
+                x = self._host_operand(st.batch.xs[a.microbatch], self.rows_in, (mbs, *cfg.spec.input_shape),
+                                       prog.input_sharding())
             else:
                 x = inputs.pop(key)
             labels = None
             if prog.last:
-                labels = self.transport.from_host(microbatch(st.y_all, a.microbatch, m), prog.label_sharding())
+                labels = self._host_operand(st.batch.ys[a.microbatch], self.rows_lab,
+                                            (mbs, *cfg.spec.label_shape), prog.label_sharding())
             y, residuals[key] = prog.fwd(self.params[c], x, labels)
             jax.block_until_ready(y)
             st.stash.add(("r", key), residuals[key])
@@ -359,7 +392,10 @@ class StageWorker:
 
         out = {"stage": cfg.stage, "host": cfg.host, "spans": st.spans,
                "stats": {**stage_stats(self), "stash_peak_bytes": st.stash.peak,
-                         "stash_peak_items": st.stash.peak_items}}
+                         "stash_peak_items": st.stash.peak_items, "data_wait_s": st.data_wait_s,
+                         "data_bytes_read": self.loader.bytes_read if self.loader is not None else 0,
+                         "data_windows_read": self.loader.windows_read if self.loader is not None else 0,
+                         "data_rows": len(self.loader.rows) if self.loader is not None else 0}}
         if self.progs[-1].last:
             out["losses"] = [float(st.losses[i]) for i in range(cfg.microbatches)]
         return out
@@ -382,7 +418,8 @@ class _StepState:
 
     def __init__(self, step: int):
         self.step, self.done = step, 0
-        self.x_all = self.y_all = None
+        self.batch = None              # stages.data.HostBatch: this host's rows (first/last stage)
+        self.data_wait_s = 0.0         # time _begin waited for it (the loader on the critical path)
         self.inputs, self.residuals, self.outputs, self.dys, self.dxs = {}, {}, {}, {}, {}
         self.losses: dict[int, Any] = {}
         self.spans: list = []

@@ -12,11 +12,11 @@ from typing import Callable
 
 import numpy as np
 
-from stages.data import DataSource, microbatch
+from stages.data import global_batch, microbatch, open_reader
 from orchestrator.core.model.spec import ModelSpec, param_name
 
 
-def train_reference(spec: ModelSpec, source: DataSource, *, steps: int, seed: int, microbatches: int,
+def train_reference(spec: ModelSpec, source, *, steps: int, seed: int, microbatches: int,
                     optimizer: tuple[str, dict], on_step: Callable[[dict], None] | None = None) -> dict:
     """Train for `steps`; return {"losses", "step_times_s", "param_norms"}."""
     import jax
@@ -30,9 +30,10 @@ def train_reference(spec: ModelSpec, source: DataSource, *, steps: int, seed: in
     params = prog.init_params(seed)
     opt_state, grads = prog.init_state(params)
     losses, times = [], []
+    reader = open_reader(source)      # source: a DataPlan; the whole global batch, in this process
     for step in range(steps):
         t0 = time.perf_counter()
-        x, y = source.batch(step)
+        x, y = global_batch(reader, source, step)
         mb_losses = []
         for i in range(microbatches):
             loss, res = prog.fwd(params, jnp.asarray(microbatch(x, i, microbatches)),

@@ -1,7 +1,7 @@
 """Running a checked job: pipeline on Ray, or the single-process reference.
 
 Basic flow of `run_job`:
-  plan (pure) → output dir checked/created (owner-only) → data source →
+  plan (pure) → output dir checked/created (owner-only) → data plan →
   [Ray: connect → executor.start → step × N → param norms] or [reference] →
   summary.json. Whatever was started is shut down in `finally` (actors,
   placement group, and an embedded Ray we started), also on Ctrl-C.
@@ -23,7 +23,6 @@ from typing import Callable
 from orchestrator.core.plan import make_plan, plan_json
 from orchestrator.core.private_fs import private_dir, write_private
 from orchestrator.core.redact import redact
-from stages.data import make_source
 
 log = logging.getLogger("meshpipe")
 
@@ -32,13 +31,6 @@ def output_dir(checked) -> Path:
     """The run directory, created owner-only (0o700 whatever the umask; see private_fs)."""
     job = checked.job
     return private_dir(Path(job.run.output_dir) / job.run.name)
-
-
-def load_text(checked) -> bytes | None:
-    data = checked.job.data
-    if data.source != "text":
-        return None
-    return Path(checked.data_path or data.path).read_bytes()
 
 
 def step_line(rec: dict, samples: int) -> str:
@@ -54,8 +46,7 @@ def run_job(checked, *, reference: bool = False, echo: Callable[[str], None] = p
     job = checked.job
     plan = make_plan(checked)
     out = output_dir(checked)
-    source = make_source(checked.model, job.data.source, job.data.global_batch, job.run.seed,
-                         text=load_text(checked))
+    source = checked.data     # a DataPlan: each host that needs data opens its own reader
     samples = job.data.global_batch
     progress = Progress(job.run.steps, tty=tty, echo=echo, line=lambda rec: step_line(rec, samples))
 

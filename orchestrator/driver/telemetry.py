@@ -232,8 +232,12 @@ class RunTelemetry:
         for h in self.steps[-1].hosts:
             hosts[f"stage{h.get('stage')}/host{h.get('host')}"] = {k: v for k, v in h.items()
                                                                   if k not in ("stage", "host")}
+        waits = [max((h.get("data_wait_s", 0.0) for h in s.hosts), default=0.0) / s.wall_s
+                 for s in steady if s.wall_s > 0]
         return {
             "first_step_s": self.steps[0].wall_s,
+            # the longest wait of any host on its loader, as a share of the step (mean over steady steps)
+            "data_wait_share": sum(waits) / len(waits) if waits else 0.0,
             "median_step_s": median,
             "samples_per_s": self.global_batch / median if median > 0 else 0.0,
             "measured_bubble_mean": sum(s.measured_bubble for s in steady) / len(steady),
