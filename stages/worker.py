@@ -18,7 +18,10 @@ Basic flow (driven by `orchestrator.driver.executor`):
      The same list can be driven as `run_steps(first, count)` (several steps in
      one call) or `run_action(step, i)` (one call per action: the reference
      executor); all three share `_begin` / `_act` / `_finish`.
-  5. `param_norms()`, `shutdown()`.
+     With `data.eval`, after every `eval_every`-th step (and the last) the same call
+     runs the forward-only eval list (`orchestrator.core.schedule.forward_only`) on the
+     eval batches and returns their losses (`_with_eval`).
+  5. `param_norms()`, `data_state()`, `shutdown()`.
 Actors make no scheduling decisions: the action list is the plan's.
 All hosts of a stage execute the same actions in the same order (SPMD).
 """
@@ -64,6 +67,9 @@ class WorkerConfig:
     fail_step: int | None = None    # test-only fault injection: this step raises at its start
     transport: str = "ray"          # "ray" (actor calls) or "socket" (stages.socket_transport)
     transport_token: bytes | None = field(default=None, repr=False)   # per-run secret for "socket"
+    eval_actions: tuple[str, ...] = ()   # this stage's forward-only eval list (data.eval), else ()
+    eval_every: int | None = None        # evaluate after every k-th step ...
+    total_steps: int = 0                 # ... and after the last one
 
     @property
     def layer_chunks(self) -> tuple[tuple[int, int], ...]:
@@ -84,6 +90,8 @@ class StageWorker:
 
         self.actions = [Action.parse(text) for text in cfg.actions]
         self.action_texts = [str(a) for a in self.actions]
+        self.eval_actions = [Action.parse(text) for text in cfg.eval_actions]
+        self._eval_batches = None       # this host's rows of the eval batches, read once
         self.pinned: set[int] | None = None
         self.pinned_threads: set[int] = set()
         if cfg.pin_cpus:
@@ -235,7 +243,7 @@ class StageWorker:
             st = self._begin(step)
             for a, text in zip(self.actions, self.action_texts):
                 self._act(st, a, text)
-            return self._finish(st)
+            return self._with_eval(step, self._finish(st))
         except Exception as e:
             self._fail(step, e)
             raise
@@ -262,7 +270,7 @@ class StageWorker:
             self._act(st, self.actions[index], self.action_texts[index])
             if index == len(self.actions) - 1:
                 self._step_state = None
-                return self._finish(st)
+                return self._with_eval(step, self._finish(st))
             return None
         except Exception as e:
             self._fail(step, e)
@@ -399,6 +407,61 @@ class StageWorker:
         if self.progs[-1].last:
             out["losses"] = [float(st.losses[i]) for i in range(cfg.microbatches)]
         return out
+
+    # -- evaluation (forward-only schedule) -------------------------------
+    def _with_eval(self, step: int, out: dict) -> dict:
+        """After step `step`'s update: when an evaluation is due, run it (all stages do, in the same
+        step) and add `eval_losses` (last stage: one mean loss per eval batch) and `eval_s`."""
+        cfg = self.cfg
+        due = self.eval_actions and ((cfg.eval_every and (step + 1) % cfg.eval_every == 0)
+                                     or step + 1 == cfg.total_steps)
+        if not due:
+            return out
+        t0 = time.perf_counter()
+        if self._eval_batches is None:
+            loader = None if self.loader is None else HostLoader(
+                cfg.data.eval, self.rows_in, self.rows_lab, cfg.microbatches, who=f"{cfg.who} eval")
+            self._eval_batches = [None if loader is None else loader.load(b) for b in range(cfg.data.eval_batches)]
+        losses = []
+        for b, batch in enumerate(self._eval_batches):
+            st = _StepState(step)
+            st.batch = batch
+            for a in self.eval_actions:
+                self._eval_act(st, a, f"E{b}")
+            if self.progs[-1].last:
+                losses.append(float(np.mean([float(st.losses[i]) for i in range(cfg.microbatches)])))
+        self.transport.flush(cfg.timeouts.get("step_s", 600.0))
+        out["eval_s"] = time.perf_counter() - t0
+        if self.progs[-1].last:
+            out["eval_losses"] = losses
+        return out
+
+    def _eval_act(self, st: "_StepState", a, tag: str) -> None:
+        """One action of the forward-only list; tensors travel under keys (step, tag, mb, chunk)."""
+        cfg, c, m = self.cfg, a.chunk, self.cfg.microbatches
+        kind, key, prog = a.kind.value, (a.microbatch, a.chunk), self.progs[a.chunk]
+        mbs = cfg.data.global_batch // m
+        if kind == "F":
+            x = (self._host_operand(st.batch.xs[a.microbatch], self.rows_in, (mbs, *cfg.spec.input_shape),
+                                    prog.input_sharding()) if prog.first else st.inputs.pop(key))
+            labels = None if not prog.last else self._host_operand(
+                st.batch.ys[a.microbatch], self.rows_lab, (mbs, *cfg.spec.label_shape), prog.label_sharding())
+            y = prog.fwd_eval(self.params[c], x, labels)
+            if prog.last:
+                st.losses[a.microbatch] = y
+            elif self.edge_out[c].stage == cfg.stage:
+                st.inputs[(a.microbatch, c + 1)] = y
+            else:
+                st.outputs[key] = y
+        elif kind == "RECV_F":
+            st.inputs[key] = self.transport.recv_operand((st.step, tag) + key, self.in_shape[c], np.float32,
+                                                         prog.input_sharding(), self.edge_in[c],
+                                                         cfg.timeouts.get("step_s", 600.0))
+        elif kind == "SEND_F":
+            peer_chunk = c + (1 if self.edge_out[c].stage < cfg.stage else 0)
+            self.transport.send((st.step, tag, a.microbatch, peer_chunk), st.outputs.pop(key), self.edge_out[c])
+        else:
+            raise ValueError(f"{cfg.who}: {a} in a forward-only schedule")
 
     def param_norms(self) -> dict[str, float]:
         """L2 norm of every parameter leaf of this stage (global, across hosts)."""

@@ -51,3 +51,29 @@ def gpt_job(tmp_path, data: dict, stages=None, steps=6, name="gpt-data", vocab=3
 
 if __name__ == "__main__":
     print(prepared(Path(sys.argv[1])))
+
+
+def grain_windows(path: str, seq_len: int, dtype: str = "uint16", offset: int = 0):
+    """A grain MapDataset whose record i is window i of a token shard (a user's grain pipeline)."""
+    import grain
+    import numpy as np
+
+    arr = np.memmap(path, dtype=dtype, mode="r")
+    n = (len(arr) - 1) // seq_len
+    return grain.MapDataset.range(n).map(
+        lambda i: np.asarray(arr[i * seq_len: i * seq_len + seq_len + 1], dtype=np.int64) + offset)
+
+
+def write_docs(root: Path, shards_dir: Path) -> tuple[Path, Path, list[str]]:
+    """The corpus files as documents in a JSONL and a Parquet file (column 'text', plus 'name')."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from orchestrator.driver.prepare import list_inputs
+
+    docs = [(p.name, p.read_bytes().decode("utf-8", errors="replace")) for p in list_inputs(corpus())][:12]
+    jsonl = root / "docs.jsonl"
+    jsonl.write_text("".join(json.dumps({"name": n, "text": t}) + "\n" for n, t in docs))
+    parquet = root / "docs.parquet"
+    pq.write_table(pa.table({"name": [n for n, _ in docs], "text": [t for _, t in docs]}), parquet)
+    return jsonl, parquet, [t for _, t in docs]

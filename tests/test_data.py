@@ -255,3 +255,43 @@ def test_source_keys_are_checked(tmp_path):
         checked(tmp_path, {"source": "tokens", "path": "x", "column": "text"})
     with pytest.raises(ConfigError, match=r"run.eval_every = 2: needs data.eval"):
         checked(tmp_path, {"source": "synthetic"}, eval_every=2)
+
+
+# ----------------------------------------------------------------------------- eval schedule
+
+@pytest.mark.parametrize("p,m,v", [(1, 2, 1), (2, 4, 1), (3, 4, 1), (2, 4, 2)])
+def test_forward_only_schedule_lowers_and_validates(p, m, v):
+    from orchestrator.core.schedule import Kind, Schedule, add_comms, forward_only, validate
+
+    low = add_comms(forward_only(p, m, v))
+    validate(low)
+    kinds = {a.kind for _, _, a in low.cells()}
+    assert kinds <= {Kind.F, Kind.SEND_F, Kind.RECV_F} and low.forward_only
+    assert sum(a.kind is Kind.F for _, _, a in low.cells()) == p * m * v
+    assert Schedule.from_json(low.to_json()) == low
+
+
+def test_validator_holds_a_forward_only_schedule_to_forwards():
+    from orchestrator.core.schedule import Action, Schedule, ScheduleError, validate
+
+    bad = Schedule("forward-only", 1, 1, 1, ((Action.parse("0F0"), Action.parse("0B0")),), forward_only=True)
+    with pytest.raises(ScheduleError) as e:
+        validate(bad)
+    assert e.value.rule == "forward-only"
+    missing = Schedule("forward-only", 1, 2, 1, ((Action.parse("0F0"),),), forward_only=True)
+    with pytest.raises(ScheduleError, match="forward 0F1 is missing"):
+        validate(missing)
+
+
+def test_plan_has_the_eval_schedule_and_the_step_line_shows_eval(tmp_path, shards):
+    from orchestrator.core.plan import make_plan
+    from orchestrator.driver.runner import step_line
+
+    c = checked(tmp_path, {"source": "tokens", "path": str(shards), "eval": {"holdout": 0.1}}, eval_every=3)
+    plan = make_plan(c)
+    assert plan.eval_schedule.forward_only and plan.eval_schedule.p == 2
+    assert c.data.split == ("head", 0.1) and c.data.eval.split == ("tail", 0.1) and c.data.eval_batches == 2
+    rec = {"step": 3, "loss": 2.0, "step_time_s": 0.5}
+    assert "eval" not in step_line(rec, 16)
+    assert step_line({**rec, "eval_loss": 1.5}, 16).endswith("eval loss 1.50000")
+    assert make_plan(checked(tmp_path, {"source": "tokens", "path": str(shards)})).eval_schedule is None

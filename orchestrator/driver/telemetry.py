@@ -291,9 +291,12 @@ class Progress:
         self.width = width
         self.done = 0
         self._drawn = False
+        self.eval_loss = None        # the latest evaluation's loss, kept on the bar
 
     def update(self, rec: dict) -> None:
         self.done = rec["step"] + 1
+        if rec.get("eval_loss") is not None:
+            self.eval_loss = rec["eval_loss"]
         if not self.tty:
             self.echo(self.line(rec))
             return
@@ -304,6 +307,8 @@ class Progress:
         text = (f"\r{bar} {self.done}/{self.total}  loss {rec['loss']:.4f}  "
                 f"{rec['samples_per_s']:.1f} samples/s  {rec['step_time_s'] * 1e3:.0f} ms/step  "
                 f"eta {eta:.0f}s ")
+        if self.eval_loss is not None:
+            text += f" eval {self.eval_loss:.4f} "
         self.stream.write(text)
         self.stream.flush()
         self._drawn = True

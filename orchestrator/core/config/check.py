@@ -124,6 +124,11 @@ class Checked:
                       "args": json.loads(json.dumps(dict(m.args), default=repr))},
             "microbatch_size": self.microbatch_size,
             "data_path": self.data_path,
+            "data": None if self.data is None else {
+                "source": self.data.source, "files": list(self.data.files), "dtype": self.data.dtype,
+                "windows": None if self.data.counts is None else sum(self.data.counts),
+                "split": list(self.data.split), "eval_batches": self.data.eval_batches,
+                "eval_files": [] if self.data.eval is None else list(self.data.eval.files)},
             "stages": [dict(s.to_dict(), params=sum(m.param_count(a, b) for a, b in s.chunks))
                        for s in self.stages],
         })
