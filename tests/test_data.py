@@ -295,3 +295,13 @@ def test_plan_has_the_eval_schedule_and_the_step_line_shows_eval(tmp_path, shard
     assert "eval" not in step_line(rec, 16)
     assert step_line({**rec, "eval_loss": 1.5}, 16).endswith("eval loss 1.50000")
     assert make_plan(checked(tmp_path, {"source": "tokens", "path": str(shards)})).eval_schedule is None
+
+
+def test_the_eval_program_has_forward_handlers_only():
+    from orchestrator.core.schedule import Action
+    from stages import actions
+
+    assert actions.handler_for(Action.parse("1F0"), "w", actions.EVAL_HANDLERS) is actions.eval_forward
+    assert actions.handler_for(Action.parse("0SEND_F1"), "w", actions.EVAL_HANDLERS) is actions.send_forward
+    with pytest.raises(ValueError, match=r"w: cannot execute action 0B1 .*kind B has no handler"):
+        actions.handler_for(Action.parse("0B1"), "w", actions.EVAL_HANDLERS)
