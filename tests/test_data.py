@@ -305,3 +305,33 @@ def test_the_eval_program_has_forward_handlers_only():
     assert actions.handler_for(Action.parse("0SEND_F1"), "w", actions.EVAL_HANDLERS) is actions.send_forward
     with pytest.raises(ValueError, match=r"w: cannot execute action 0B1 .*kind B has no handler"):
         actions.handler_for(Action.parse("0B1"), "w", actions.EVAL_HANDLERS)
+
+
+def test_prepare_encodes_each_file_as_a_document_and_refuses_bad_inputs(tmp_path, shards):
+    from click.testing import CliRunner
+    from tokenizers import Tokenizer
+
+    from orchestrator.driver.cli import main
+
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    a.write_text("Permission is hereby granted, free of charge")
+    b.write_text("THE SOFTWARE IS PROVIDED AS IS")
+    out = tmp_path / "out"
+    res = CliRunner().invoke(main, ["prepare", str(a), str(b), "--out", str(out),
+                                    "--tokenizer", str(shards / "tokenizer.json"), "--shard-tokens", "8"])
+    assert res.exit_code == 0, res.output
+    tok = Tokenizer.from_file(str(shards / "tokenizer.json"))
+    eos = tok.token_to_id("<|endoftext|>")
+    want = tok.encode(a.read_text()).ids + [eos] + tok.encode(b.read_text()).ids + [eos]
+    doc = json.loads((out / "index.json").read_text())
+    got = np.concatenate([np.fromfile(out / s["file"], dtype=doc["dtype"]) for s in doc["shards"]])
+    assert got.tolist() == want and all(s["tokens"] <= 8 for s in doc["shards"])
+    assert doc["eos"] == eos and doc["vocab"] == 320 and f"wrote {len(doc['shards'])} shard(s)" in res.output
+    both = CliRunner().invoke(main, ["prepare", str(a), "--out", str(tmp_path / "x"), "--tokenizer",
+                                     str(shards / "tokenizer.json"), "--train-tokenizer", "300"])
+    assert both.exit_code == 2 and "exactly one of a tokenizer file or a vocabulary size" in both.output
+    fifo_dir = tmp_path / "fifos"
+    fifo_dir.mkdir()
+    os.mkfifo(fifo_dir / "p")
+    none = CliRunner().invoke(main, ["prepare", str(fifo_dir), "--out", str(tmp_path / "y"), "--train-tokenizer", "300"])
+    assert none.exit_code == 2 and "no non-empty regular files" in none.output
