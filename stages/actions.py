@@ -103,13 +103,13 @@ def _operands(w, st: StepState, a, prog):
     cfg = w.cfg
     mbs = cfg.data.global_batch // cfg.microbatches
     if prog.first:
-        x = w._host_operand(st.batch.xs[a.microbatch], w.rows_in, (mbs, *cfg.spec.input_shape),
+        x = w.host_operand(st.batch.xs[a.microbatch], w.rows_in, (mbs, *cfg.spec.input_shape),
                             prog.input_sharding())
     else:
         x = st.inputs.pop((a.microbatch, a.chunk))
     labels = None
     if prog.last:
-        labels = w._host_operand(st.batch.ys[a.microbatch], w.rows_lab, (mbs, *cfg.spec.label_shape),
+        labels = w.host_operand(st.batch.ys[a.microbatch], w.rows_lab, (mbs, *cfg.spec.label_shape),
                                  prog.label_sharding())
     return x, labels
 

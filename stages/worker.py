@@ -203,7 +203,7 @@ class StageWorker:
         if self.rows_in is not None or self.rows_lab is not None:
             self.loader = HostLoader(cfg.data, self.rows_in, self.rows_lab, cfg.microbatches, who=cfg.who)
 
-    def _host_operand(self, local, rows, shape, sharding):
+    def host_operand(self, local, rows, shape, sharding):
         """This host's rows of a microbatch as the jitted program's operand."""
         if self.transport.single_device:
             return local                  # one device: the host holds every row (see recv_operand)
