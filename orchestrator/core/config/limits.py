@@ -7,34 +7,28 @@ the others, before Ray starts:
     learning rate at most MAX_LEARNING_RATE, and the optax function must take a
     `learning_rate` (plain transforms such as `identity` or `scale_by_adam` apply the
     gradient unscaled: the update *adds* it, gradient ascent).
-  - `data_file_problems`: a data file must be a regular file (not a directory, FIFO or
-    device), inside its own directory once symlinks are resolved, long enough for one
-    window (`min_bytes`) and at most MAX_DATA_BYTES (it is copied to every actor). Other
-    data sources can reuse it for their files.
+  (Data files: `orchestrator.core.data.shards.regular_file` — regular, non-empty, and not
+    a symlink out of its own directory.)
   - `memory_problems`: a lower bound of what each device and each host must hold
     (parameters, their gradients, one microbatch of activations; the global batch on
     every host), against what the cluster can have: this machine's memory for an
     embedded CPU cluster, otherwise the largest memory any device / server has
     (MAX_DEVICE_BYTES / MAX_HOST_BYTES) — so an impossible plan is refused, a tight one
     is left to the run.
-Pure: reads only `os.stat` of the data file and this machine's memory size.
+Pure: reads only this machine's memory size.
 """
 from __future__ import annotations
 
 import math
 import os
-import stat
-from pathlib import Path
 from typing import Any, Optional
 
 from orchestrator.core.config.errors import problem
 from orchestrator.core.model.layout import partition_spec, shard_count
 
-__all__ = ["optimizer_problems", "data_file_problems", "memory_problems", "MAX_LEARNING_RATE",
-           "MAX_DATA_BYTES", "MAX_DEVICE_BYTES", "MAX_HOST_BYTES"]
+__all__ = ["optimizer_problems", "memory_problems", "MAX_LEARNING_RATE", "MAX_DEVICE_BYTES", "MAX_HOST_BYTES"]
 
 MAX_LEARNING_RATE = 100.0
-MAX_DATA_BYTES = 1 << 30          # a text file is read by the driver and copied into every actor
 MAX_DEVICE_BYTES = 288 << 30      # the largest accelerator memory shipping (288 GB HBM)
 MAX_HOST_BYTES = 32 << 40         # the largest single servers (32 TiB)
 
@@ -80,51 +74,6 @@ def optimizer_problems(name: str, args: dict, fn) -> list[str]:
         out.append(problem("optimizer.args.learning_rate", lr, f"must be at most {MAX_LEARNING_RATE:g}; a "
                            "larger step diverges (or overflows) on the first update"))
     return out
-
-
-def data_file_problems(key: str, value: Optional[str], *, min_bytes: int = 1,
-                       max_bytes: int = MAX_DATA_BYTES, what: str = "bytes") -> tuple[Optional[str], list[str]]:
-    """(resolved absolute path or None, problems) for a data file named at `key`.
-
-    Rules: the path (relative ones from the current directory) names a regular file, not
-    a directory, FIFO, socket or device; once symlinks are resolved it is still inside the
-    directory the path names it in (a link out of it, e.g. to /etc/shadow, is refused);
-    it holds at least `min_bytes` and at most `max_bytes`.
-
-    Example:
-        >>> data_file_problems("data.path", "/dev/null")[1]
-        ["data.path = '/dev/null': is a character device, not a regular file"]
-    """
-    if not value:
-        return None, [problem(key, value, "required: a file to read")]
-    if any(ord(c) < 32 or c == "\x7f" for c in value):
-        return None, [problem(key, value, "must not contain control characters")]
-    given = Path(os.path.abspath(value))
-    try:
-        st = os.stat(given)           # follows symlinks: what would be read
-    except FileNotFoundError:
-        return None, [problem(key, value, f"file not found (relative paths are read from the current "
-                              f"directory, {os.getcwd()})")]
-    except OSError as e:
-        return None, [problem(key, value, f"cannot be read: {e.strerror or e}")]
-    if not stat.S_ISREG(st.st_mode):
-        kind = ("a directory" if stat.S_ISDIR(st.st_mode) else "a FIFO (named pipe)" if stat.S_ISFIFO(st.st_mode)
-                else "a socket" if stat.S_ISSOCK(st.st_mode) else "a character device" if stat.S_ISCHR(st.st_mode)
-                else "a block device" if stat.S_ISBLK(st.st_mode) else "not a regular file")
-        return None, [problem(key, value, f"is {kind}, not a regular file")]
-    real = Path(os.path.realpath(given))
-    home = Path(os.path.realpath(given.parent))
-    if home not in real.parents:
-        return None, [problem(key, value, f"is a symlink to {real}, outside {home}; copy the file "
-                              "there or name its real path")]
-    if st.st_size < min_bytes:
-        return None, [problem(key, value, f"holds {st.st_size} {what}; need at least {min_bytes}")]
-    if st.st_size > max_bytes:
-        return None, [problem(key, value, f"holds {st.st_size} bytes; at most {max_bytes} (the file is "
-                              "copied to every stage actor)")]
-    if not os.access(real, os.R_OK):
-        return None, [problem(key, value, "is not readable by this user")]
-    return str(real), []
 
 
 def _nbytes(shape, itemsize: int = 4) -> int:
