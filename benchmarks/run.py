@@ -494,7 +494,7 @@ def _render_overhead(raw, der) -> list[str]:
              "actions. Target ≤ 0.3 ms per action. The action spans themselves are not free either: *F/B ms* "
              "shows them per stage (for meshpipe they include jit dispatch, the separate gradient-accumulate "
              "call and `block_until_ready`); *SEND ms* is meshpipe's mean SEND span (plan lookup, pack, push). "
-             "Tiny actions' durations are right-skewed (0.3–0.9 ms around a ~0.5 ms median), so an ideal built "
+             "Tiny actions' durations are right-skewed (a long tail above the median), so an ideal built "
              "from median spans undercounts the compute a step really did; *with mean spans* builds the ideal "
              "from each kind's mean span instead (both runtimes), which charges the runtime only for the time "
              "between actions."),
