@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass, field
-from typing import Sequence
+from collections.abc import Sequence
 
 from orchestrator.driver import placement
 from orchestrator.core.edges import stage_geoms

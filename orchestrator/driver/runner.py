@@ -18,7 +18,7 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from orchestrator.core.plan import make_plan, plan_json
 from orchestrator.core.private_fs import private_dir, write_private
