@@ -2,7 +2,8 @@
 the README or docs/ exists (pure; reads sources, imports nothing of the product).
 
 Checked: backticked paths with a directory part (`stages/worker.py`,
-`orchestrator/core/schedule/`), and every `*.md` file named anywhere (a design note
+`orchestrator/core/schedule/`; an upper-case first part is a placeholder for the
+user's directory), and every `*.md` file named anywhere (a design note
 outside the repository is not something a reader can open).
 """
 from __future__ import annotations
@@ -29,8 +30,11 @@ def missing_paths(text: str) -> list[str]:
     out = []
     for m in BACKTICKED.finditer(text):
         path = m.group(1)
-        if "." in path.split("/")[0] and not path.startswith("."):
+        first = path.split("/")[0]
+        if "." in first and not path.startswith("."):
             continue                       # a host or label (`ray.io/tpu-worker-id`), not a file
+        if first.isupper():
+            continue                       # a placeholder (`OUT/tokenizer.json`: the user's directory)
         if not (ROOT / path).exists():
             out.append(path)
     for m in MARKDOWN.finditer(text):
@@ -53,6 +57,7 @@ def test_every_cited_path_exists():
     ("the plan (`orchestrator/core/reshard/`)", []),
     ("`stages/worker.py` and README.md", []),
     ("label `ray.io/tpu-worker-id`", []),
+    ("saved as `OUT/tokenizer.json`", []),
 ])
 def test_the_check_catches_a_missing_path(text, expected):
     assert missing_paths(text) == expected
