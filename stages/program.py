@@ -11,7 +11,8 @@ Invariants:
   - No recompute: the forward returns the VJP residuals. Residuals that are the
     parameters themselves are dropped from the forward's outputs and re-inserted
     from the live params in the backward, so a forward never copies weights
-    (see ARCHITECTURE.md, "the VJP note").
+    (a jitted `jax.vjp` returning its pullback would carry the parameters as
+    outputs: XLA copies every weight per forward).
   - The last stage's forward returns the microbatch loss; its backward seeds the
     cotangent 1/m, so accumulated gradients are those of the mean loss over the
     m microbatches, in microbatch order — exactly what the reference does.
