@@ -58,6 +58,10 @@ class Transport:
     def flush(self, timeout: float) -> None:
         raise NotImplementedError
 
+    def expect(self, edge: Edge, shape: tuple, dtype) -> None:
+        """Announce a tensor that may arrive along `edge` (before any peer sends it). A transport
+        that reads headers from the network accepts only announced tensors; the default ignores it."""
+
     @staticmethod
     def from_host(arr: np.ndarray, sharding):
         """A host-side global array (identical on every host of the stage) as a sharded jax.Array."""

@@ -108,14 +108,15 @@ class StageWorker:
 
     # -- lifecycle ---------------------------------------------------------
     def coordinator_address(self) -> str:
-        """host 0 of a multi-host stage: pick a free port for this stage's JAX world."""
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
+        """host 0 of a multi-host stage: pick a free port on the node address for this stage's
+        JAX world (its coordinator binds only there; `stages.jaxinit` checks it got the port)."""
         import ray
 
         ip = ray.util.get_node_ip_address()
-        return f"{ip}:{port}"
+        with socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET) as s:
+            s.bind((ip, 0))
+            port = s.getsockname()[1]
+        return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
 
     def setup(self, coordinator: str | None = None) -> dict:
         cfg = self.cfg
@@ -192,6 +193,10 @@ class StageWorker:
                 after % p, cfg.geoms[after % p], tuple(cfg.spec.layers[stop - 1].out_axes)))
             self.in_shape.append((mbs, *cfg.spec.layers[start - 1].out_shape) if start > 0 else None)
             self.out_shape.append((mbs, *cfg.spec.layers[stop - 1].out_shape))
+            if self.edge_in[c] is not None:       # what may arrive: activations in, gradients back
+                self.transport.expect(self.edge_in[c], self.in_shape[c], np.float32)
+            if self.edge_out[c] is not None:
+                self.transport.expect(self.edge_out[c], self.out_shape[c], np.float32)
 
     def _open_data(self) -> None:
         """Loaders for this host's rows: inputs on the first stage, labels on the last (else none)."""

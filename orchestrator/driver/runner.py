@@ -110,7 +110,7 @@ def _run_pipeline(checked, plan, source, on_step, out: Path, echo, hooks: Sequen
             step = r.step
             losses.append(r.loss)
             times.append(r.wall_s)
-            spans.append(r.spans)
+            spans = [r.spans]     # only the last step's spans are kept (driver memory per step bounded)
             st = tel.add(step, r.wall_s, r.loss, r.spans, r.stats)
             if metrics is not None:
                 metrics.record(st, eval_loss=r.eval_loss)
@@ -143,9 +143,9 @@ def _ray_info(run: str, echo) -> dict:
 
     info = {"namespace": f"meshpipe-{run}", "actors": f"{run}/stage<s>/host<h>", "placement_group": f"{run}/pg"}
     try:
-        from ray._private.worker import get_dashboard_url
+        from orchestrator.driver.ray_internals import dashboard_url
 
-        url = get_dashboard_url()
+        url = dashboard_url()
         info["dashboard_url"] = f"http://{url}" if url and "://" not in url else url
         info["metrics_endpoints"] = metrics_endpoints()
     except Exception as e:  # noqa: BLE001 - informational only
