@@ -2,8 +2,8 @@
 
 `stages.program` drops the residuals that *are* the parameters from the forward's
 outputs (matched by object identity of their tracers inside `jax.vjp`'s closure) and
-re-inserts the live parameters in the backward, so a forward never copies weights (see
-ARCHITECTURE.md, "the VJP note"). That matching relies on how JAX builds the closure; if
+re-inserts the live parameters in the backward, so a forward never copies weights
+(returning the whole VJP would make XLA copy every weight per microbatch). That matching relies on how JAX builds the closure; if
 a JAX release wraps the parameters differently, the match fails silently and every
 microbatch's forward would return (copy) the weights. `forwarded_params` verifies it on
 the traced program: no output of the forward's jaxpr may be one of its parameter inputs
