@@ -5,9 +5,10 @@ the batch itself from (seed, step) instead of receiving it from the driver, so
 the driver stays out of the data path. numpy only.
 
 Sources:
-  - `synthetic` for `gpt`: token sequences that follow a hidden rule (a start
-    token and a stride per row, modulo the vocabulary), so loss can fall;
-  - `synthetic` for `mlp`: Gaussian inputs, labels from a fixed random teacher;
+  - `synthetic` for token models (`vocab` > 0, labels shaped like inputs, e.g.
+    `gpt`): token sequences that follow a hidden rule (a start token and a stride
+    per row, modulo the vocabulary), so loss can fall;
+  - `synthetic` otherwise (e.g. `mlp`): Gaussian inputs, labels from a fixed random teacher;
   - `text`: character-level windows of a text file (bytes clipped to the vocab).
 """
 from __future__ import annotations
@@ -62,7 +63,7 @@ def make_source(spec: ModelSpec, kind: str, global_batch: int, seed: int,
                 text: bytes | None = None) -> DataSource:
     return DataSource(kind=kind, model=spec.name, global_batch=global_batch, seed=seed,
                       input_shape=tuple(spec.input_shape), label_shape=tuple(spec.label_shape),
-                      vocab=int(spec.args.get("vocab", 0)), text=text)
+                      vocab=int(spec.vocab), text=text)
 
 
 def microbatch(arr: np.ndarray, index: int, count: int) -> np.ndarray:

@@ -1,9 +1,11 @@
 """A stage's compiled programs: forward, backward (B, or I and W), accumulate, update.
 
-Basic flow for one microbatch on one stage:
-    y, res = fwd(params, x[, labels])       # res: residuals kept until the backward
-    dx, grads = bwd_acc(params, res, dy, grads)   # or bwd_i -> dx, later bwd_w_acc -> grads
-                                                  # (= bwd, then accumulate: the reference's way)
+A stage runs parts [start, stop) of a `PipelineModel` (`orchestrator.core.model.pipeline`).
+Activations between stages are pytrees; the programs take and return them as flat
+lists of leaves (jax's flatten order, as in `LayerSpec.outputs`), which is what the
+transport moves. Basic flow for one microbatch on one stage:
+    ys, res = fwd(params, xs[, labels])          # res: residuals kept until the backward
+    dxs, grads = bwd_acc(params, res, dys, grads)   # or bwd_i -> dxs, later bwd_w_acc -> grads
 and once per step: params, opt_state, grads = update(params, opt_state, grads).
 
 Invariants:
@@ -11,42 +13,71 @@ Invariants:
     parameters themselves are dropped from the forward's outputs and re-inserted
     from the live params in the backward, so a forward never copies weights
     (see ARCHITECTURE.md, "the VJP note").
+  - Gradients cross only for the inexact (floating) leaves of an activation: `dys`
+    lists the cotangents of this stage's floating output leaves, `dxs` those of its
+    floating input leaves; integer leaves (positions, masks) get none.
   - The last stage's forward returns the microbatch loss; its backward seeds the
     cotangent 1/m, so accumulated gradients are those of the mean loss over the
-    m microbatches, in microbatch order — exactly what the reference does.
-  - The first stage takes no gradient with respect to its input (tokens).
-  - `mesh=None` gives the unsharded programs the single-process reference uses.
+    m microbatches, in microbatch order.
+  - The first stage takes no gradient with respect to its input (the data).
+  - Every part's output is constrained to its logical axes on the stage's mesh.
+  - Precision (`spec.compute_dtype`, `orchestrator.core.model.policy`): parameters,
+    gradients and optimizer state are float32; each part sees its floating params and
+    inputs cast to the compute dtype and its floating outputs leave in it; the loss
+    takes float32 outputs. Remat (`remat`): each part under `jax.checkpoint` with the
+    named policy, so the residuals kept until the backward are what the policy saves.
+  - `mesh=None` gives the unsharded programs (the `--reference` run uses them).
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from stages import sharding
-from stages.models.base import ModelImpl, init_layer, layer_key
-from orchestrator.core.model.spec import LayerSpec, ModelSpec
+from orchestrator.core.model.pipeline import PipelineModel
+from orchestrator.core.model.policy import remat_policy
+from orchestrator.core.model.spec import LeafSpec, ModelSpec
 
 
 def make_optimizer(name: str, args: dict[str, Any]) -> optax.GradientTransformation:
     return getattr(optax, name)(**args)
 
 
-class StageProgram:
-    """The jitted programs of layers [start, stop) of `spec` on one mesh."""
+def model_key(seed: int) -> jax.Array:
+    """The key every part's init gets (so the parts hold the whole model's own init)."""
+    return jax.random.key(seed)
 
-    def __init__(self, spec: ModelSpec, impl: ModelImpl, start: int, stop: int, *,
+
+def _inexact(leaf: LeafSpec) -> bool:
+    return jnp.issubdtype(np.dtype(leaf.dtype), jnp.inexact)
+
+
+class StageProgram:
+    """The jitted programs of parts [start, stop) of `model` (described by `spec`) on one mesh."""
+
+    def __init__(self, spec: ModelSpec, model: PipelineModel, start: int, stop: int, *,
                  microbatches: int, optimizer: optax.GradientTransformation,
-                 mesh=None, layout: dict | None = None):
-        self.spec, self.impl = spec, impl
+                 mesh=None, layout: dict | None = None, remat: str = "none"):
+        self.spec, self.model = spec, model
         self.start, self.stop = start, stop
-        self.layers: Sequence[LayerSpec] = spec.layers[start:stop]
+        self.parts = model.parts[start:stop]
+        self.layers = spec.layers[start:stop]
         self.first, self.last = start == 0, stop == spec.num_layers
         self.mesh, self.layout = mesh, dict(layout or {})
         self.m = microbatches
         self.tx = optimizer
+        self.compute = jnp.dtype(spec.compute_dtype)
+        self.remat, self.remat_policy = remat_policy(remat)
+        # the activation entering / leaving this stage, as leaves
+        self.in_leaves = (spec.input,) if self.first else spec.layers[start - 1].outputs
+        self.in_tree = None if self.first else jax.tree.structure(spec.layers[start - 1].out_tree)
+        self.out_leaves = self.layers[-1].outputs
+        self.in_diff = tuple(i for i, leaf in enumerate(self.in_leaves) if _inexact(leaf))
+        self.out_diff = tuple(i for i, leaf in enumerate(self.out_leaves) if _inexact(leaf))
         self._vjp_meta: dict[str, Any] = {}
         self._build()
 
@@ -54,79 +85,124 @@ class StageProgram:
     def _sh(self, axes):
         return None if self.mesh is None else sharding.named(self.mesh, self.layout, axes)
 
+    def param_trees(self):
+        """Per part: the parameter pytree of shape structs (from its init, by shape evaluation)."""
+        if not hasattr(self, "_ptrees"):
+            key = jax.eval_shape(lambda: model_key(0))
+            self._ptrees = [jax.eval_shape(part.init, key) for part in self.parts]
+        return self._ptrees
+
     def param_shardings(self):
-        return [{n: self._sh(p.axes) for n, p in layer.params.items()} for layer in self.layers]
+        out = []
+        for tree, layer in zip(self.param_trees(), self.layers):
+            treedef = jax.tree.structure(tree)
+            out.append(jax.tree.unflatten(treedef, [self._sh(p.axes) for p in layer.params.values()]))
+        return out
+
+    def input_shardings(self) -> list:
+        """One sharding per input leaf (the model input on the first stage)."""
+        return [self._sh(leaf.axes) for leaf in self.in_leaves]
+
+    def output_shardings(self) -> list:
+        return [self._sh(leaf.axes) for leaf in self.out_leaves]
 
     def input_sharding(self):
-        axes = self.spec.input_axes if self.first else self.spec.layers[self.start - 1].out_axes
-        return self._sh(axes)
-
-    def output_sharding(self):
-        return None if self.last else self._sh(self.layers[-1].out_axes)
+        return self.input_shardings()[0] if self.first else self.input_shardings()
 
     def label_sharding(self):
-        return self._sh(("batch",) + (None,) * len(self.spec.label_shape))
+        return self._sh(self.spec.label.axes)
 
     # -- programs ----------------------------------------------------------
-    def _apply(self, params, x):
+    def _cast(self, tree, dtype):
+        """Floating leaves of `tree` in `dtype` (integer leaves as they are)."""
+        return jax.tree.map(lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
+
+    def _part_fn(self, part, layer, train: bool):
+        """One part as the stage runs it: compute-dtype params and inputs, outputs in the compute
+        dtype and constrained to their logical axes; under jax.checkpoint when remat is on."""
+        def run(p, x):
+            y = part.apply(self._cast(p, self.compute), self._cast(x, self.compute), rng=None, train=train)
+            leaves, treedef = jax.tree.flatten(self._cast(y, self.compute))
+            leaves = [sharding.constrain(leaf, spec.axes) for leaf, spec in zip(leaves, layer.outputs)]
+            return jax.tree.unflatten(treedef, leaves)
+
+        return jax.checkpoint(run, policy=self.remat_policy) if self.remat else run
+
+    def _apply(self, params, xs, train: bool = True):
+        x = xs[0] if self.first else jax.tree.unflatten(self.in_tree, xs)
         with sharding.use(self.mesh, self.layout):
-            for layer, p in zip(self.layers, params):
-                x = self.impl.apply(layer, p, x)
+            for part, layer, p in zip(self.parts, self.layers, params):
+                x = self._part_fn(part, layer, train)(p, x)
             return x
 
     def _build(self):
         meta = self._vjp_meta
+        in_diff, out_diff = self.in_diff, self.out_diff
 
-        def fwd(params, x, labels=None):
-            if self.last:
-                def f(p, *xs):
+        def fwd(params, xs, labels=None):
+            xs = list(xs)
+
+            def f(p, *dx):
+                full = list(xs)
+                for i, v in zip(in_diff, dx):
+                    full[i] = v
+                y = self._apply(p, full)
+                if self.last:
                     with sharding.use(self.mesh, self.layout):
-                        return self.impl.loss(self._apply(p, xs[0] if xs else x), labels)
+                        return self.model.loss(self._cast(y, jnp.float32), labels).astype(jnp.float32)
+                leaves = jax.tree.leaves(y)
+                return [leaves[i] for i in out_diff], [leaf for i, leaf in enumerate(leaves) if i not in out_diff]
+
+            primals = (params,) if self.first else (params, *[xs[i] for i in in_diff])
+            if self.last:
+                outs, vjp = jax.vjp(f, *primals)
             else:
-                def f(p, *xs):
-                    return self._apply(p, xs[0] if xs else x)
-            primals = (params,) if self.first else (params, x)
-            y, vjp = jax.vjp(f, *primals)
+                diff, vjp, rest = jax.vjp(f, *primals, has_aux=True)
+                outs = _merge(diff, rest, out_diff, len(self.out_leaves))
             leaves, treedef = jax.tree.flatten(vjp)
             where = {id(leaf): i for i, leaf in enumerate(jax.tree.leaves(params))}
             slots = tuple(where.get(id(leaf)) for leaf in leaves)
             meta["treedef"], meta["slots"] = treedef, slots
-            return y, [leaf for leaf, s in zip(leaves, slots) if s is None]
+            return outs, [leaf for leaf, s in zip(leaves, slots) if s is None]
 
-        def pullback(params, res, dy):
+        def pullback(params, res, dys):
             plist, it = jax.tree.leaves(params), iter(res)
             leaves = [plist[s] if s is not None else next(it) for s in meta["slots"]]
-            grads = jax.tree.unflatten(meta["treedef"], leaves)(dy)
+            grads = jax.tree.unflatten(meta["treedef"], leaves)(dys)
             dparams = grads[0]
-            dx = None if self.first else grads[1]
-            return dx, dparams
+            dxs = None if self.first else list(grads[1:])
+            return dxs, dparams
 
-        def seed(dy):
-            return jnp.float32(1.0 / self.m) if self.last else dy
+        def seed(dys):
+            return jnp.float32(1.0 / self.m) if self.last else list(dys)
 
         psh = self.param_shardings() if self.mesh is not None else None
-        out_sh = None if self.mesh is None else (self.output_sharding(), None)
-        self.fwd = jax.jit(fwd, out_shardings=out_sh) if self.mesh is not None else jax.jit(fwd)
-        xsh = None if (self.mesh is None or self.first) else self.input_sharding()
+        if self.mesh is not None:
+            out_sh = (None if self.last else self.output_shardings(), None)
+            self.fwd = jax.jit(fwd, out_shardings=out_sh)
+        else:
+            self.fwd = jax.jit(fwd)
+        xsh = None
+        if self.mesh is not None and not self.first:
+            ins = self.input_shardings()
+            xsh = [ins[i] for i in in_diff]
 
-        def bwd(params, res, dy):
+        def bwd(params, res, dys):
             with sharding.use(self.mesh, self.layout):
-                return pullback(params, res, seed(dy))
+                return pullback(params, res, seed(dys))
 
-        def bwd_i(params, res, dy):
-            with sharding.use(self.mesh, self.layout):
-                return pullback(params, res, seed(dy))[0]
+        def bwd_i(params, res, dys):
+            return bwd(params, res, dys)[0]
 
-        def bwd_w(params, res, dy):
-            with sharding.use(self.mesh, self.layout):
-                return pullback(params, res, seed(dy))[1]
+        def bwd_w(params, res, dys):
+            return bwd(params, res, dys)[1]
 
-        def bwd_acc(params, res, dy, acc):
-            dx, dparams = bwd(params, res, dy)
-            return dx, jax.tree.map(jnp.add, acc, dparams)
+        def bwd_acc(params, res, dys, acc):
+            dxs, dparams = bwd(params, res, dys)
+            return dxs, jax.tree.map(jnp.add, acc, dparams)
 
-        def bwd_w_acc(params, res, dy, acc):
-            return jax.tree.map(jnp.add, acc, bwd_w(params, res, dy))
+        def bwd_w_acc(params, res, dys, acc):
+            return jax.tree.map(jnp.add, acc, bwd_w(params, res, dys))
 
         if self.mesh is None:
             self.bwd, self.bwd_i, self.bwd_w = jax.jit(bwd), jax.jit(bwd_i), jax.jit(bwd_w)
@@ -155,15 +231,21 @@ class StageProgram:
 
     # -- state -------------------------------------------------------------
     def init_params(self, seed: int):
-        """Parameters of this stage's layers, created directly with their shardings."""
+        """Parameters of this stage's parts, created directly with their shardings."""
         params = []
-        for i, (layer, shard) in enumerate(zip(self.layers, self.param_shardings()), start=self.start):
-            make = lambda key, layer=layer: init_layer(layer, key)  # noqa: E731
-            fn = jax.jit(make, out_shardings=shard) if self.mesh is not None else jax.jit(make)
-            params.append(fn(layer_key(seed, i)))
+        for part, shard in zip(self.parts, self.param_shardings()):
+            fn = jax.jit(part.init, out_shardings=shard) if self.mesh is not None else jax.jit(part.init)
+            params.append(fn(model_key(seed)))
         return params
 
     def init_state(self, params):
         opt_state = jax.jit(self.tx.init)(params)
         zeros = jax.jit(lambda p: jax.tree.map(jnp.zeros_like, p))(params)
         return opt_state, zeros
+
+
+def _merge(diff: list, rest: list, diff_index: tuple, n: int) -> list:
+    out, d, r = [], iter(diff), iter(rest)
+    for i in range(n):
+        out.append(next(d) if i in diff_index else next(r))
+    return out

@@ -47,6 +47,8 @@ from stages.frames import (
     Frame,
     FrameError,
     client_handshake,
+    dtype_of,
+    dtype_tag,
     frame_header,
     read_frame,
     read_grant,
@@ -297,7 +299,7 @@ class SocketTransport(TiledTransport):
             if not isinstance(stage, int) or not 0 <= stage < len(self.geoms):
                 raise FrameError(f"tensor frame from unknown stage {stage!r}")
             edge = Edge(stage, self.geoms[stage], memo[1])
-            plan = self._incoming[memo] = self._plan(edge, False, memo[2], np.dtype(memo[3]))
+            plan = self._incoming[memo] = self._plan(edge, False, memo[2], dtype_of(memo[3]))
         return plan
 
     def _layout(self, plan, src: int, dst: int):
@@ -422,7 +424,7 @@ class SocketTransport(TiledTransport):
         address = self._addresses[edge.stage][edge.geom.hosts.index(dst_host)]
         header = {"key": [*key, self.me], "arrays": [],
                   "tensor": {"stage": self.stage, "axes": list(edge.axes), "shape": list(plan.shape),
-                             "dtype": plan.dtype.str}}
+                             "dtype": dtype_tag(plan.dtype)}}
         try:
             conn = self._conn(address)
             with conn.lock:

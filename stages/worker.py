@@ -64,6 +64,7 @@ class WorkerConfig:
     fail_step: int | None = None    # test-only fault injection: this step raises at its start
     transport: str = "ray"          # "ray" (actor calls) or "socket" (stages.socket_transport)
     transport_token: bytes | None = field(default=None, repr=False)   # per-run secret for "socket"
+    remat: str = "none"             # rematerialisation of this stage's parts (orchestrator.core.model.policy)
 
     @property
     def layer_chunks(self) -> tuple[tuple[int, int], ...]:
@@ -120,7 +121,7 @@ class StageWorker:
                      who=cfg.who)
         from jax.sharding import Mesh
 
-        from stages.models.base import load_impl
+        from orchestrator.core.model.registry import build_model
         from stages.program import StageProgram, make_optimizer
 
         devices = np.array(jax.devices())
@@ -132,9 +133,9 @@ class StageWorker:
             raise RuntimeError(f"{cfg.who}: jax device order {owners} is not host-major with "
                                f"{cfg.devices_per_host} devices per host")
         self.mesh = Mesh(devices.reshape(tuple(cfg.mesh.values())), tuple(cfg.mesh))
-        impl, tx = load_impl(cfg.spec), make_optimizer(*cfg.optimizer)
-        self.progs = [StageProgram(cfg.spec, impl, start, stop, microbatches=cfg.microbatches, optimizer=tx,
-                                   mesh=self.mesh, layout=cfg.layout) for start, stop in cfg.layer_chunks]
+        model, tx = build_model(cfg.spec.factory, cfg.spec.args), make_optimizer(*cfg.optimizer)
+        self.progs = [StageProgram(cfg.spec, model, start, stop, microbatches=cfg.microbatches, optimizer=tx,
+                                   mesh=self.mesh, layout=cfg.layout, remat=cfg.remat) for start, stop in cfg.layer_chunks]
         self.params = [prog.init_params(cfg.seed) for prog in self.progs]
         states = [prog.init_state(p) for prog, p in zip(self.progs, self.params)]
         self.opt_state = [st[0] for st in states]
@@ -160,22 +161,26 @@ class StageWorker:
                 "transport": type(self.transport).__name__, "setup_s": time.perf_counter() - t0}
 
     def _plan_edges(self) -> None:
-        """Per chunk: where its input comes from and its output goes (virtual stage c·p + s ± 1)."""
+        """Per chunk: where its input comes from and its output goes (virtual stage c·p + s ± 1), one
+        (Edge, global shape, dtype) per leaf of the activation that crosses."""
+        from orchestrator.core.edges import leaf_dtype
         from stages.transport import Edge
 
         cfg, p = self.cfg, self.cfg.num_stages
         v = len(self.progs)
         mbs = cfg.data.global_batch // cfg.microbatches
-        self.edge_in, self.edge_out, self.in_shape, self.out_shape = [], [], [], []
+
+        def leaves(layer: int, peer: int):
+            geom = cfg.geoms[peer % p]
+            return [(Edge(peer % p, geom, tuple(leaf.axes)), leaf.batched(mbs), leaf_dtype(leaf.dtype))
+                    for leaf in cfg.spec.layers[layer].outputs]
+
+        self.edge_in, self.edge_out = [], []
         for c, (start, stop) in enumerate(cfg.layer_chunks):
             virtual = c * p + cfg.stage
             before, after = virtual - 1, virtual + 1
-            self.edge_in.append(None if before < 0 else Edge(
-                before % p, cfg.geoms[before % p], tuple(cfg.spec.layers[start - 1].out_axes)))
-            self.edge_out.append(None if after >= p * v else Edge(
-                after % p, cfg.geoms[after % p], tuple(cfg.spec.layers[stop - 1].out_axes)))
-            self.in_shape.append((mbs, *cfg.spec.layers[start - 1].out_shape) if start > 0 else None)
-            self.out_shape.append((mbs, *cfg.spec.layers[stop - 1].out_shape))
+            self.edge_in.append(None if before < 0 else leaves(start - 1, before))
+            self.edge_out.append(None if after >= p * v else leaves(stop - 1, after))
 
     def transport_address(self):
         """(host, port) this actor's transport listens on after setup; None for the Ray transport."""
@@ -295,18 +300,18 @@ class StageWorker:
         t0 = time.time()
         if kind == "F":
             if prog.first:
-                x = self.transport.from_host(microbatch(st.x_all, a.microbatch, m), prog.input_sharding())
+                xs = [self.transport.from_host(microbatch(st.x_all, a.microbatch, m), prog.input_sharding())]
             else:
-                x = inputs.pop(key)
+                xs = inputs.pop(key)
             labels = None
             if prog.last:
                 labels = self.transport.from_host(microbatch(st.y_all, a.microbatch, m), prog.label_sharding())
-            y, residuals[key] = prog.fwd(self.params[c], x, labels)
+            y, residuals[key] = prog.fwd(self.params[c], xs, labels)
             jax.block_until_ready(y)
             st.stash.add(("r", key), residuals[key])
             if prog.last:
                 st.losses[a.microbatch] = y
-            elif self.edge_out[c].stage == cfg.stage:      # next chunk lives here (p = 1)
+            elif self.edge_out[c][0][0].stage == cfg.stage:      # next chunk lives here (p = 1)
                 inputs[(a.microbatch, c + 1)] = y
             else:
                 outputs[key] = y
@@ -321,7 +326,7 @@ class StageWorker:
                 st.stash.add(("dy", key), dy)      # kept until W
             if dx is not None:
                 jax.block_until_ready(dx)
-                if self.edge_in[c].stage == cfg.stage:       # previous chunk lives here (p = 1)
+                if self.edge_in[c][0][0].stage == cfg.stage:       # previous chunk lives here (p = 1)
                     dys[(a.microbatch, c - 1)] = dx
                 else:
                     dxs[key] = dx
@@ -331,17 +336,24 @@ class StageWorker:
             st.stash.drop(("r", key))
             st.stash.drop(("dy", key))
         elif kind == "RECV_F":
-            inputs[key] = self.transport.recv_operand((step, "F") + key, self.in_shape[c], np.float32,
-                                                      prog.input_sharding(), self.edge_in[c], timeout)
+            shardings = prog.input_shardings()
+            inputs[key] = [self.transport.recv_operand((step, "F") + key + (j,), shape, dtype, shardings[j], edge,
+                                                       timeout)
+                           for j, (edge, shape, dtype) in enumerate(self.edge_in[c])]
         elif kind == "RECV_B":
-            dys[key] = self.transport.recv_operand((step, "B") + key, self.out_shape[c], np.float32,
-                                                   prog.output_sharding(), self.edge_out[c], timeout)
+            shardings = prog.output_shardings()
+            dys[key] = [self.transport.recv_operand((step, "B") + key + (j,), self.edge_out[c][j][1],
+                                                    self.edge_out[c][j][2], shardings[j], self.edge_out[c][j][0],
+                                                    timeout)
+                        for j in prog.out_diff]
         elif kind == "SEND_F":
-            peer_chunk = c + (1 if self.edge_out[c].stage < cfg.stage else 0)
-            self.transport.send((step, "F", a.microbatch, peer_chunk), outputs.pop(key), self.edge_out[c])
+            peer_chunk = c + (1 if self.edge_out[c][0][0].stage < cfg.stage else 0)
+            for j, leaf in enumerate(outputs.pop(key)):
+                self.transport.send((step, "F", a.microbatch, peer_chunk, j), leaf, self.edge_out[c][j][0])
         elif kind == "SEND_B":
-            peer_chunk = c - (1 if self.edge_in[c].stage > cfg.stage else 0)
-            self.transport.send((step, "B", a.microbatch, peer_chunk), dxs.pop(key), self.edge_in[c])
+            peer_chunk = c - (1 if self.edge_in[c][0][0].stage > cfg.stage else 0)
+            for j, leaf in zip(prog.in_diff, dxs.pop(key)):
+                self.transport.send((step, "B", a.microbatch, peer_chunk, j), leaf, self.edge_in[c][j][0])
         elif kind == "OPT":
             for i, p in enumerate(self.progs):
                 self.params[i], self.opt_state[i], self.grads[i] = p.update(
@@ -366,15 +378,26 @@ class StageWorker:
 
     def param_norms(self) -> dict[str, float]:
         """L2 norm of every parameter leaf of this stage (global, across hosts)."""
+        return {name: float(np.linalg.norm(np.asarray(full, dtype=np.float64)))
+                for name, full in self._gathered().items()}
+
+    def param_arrays(self) -> dict[str, np.ndarray]:
+        """Every parameter leaf of this stage as a whole numpy array (gathered across hosts)."""
+        return self._gathered()
+
+    def _gathered(self) -> dict[str, np.ndarray]:
+        import jax
         from jax.experimental import multihost_utils
 
-        norms = {}
+        from orchestrator.core.model.pipeline import key_path
+
+        out = {}
         for prog, params in zip(self.progs, self.params):
             for i, (layer, p) in enumerate(zip(prog.layers, params), start=prog.start):
-                for name in sorted(p):
-                    full = np.asarray(multihost_utils.process_allgather(p[name], tiled=True), dtype=np.float64)
-                    norms[param_name(i, layer, name)] = float(np.linalg.norm(full))
-        return norms
+                for path, leaf in jax.tree_util.tree_flatten_with_path(p)[0]:
+                    full = multihost_utils.process_allgather(leaf, tiled=True)
+                    out[param_name(i, layer, key_path(path))] = np.asarray(full)
+        return out
 
 
 class _StepState:

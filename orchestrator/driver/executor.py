@@ -68,7 +68,7 @@ class PipelineExecutor:
             fail_setup=_injected_failure(stage.index, host), fail_step=_injected_step_failure(stage.index, host),
             hosts=tuple(stage.hosts), devices_per_host=stage.devices_per_host,
             geoms=tuple(geoms), chunks=tuple(tuple(c) for c in stage.chunks),
-            transport=self.checked.cluster.transport, transport_token=self.token)
+            transport=self.checked.cluster.transport, transport_token=self.token, remat=stage.remat)
 
     def start(self) -> None:
         import ray
@@ -159,14 +159,21 @@ class PipelineExecutor:
             yield StepResult(step=i, loss=sum(losses) / len(losses), wall_s=wall, spans=spans, stats=stats)
 
     def param_norms(self) -> dict[str, float]:
+        return self._per_param("param_norms", "param norms")
+
+    def param_arrays(self) -> dict:
+        """Every parameter leaf as a whole numpy array (every host joins the gather; any host's copy)."""
+        return self._per_param("param_arrays", "param arrays")
+
+    def _per_param(self, method: str, what: str) -> dict:
         refs, labels = [], []
         for row, names in zip(self.actors, self.labels):
-            refs += [a.param_norms.remote() for a in row]
+            refs += [getattr(a, method).remote() for a in row]
             labels += names
-        norms: dict[str, float] = {}
-        for part in wait_all(refs, self.timeouts["step_s"], "param norms", labels):
-            norms.update(part)
-        return dict(sorted(norms.items()))
+        out: dict = {}
+        for part in wait_all(refs, self.timeouts["step_s"], what, labels):
+            out.update(part)
+        return dict(sorted(out.items()))
 
 
 def _injected_failure(stage: int, host: int) -> str | None:

@@ -1,4 +1,4 @@
-"""The numerical oracle: the same model trained in one process with plain JAX.
+"""`meshpipe run --reference`: the same model trained in one process, unpipelined.
 
 Same parameters (seed, layer index), same data (seed, step), same optimizer and
 the same microbatch accumulation order (microbatch 0, 1, …, m−1; gradients of
@@ -18,15 +18,16 @@ from orchestrator.core.model.spec import ModelSpec, param_name
 
 def train_reference(spec: ModelSpec, source: DataSource, *, steps: int, seed: int, microbatches: int,
                     optimizer: tuple[str, dict], on_step: Callable[[dict], None] | None = None) -> dict:
-    """Train for `steps`; return {"losses", "step_times_s", "param_norms"}."""
+    """Train for `steps`; return {"losses", "step_times_s", "param_norms", "params"} (params: name -> array)."""
     import jax
     import jax.numpy as jnp
 
-    from stages.models.base import load_impl
+    from orchestrator.core.model.pipeline import key_path
+    from orchestrator.core.model.registry import build_model
     from stages.program import StageProgram, make_optimizer
 
-    prog = StageProgram(spec, load_impl(spec), 0, spec.num_layers, microbatches=microbatches,
-                        optimizer=make_optimizer(*optimizer))
+    prog = StageProgram(spec, build_model(spec.factory, spec.args), 0, spec.num_layers,
+                        microbatches=microbatches, optimizer=make_optimizer(*optimizer))
     params = prog.init_params(seed)
     opt_state, grads = prog.init_state(params)
     losses, times = [], []
@@ -35,7 +36,7 @@ def train_reference(spec: ModelSpec, source: DataSource, *, steps: int, seed: in
         x, y = source.batch(step)
         mb_losses = []
         for i in range(microbatches):
-            loss, res = prog.fwd(params, jnp.asarray(microbatch(x, i, microbatches)),
+            loss, res = prog.fwd(params, [jnp.asarray(microbatch(x, i, microbatches))],
                                  jnp.asarray(microbatch(y, i, microbatches)))
             _, g = prog.bwd(params, res, None)
             grads = prog.accumulate(grads, g)
@@ -47,8 +48,9 @@ def train_reference(spec: ModelSpec, source: DataSource, *, steps: int, seed: in
         times.append(time.perf_counter() - t0)
         if on_step:
             on_step({"step": step, "loss": loss, "step_time_s": times[-1]})
-    norms = {}
+    arrays = {}
     for i, (layer, p) in enumerate(zip(spec.layers, params)):
-        for name in sorted(p):
-            norms[param_name(i, layer, name)] = float(np.linalg.norm(np.asarray(p[name], dtype=np.float64)))
-    return {"losses": losses, "step_times_s": times, "param_norms": norms}
+        for path, leaf in jax.tree_util.tree_flatten_with_path(p)[0]:
+            arrays[param_name(i, layer, key_path(path))] = np.asarray(leaf)
+    norms = {k: float(np.linalg.norm(np.asarray(v, dtype=np.float64))) for k, v in arrays.items()}
+    return {"losses": losses, "step_times_s": times, "param_norms": norms, "params": arrays}

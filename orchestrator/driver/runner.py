@@ -47,8 +47,9 @@ def step_line(rec: dict, samples: int) -> str:
 
 
 def run_job(checked, *, reference: bool = False, echo: Callable[[str], None] = print,
-            tty: bool = False) -> dict:
-    """Train the checked job; `tty`: draw a progress bar on stdout instead of one line per step."""
+            tty: bool = False, keep_params: bool = False) -> dict:
+    """Train the checked job; `tty`: draw a progress bar on stdout instead of one line per step;
+    `keep_params`: the returned summary also holds "params" (name -> final numpy array; not written)."""
     from orchestrator.driver.telemetry import Progress, summary_block
 
     job = checked.job
@@ -71,7 +72,7 @@ def run_job(checked, *, reference: bool = False, echo: Callable[[str], None] = p
                                      optimizer=(job.optimizer.name, dict(job.optimizer.args)), on_step=on_step)
             extra = {"mode": "reference"}
         else:
-            result, extra = _run_pipeline(checked, plan, source, on_step, out, echo)
+            result, extra = _run_pipeline(checked, plan, source, on_step, out, echo, keep_params)
     finally:
         progress.close()   # end the bar's line before anything else is printed
     summary = {
@@ -88,10 +89,12 @@ def run_job(checked, *, reference: bool = False, echo: Callable[[str], None] = p
     echo(f"wrote {path}")
     if not reference:
         echo(summary_block(summary, out))
+    if keep_params:
+        summary["params"] = result["params"]
     return summary
 
 
-def _run_pipeline(checked, plan, source, on_step, out: Path, echo) -> tuple[dict, dict]:
+def _run_pipeline(checked, plan, source, on_step, out: Path, echo, keep_params: bool = False) -> tuple[dict, dict]:
     from orchestrator.driver import placement
     from orchestrator.driver.executor import PipelineExecutor
     from orchestrator.driver.telemetry import RunTelemetry
@@ -119,6 +122,7 @@ def _run_pipeline(checked, plan, source, on_step, out: Path, echo) -> tuple[dict
                 metrics.record(st)
             on_step({"step": step, "loss": r.loss, "step_time_s": r.wall_s})
         norms = ex.param_norms()
+        arrays = ex.param_arrays() if keep_params else None
         ok = True
     finally:
         ex.shutdown()
@@ -135,7 +139,7 @@ def _run_pipeline(checked, plan, source, on_step, out: Path, echo) -> tuple[dict
     extra = {"mode": "pipeline", "startup_s": startup, "workers": ex.info, "executor": ex.dispatch_info,
              "last_step_spans": [list(s) for s in spans[-1]] if spans else [],
              "telemetry": tel.summary(), "ray": ray_info}
-    return {"losses": losses, "step_times_s": times, "param_norms": norms}, extra
+    return {"losses": losses, "step_times_s": times, "param_norms": norms, "params": arrays}, extra
 
 
 def _ray_info(run: str, echo) -> dict:

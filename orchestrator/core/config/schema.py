@@ -25,6 +25,7 @@ from orchestrator.core.model.registry import BUILTIN
 
 __all__ = [
     "RunConfig", "ModelConfig", "DataConfig", "OptimizerConfig", "StageConfig", "PipelineConfig",
+    "PrecisionConfig",
     "JobConfig", "TimeoutsConfig", "ClusterConfig", "GpuConfig", "TpuConfig", "parse_job", "parse_cluster", "field_kind",
     "NAME_RE", "Rule", "key_homes", "unknown_key_hint",
 ]
@@ -122,18 +123,43 @@ class RunConfig(_Frozen):
 
 
 class ModelConfig(_Frozen):
-    """`model:` — a built-in model name or a `package.module:factory` path, and its arguments."""
+    """`model:` — a built-in model `name` or a `factory` ('package.module:function' returning a
+    PipelineModel, see `orchestrator.core.model.adapters`), and its keyword arguments.
 
-    name: str
+    `name: 'package.module:function'` is accepted too (the older spelling of `factory`).
+    """
+
+    name: Optional[str] = None
+    factory: Optional[str] = None
     args: dict[str, Any] = Field(default_factory=dict)
 
     @field_validator("name")
     @classmethod
-    def _name(cls, v: str) -> str:
-        if v in BUILTIN or _FACTORY_RE.match(v):
+    def _name(cls, v: Optional[str]) -> Optional[str]:
+        if v is None or v in BUILTIN or _FACTORY_RE.match(v):
             return v
         raise Problem(f"unknown model; built-in models are {', '.join(sorted(BUILTIN))}, or give a "
                       f"factory as 'package.module:function'{suggest(v, BUILTIN)}")
+
+    @field_validator("factory")
+    @classmethod
+    def _factory(cls, v: Optional[str]) -> Optional[str]:
+        if v is None or _FACTORY_RE.match(v):
+            return v
+        raise Problem("must be an import path 'package.module:function' (a function returning a "
+                      "PipelineModel)")
+
+    @model_validator(mode="after")
+    def _one_of(self) -> "ModelConfig":
+        if (self.name is None) == (self.factory is None):
+            raise Problem(f"give exactly one of model.name (built-in: {', '.join(sorted(BUILTIN))}) "
+                          "and model.factory ('package.module:function')", ("name",), self.name)
+        return self
+
+    @property
+    def ref(self) -> str:
+        """The built-in name or the factory path."""
+        return self.factory or self.name  # type: ignore[return-value]
 
 
 class DataConfig(_Frozen):
@@ -181,6 +207,7 @@ class StageConfig(_Frozen):
     mesh: Annotated[dict[str, PosInt], Field(min_length=1)]
     hosts: PosInt = 1
     layout: Optional[dict[str, Any]] = None
+    remat: Optional[str] = None     # this stage's rematerialisation (null: pipeline.remat)
 
     @field_validator("layers", mode="before")
     @classmethod
@@ -226,6 +253,7 @@ class PipelineConfig(_Frozen):
     microbatches: PosInt
     virtual_stages: PosInt = 1
     stages: tuple[StageConfig, ...]
+    remat: str = "none"   # none | full | a jax.checkpoint_policies name (e.g. dots_saveable); per stage: stages[i].remat
 
     @field_validator("stages", mode="before")
     @classmethod
@@ -233,6 +261,14 @@ class PipelineConfig(_Frozen):
         if isinstance(v, (list, tuple)) and not v:
             raise Problem("must list at least one stage")
         return tuple(v) if isinstance(v, list) else v
+
+
+class PrecisionConfig(_Frozen):
+    """`precision:` — mixed precision policy. Parameters, gradients and optimizer state stay
+    float32; `compute` is the dtype the parts compute in and activations (and their
+    gradients) cross stages in; the loss is computed in float32."""
+
+    compute: Literal["float32", "bfloat16"] = "float32"
 
 
 class JobConfig(_Frozen):
@@ -244,6 +280,7 @@ class JobConfig(_Frozen):
     optimizer: OptimizerConfig
     pipeline: PipelineConfig
     layout: dict[str, Any] = Field(default_factory=dict)
+    precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
 
     @field_validator("layout", mode="before")
     @classmethod
