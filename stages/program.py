@@ -6,7 +6,9 @@ lists of leaves (jax's flatten order, as in `LayerSpec.outputs`), which is what 
 transport moves. Basic flow for one microbatch on one stage:
     ys, res = fwd(params, xs[, labels])          # res: residuals kept until the backward
     dxs, grads = bwd_acc(params, res, dys, grads)   # or bwd_i -> dxs, later bwd_w_acc -> grads
-and once per step: params, opt_state, grads = update(params, opt_state, grads).
+and once per step: params, opt_state, grads = update(params, opt_state, grads, gnorm), where
+gnorm is the global gradient norm over every stage when the chain clips by it (the worker
+exchanges one squared norm per stage, `sq_norm`, before any stage updates).
 
 Invariants:
   - No recompute: the forward returns the VJP residuals. Residuals that are the
@@ -38,12 +40,14 @@ import numpy as np
 import optax
 
 from stages import sharding
-from orchestrator.core.model.pipeline import PipelineModel
+from orchestrator.core.model.optim import build as build_optimizer
+from orchestrator.core.model.pipeline import PipelineModel, key_path
 from orchestrator.core.model.policy import remat_policy
 from orchestrator.core.model.spec import LeafSpec, ModelSpec
 
 
 def make_optimizer(name: str, args: dict[str, Any]) -> optax.GradientTransformation:
+    """One optax optimizer by name (a job's optimizer section goes to StageProgram as is)."""
     return getattr(optax, name)(**args)
 
 
@@ -62,6 +66,9 @@ class StageProgram:
     def __init__(self, spec: ModelSpec, model: PipelineModel, start: int, stop: int, *,
                  microbatches: int, optimizer: optax.GradientTransformation,
                  mesh=None, layout: dict | None = None, remat: str = "none"):
+        """`optimizer`: an optax GradientTransformation, or the job's optimizer section (a chain
+        with schedules, masks over "<part>/<leaf path>" names and global-norm clipping,
+        `orchestrator.core.model.optim`)."""
         self.spec, self.model = spec, model
         self.start, self.stop = start, stop
         self.parts = model.parts[start:stop]
@@ -69,7 +76,11 @@ class StageProgram:
         self.first, self.last = start == 0, stop == spec.num_layers
         self.mesh, self.layout = mesh, dict(layout or {})
         self.m = microbatches
-        self.tx = optimizer
+        if isinstance(optimizer, optax.GradientTransformation):
+            self.tx, self.clip = optimizer, None
+        else:
+            built = build_optimizer(optimizer, names=self.param_names)
+            self.tx, self.clip = built.tx, built.clip
         self.compute = jnp.dtype(spec.compute_dtype)
         self.remat, self.remat_policy = remat_policy(remat)
         # the activation entering / leaving this stage, as leaves
@@ -221,13 +232,26 @@ class StageProgram:
         def accumulate(acc, g):
             return jax.tree.map(jnp.add, acc, g)
 
-        def update(params, opt_state, grads):
+        def update(params, opt_state, grads, gnorm=None):
+            if self.clip is not None:     # optax.clip_by_global_norm's own arithmetic, with the global norm
+                trigger = gnorm < self.clip
+                grads = jax.tree.map(
+                    lambda t: jax.lax.select(trigger, t, (t / gnorm.astype(t.dtype)) * self.clip), grads)
             updates, opt_state = self.tx.update(grads, opt_state, params)
             params = optax.apply_updates(params, updates)
             return params, opt_state, jax.tree.map(jnp.zeros_like, grads)
 
+        def sq_norm(grads):
+            return sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads))
+
+        self.sq_norm = jax.jit(sq_norm)
         self.accumulate = jax.jit(accumulate, donate_argnums=0)
         self.update = jax.jit(update, donate_argnums=(0, 1, 2))
+
+    def param_names(self, params):
+        """The params pytree (a list per part) with each leaf's name "<part name>/<leaf path>"."""
+        return [jax.tree_util.tree_map_with_path(lambda path, _, part=part: f"{part.name}/{key_path(path)}", tree)
+                for part, tree in zip(self.parts, params)]
 
     # -- state -------------------------------------------------------------
     def init_params(self, seed: int):

@@ -50,7 +50,7 @@ class WorkerConfig:
     spec: ModelSpec
     data: DataSource
     microbatches: int
-    optimizer: tuple[str, dict]
+    optimizer: dict                 # the job's optimizer section (JobConfig.optimizer.spec())
     seed: int
     actions: tuple[str, ...]
     num_stages: int
@@ -122,7 +122,7 @@ class StageWorker:
         from jax.sharding import Mesh
 
         from orchestrator.core.model.registry import build_model
-        from stages.program import StageProgram, make_optimizer
+        from stages.program import StageProgram
 
         devices = np.array(jax.devices())
         n = int(np.prod(list(cfg.mesh.values())))
@@ -133,7 +133,7 @@ class StageWorker:
             raise RuntimeError(f"{cfg.who}: jax device order {owners} is not host-major with "
                                f"{cfg.devices_per_host} devices per host")
         self.mesh = Mesh(devices.reshape(tuple(cfg.mesh.values())), tuple(cfg.mesh))
-        model, tx = build_model(cfg.spec.factory, cfg.spec.args), make_optimizer(*cfg.optimizer)
+        model, tx = build_model(cfg.spec.factory, cfg.spec.args), cfg.optimizer
         self.progs = [StageProgram(cfg.spec, model, start, stop, microbatches=cfg.microbatches, optimizer=tx,
                                    mesh=self.mesh, layout=cfg.layout, remat=cfg.remat) for start, stop in cfg.layer_chunks]
         self.params = [prog.init_params(cfg.seed) for prog in self.progs]
@@ -355,14 +355,39 @@ class StageWorker:
             for j, leaf in zip(prog.in_diff, dxs.pop(key)):
                 self.transport.send((step, "B", a.microbatch, peer_chunk, j), leaf, self.edge_in[c][j][0])
         elif kind == "OPT":
+            gnorm = np.float32(0.0)
+            if self.progs[0].clip is not None:
+                local = sum(float(p.sq_norm(g)) for p, g in zip(self.progs, self.grads))
+                gnorm = np.float32(np.sqrt(self._all_stages_sum(step, local, timeout)))
             for i, p in enumerate(self.progs):
                 self.params[i], self.opt_state[i], self.grads[i] = p.update(
-                    self.params[i], self.opt_state[i], self.grads[i])
+                    self.params[i], self.opt_state[i], self.grads[i], gnorm)
             jax.block_until_ready(self.params)
         else:
             raise ValueError(f"{cfg.who}: cannot execute action {a}")
         st.spans.append((text, t0, time.time()))
         st.done += 1
+
+    def _all_stages_sum(self, step: int, local: float, timeout: float) -> float:
+        """`local` summed over every stage (the global gradient norm's square): host 0 of each stage
+        sends its scalar to every host of the other stages, each host adds what the others sent.
+        Every stage's hosts hold the same value (their arrays are global), so one sender suffices."""
+        cfg = self.cfg
+        if cfg.num_stages == 1:
+            return local
+        refs = []
+        if cfg.host == 0:
+            for s, row in enumerate(self.actors):
+                if s != cfg.stage:
+                    refs += [a.deliver.options(concurrency_group="io").remote((step, "NORM", cfg.stage), local)
+                             for a in row]
+        total = local + sum(float(self.inbox.take((step, "NORM", s), timeout))
+                            for s in range(cfg.num_stages) if s != cfg.stage)
+        if refs:
+            import ray
+
+            ray.get(refs, timeout=timeout)
+        return total
 
     def _finish(self, st: "_StepState") -> dict:
         cfg = self.cfg

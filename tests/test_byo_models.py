@@ -77,8 +77,10 @@ def checked_of(job, cluster=CLUSTER):
 
 # ----------------------------------------------------------------------------- the oracle
 
-def oracle(checked, loss_of, params0, to_flat):
-    """Plain single-process training: value_and_grad of the whole model, microbatches in order."""
+def oracle(checked, loss_of, params0, to_flat, tx=None, norms=None):
+    """Plain single-process training: value_and_grad of the whole model, microbatches in order.
+    `tx`: the optax transformation (default: the job's single optimizer); `norms`: a list that
+    receives each step's global gradient norm."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -87,7 +89,7 @@ def oracle(checked, loss_of, params0, to_flat):
 
     job = checked.job
     m = job.pipeline.microbatches
-    tx = getattr(optax, job.optimizer.name)(**job.optimizer.args)
+    tx = tx or getattr(optax, job.optimizer.name)(**job.optimizer.args)
     source = make_source(checked.model, job.data.source, job.data.global_batch, job.run.seed)
     grad = jax.jit(jax.value_and_grad(loss_of))
     params, state = params0, tx.init(params0)
@@ -100,6 +102,8 @@ def oracle(checked, loss_of, params0, to_flat):
             loss, g = grad(params, jnp.asarray(x[i * n:(i + 1) * n]), jnp.asarray(y[i * n:(i + 1) * n]))
             acc = jax.tree.map(lambda a, b: a + b / m, acc, g)
             mb_losses.append(float(loss))
+        if norms is not None:
+            norms.append(float(optax.global_norm(acc)))
         updates, state = tx.update(acc, state, params)
         params = optax.apply_updates(params, updates)
         losses.append(float(np.mean(mb_losses)))
@@ -112,7 +116,7 @@ def flat(tree) -> dict:
     return {key_path(p): np.asarray(v) for p, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
-def llama_oracle(checked):
+def llama_oracle(checked, tx=None, norms=None):
     """The nnx Llama itself; under a bfloat16 job the same policy written out by hand: float32
     parameters cast to bfloat16 for the forward, logits to float32 for the loss."""
     import jax
@@ -133,7 +137,7 @@ def llama_oracle(checked):
         st = jax.tree.unflatten(treedef, [v.astype(compute) for v in jax.tree.leaves(pure)])
         return next_token_loss(nnx.merge(graph, st)(x).astype(jnp.float32), y)
 
-    return oracle(checked, loss_of, nnx.to_pure_dict(state), flat)
+    return oracle(checked, loss_of, nnx.to_pure_dict(state), flat, tx, norms)
 
 
 def pipeline_name_to_path(name: str) -> str:
@@ -433,3 +437,73 @@ def test_nnx_llama_with_remat_matches_oracle_and_keeps_less(tmp_path, no_leaks):
         assert kept < residual_bytes(checked, s, "none") / 2, (s, remat)
         got = hosts[f"stage{s}/host0"]
         assert got["stash_peak_bytes"] == got["stash_peak_items"] * kept, (s, got, kept)
+
+
+# ----------------------------------------------------------------------------- optax chains, global-norm clipping
+
+MAX_NORM = 0.05
+CHAIN = [
+    {"name": "clip_by_global_norm", "args": {"max_norm": MAX_NORM}},
+    {"name": "add_decayed_weights", "args": {"weight_decay": 0.05, "mask": {"exclude": ["*norm*"]}}},
+    {"name": "sgd", "args": {"momentum": 0.9, "learning_rate": {
+        "schedule": "warmup_cosine_decay_schedule",
+        "args": {"init_value": 0.0, "peak_value": 0.5, "warmup_steps": 2, "decay_steps": 6}}}},
+]
+
+
+def oracle_chain():
+    """The same chain written directly in optax over the nnx model's own parameter tree."""
+    import jax
+    import optax
+
+    def decay_mask(params):
+        return jax.tree_util.tree_map_with_path(lambda p, _: "norm" not in key_path(p), params)
+
+    return optax.chain(optax.clip_by_global_norm(MAX_NORM), optax.add_decayed_weights(0.05, mask=decay_mask),
+                       optax.sgd(optax.warmup_cosine_decay_schedule(0.0, 0.5, 2, 6), momentum=0.9))
+
+
+def test_optax_chain_from_yaml_builds_masks_over_part_names_and_refuses_bad_entries():
+    import jax
+
+    from orchestrator.core.model.registry import build_model
+    from stages.program import StageProgram
+
+    job = llama_job("/tmp")
+    job["optimizer"] = {"chain": CHAIN}
+    checked = checked_of(job)
+    prog = StageProgram(checked.model, build_model(checked.model.factory, checked.model.args), 1, 4,
+                        microbatches=4, optimizer=checked.job.optimizer.spec())
+    assert prog.clip == MAX_NORM                             # taken out of the chain: done across stages
+    params = jax.eval_shape(prog.init_params, 0)
+    names = jax.tree.leaves(prog.param_names(params))
+    assert "blocks.0/blocks.0/attn_norm/scale" in names and "head/lm_head/kernel" in names
+    for chain, needles in [
+        ([{"name": "adamx", "args": {}}], ["optimizer.chain[0].name", "'adamx'", "not an optax function"]),
+        ([{"name": "sgd", "args": {"learning_rate": 0.1}}, {"name": "clip_by_global_norm", "args": {"max_norm": 1}}],
+         ["optimizer.chain[1].name", "must come first"]),
+        ([{"name": "sgd", "args": {"learning_rate": {"schedule": "cosine_decay", "args": {}}}}],
+         ["optimizer.chain[0].args.learning_rate.schedule", "not an optax schedule"]),
+        ([{"name": "adamw", "args": {"learning_rate": 0.1, "bogus": 1}}], ["optimizer.chain[0].args", "rejects"]),
+    ]:
+        job["optimizer"] = {"chain": chain}
+        with pytest.raises(ConfigError) as e:
+            checked_of(job)
+        assert all(n in str(e.value) for n in needles), (needles, str(e.value))
+
+
+@pytest.mark.ray
+def test_global_norm_clipping_across_stages_matches_single_process_optax(tmp_path, no_leaks):
+    """clip_by_global_norm with a threshold that bites on every step: each stage's squared norm is
+    exchanged before any stage updates, so the pipelined run equals optax over the whole model."""
+    from orchestrator.driver.runner import run_job
+
+    job = llama_job(tmp_path)
+    job["optimizer"] = {"chain": CHAIN}
+    checked = checked_of(job)
+    pipe = run_job(checked, echo=lambda s: None, keep_params=True)
+    norms: list = []
+    losses, params = llama_oracle(checked, oracle_chain(), norms)
+    assert min(norms) > 2 * MAX_NORM, norms                  # the clip bites on every step
+    np.testing.assert_allclose(pipe["losses"], losses, rtol=RTOL, atol=ATOL)
+    assert_params_equal(pipe["params"], params, pipeline_name_to_path)
