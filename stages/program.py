@@ -28,6 +28,10 @@ Invariants:
     inputs cast to the compute dtype and its floating outputs leave in it; the loss
     takes float32 outputs. Remat (`remat`): each part under `jax.checkpoint` with the
     named policy, so the residuals kept until the backward are what the policy saves.
+  - RNG: `fwd(..., ids=[seed, step, microbatch])` gives part i the key
+    fold_in(microbatch_key(seed, step, microbatch), i) with train=True (dropout is
+    deterministic in (seed, step, microbatch, part), the same on any layout); without
+    `ids` parts get rng=None.
   - `mesh=None` gives the unsharded programs (the `--reference` run uses them).
 """
 from __future__ import annotations
@@ -54,6 +58,11 @@ def make_optimizer(name: str, args: dict[str, Any]) -> optax.GradientTransformat
 def model_key(seed: int) -> jax.Array:
     """The key every part's init gets (so the parts hold the whole model's own init)."""
     return jax.random.key(seed)
+
+
+def microbatch_key(seed, step, microbatch) -> jax.Array:
+    """The RNG key of one microbatch's forward; part i gets fold_in(this, i) (dropout etc.)."""
+    return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), step), microbatch)
 
 
 def _inexact(leaf: LeafSpec) -> bool:
@@ -131,33 +140,35 @@ class StageProgram:
     def _part_fn(self, part, layer, train: bool):
         """One part as the stage runs it: compute-dtype params and inputs, outputs in the compute
         dtype and constrained to their logical axes; under jax.checkpoint when remat is on."""
-        def run(p, x):
-            y = part.apply(self._cast(p, self.compute), self._cast(x, self.compute), rng=None, train=train)
+        def run(p, x, rng):
+            y = part.apply(self._cast(p, self.compute), self._cast(x, self.compute), rng=rng, train=train)
             leaves, treedef = jax.tree.flatten(self._cast(y, self.compute))
             leaves = [sharding.constrain(leaf, spec.axes) for leaf, spec in zip(leaves, layer.outputs)]
             return jax.tree.unflatten(treedef, leaves)
 
         return jax.checkpoint(run, policy=self.remat_policy) if self.remat else run
 
-    def _apply(self, params, xs, train: bool = True):
+    def _apply(self, params, xs, key=None, train: bool = True):
         x = xs[0] if self.first else jax.tree.unflatten(self.in_tree, xs)
         with sharding.use(self.mesh, self.layout):
-            for part, layer, p in zip(self.parts, self.layers, params):
-                x = self._part_fn(part, layer, train)(p, x)
+            for j, (part, layer, p) in enumerate(zip(self.parts, self.layers, params)):
+                rng = None if key is None else jax.random.fold_in(key, self.start + j)
+                x = self._part_fn(part, layer, train)(p, x, rng)
             return x
 
     def _build(self):
         meta = self._vjp_meta
         in_diff, out_diff = self.in_diff, self.out_diff
 
-        def fwd(params, xs, labels=None):
+        def fwd(params, xs, labels=None, ids=None):
             xs = list(xs)
+            key = None if ids is None else microbatch_key(ids[0], ids[1], ids[2])
 
             def f(p, *dx):
                 full = list(xs)
                 for i, v in zip(in_diff, dx):
                     full[i] = v
-                y = self._apply(p, full)
+                y = self._apply(p, full, key)
                 if self.last:
                     with sharding.use(self.mesh, self.layout):
                         return self.model.loss(self._cast(y, jnp.float32), labels).astype(jnp.float32)

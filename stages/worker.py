@@ -306,7 +306,8 @@ class StageWorker:
             labels = None
             if prog.last:
                 labels = self.transport.from_host(microbatch(st.y_all, a.microbatch, m), prog.label_sharding())
-            y, residuals[key] = prog.fwd(self.params[c], xs, labels)
+            ids = np.array([cfg.seed, step, a.microbatch], np.int32)
+            y, residuals[key] = prog.fwd(self.params[c], xs, labels, ids)
             jax.block_until_ready(y)
             st.stash.add(("r", key), residuals[key])
             if prog.last:

@@ -37,7 +37,7 @@ def train_reference(spec: ModelSpec, source: DataSource, *, steps: int, seed: in
         mb_losses = []
         for i in range(microbatches):
             loss, res = prog.fwd(params, [jnp.asarray(microbatch(x, i, microbatches))],
-                                 jnp.asarray(microbatch(y, i, microbatches)))
+                                 jnp.asarray(microbatch(y, i, microbatches)), np.array([seed, step, i], np.int32))
             _, g = prog.bwd(params, res, None)
             grads = prog.accumulate(grads, g)
             mb_losses.append(loss)
