@@ -22,7 +22,6 @@ import importlib
 import json
 import math
 import os
-import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
