@@ -543,3 +543,27 @@ def test_dropout_keys_per_seed_step_microbatch_part_match_oracle(tmp_path, no_le
     # the dropout is real: in eval mode (no masks) the same model gives another loss
     evals, _ = oracle(checked, lambda p, x, y, key: loss_of(p, x, y, key, train=False), params0, flat, keyed=True)
     assert abs(evals[0] - losses[0]) > 1e-3, (evals[0], losses[0])
+
+
+def test_plan_of_the_llama_example_needs_no_ray_or_devices():
+    """`meshpipe plan examples/llama.yaml` in a fresh interpreter: shapes by jax.eval_shape only."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    code = ("import sys, json\n"
+            "from orchestrator.driver.cli import main\n"
+            "sys.argv = ['meshpipe', 'plan', 'examples/llama.yaml', '--json']\n"
+            "try:\n    main()\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
+            "print('RAY_IMPORTED=%s' % ('ray' in sys.modules), file=sys.stderr)\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300,
+                         env={**__import__("os").environ, "PYTHONPATH": str(root), "JAX_PLATFORMS": "cpu"})
+    assert out.returncode == 0, out.stderr
+    assert "RAY_IMPORTED=False" in out.stderr
+    plan = json.loads(out.stdout)
+    assert plan["stages"][0]["layer_names"] == ["embed", "blocks.0"]
+    assert plan["stages"][1]["layer_names"] == ["blocks.1", "head"]
+    leaf = plan["edges"][0]["leaves"][0]
+    assert leaf["dtype"] == "float32" and leaf["shape"] == [4, 32, 64]
