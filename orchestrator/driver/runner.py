@@ -1,7 +1,7 @@
 """Running a checked job: pipeline on Ray, or the single-process reference.
 
 Basic flow of `run_job`:
-  plan (pure) → output dir checked/created (owner-only) → data source →
+  plan (pure) → output dir checked/created (owner-only) → data plan →
   [Ray: connect → executor.start → step × N → param norms] or [reference] →
   summary.json. Whatever was started is shut down in `finally` (actors,
   placement group, and an embedded Ray we started), also on Ctrl-C.
@@ -23,7 +23,6 @@ from typing import Callable
 from orchestrator.core.plan import make_plan, plan_json
 from orchestrator.core.private_fs import private_dir, write_private
 from orchestrator.core.redact import redact
-from stages.data import make_source
 
 log = logging.getLogger("meshpipe")
 
@@ -34,16 +33,12 @@ def output_dir(checked) -> Path:
     return private_dir(Path(job.run.output_dir) / job.run.name)
 
 
-def load_text(checked) -> bytes | None:
-    data = checked.job.data
-    if data.source != "text":
-        return None
-    return Path(checked.data_path or data.path).read_bytes()
-
-
 def step_line(rec: dict, samples: int) -> str:
-    return (f"step {rec['step']:>4d}  loss {rec['loss']:.5f}  time {rec['step_time_s'] * 1e3:8.1f} ms  "
+    line = (f"step {rec['step']:>4d}  loss {rec['loss']:.5f}  time {rec['step_time_s'] * 1e3:8.1f} ms  "
             f"{samples / rec['step_time_s']:9.1f} samples/s")
+    if rec.get("eval_loss") is not None:
+        line += f"  eval loss {rec['eval_loss']:.5f}"
+    return line
 
 
 def run_job(checked, *, reference: bool = False, echo: Callable[[str], None] = print,
@@ -55,8 +50,7 @@ def run_job(checked, *, reference: bool = False, echo: Callable[[str], None] = p
     job = checked.job
     plan = make_plan(checked)
     out = output_dir(checked)
-    source = make_source(checked.model, job.data.source, job.data.global_batch, job.run.seed,
-                         text=load_text(checked))
+    source = checked.data     # a DataPlan: each host that needs data opens its own reader
     samples = job.data.global_batch
     progress = Progress(job.run.steps, tty=tty, echo=echo, line=lambda rec: step_line(rec, samples))
 
@@ -69,7 +63,8 @@ def run_job(checked, *, reference: bool = False, echo: Callable[[str], None] = p
 
             result = train_reference(checked.model, source, steps=job.run.steps, seed=job.run.seed,
                                      microbatches=job.pipeline.microbatches,
-                                     optimizer=job.optimizer.spec(), on_step=on_step)
+                                     optimizer=job.optimizer.spec(), on_step=on_step,
+                                     eval_every=job.run.eval_every)
             extra = {"mode": "reference"}
         else:
             result, extra = _run_pipeline(checked, plan, source, on_step, out, echo, keep_params)
@@ -80,6 +75,7 @@ def run_job(checked, *, reference: bool = False, echo: Callable[[str], None] = p
         "losses": result["losses"],
         "step_times_s": result["step_times_s"],
         "param_norms": result["param_norms"],
+        "eval_losses": result.get("eval_losses", []),      # [step, mean eval loss] (data.eval)
         "plan": plan_json(plan),
         "config": json.dumps(redact(checked.to_dict()), indent=2),  # secrets never reach disk
         **extra,
@@ -103,10 +99,10 @@ def _run_pipeline(checked, plan, source, on_step, out: Path, echo, keep_params: 
     run = job.run.name
     started = placement.connect(checked.cluster, namespace=f"meshpipe-{run}")
     ray_info = _ray_info(run, echo)
-    ex = PipelineExecutor(checked, plan.schedule, source, run)
+    ex = PipelineExecutor(checked, plan.schedule, source, run, plan.eval_schedule)
     tel = RunTelemetry(run, plan.schedule, plan.sim.bubble_fraction, job.data.global_batch)
     metrics = _metrics(run, plan.sim.bubble_fraction)
-    losses, times, spans = [], [], []
+    losses, times, spans, evals = [], [], [], []
     ok = False
     try:
         t0 = time.perf_counter()
@@ -119,8 +115,10 @@ def _run_pipeline(checked, plan, source, on_step, out: Path, echo, keep_params: 
             spans.append(r.spans)
             st = tel.add(step, r.wall_s, r.loss, r.spans, r.stats)
             if metrics is not None:
-                metrics.record(st)
-            on_step({"step": step, "loss": r.loss, "step_time_s": r.wall_s})
+                metrics.record(st, eval_loss=r.eval_loss)
+            if r.eval_loss is not None:
+                evals.append([step, r.eval_loss])
+            on_step({"step": step, "loss": r.loss, "step_time_s": r.wall_s, "eval_loss": r.eval_loss})
         norms = ex.param_norms()
         arrays = ex.param_arrays() if keep_params else None
         ok = True
@@ -139,7 +137,8 @@ def _run_pipeline(checked, plan, source, on_step, out: Path, echo, keep_params: 
     extra = {"mode": "pipeline", "startup_s": startup, "workers": ex.info, "executor": ex.dispatch_info,
              "last_step_spans": [list(s) for s in spans[-1]] if spans else [],
              "telemetry": tel.summary(), "ray": ray_info}
-    return {"losses": losses, "step_times_s": times, "param_norms": norms, "params": arrays}, extra
+    return {"losses": losses, "step_times_s": times, "param_norms": norms, "params": arrays,
+            "eval_losses": evals}, extra
 
 
 def _ray_info(run: str, echo) -> dict:
