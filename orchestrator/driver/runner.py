@@ -18,7 +18,7 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable, Sequence
 
 from orchestrator.core.plan import make_plan, plan_json
 from orchestrator.core.private_fs import private_dir, write_private
@@ -42,8 +42,9 @@ def step_line(rec: dict, samples: int) -> str:
 
 
 def run_job(checked, *, reference: bool = False, echo: Callable[[str], None] = print,
-            tty: bool = False, keep_params: bool = False) -> dict:
+            tty: bool = False, hooks: Sequence = (), keep_params: bool = False) -> dict:
     """Train the checked job; `tty`: draw a progress bar on stdout instead of one line per step;
+    `hooks`: `stages.hooks.WorkerHook` objects every stage worker calls (pipeline runs only);
     `keep_params`: the returned summary also holds "params" (name -> final numpy array; not written)."""
     from orchestrator.driver.telemetry import Progress, summary_block
 
@@ -67,7 +68,7 @@ def run_job(checked, *, reference: bool = False, echo: Callable[[str], None] = p
                                      eval_every=job.run.eval_every)
             extra = {"mode": "reference"}
         else:
-            result, extra = _run_pipeline(checked, plan, source, on_step, out, echo, keep_params)
+            result, extra = _run_pipeline(checked, plan, source, on_step, out, echo, hooks, keep_params)
     finally:
         progress.close()   # end the bar's line before anything else is printed
     summary = {
@@ -90,7 +91,8 @@ def run_job(checked, *, reference: bool = False, echo: Callable[[str], None] = p
     return summary
 
 
-def _run_pipeline(checked, plan, source, on_step, out: Path, echo, keep_params: bool = False) -> tuple[dict, dict]:
+def _run_pipeline(checked, plan, source, on_step, out: Path, echo, hooks: Sequence = (),
+                  keep_params: bool = False) -> tuple[dict, dict]:
     from orchestrator.driver import placement
     from orchestrator.driver.executor import PipelineExecutor
     from orchestrator.driver.telemetry import RunTelemetry
@@ -99,7 +101,7 @@ def _run_pipeline(checked, plan, source, on_step, out: Path, echo, keep_params: 
     run = job.run.name
     started = placement.connect(checked.cluster, namespace=f"meshpipe-{run}")
     ray_info = _ray_info(run, echo)
-    ex = PipelineExecutor(checked, plan.schedule, source, run, plan.eval_schedule)
+    ex = PipelineExecutor(checked, plan.schedule, source, run, plan.eval_schedule, hooks=hooks)
     tel = RunTelemetry(run, plan.schedule, plan.sim.bubble_fraction, job.data.global_batch)
     metrics = _metrics(run, plan.sim.bubble_fraction)
     losses, times, spans, evals = [], [], [], []
