@@ -88,8 +88,8 @@ def auth_headers() -> tuple[dict[str, str], str]:
         loader = AuthenticationTokenLoader.instance()
         loader.reset_cache()   # read the environment as it is now
         headers = dict(loader.get_token_for_http_header(ignore_auth_mode=True))
-    except ImportError:  # a Ray without the loader: read the same places ourselves
-        token = _read_token()
+    except (ImportError, TypeError):  # a Ray without the loader (< 2.52) or without ignore_auth_mode
+        token = _read_token()          # (2.52): read the same places ourselves
         headers = {"authorization": f"Bearer {token}"} if token else {}
     if not headers:
         return {}, ("no Ray auth token found (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token); "
