@@ -1,7 +1,7 @@
 """Running a checked job: pipeline on Ray, or the single-process reference.
 
 Basic flow of `run_job`:
-  plan (pure) → output dir checked/created (owner-only) → data source →
+  plan (pure) → output dir checked/created (owner-only) → data plan →
   [Ray: connect → executor.start → step × N → param norms] or [reference] →
   summary.json. Whatever was started is shut down in `finally` (actors,
   placement group, and an embedded Ray we started), also on Ctrl-C.
@@ -12,7 +12,7 @@ exit — status completed, failed or interrupted, with the error, the steps done
 and the losses so far. With batched dispatch (`cluster.steps_per_call` k) the
 driver learns steps k at a time, so the steps completed inside a call that
 fails are not recorded. The driver keeps a bounded amount per step: the loss
-and the step time (summary.json's lists) and two telemetry floats; spans only
+and the step time (summary.json's lists) and three telemetry floats; spans only
 for the steps trace.json shows.
 
 Telemetry (`orchestrator.driver.telemetry`, `orchestrator.driver.metrics`): every step's
@@ -32,7 +32,6 @@ from typing import Callable
 from orchestrator.core.plan import make_plan, plan_json
 from orchestrator.core.private_fs import private_dir, write_private
 from orchestrator.core.redact import redact, redact_text
-from stages.data import make_source
 
 log = logging.getLogger("meshpipe")
 
@@ -43,16 +42,12 @@ def output_dir(checked) -> Path:
     return private_dir(Path(job.run.output_dir) / job.run.name)
 
 
-def load_text(checked) -> bytes | None:
-    data = checked.job.data
-    if data.source != "text":
-        return None
-    return Path(checked.data_path or data.path).read_bytes()
-
-
 def step_line(rec: dict, samples: int) -> str:
-    return (f"step {rec['step']:>4d}  loss {rec['loss']:.5f}  time {rec['step_time_s'] * 1e3:8.1f} ms  "
+    line = (f"step {rec['step']:>4d}  loss {rec['loss']:.5f}  time {rec['step_time_s'] * 1e3:8.1f} ms  "
             f"{samples / rec['step_time_s']:9.1f} samples/s")
+    if rec.get("eval_loss") is not None:
+        line += f"  eval loss {rec['eval_loss']:.5f}"
+    return line
 
 
 def run_job(checked, *, reference: bool = False, echo: Callable[[str], None] = print,
@@ -69,20 +64,22 @@ def run_job(checked, *, reference: bool = False, echo: Callable[[str], None] = p
     job = checked.job
     plan = make_plan(checked)
     out = output_dir(checked)
-    source = make_source(checked.model, job.data.source, job.data.global_batch, job.run.seed,
-                         text=load_text(checked))
+    source = checked.data     # a DataPlan: each host that needs data opens its own reader
     samples = job.data.global_batch
     suffix = ".reference" if reference else ""
     progress = Progress(job.run.steps, tty=tty, echo=echo, line=lambda rec: step_line(rec, samples))
     records = StepLog(out / f"metrics{suffix}.jsonl")
     losses: list[float] = []
     times: list[float] = []
+    evals: list[list] = []     # [step, mean eval loss] (data.eval)
     extra: dict = {"mode": "reference" if reference else "pipeline"}
 
     def on_step(rec):
         rec = {**rec, "samples_per_s": samples / rec["step_time_s"] if rec["step_time_s"] else 0.0}
         losses.append(rec["loss"])
         times.append(rec["step_time_s"])
+        if rec.get("eval_loss") is not None:
+            evals.append([rec["step"], rec["eval_loss"]])
         records.append({**rec, "time": time.time()})
         progress.update(rec)
 
@@ -95,6 +92,7 @@ def run_job(checked, *, reference: bool = False, echo: Callable[[str], None] = p
             "losses": losses,
             "step_times_s": times,
             "param_norms": param_norms,
+            "eval_losses": evals,
             "plan": plan_json(plan),
             "config": json.dumps(redact(checked.to_dict()), indent=2),  # secrets never reach disk
             **extra,
@@ -107,7 +105,8 @@ def run_job(checked, *, reference: bool = False, echo: Callable[[str], None] = p
 
             result = train_reference(checked.model, source, steps=job.run.steps, seed=job.run.seed,
                                      microbatches=job.pipeline.microbatches,
-                                     optimizer=(job.optimizer.name, dict(job.optimizer.args)), on_step=on_step)
+                                     optimizer=(job.optimizer.name, dict(job.optimizer.args)), on_step=on_step,
+                                     eval_every=job.run.eval_every)
             norms = result["param_norms"]
         else:
             norms = _run_pipeline(checked, plan, source, on_step, out, echo, extra)
@@ -147,7 +146,7 @@ def _run_pipeline(checked, plan, source, on_step, out: Path, echo, extra: dict) 
     ok = False
     try:
         extra["ray"] = _ray_info(run, echo)
-        ex = PipelineExecutor(checked, plan.schedule, source, run)
+        ex = PipelineExecutor(checked, plan.schedule, source, run, plan.eval_schedule)
         tel = RunTelemetry(run, plan.schedule, plan.sim.bubble_fraction, job.data.global_batch)
         metrics = _metrics(run, plan.sim.bubble_fraction)
         t0 = time.perf_counter()
@@ -157,9 +156,9 @@ def _run_pipeline(checked, plan, source, on_step, out: Path, echo, extra: dict) 
             last_spans = r.spans     # only the last step's spans are kept (trace.json: telemetry's own)
             st = tel.add(r.step, r.wall_s, r.loss, r.spans, r.stats)
             if metrics is not None:
-                metrics.record(st)
-            on_step({"step": r.step, "loss": r.loss, "step_time_s": r.wall_s, "span_s": st.span_s,
-                     "measured_bubble": st.measured_bubble})
+                metrics.record(st, eval_loss=r.eval_loss)
+            on_step({"step": r.step, "loss": r.loss, "step_time_s": r.wall_s, "eval_loss": r.eval_loss,
+                     "span_s": st.span_s, "measured_bubble": st.measured_bubble})
         norms = ex.param_norms()
         ok = True
     finally:

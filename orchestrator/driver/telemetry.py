@@ -182,9 +182,10 @@ class RunTelemetry:
         self.global_batch = global_batch
         self.first: tuple[int, list[Span]] | None = None
         self.recent: deque[tuple[int, list[Span]]] = deque(maxlen=keep_steps)
-        # bounded per step: two floats; full StepStats only for the first and the last step
+        # bounded per step: three floats; full StepStats only for the last step
         self.walls: list[float] = []
         self.bubbles: list[float] = []
+        self.waits: list[float | None] = []    # longest loader wait of any host ÷ step wall
         self.last: StepStats | None = None
         self.paths: dict[str, str] = {}
 
@@ -197,6 +198,8 @@ class RunTelemetry:
                        measured_bubble=bubble, busy=busy, hosts=list(hosts or []))
         self.walls.append(st.wall_s)
         self.bubbles.append(st.measured_bubble)
+        self.waits.append(max((h.get("data_wait_s", 0.0) for h in st.hosts), default=0.0) / st.wall_s
+                          if st.wall_s > 0 else None)
         self.last = st
         if self.first is None:
             self.first = (step, spans)
@@ -238,8 +241,11 @@ class RunTelemetry:
         for h in self.last.hosts:
             hosts[f"stage{h.get('stage')}/host{h.get('host')}"] = {k: v for k, v in h.items()
                                                                   if k not in ("stage", "host")}
+        waits = [w for w in (self.waits[1:] or self.waits) if w is not None]
         return {
             "first_step_s": self.walls[0],
+            # the longest wait of any host on its loader, as a share of the step (mean over steady steps)
+            "data_wait_share": sum(waits) / len(waits) if waits else 0.0,
             "median_step_s": median,
             "samples_per_s": self.global_batch / median if median > 0 else 0.0,
             "measured_bubble_mean": sum(bubbles) / len(bubbles),
@@ -331,9 +337,12 @@ class Progress:
         self.width = width
         self.done = 0
         self._drawn = False
+        self.eval_loss = None        # the latest evaluation's loss, kept on the bar
 
     def update(self, rec: dict) -> None:
         self.done = rec["step"] + 1
+        if rec.get("eval_loss") is not None:
+            self.eval_loss = rec["eval_loss"]
         if not self.tty:
             self.echo(self.line(rec))
             return
@@ -344,6 +353,8 @@ class Progress:
         text = (f"\r{bar} {self.done}/{self.total}  loss {rec['loss']:.4f}  "
                 f"{rec['samples_per_s']:.1f} samples/s  {rec['step_time_s'] * 1e3:.0f} ms/step  "
                 f"eta {eta:.0f}s ")
+        if self.eval_loss is not None:
+            text += f" eval {self.eval_loss:.4f} "
         self.stream.write(text)
         self.stream.flush()
         self._drawn = True

@@ -24,8 +24,9 @@ from orchestrator.core.model.layout import parse_layout
 from orchestrator.core.model.registry import BUILTIN
 
 __all__ = [
-    "RunConfig", "ModelConfig", "DataConfig", "OptimizerConfig", "StageConfig", "PipelineConfig",
-    "JobConfig", "TimeoutsConfig", "ClusterConfig", "GpuConfig", "TpuConfig", "parse_job", "parse_cluster", "field_kind",
+    "RunConfig", "ModelConfig", "DataConfig", "EvalConfig", "OptimizerConfig", "StageConfig", "PipelineConfig",
+    "JobConfig", "TimeoutsConfig", "ClusterConfig", "GpuConfig", "TpuConfig", "LinkClassConfig",
+    "LinksConfig", "DeviceConfig", "parse_job", "parse_cluster", "field_kind",
     "NAME_RE", "Rule", "key_homes", "unknown_key_hint",
 ]
 
@@ -94,6 +95,7 @@ class RunConfig(_Frozen):
     steps: PosInt
     seed: NonNegInt = 0
     output_dir: str = "runs"
+    eval_every: Optional[PosInt] = None     # run data.eval every k steps (and after the last)
 
     @field_validator("name")
     @classmethod
@@ -136,22 +138,90 @@ class ModelConfig(_Frozen):
                       f"factory as 'package.module:function'{suggest(v, BUILTIN)}")
 
 
-class DataConfig(_Frozen):
-    """`data:` — where examples come from and how many per step."""
+class EvalConfig(_Frozen):
+    """`data.eval:` — held-out data for `run.eval_every`: a `holdout` fraction of the data set's
+    windows (its tail, never trained on) or other files (`path`, same source kind); `batches`
+    eval batches of `data.global_batch` rows each, the same ones at every evaluation."""
 
-    source: Literal["synthetic", "text"] = "synthetic"
-    path: Optional[str] = None
-    global_batch: PosInt
-    seq_len: Optional[PosInt] = None
+    path: Optional[Union[str, tuple[str, ...]]] = None
+    holdout: Optional[Annotated[float, Field(gt=0, lt=1, allow_inf_nan=False)]] = None
+    batches: PosInt = 2
+
+    @field_validator("path", mode="before")
+    @classmethod
+    def _path(cls, v: Any) -> Any:
+        return tuple(v) if isinstance(v, list) else v
 
     @model_validator(mode="after")
-    def _path_iff_text(self) -> "DataConfig":
-        if self.source == "text" and not self.path:
-            raise Problem("required when data.source is 'text' (a text file to train on)",
-                          ("path",), self.path)
-        if self.source != "text" and self.path is not None:
-            raise Problem(f"only used when data.source is 'text' (it is {self.source!r}); "
-                          "remove it or set it to null", ("path",), self.path)
+    def _one(self) -> "EvalConfig":
+        if (self.path is None) == (self.holdout is None):
+            raise Problem("give exactly one of data.eval.path (held-out files) or data.eval.holdout "
+                          "(a fraction of the data set, e.g. 0.05)", ("path",), self.path)
+        return self
+
+
+_SOURCE_KEYS = {"synthetic": set(), "text": {"path"}, "tokens": {"path", "dtype"},
+                "hf": {"path", "format", "column", "tokenizer"}, "grain": {"factory", "args"}}
+_REQUIRED = {"text": ("path",), "tokens": ("path",), "hf": ("path", "tokenizer"), "grain": ("factory",)}
+
+
+class DataConfig(_Frozen):
+    """`data:` — where examples come from and how many per step.
+
+    Sources: `synthetic` (generated from (seed, step)), `text` (bytes of a text file as
+    tokens), `tokens` (token shards: a directory with index.json, `.bin` files), `hf` (a
+    Hugging Face `datasets` data set from local files, `column` tokenized with the
+    `tokenizer` file), `grain` (`factory: package.module:function` returning a grain
+    random-access source or MapDataset of token windows). `prefetch`: batches the
+    host's loader thread keeps ready (0: load on the step's path).
+    """
+
+    source: Literal["synthetic", "text", "tokens", "hf", "grain"] = "synthetic"
+    path: Optional[Union[str, tuple[str, ...]]] = None
+    dtype: Optional[Literal["uint16", "uint32"]] = None
+    format: Optional[Literal["parquet", "json", "arrow", "csv"]] = None
+    column: Optional[str] = None
+    tokenizer: Optional[str] = None
+    factory: Optional[str] = None
+    args: Optional[dict[str, Any]] = None
+    global_batch: PosInt
+    seq_len: Optional[PosInt] = None
+    prefetch: Annotated[int, Field(ge=0, le=64)] = 2
+    eval: Optional[EvalConfig] = None
+
+    @field_validator("path", mode="before")
+    @classmethod
+    def _path(cls, v: Any) -> Any:
+        if isinstance(v, list):
+            if not v:
+                raise Problem("must name at least one file")
+            return tuple(v)
+        return v
+
+    @field_validator("factory")
+    @classmethod
+    def _factory(cls, v: Optional[str]) -> Optional[str]:
+        if v is not None and not _FACTORY_RE.match(v):
+            raise Problem("must be an import path 'package.module:function'")
+        return v
+
+    @model_validator(mode="after")
+    def _keys_of_source(self) -> "DataConfig":
+        src = self.source
+        for key in _REQUIRED.get(src, ()):
+            if getattr(self, key) in (None, ""):
+                what = {"path": "the data to read", "tokenizer": "a tokenizers JSON file",
+                        "factory": "'package.module:function'"}[key]
+                raise Problem(f"required when data.source is {src!r} ({what})", (key,), getattr(self, key))
+        for key in ("path", "dtype", "format", "column", "tokenizer", "factory", "args"):
+            if getattr(self, key) is not None and key not in _SOURCE_KEYS[src]:
+                users = [s for s, keys in _SOURCE_KEYS.items() if key in keys]
+                raise Problem(f"only used when data.source is {' or '.join(repr(u) for u in users)} "
+                              f"(it is {src!r}); remove it or set it to null", (key,), getattr(self, key))
+        if src == "text" and not isinstance(self.path, str):
+            raise Problem("source 'text' reads one file: give one path", ("path",), list(self.path or ()))
+        if self.eval is not None and src == "synthetic":
+            raise Problem("synthetic data has no held-out set; evaluate a real source", ("eval",), None)
         return self
 
 
@@ -304,6 +374,36 @@ class TpuConfig(_Frozen):
         return self
 
 
+class LinkClassConfig(_Frozen):
+    """One link class of `links:` for the planner's α-β model: t(bytes) = latency + bytes / bandwidth."""
+
+    bandwidth_gbps: PosFloat      # GB/s (1e9 bytes per second) per device on this link
+    latency_us: NonNegFloat       # per message, microseconds
+
+
+class LinksConfig(_Frozen):
+    """`links:` (optional; `meshpipe plan --auto` only) — the cluster's link classes.
+
+    `host`: between devices of one host; `group`: between hosts of one node group
+    (an NVLink/ICI domain: `hosts_per_group` consecutive hosts; a TPU slice);
+    `dcn`: between node groups. Left out: the platform's nominal defaults
+    (`orchestrator.core.planner.topology`).
+    """
+
+    host: Optional[LinkClassConfig] = None
+    group: Optional[LinkClassConfig] = None
+    dcn: Optional[LinkClassConfig] = None
+    hosts_per_group: Optional[PosInt] = None
+
+
+class DeviceConfig(_Frozen):
+    """`device:` (optional; `meshpipe plan --auto` only) — what one device can hold and do."""
+
+    memory_gb: Optional[PosFloat] = None      # bytes the planner may fill per device (1e9 bytes)
+    tflops: Optional[PosFloat] = None         # sustained float32 TFLOP/s per device
+    memory_bandwidth_gbps: Optional[PosFloat] = None   # GB/s per device
+
+
 class ClusterConfig(_Frozen):
     """A cluster (`cluster.yaml`): which Ray, what platform, how many hosts of how many devices."""
 
@@ -327,6 +427,8 @@ class ClusterConfig(_Frozen):
     timeouts: TimeoutsConfig = Field(default_factory=TimeoutsConfig)
     gpu: Optional[GpuConfig] = None   # platform gpu only
     tpu: Optional[TpuConfig] = None   # platform tpu only (required there)
+    links: Optional[LinksConfig] = None     # link classes for the auto-planner (null: platform defaults)
+    device: Optional[DeviceConfig] = None   # device memory/speed for the auto-planner (null: defaults)
 
     RESERVED_RESOURCES: ClassVar[frozenset[str]] = frozenset({"CPU", "GPU", "TPU", "memory",
                                                                "object_store_memory"})
@@ -405,6 +507,14 @@ class ClusterConfig(_Frozen):
         if self.executor == "action_calls" and self.steps_per_call not in (None, 1):
             raise Problem("must be 1 (or left out) with executor: action_calls, which makes one Ray call "
                           "per action", ("steps_per_call",), self.steps_per_call)
+        return self
+
+    @model_validator(mode="after")
+    def _links(self) -> "ClusterConfig":
+        g = self.links.hosts_per_group if self.links is not None else None
+        if g is not None and self.hosts % g:
+            raise Problem(f"must divide cluster.hosts = {self.hosts}: node groups are equal runs of "
+                          "consecutive hosts", ("links", "hosts_per_group"), g)
         return self
 
     @property
