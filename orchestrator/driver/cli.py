@@ -87,12 +87,13 @@ def run(job, cluster, overrides, reference, address):
     except ConfigError as e:
         click.echo(f"meshpipe: invalid configuration:\n{e}", err=True)
         sys.exit(2)
+    from orchestrator.core.private_fs import DiskFullError
     from orchestrator.driver.placement import PlacementError
     from orchestrator.driver.waiting import StageFailure
 
     try:
         run_job(checked, reference=reference, echo=lambda s: click.echo(s), tty=sys.stdout.isatty())
-    except (PlacementError, StageFailure, TimeoutError) as e:
+    except (PlacementError, StageFailure, TimeoutError, DiskFullError) as e:
         # the run was torn down already (runner's finally); say what failed, without a driver traceback
         click.echo(f"meshpipe: run failed: {e}", err=True)
         sys.exit(1)
@@ -122,7 +123,11 @@ def run(job, cluster, overrides, reference, address):
                    "predicted vs measured")
 def plan(job, cluster, overrides, as_json, png, auto, out, explain_, top, max_model, microbatches,
          target_step_ms, cache_dir, measure):
-    """Show placement, schedule and simulated bubble without starting Ray (--auto: plan it for you)."""
+    """Show placement, schedule and simulated bubble without starting Ray (--auto: plan it for you).
+
+    A job whose model.name is a `package.module:function` factory has that module imported
+    and the function called here too (it describes the model): plan a job only if you would
+    run it (docs/security.md)."""
     from orchestrator.core.plan import make_plan, plan_json, plan_text
 
     if auto:
@@ -130,6 +135,9 @@ def plan(job, cluster, overrides, as_json, png, auto, out, explain_, top, max_mo
               measure)
         return
     checked, _ = _checked(job, cluster, overrides)
+    if ":" in checked.job.model.name:
+        click.echo(f"meshpipe: note: model.name {checked.job.model.name!r} was imported and called to "
+                   "describe the model (job code ran; no Ray was started)", err=True)
     p = make_plan(checked)
     if png:
         from orchestrator.core.schedule import render_png

@@ -12,7 +12,7 @@ exit — status completed, failed or interrupted, with the error, the steps done
 and the losses so far. With batched dispatch (`cluster.steps_per_call` k) the
 driver learns steps k at a time, so the steps completed inside a call that
 fails are not recorded. The driver keeps a bounded amount per step: the loss
-and the step time (summary.json's lists) and three telemetry floats; spans only
+and the step time (summary.json's lists) and the step's scalar telemetry; spans only
 for the steps trace.json shows.
 
 Telemetry (`orchestrator.driver.telemetry`, `orchestrator.driver.metrics`): every step's
@@ -27,7 +27,7 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 from orchestrator.core.plan import make_plan, plan_json
 from orchestrator.core.private_fs import private_dir, write_private
@@ -51,8 +51,9 @@ def step_line(rec: dict, samples: int) -> str:
 
 
 def run_job(checked, *, reference: bool = False, echo: Callable[[str], None] = print,
-            tty: bool = False) -> dict:
-    """Train the checked job; `tty`: draw a progress bar on stdout instead of one line per step.
+            tty: bool = False, hooks: Sequence = ()) -> dict:
+    """Train the checked job; `tty`: draw a progress bar on stdout instead of one line per step;
+    `hooks`: `stages.hooks.WorkerHook` objects every stage worker calls (pipeline runs only).
 
     Writes `metrics.jsonl` (one record per step, as it completes) and `summary.json` into the
     run directory (`metrics.reference.jsonl` / `summary.reference.json` with `reference`). The
@@ -109,7 +110,7 @@ def run_job(checked, *, reference: bool = False, echo: Callable[[str], None] = p
                                      eval_every=job.run.eval_every)
             norms = result["param_norms"]
         else:
-            norms = _run_pipeline(checked, plan, source, on_step, out, echo, extra)
+            norms = _run_pipeline(checked, plan, source, on_step, out, echo, extra, hooks)
     except BaseException as e:
         progress.close()
         status = "interrupted" if isinstance(e, KeyboardInterrupt) else "failed"
@@ -131,7 +132,7 @@ def run_job(checked, *, reference: bool = False, echo: Callable[[str], None] = p
     return done
 
 
-def _run_pipeline(checked, plan, source, on_step, out: Path, echo, extra: dict) -> dict:
+def _run_pipeline(checked, plan, source, on_step, out: Path, echo, extra: dict, hooks: Sequence = ()) -> dict:
     """Run the pipeline; returns the final parameter norms. Fills `extra` (summary.json's
     pipeline fields) as it goes, so a failed run's summary has what was known."""
     from orchestrator.driver import placement
@@ -146,7 +147,7 @@ def _run_pipeline(checked, plan, source, on_step, out: Path, echo, extra: dict) 
     ok = False
     try:
         extra["ray"] = _ray_info(run, echo)
-        ex = PipelineExecutor(checked, plan.schedule, source, run, plan.eval_schedule)
+        ex = PipelineExecutor(checked, plan.schedule, source, run, plan.eval_schedule, hooks=hooks)
         tel = RunTelemetry(run, plan.schedule, plan.sim.bubble_fraction, job.data.global_batch)
         metrics = _metrics(run, plan.sim.bubble_fraction)
         t0 = time.perf_counter()
@@ -186,9 +187,9 @@ def _ray_info(run: str, echo) -> dict:
 
     info = {"namespace": f"meshpipe-{run}", "actors": f"{run}/stage<s>/host<h>", "placement_group": f"{run}/pg"}
     try:
-        from ray._private.worker import get_dashboard_url
+        from orchestrator.driver.ray_internals import dashboard_url
 
-        url = get_dashboard_url()
+        url = dashboard_url()
         info["dashboard_url"] = f"http://{url}" if url and "://" not in url else url
         info["metrics_endpoints"] = metrics_endpoints()
     except Exception as e:  # noqa: BLE001 - informational only

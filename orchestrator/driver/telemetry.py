@@ -182,11 +182,7 @@ class RunTelemetry:
         self.global_batch = global_batch
         self.first: tuple[int, list[Span]] | None = None
         self.recent: deque[tuple[int, list[Span]]] = deque(maxlen=keep_steps)
-        # bounded per step: three floats; full StepStats only for the last step
-        self.walls: list[float] = []
-        self.bubbles: list[float] = []
-        self.waits: list[float | None] = []    # longest loader wait of any host ÷ step wall
-        self.last: StepStats | None = None
+        self.steps: list[StepStats] = []
         self.paths: dict[str, str] = {}
 
     def add(self, step: int, wall_s: float, loss: float, spans: list[Span],
@@ -196,11 +192,10 @@ class RunTelemetry:
         st = StepStats(step=step, loss=float(loss), wall_s=float(wall_s), span_s=span_s,
                        samples_per_s=self.global_batch / wall_s if wall_s > 0 else 0.0,
                        measured_bubble=bubble, busy=busy, hosts=list(hosts or []))
-        self.walls.append(st.wall_s)
-        self.bubbles.append(st.measured_bubble)
-        self.waits.append(max((h.get("data_wait_s", 0.0) for h in st.hosts), default=0.0) / st.wall_s
-                          if st.wall_s > 0 else None)
-        self.last = st
+        if self.steps:   # earlier steps keep their scalars only: driver memory per step stays small
+            last = self.steps[-1]
+            last.busy, last.hosts = {}, []
+        self.steps.append(st)
         if self.first is None:
             self.first = (step, spans)
         else:
@@ -233,26 +228,27 @@ class RunTelemetry:
 
     def summary(self) -> dict:
         """Numbers for summary.json: steady-state figures exclude step 0 (compilation) when possible."""
-        if self.last is None:
+        steady = self.steps[1:] or self.steps
+        if not steady:
             return {}
-        walls, bubbles = self.walls[1:] or self.walls, self.bubbles[1:] or self.bubbles
-        median = statistics.median(walls)
+        median = statistics.median(s.wall_s for s in steady)
         hosts = {}
-        for h in self.last.hosts:
+        for h in self.steps[-1].hosts:
             hosts[f"stage{h.get('stage')}/host{h.get('host')}"] = {k: v for k, v in h.items()
                                                                   if k not in ("stage", "host")}
-        waits = [w for w in (self.waits[1:] or self.waits) if w is not None]
+        waits = [max((h.get("data_wait_s", 0.0) for h in s.hosts), default=0.0) / s.wall_s
+                 for s in steady if s.wall_s > 0]
         return {
-            "first_step_s": self.walls[0],
+            "first_step_s": self.steps[0].wall_s,
             # the longest wait of any host on its loader, as a share of the step (mean over steady steps)
             "data_wait_share": sum(waits) / len(waits) if waits else 0.0,
             "median_step_s": median,
             "samples_per_s": self.global_batch / median if median > 0 else 0.0,
-            "measured_bubble_mean": sum(bubbles) / len(bubbles),
-            "measured_bubble_last": self.last.measured_bubble,
-            "measured_bubble_per_step": list(self.bubbles),
+            "measured_bubble_mean": sum(s.measured_bubble for s in steady) / len(steady),
+            "measured_bubble_last": self.steps[-1].measured_bubble,
+            "measured_bubble_per_step": [s.measured_bubble for s in self.steps],
             "simulated_bubble": self.simulated_bubble,
-            "busy_fraction_last": {f"stage{s}/host{h}": b for (s, h), b in self.last.busy.items()},
+            "busy_fraction_last": {f"stage{s}/host{h}": b for (s, h), b in self.steps[-1].busy.items()},
             "hosts_last": hosts,
             **self.paths,
         }

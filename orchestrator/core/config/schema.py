@@ -35,6 +35,8 @@ NonNegInt = Annotated[int, Field(ge=0)]
 PosFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 NonNegFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 Rule = Union[str, tuple[str, ...], None]
+MAX_STEPS = 10**9          # ~11 days at 1 ms a step; more is a typo, not a run
+MAX_SEED = 2**32 - 1       # JAX PRNG keys and numpy seed sequences take it without overflow
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _IDENT_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -92,8 +94,8 @@ class RunConfig(_Frozen):
     """`run:` — what the run is called, how long it trains, where it writes."""
 
     name: str
-    steps: PosInt
-    seed: NonNegInt = 0
+    steps: Annotated[int, Field(ge=1, le=MAX_STEPS)]
+    seed: Annotated[int, Field(ge=0, le=MAX_SEED)] = 0
     output_dir: str = "runs"
     eval_every: Optional[PosInt] = None     # run data.eval every k steps (and after the last)
 
@@ -686,9 +688,36 @@ def _convert(exc: ValidationError, root: type[BaseModel]) -> list[str]:
     return out
 
 
+_CONTROL_RE = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029]")   # tab and newline allowed
+_KEY_CONTROL_RE = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def _control_characters(raw: Any, loc: tuple = ()) -> list[str]:
+    """A problem line per key or string value holding a control character (YAML lets a
+    double-quoted string spell any character as an escape; values may hold tabs and newlines)."""
+    out = []
+    if isinstance(raw, Mapping):
+        for k, v in raw.items():
+            if isinstance(k, str) and _KEY_CONTROL_RE.search(k):
+                out.append(problem(loc + (repr(k),), v, "a key must not contain control characters"))
+            else:
+                out += _control_characters(v, loc + (k,))
+    elif isinstance(raw, (list, tuple)):
+        for i, v in enumerate(raw):
+            out += _control_characters(v, loc + (i,))
+    elif isinstance(raw, str) and _CONTROL_RE.search(raw):
+        c = _CONTROL_RE.search(raw).group()
+        what = "a NUL byte (U+0000)" if c == "\x00" else f"control character U+{ord(c):04X}"
+        out.append(problem(loc, raw, f"contains {what}; names, paths and values must be printable text"))
+    return out
+
+
 def _parse(cls: type[BaseModel], raw: Any, source: Optional[str]) -> Any:
     if not isinstance(raw, Mapping):
         raise ConfigError(problem("<top level>", raw, "must be a mapping of sections"), source)
+    bad = _control_characters(raw)
+    if bad:
+        raise ConfigError(bad, source)
     try:
         return cls.model_validate(dict(raw))
     except ValidationError as e:
