@@ -6,6 +6,15 @@ Basic flow of `run_job`:
   summary.json. Whatever was started is shut down in `finally` (actors,
   placement group, and an embedded Ray we started), also on Ctrl-C.
 
+Records survive a failure: each completed step is appended to `metrics.jsonl`
+as it arrives (`telemetry.StepLog`), and `summary.json` is written on every
+exit — status completed, failed or interrupted, with the error, the steps done
+and the losses so far. With batched dispatch (`cluster.steps_per_call` k) the
+driver learns steps k at a time, so the steps completed inside a call that
+fails are not recorded. The driver keeps a bounded amount per step: the loss
+and the step time (summary.json's lists) and the step's scalar telemetry; spans only
+for the steps trace.json shows.
+
 Telemetry (`orchestrator.driver.telemetry`, `orchestrator.driver.metrics`): every step's
 spans and per-actor stats feed the progress display (a bar on a terminal, one
 `step_line` per step otherwise, e.g. in Ray Jobs logs), the Ray metrics, and at
@@ -18,11 +27,11 @@ import json
 import logging
 import time
 from pathlib import Path
-from collections.abc import Callable, Sequence
+from typing import Callable, Sequence
 
 from orchestrator.core.plan import make_plan, plan_json
 from orchestrator.core.private_fs import private_dir, write_private
-from orchestrator.core.redact import redact
+from orchestrator.core.redact import redact, redact_text
 
 log = logging.getLogger("meshpipe")
 
@@ -45,19 +54,53 @@ def run_job(checked, *, reference: bool = False, echo: Callable[[str], None] = p
             tty: bool = False, hooks: Sequence = (), keep_params: bool = False) -> dict:
     """Train the checked job; `tty`: draw a progress bar on stdout instead of one line per step;
     `hooks`: `stages.hooks.WorkerHook` objects every stage worker calls (pipeline runs only);
-    `keep_params`: the returned summary also holds "params" (name -> final numpy array; not written)."""
-    from orchestrator.driver.telemetry import Progress, summary_block
+    `keep_params`: the returned summary also holds "params" (name -> final numpy array; not written).
+
+    Writes `metrics.jsonl` (one record per step, as it completes) and `summary.json` into the
+    run directory (`metrics.reference.jsonl` / `summary.reference.json` with `reference`). The
+    summary is written also when the run fails or is interrupted — `status` "failed" or
+    "interrupted", `error`, `steps_done` and the losses so far — and the error is re-raised.
+    """
+    from orchestrator.driver.telemetry import Progress, StepLog, summary_block
 
     job = checked.job
     plan = make_plan(checked)
     out = output_dir(checked)
     source = checked.data     # a DataPlan: each host that needs data opens its own reader
     samples = job.data.global_batch
+    suffix = ".reference" if reference else ""
     progress = Progress(job.run.steps, tty=tty, echo=echo, line=lambda rec: step_line(rec, samples))
+    records = StepLog(out / f"metrics{suffix}.jsonl")
+    losses: list[float] = []
+    times: list[float] = []
+    evals: list[list] = []     # [step, mean eval loss] (data.eval)
+    extra: dict = {"mode": "reference" if reference else "pipeline"}
 
     def on_step(rec):
-        progress.update({**rec, "samples_per_s": samples / rec["step_time_s"] if rec["step_time_s"] else 0.0})
+        rec = {**rec, "samples_per_s": samples / rec["step_time_s"] if rec["step_time_s"] else 0.0}
+        losses.append(rec["loss"])
+        times.append(rec["step_time_s"])
+        if rec.get("eval_loss") is not None:
+            evals.append([rec["step"], rec["eval_loss"]])
+        records.append({**rec, "time": time.time()})
+        progress.update(rec)
 
+    def summary(status: str, param_norms: dict, error: str | None = None) -> dict:
+        return {
+            "run": job.run.name,
+            "status": status,               # completed | failed | interrupted
+            **({"error": error} if error is not None else {}),
+            "steps_done": len(losses),
+            "losses": losses,
+            "step_times_s": times,
+            "param_norms": param_norms,
+            "eval_losses": evals,
+            "plan": plan_json(plan),
+            "config": json.dumps(redact(checked.to_dict()), indent=2),  # secrets never reach disk
+            **extra,
+        }
+
+    path = out / f"summary{suffix}.json"
     try:
         if reference:
             from orchestrator.driver.reference import train_reference
@@ -66,33 +109,36 @@ def run_job(checked, *, reference: bool = False, echo: Callable[[str], None] = p
                                      microbatches=job.pipeline.microbatches,
                                      optimizer=job.optimizer.spec(), on_step=on_step,
                                      eval_every=job.run.eval_every)
-            extra = {"mode": "reference"}
+            norms, arrays = result["param_norms"], result.get("params")
         else:
-            result, extra = _run_pipeline(checked, plan, source, on_step, out, echo, hooks, keep_params)
+            norms, arrays = _run_pipeline(checked, plan, source, on_step, out, echo, extra, hooks, keep_params)
+    except BaseException as e:
+        progress.close()
+        status = "interrupted" if isinstance(e, KeyboardInterrupt) else "failed"
+        try:
+            write_private(path, json.dumps(summary(status, {}, redact_text(f"{type(e).__name__}: {e}")),
+                                           indent=1))
+            echo(f"wrote {path} ({status} after {len(losses)} of {job.run.steps} steps)")
+        except Exception as w:  # noqa: BLE001 - the run's own error is the one to raise
+            log.warning("could not write %s: %s", path, w)
+        raise
     finally:
         progress.close()   # end the bar's line before anything else is printed
-    summary = {
-        "run": job.run.name,
-        "losses": result["losses"],
-        "step_times_s": result["step_times_s"],
-        "param_norms": result["param_norms"],
-        "eval_losses": result.get("eval_losses", []),      # [step, mean eval loss] (data.eval)
-        "plan": plan_json(plan),
-        "config": json.dumps(redact(checked.to_dict()), indent=2),  # secrets never reach disk
-        **extra,
-    }
-    path = out / ("summary.reference.json" if reference else "summary.json")
-    write_private(path, json.dumps(summary, indent=1))  # 0o600, atomic
+        records.close()
+    done = summary("completed", norms)
+    write_private(path, json.dumps(done, indent=1))  # 0o600, atomic
     echo(f"wrote {path}")
     if not reference:
-        echo(summary_block(summary, out))
+        echo(summary_block(done, out))
     if keep_params:
-        summary["params"] = result["params"]
-    return summary
+        done["params"] = arrays
+    return done
 
 
-def _run_pipeline(checked, plan, source, on_step, out: Path, echo, hooks: Sequence = (),
-                  keep_params: bool = False) -> tuple[dict, dict]:
+def _run_pipeline(checked, plan, source, on_step, out: Path, echo, extra: dict, hooks: Sequence = (),
+                  keep_params: bool = False) -> tuple[dict, dict | None]:
+    """Run the pipeline; returns the final parameter norms (and arrays with `keep_params`). Fills `extra` (summary.json's
+    pipeline fields) as it goes, so a failed run's summary has what was known."""
     from orchestrator.driver import placement
     from orchestrator.driver.executor import PipelineExecutor
     from orchestrator.driver.telemetry import RunTelemetry
@@ -100,47 +146,44 @@ def _run_pipeline(checked, plan, source, on_step, out: Path, echo, hooks: Sequen
     job = checked.job
     run = job.run.name
     started = placement.connect(checked.cluster, namespace=f"meshpipe-{run}")
-    ray_info = _ray_info(run, echo)
-    ex = PipelineExecutor(checked, plan.schedule, source, run, plan.eval_schedule, hooks=hooks)
-    tel = RunTelemetry(run, plan.schedule, plan.sim.bubble_fraction, job.data.global_batch)
-    metrics = _metrics(run, plan.sim.bubble_fraction)
-    losses, times, spans, evals = [], [], [], []
+    ex = tel = metrics = None
+    last_spans: list = []
     ok = False
     try:
+        extra["ray"] = _ray_info(run, echo)
+        ex = PipelineExecutor(checked, plan.schedule, source, run, plan.eval_schedule, hooks=hooks)
+        tel = RunTelemetry(run, plan.schedule, plan.sim.bubble_fraction, job.data.global_batch)
+        metrics = _metrics(run, plan.sim.bubble_fraction)
         t0 = time.perf_counter()
         ex.start()
-        startup = time.perf_counter() - t0
+        extra["startup_s"] = time.perf_counter() - t0
         for r in ex.steps(job.run.steps):
-            step = r.step
-            losses.append(r.loss)
-            times.append(r.wall_s)
-            spans = [r.spans]     # only the last step's spans are kept (driver memory per step bounded)
-            st = tel.add(step, r.wall_s, r.loss, r.spans, r.stats)
+            last_spans = r.spans     # only the last step's spans are kept (trace.json: telemetry's own)
+            st = tel.add(r.step, r.wall_s, r.loss, r.spans, r.stats)
             if metrics is not None:
                 metrics.record(st, eval_loss=r.eval_loss)
-            if r.eval_loss is not None:
-                evals.append([step, r.eval_loss])
-            on_step({"step": step, "loss": r.loss, "step_time_s": r.wall_s, "eval_loss": r.eval_loss})
+            on_step({"step": r.step, "loss": r.loss, "step_time_s": r.wall_s, "eval_loss": r.eval_loss,
+                     "span_s": st.span_s, "measured_bubble": st.measured_bubble})
         norms = ex.param_norms()
         arrays = ex.param_arrays() if keep_params else None
         ok = True
     finally:
-        ex.shutdown()
-        try:
-            tel.write(out)
-        except Exception as e:  # noqa: BLE001 - pictures must not hide the run's own error
-            log.warning("could not write trace.json/timeline.png: %s", e)
+        if ex is not None:
+            extra.update(workers=ex.info, executor=ex.dispatch_info)
+            ex.shutdown()
+        if tel is not None:
+            try:
+                tel.write(out)
+            except Exception as e:  # noqa: BLE001 - pictures must not hide the run's own error
+                log.warning("could not write trace.json/timeline.png: %s", e)
+            extra.update(last_step_spans=[list(s) for s in last_spans], telemetry=tel.summary())
         if ok and metrics is not None and checked.cluster.address is not None:
             metrics.flush()   # a long-lived cluster: let the last values reach its metrics agent
         if started:
             import ray
 
             ray.shutdown()
-    extra = {"mode": "pipeline", "startup_s": startup, "workers": ex.info, "executor": ex.dispatch_info,
-             "last_step_spans": [list(s) for s in spans[-1]] if spans else [],
-             "telemetry": tel.summary(), "ray": ray_info}
-    return {"losses": losses, "step_times_s": times, "param_norms": norms, "params": arrays,
-            "eval_losses": evals}, extra
+    return norms, arrays
 
 
 def _ray_info(run: str, echo) -> dict:
