@@ -47,13 +47,19 @@ def step_line(rec: dict, samples: int) -> str:
 
 
 def run_job(checked, *, reference: bool = False, echo: Callable[[str], None] = print,
-            tty: bool = False, keep_params: bool = False) -> dict:
+            tty: bool = False, keep_params: bool = False, resume=None) -> dict:
     """Train the checked job; `tty`: draw a progress bar on stdout instead of one line per step;
-    `keep_params`: the returned summary also holds "params" (name -> final numpy array; not written)."""
+    `keep_params`: the returned summary also holds "params" (name -> final numpy array; not written);
+    `resume`: None, "latest" or a step — continue from that committed checkpoint
+    (`orchestrator.driver.checkpoint`; its checks raise CheckpointError before anything starts)."""
+    from orchestrator.driver.checkpoint import CheckpointError, prepare
     from orchestrator.driver.telemetry import Progress, summary_block
 
     job = checked.job
     plan = make_plan(checked)
+    if reference and (resume is not None or job.checkpoint is not None):
+        raise CheckpointError("checkpoints (checkpoint:, --resume) apply to pipeline runs, not --reference")
+    ckpt = None if reference else prepare(checked, resume)
     out = output_dir(checked)
     source = make_source(checked.model, job.data.source, job.data.global_batch, job.run.seed,
                          text=load_text(checked))
@@ -72,7 +78,7 @@ def run_job(checked, *, reference: bool = False, echo: Callable[[str], None] = p
                                      optimizer=(job.optimizer.name, dict(job.optimizer.args)), on_step=on_step)
             extra = {"mode": "reference"}
         else:
-            result, extra = _run_pipeline(checked, plan, source, on_step, out, echo, keep_params)
+            result, extra = _run_pipeline(checked, plan, source, on_step, out, echo, keep_params, ckpt)
     finally:
         progress.close()   # end the bar's line before anything else is printed
     summary = {
@@ -94,8 +100,10 @@ def run_job(checked, *, reference: bool = False, echo: Callable[[str], None] = p
     return summary
 
 
-def _run_pipeline(checked, plan, source, on_step, out: Path, echo, keep_params: bool = False) -> tuple[dict, dict]:
+def _run_pipeline(checked, plan, source, on_step, out: Path, echo, keep_params: bool = False,
+                  ckpt=None) -> tuple[dict, dict]:
     from orchestrator.driver import placement
+    from orchestrator.driver.checkpoint import Committer
     from orchestrator.driver.executor import PipelineExecutor
     from orchestrator.driver.telemetry import RunTelemetry
 
@@ -103,24 +111,36 @@ def _run_pipeline(checked, plan, source, on_step, out: Path, echo, keep_params: 
     run = job.run.name
     started = placement.connect(checked.cluster, namespace=f"meshpipe-{run}")
     ray_info = _ray_info(run, echo)
-    ex = PipelineExecutor(checked, plan.schedule, source, run)
+    ex = PipelineExecutor(checked, plan.schedule, source, run, checkpoint=ckpt.worker if ckpt else None)
     tel = RunTelemetry(run, plan.schedule, plan.sim.bubble_fraction, job.data.global_batch)
     metrics = _metrics(run, plan.sim.bubble_fraction)
-    losses, times, spans = [], [], []
+    first = ckpt.start if ckpt else 0
+    losses, times, spans = (list(ckpt.losses) if ckpt else []), [], []
+    committer = Committer(checked, job.pipeline.schedule, sum(len(s.hosts) for s in checked.stages),
+                          losses) if ckpt else None
+    if first:
+        echo(f"resuming from checkpoint step {first} in {job.checkpoint.dir}")
     ok = False
     try:
         t0 = time.perf_counter()
         ex.start()
         startup = time.perf_counter() - t0
-        for r in ex.steps(job.run.steps):
+        for r in ex.steps(job.run.steps - first, first):
             step = r.step
             losses.append(r.loss)
+            if committer is not None:
+                for done in committer.add(r.checkpoints):
+                    log.info("checkpoint step %d committed", done)
             times.append(r.wall_s)
             spans.append(r.spans)
             st = tel.add(step, r.wall_s, r.loss, r.spans, r.stats)
             if metrics is not None:
                 metrics.record(st)
             on_step({"step": step, "loss": r.loss, "step_time_s": r.wall_s})
+        if committer is not None:
+            committer.add(ex.checkpoint_flush())
+            if committer.incomplete():
+                raise RuntimeError(f"checkpoint steps {committer.incomplete()} were not reported by every host")
         norms = ex.param_norms()
         arrays = ex.param_arrays() if keep_params else None
         ok = True
@@ -139,6 +159,10 @@ def _run_pipeline(checked, plan, source, on_step, out: Path, echo, keep_params: 
     extra = {"mode": "pipeline", "startup_s": startup, "workers": ex.info, "executor": ex.dispatch_info,
              "last_step_spans": [list(s) for s in spans[-1]] if spans else [],
              "telemetry": tel.summary(), "ray": ray_info}
+    if ckpt is not None:
+        extra["checkpoint"] = {"dir": job.checkpoint.dir, "resumed_from": first or None,
+                               "commits": committer.commits,
+                               "restore_s": max((w.get("restore_s") or 0.0 for w in ex.info), default=0.0)}
     return {"losses": losses, "step_times_s": times, "param_norms": norms, "params": arrays}, extra
 
 
