@@ -14,10 +14,15 @@ Basic flow (`orchestrator.driver.runner` calls it):
      longer covers (`gc_dirs`). A run killed before the marker leaves a directory that never
      counts.
   3. `listing(root)` for `meshpipe checkpoints` (step, time, size, layout).
+  4. `export(step_dir, to)` for `meshpipe export`: one consolidated checkpoint of the whole
+     model's parameters (no optimizer state) that a plain single-process JAX program restores
+     without meshpipe: `<to>/params` (orbax PyTree {"params": [one nested dict per part]},
+     numpy arrays, no shardings) and `<to>/meshpipe.json` (step, model, names, losses).
 """
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import shutil
 import time
@@ -175,4 +180,54 @@ def listing(root: Path | str) -> list[str]:
     return lines
 
 
-__all__ = ["CheckpointError", "Committer", "Prepared", "describe_layout", "listing", "model_arrays", "prepare"]
+def export(ckpt: Path | str, to: Path | str) -> dict:
+    """Consolidate committed checkpoint `ckpt` (a `step_<N>` directory) into `to` (must not exist).
+
+    Every file is verified first (size, sha256). Each parameter is read whole on this host
+    (orbax, as numpy) and saved as part `i`'s nested dict under its path (`03.head/unembed` →
+    params[3]["unembed"]; list indices become string keys). Returns the description written
+    to `<to>/meshpipe.json`.
+    """
+    import numpy as np
+    import orbax.checkpoint as ocp
+
+    from orchestrator.core.checkpoint import MARKER, read_marker
+    from orchestrator.core.private_fs import private_dir, write_private
+
+    ckpt, to = Path(ckpt), Path(to)
+    if not (ckpt / MARKER).is_file():
+        raise CheckpointError(f"{ckpt}: not a committed checkpoint (no {MARKER}; pass a step_<N> directory)")
+    if to.exists():
+        raise CheckpointError(f"--to {to}: exists already (export writes a new directory)")
+    marker = read_marker(ckpt / MARKER)
+    verify_files(ckpt.parent, marker)
+    names = sorted(n for n in marker["arrays"] if not n.startswith("opt:"))
+    parts: dict[int, dict] = {}
+    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as ckptr:
+        for rec in marker["stages"]:
+            mine = {n: m for n, m in rec["arrays"].items() if not n.startswith("opt:")}
+            if not mine:
+                continue
+            item = {"arrays": {m["key"]: np.zeros(m["shape"], m["dtype"]) for m in mine.values()}}
+            args = {"arrays": {m["key"]: ocp.RestoreArgs(restore_type=np.ndarray) for m in mine.values()}}
+            got = ckptr.restore(ckpt / rec["path"], args=ocp.args.PyTreeRestore(item, restore_args=args,
+                                                                                 partial_restore=True))
+            for name, m in mine.items():
+                layer, path = name.split("/", 1)
+                node = parts.setdefault(int(layer.split(".", 1)[0]), {})
+                *up, last = path.split("/")
+                for k in up:
+                    node = node.setdefault(k, {})
+                node[last] = np.asarray(got["arrays"][m["key"]])
+    if sorted(parts) != list(range(len(parts))):
+        raise CheckpointError(f"{ckpt}: parts {sorted(parts)} are not 0..{len(parts) - 1}")
+    private_dir(to)
+    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as ckptr:
+        ckptr.save((to / "params").resolve(), args=ocp.args.PyTreeSave({"params": [parts[i] for i in range(len(parts))]}))
+    info = {"format": "meshpipe-export/1", "step": marker["step"], "model": marker["model"], "run": marker["run"],
+            "names": names, "losses": marker["losses"], "layout": marker["layout"]}
+    write_private(to / "meshpipe.json", json.dumps(info, indent=1))
+    return info
+
+
+__all__ = ["CheckpointError", "Committer", "export", "Prepared", "describe_layout", "listing", "model_arrays", "prepare"]

@@ -3,6 +3,7 @@
     meshpipe run JOB.yaml [--cluster CLUSTER.yaml] [--address ADDR] [--set key.path=value ...] [--reference]
                           [--resume [STEP]]
     meshpipe checkpoints JOB.yaml [--set ...]
+    meshpipe export CKPT --to DIR
     meshpipe plan JOB.yaml [--cluster CLUSTER.yaml] [--set ...] [--json] [--png PATH]
     meshpipe submit JOB.yaml [--cluster CLUSTER.yaml] --address http://HOST:8265 [--set ...]
                              [--working-dir DIR] [--follow/--no-follow] [--no-wait] [--timeout S]
@@ -152,6 +153,22 @@ def checkpoints(job, overrides):
         click.echo(f"meshpipe: checkpoint: {e}", err=True)
         sys.exit(2)
     click.echo("\n".join(lines) if lines else f"no committed checkpoint in {cfg.checkpoint.dir}")
+
+
+@main.command()
+@click.argument("ckpt", type=click.Path(exists=True, file_okay=False))
+@click.option("--to", "to", required=True, type=click.Path(), help="new directory for the consolidated checkpoint")
+def export(ckpt, to):
+    """Write committed checkpoint CKPT (a step_<N> directory) as one plain JAX/orbax checkpoint in DIR."""
+    from orchestrator.core.checkpoint import CheckpointError
+    from orchestrator.driver.checkpoint import export as export_ckpt
+
+    try:
+        info = export_ckpt(ckpt, to)
+    except CheckpointError as e:
+        click.echo(f"meshpipe: checkpoint: {e}", err=True)
+        sys.exit(2)
+    click.echo(f"exported step {info['step']} of {info['model']} ({len(info['names'])} parameters) to {to}")
 
 
 address_opt = click.option("--address", envvar="RAY_API_SERVER_ADDRESS", default="http://127.0.0.1:8265",
