@@ -37,8 +37,8 @@ def gpt_job(tmp_path: Path, name: str, ckpt_dir: Path, schedule: str = "1f1b", s
     }
 
 
-def checked_of(job: dict):
-    return check_job(parse_job(job), parse_cluster(CLUSTER))
+def checked_of(job: dict, cluster: dict | None = None):
+    return check_job(parse_job(job), parse_cluster(cluster or CLUSTER))
 
 
 # ----------------------------------------------------------------------------- config (pure)
@@ -196,19 +196,21 @@ def plain_jax_loss(checked, exported: Path, step: int) -> float:
     return float(np.mean(losses))
 
 
-def _run(job: dict, resume=None) -> dict:
+def _run(job: dict, resume=None, cluster: dict | None = None) -> dict:
     from orchestrator.driver.runner import run_job
 
-    return run_job(checked_of(job), echo=lambda s: None, keep_params=True, resume=resume)
+    return run_job(checked_of(job, cluster), echo=lambda s: None, keep_params=True, resume=resume)
 
 
-def _resume_equals_uninterrupted(tmp_path: Path, schedule: str) -> tuple[Path, dict]:
+def _resume_equals_uninterrupted(tmp_path: Path, schedule: str, make_job=gpt_job,
+                                 cluster: dict | None = None) -> tuple[Path, dict]:
+    """Uninterrupted 4 steps (commits 2 and 4) vs a copy of step 2 resumed: losses and params equal."""
     full_dir, part_dir = tmp_path / "ck-full", tmp_path / "ck-part"
-    full = _run(gpt_job(tmp_path, f"full-{schedule}", full_dir, schedule))
+    full = _run(make_job(tmp_path, f"full-{schedule}", full_dir, schedule), cluster=cluster)
     assert [m["step"] for m in ck.committed(full_dir)] == [2, 4]
     part_dir.mkdir()
     shutil.copytree(ck.step_dir(full_dir, 2), ck.step_dir(part_dir, 2))     # as if stopped after step 2
-    resumed = _run(gpt_job(tmp_path, f"resumed-{schedule}", part_dir, schedule), resume=2)
+    resumed = _run(make_job(tmp_path, f"resumed-{schedule}", part_dir, schedule), resume=2, cluster=cluster)
     assert resumed["checkpoint"]["resumed_from"] == 2
     assert resumed["losses"] == full["losses"]                          # exact: floats equal
     assert len(resumed["step_times_s"]) == 2                            # it ran steps 2 and 3 only
@@ -277,10 +279,17 @@ def test_resume_is_bit_exact_1f1b_and_bad_checkpoints_refused(tmp_path, no_leaks
     assert ck.select(full_dir) == marker          # checks never touch a committed checkpoint
 
 
+def bf16_job(tmp_path, name, ckpt_dir, schedule="1f1b"):
+    job = gpt_job(tmp_path, name, ckpt_dir, schedule)
+    job["precision"] = {"compute": "bfloat16"}
+    return job
+
+
 @pytest.mark.ray
 @pytest.mark.slow
-def test_resume_is_bit_exact_zb_h1(tmp_path, no_leaks):
-    _resume_equals_uninterrupted(tmp_path, "zb-h1")
+@pytest.mark.parametrize("schedule,make_job", [("zb-h1", gpt_job), ("1f1b", bf16_job)], ids=["zb-h1", "1f1b-bf16"])
+def test_resume_is_bit_exact_zb_h1_and_bf16(tmp_path, no_leaks, schedule, make_job):
+    _resume_equals_uninterrupted(tmp_path, schedule, make_job)
 
 
 @pytest.mark.ray
@@ -320,3 +329,26 @@ def test_driver_killed_during_a_save_leaves_the_last_commit(tmp_path, no_leaks):
     assert resumed["checkpoint"]["resumed_from"] == 2
     assert [m["step"] for m in ck.committed(root)] == [2, 4, 6]
     assert resumed["losses"][:2] == ck.select(root, 2)["losses"] and len(resumed["losses"]) == 6
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_resume_onto_another_layout_matches_within_f32(tmp_path, no_leaks):
+    """Saved by 2 stages ({data: 2} | {model: 2}), resumed by 3 stages with the meshes swapped
+    ({model: 2} | {data: 2} | {data: 2}): every array found by name in whichever old stage held it,
+    restored into the new sharding; then the losses and parameters equal the uninterrupted run's
+    within float32 tolerance (reduction order changes with the layout)."""
+    full_dir, part_dir = tmp_path / "ck-full", tmp_path / "ck-part"
+    full = _run(gpt_job(tmp_path, "full-2", full_dir))
+    part_dir.mkdir()
+    shutil.copytree(ck.step_dir(full_dir, 2), ck.step_dir(part_dir, 2))
+    job = gpt_job(tmp_path, "resumed-3", part_dir)
+    job["pipeline"]["stages"] = [{"layers": [0, 1], "mesh": {"model": 2}}, {"layers": [1, 3], "mesh": {"data": 2}},
+                                 {"layers": [3, 4], "mesh": {"data": 2}}]
+    resumed = _run(job, resume="latest", cluster={"hosts": 3, "devices_per_host": 2})
+    assert resumed["checkpoint"]["resumed_from"] == 2
+    assert resumed["losses"][:2] == full["losses"][:2]          # from the marker
+    np.testing.assert_allclose(resumed["losses"][2:], full["losses"][2:], rtol=1e-5)
+    for name, arr in full["params"].items():
+        np.testing.assert_allclose(resumed["params"][name], arr, rtol=1e-5, atol=1e-6, err_msg=name)
+    assert len(ck.select(part_dir)["layout"]) == 3              # step 4 saved in the new layout
