@@ -172,6 +172,41 @@ def test_model_check_names_first_mismatching_parameter(tmp_path):
         ck.check_model(m, fewer)
 
 
+def test_committer_commits_only_when_every_host_reported_and_gcs_after(tmp_path):
+    from orchestrator.driver.checkpoint import Committer
+
+    raw = gpt_job(tmp_path, "c", tmp_path / "ck")
+    raw["checkpoint"]["keep"] = 1
+    checked = checked_of(raw)
+    root, losses = tmp_path / "ck", [3.0, 2.0, 1.0, 0.5]
+    committer = Committer(checked, "1f1b", expected=2, losses=losses)
+
+    def reports(step):
+        out = []
+        for stage in (0, 1):
+            d = ck.stage_dir(root, step, stage)
+            d.mkdir(parents=True)
+            (d / "x").write_bytes(b"12345")
+            out.append({"step": step, "stage": stage, "host": 0, "path": d.name, "files": ck.file_table(d),
+                        "arrays": {f"a{stage}": {"shape": [1], "dtype": "float32", "key": "a00000"}},
+                        "bytes": 4, "blocking_s": 0.1, "write_s": 0.2})
+        return out
+
+    first = reports(2)
+    assert committer.add(first[:1]) == [] and not (ck.step_dir(root, 2) / ck.MARKER).exists()
+    assert committer.add(first[1:]) == [2]
+    m = ck.select(root)
+    assert (m["step"], m["losses"], m["bytes"], m["array_bytes"]) == (2, [3.0, 2.0], 10, 8)
+    ck.verify_files(root, m)
+    (root / "step_00000003").mkdir()                      # an interrupted save
+    second = reports(4)
+    committer.add(second[:1])
+    assert (ck.step_dir(root, 2) / ck.MARKER).exists()    # kept until step 4 commits
+    assert committer.add(second[1:]) == [4]
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000004"]
+    assert [c["step"] for c in committer.commits] == [2, 4]
+
+
 # ----------------------------------------------------------------------------- on Ray
 
 def plain_jax_loss(checked, exported: Path, step: int) -> float:

@@ -57,8 +57,8 @@ def run_job(checked, *, reference: bool = False, echo: Callable[[str], None] = p
 
     job = checked.job
     plan = make_plan(checked)
-    if reference and (resume is not None or job.checkpoint is not None):
-        raise CheckpointError("checkpoints (checkpoint:, --resume) apply to pipeline runs, not --reference")
+    if reference and resume is not None:    # the reference run saves nothing (checkpoint: is for the pipeline)
+        raise CheckpointError("--resume applies to pipeline runs, not --reference")
     ckpt = None if reference else prepare(checked, resume)
     out = output_dir(checked)
     source = make_source(checked.model, job.data.source, job.data.global_batch, job.run.seed,
