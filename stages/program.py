@@ -6,7 +6,9 @@ lists of leaves (jax's flatten order, as in `LayerSpec.outputs`), which is what 
 transport moves. Basic flow for one microbatch on one stage:
     ys, res = fwd(params, xs[, labels])          # res: residuals kept until the backward
     dxs, grads = bwd_acc(params, res, dys, grads)   # or bwd_i -> dxs, later bwd_w_acc -> grads
-and once per step: params, opt_state, grads = update(params, opt_state, grads).
+and once per step: params, opt_state, grads = update(params, opt_state, grads, gnorm), where
+gnorm is the global gradient norm over every stage when the chain clips by it (the worker
+exchanges one squared norm per stage, `sq_norm`, before any stage updates).
 
 Invariants:
   - No recompute: the forward returns the VJP residuals. Residuals that are the
@@ -26,6 +28,10 @@ Invariants:
     inputs cast to the compute dtype and its floating outputs leave in it; the loss
     takes float32 outputs. Remat (`remat`): each part under `jax.checkpoint` with the
     named policy, so the residuals kept until the backward are what the policy saves.
+  - RNG: `fwd(..., ids=[seed, step, microbatch])` gives part i the key
+    fold_in(microbatch_key(seed, step, microbatch), i) with train=True (dropout is
+    deterministic in (seed, step, microbatch, part), the same on any layout); without
+    `ids` parts get rng=None.
   - `mesh=None` gives the unsharded programs (the `--reference` run uses them).
 """
 from __future__ import annotations
@@ -38,18 +44,25 @@ import numpy as np
 import optax
 
 from stages import sharding
-from orchestrator.core.model.pipeline import PipelineModel
+from orchestrator.core.model.optim import build as build_optimizer
+from orchestrator.core.model.pipeline import PipelineModel, key_path
 from orchestrator.core.model.policy import remat_policy
 from orchestrator.core.model.spec import LeafSpec, ModelSpec
 
 
 def make_optimizer(name: str, args: dict[str, Any]) -> optax.GradientTransformation:
+    """One optax optimizer by name (a job's optimizer section goes to StageProgram as is)."""
     return getattr(optax, name)(**args)
 
 
 def model_key(seed: int) -> jax.Array:
     """The key every part's init gets (so the parts hold the whole model's own init)."""
     return jax.random.key(seed)
+
+
+def microbatch_key(seed, step, microbatch) -> jax.Array:
+    """The RNG key of one microbatch's forward; part i gets fold_in(this, i) (dropout etc.)."""
+    return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), step), microbatch)
 
 
 def _inexact(leaf: LeafSpec) -> bool:
@@ -62,6 +75,9 @@ class StageProgram:
     def __init__(self, spec: ModelSpec, model: PipelineModel, start: int, stop: int, *,
                  microbatches: int, optimizer: optax.GradientTransformation,
                  mesh=None, layout: dict | None = None, remat: str = "none"):
+        """`optimizer`: an optax GradientTransformation, or the job's optimizer section (a chain
+        with schedules, masks over "<part>/<leaf path>" names and global-norm clipping,
+        `orchestrator.core.model.optim`)."""
         self.spec, self.model = spec, model
         self.start, self.stop = start, stop
         self.parts = model.parts[start:stop]
@@ -69,7 +85,11 @@ class StageProgram:
         self.first, self.last = start == 0, stop == spec.num_layers
         self.mesh, self.layout = mesh, dict(layout or {})
         self.m = microbatches
-        self.tx = optimizer
+        if isinstance(optimizer, optax.GradientTransformation):
+            self.tx, self.clip = optimizer, None
+        else:
+            built = build_optimizer(optimizer, names=self.param_names)
+            self.tx, self.clip = built.tx, built.clip
         self.compute = jnp.dtype(spec.compute_dtype)
         self.remat, self.remat_policy = remat_policy(remat)
         # the activation entering / leaving this stage, as leaves
@@ -120,33 +140,35 @@ class StageProgram:
     def _part_fn(self, part, layer, train: bool):
         """One part as the stage runs it: compute-dtype params and inputs, outputs in the compute
         dtype and constrained to their logical axes; under jax.checkpoint when remat is on."""
-        def run(p, x):
-            y = part.apply(self._cast(p, self.compute), self._cast(x, self.compute), rng=None, train=train)
+        def run(p, x, rng):
+            y = part.apply(self._cast(p, self.compute), self._cast(x, self.compute), rng=rng, train=train)
             leaves, treedef = jax.tree.flatten(self._cast(y, self.compute))
             leaves = [sharding.constrain(leaf, spec.axes) for leaf, spec in zip(leaves, layer.outputs)]
             return jax.tree.unflatten(treedef, leaves)
 
         return jax.checkpoint(run, policy=self.remat_policy) if self.remat else run
 
-    def _apply(self, params, xs, train: bool = True):
+    def _apply(self, params, xs, key=None, train: bool = True):
         x = xs[0] if self.first else jax.tree.unflatten(self.in_tree, xs)
         with sharding.use(self.mesh, self.layout):
-            for part, layer, p in zip(self.parts, self.layers, params):
-                x = self._part_fn(part, layer, train)(p, x)
+            for j, (part, layer, p) in enumerate(zip(self.parts, self.layers, params)):
+                rng = None if key is None else jax.random.fold_in(key, self.start + j)
+                x = self._part_fn(part, layer, train)(p, x, rng)
             return x
 
     def _build(self):
         meta = self._vjp_meta
         in_diff, out_diff = self.in_diff, self.out_diff
 
-        def fwd(params, xs, labels=None):
+        def fwd(params, xs, labels=None, ids=None):
             xs = list(xs)
+            key = None if ids is None else microbatch_key(ids[0], ids[1], ids[2])
 
             def f(p, *dx):
                 full = list(xs)
                 for i, v in zip(in_diff, dx):
                     full[i] = v
-                y = self._apply(p, full)
+                y = self._apply(p, full, key)
                 if self.last:
                     with sharding.use(self.mesh, self.layout):
                         return self.model.loss(self._cast(y, jnp.float32), labels).astype(jnp.float32)
@@ -221,13 +243,26 @@ class StageProgram:
         def accumulate(acc, g):
             return jax.tree.map(jnp.add, acc, g)
 
-        def update(params, opt_state, grads):
+        def update(params, opt_state, grads, gnorm=None):
+            if self.clip is not None:     # optax.clip_by_global_norm's own arithmetic, with the global norm
+                trigger = gnorm < self.clip
+                grads = jax.tree.map(
+                    lambda t: jax.lax.select(trigger, t, (t / gnorm.astype(t.dtype)) * self.clip), grads)
             updates, opt_state = self.tx.update(grads, opt_state, params)
             params = optax.apply_updates(params, updates)
             return params, opt_state, jax.tree.map(jnp.zeros_like, grads)
 
+        def sq_norm(grads):
+            return sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads))
+
+        self.sq_norm = jax.jit(sq_norm)
         self.accumulate = jax.jit(accumulate, donate_argnums=0)
         self.update = jax.jit(update, donate_argnums=(0, 1, 2))
+
+    def param_names(self, params):
+        """The params pytree (a list per part) with each leaf's name "<part name>/<leaf path>"."""
+        return [jax.tree_util.tree_map_with_path(lambda path, _, part=part: f"{part.name}/{key_path(path)}", tree)
+                for part, tree in zip(self.parts, params)]
 
     # -- state -------------------------------------------------------------
     def init_params(self, seed: int):

@@ -15,6 +15,8 @@ Basic flow (driven by `orchestrator.driver.executor`):
      F/B/I/W compute, SEND_* push tensors to the neighbours' mailboxes (never
      block), RECV_* take from this actor's mailbox (bounded wait), OPT updates.
      Returns the step's losses (last stage) and per-action spans.
+     Each action runs its kind's handler (`stages.actions.HANDLERS`, resolved
+     once per action at construction) over the step's `StepState`.
      The same list can be driven as `run_steps(first, count)` (several steps in
      one call) or `run_action(step, i)` (one call per action: the reference
      executor); all three share `_begin` / `_act` / `_finish`.
@@ -32,7 +34,8 @@ from typing import Any
 
 import numpy as np
 
-from stages.data import DataSource, microbatch
+from stages.actions import StepState, handler_for
+from stages.data import DataSource
 from stages.mailbox import Mailbox
 from orchestrator.core.model.spec import ModelSpec, param_name
 
@@ -50,7 +53,7 @@ class WorkerConfig:
     spec: ModelSpec
     data: DataSource
     microbatches: int
-    optimizer: tuple[str, dict]
+    optimizer: dict                 # the job's optimizer section (JobConfig.optimizer.spec())
     seed: int
     actions: tuple[str, ...]
     num_stages: int
@@ -86,7 +89,8 @@ class StageWorker:
         from orchestrator.core.schedule import Action
 
         self.actions = [Action.parse(text) for text in cfg.actions]
-        self.action_texts = [str(a) for a in self.actions]
+        # the step program: each action with its text (span label) and its kind's handler, resolved once
+        self.program = [(a, str(a), handler_for(a, cfg.who)) for a in self.actions]
         self.pinned: set[int] | None = None
         self.pinned_threads: set[int] = set()
         if cfg.pin_cpus:
@@ -124,7 +128,7 @@ class StageWorker:
         from jax.sharding import Mesh
 
         from orchestrator.core.model.registry import build_model
-        from stages.program import StageProgram, make_optimizer
+        from stages.program import StageProgram
 
         devices = np.array(jax.devices())
         n = int(np.prod(list(cfg.mesh.values())))
@@ -135,9 +139,10 @@ class StageWorker:
             raise RuntimeError(f"{cfg.who}: jax device order {owners} is not host-major with "
                                f"{cfg.devices_per_host} devices per host")
         self.mesh = Mesh(devices.reshape(tuple(cfg.mesh.values())), tuple(cfg.mesh))
-        model, tx = build_model(cfg.spec.factory, cfg.spec.args), make_optimizer(*cfg.optimizer)
+        model, tx = build_model(cfg.spec.factory, cfg.spec.args), cfg.optimizer
         self.progs = [StageProgram(cfg.spec, model, start, stop, microbatches=cfg.microbatches, optimizer=tx,
-                                   mesh=self.mesh, layout=cfg.layout, remat=cfg.remat) for start, stop in cfg.layer_chunks]
+                                   mesh=self.mesh, layout=cfg.layout, remat=cfg.remat)
+                      for start, stop in cfg.layer_chunks]
         self.params = [prog.init_params(cfg.seed) for prog in self.progs]
         states = [prog.init_state(p) for prog, p in zip(self.progs, self.params)]
         self.opt_state = [st[0] for st in states]
@@ -237,8 +242,8 @@ class StageWorker:
         """Execute this stage's lowered action list for `step` (see the module docstring)."""
         try:
             st = self._begin(step)
-            for a, text in zip(self.actions, self.action_texts):
-                self._act(st, a, text)
+            for a, text, handler in self.program:
+                self._act(st, a, text, handler)
             return self._finish(st)
         except Exception as e:
             self._fail(step, e)
@@ -263,8 +268,8 @@ class StageWorker:
                 expected = "action 0" if st is None else f"action {st.done} of step {st.step}"
                 raise RuntimeError(f"{self.cfg.who}: action {index} of step {step} out of order "
                                    f"(expected {expected})")
-            self._act(st, self.actions[index], self.action_texts[index])
-            if index == len(self.actions) - 1:
+            self._act(st, *self.program[index])
+            if index == len(self.program) - 1:
                 self._step_state = None
                 return self._finish(st)
             return None
@@ -302,98 +307,49 @@ class StageWorker:
             os.sched_setaffinity(0, self.pinned)
             self.pinned_threads.add(tid)
 
-    def _begin(self, step: int) -> "_StepState":
+    def _begin(self, step: int) -> StepState:
         if self.inbox.closed:
             raise RuntimeError(f"{self.cfg.who}: not starting step {step}: {self.inbox.closed}")
         if self.cfg.fail_step == step:
             raise RuntimeError(f"{self.cfg.who}: injected step failure (MESHPIPE_TEST_FAIL_STEP)")
         self._pin_thread()
         progs = self.progs
-        st = _StepState(step)
+        st = StepState(step, self.cfg.timeouts.get("step_s", 600.0))
         if progs[0].first or progs[-1].last:
             st.x_all, st.y_all = self.cfg.data.batch(step)
         return st
 
-    def _act(self, st: "_StepState", a, text: str) -> None:
-        """One action of the list; tensors between actions live in `st` (keyed (microbatch, chunk))."""
-        import jax
-
-        cfg, step, m = self.cfg, st.step, self.cfg.microbatches
-        timeout = cfg.timeouts.get("step_s", 600.0)
-        inputs, residuals, outputs, dys, dxs = st.inputs, st.residuals, st.outputs, st.dys, st.dxs
-        kind, key = a.kind.value, (a.microbatch, a.chunk)
-        c = a.chunk
-        prog = self.progs[c] if kind != "OPT" else None
+    def _act(self, st: StepState, a, text: str, handler) -> None:
+        """One action of the list (`stages.actions`: its kind's handler), with its span."""
         t0 = time.time()
-        if kind == "F":
-            if prog.first:
-                xs = [self.transport.from_host(microbatch(st.x_all, a.microbatch, m), prog.input_sharding())]
-            else:
-                xs = inputs.pop(key)
-            labels = None
-            if prog.last:
-                labels = self.transport.from_host(microbatch(st.y_all, a.microbatch, m), prog.label_sharding())
-            y, residuals[key] = prog.fwd(self.params[c], xs, labels)
-            jax.block_until_ready(y)
-            st.stash.add(("r", key), residuals[key])
-            if prog.last:
-                st.losses[a.microbatch] = y
-            elif self.edge_out[c][0][0].stage == cfg.stage:      # next chunk lives here (p = 1)
-                inputs[(a.microbatch, c + 1)] = y
-            else:
-                outputs[key] = y
-        elif kind in ("B", "I"):
-            dy = dys.pop(key, None) if kind == "B" else dys.get(key)
-            if kind == "B":
-                dx, self.grads[c] = prog.bwd_acc(self.params[c], residuals.pop(key), dy, self.grads[c])
-                jax.block_until_ready(self.grads[c])
-                st.stash.drop(("r", key))
-            else:
-                dx = prog.bwd_i(self.params[c], residuals[key], dy)
-                st.stash.add(("dy", key), dy)      # kept until W
-            if dx is not None:
-                jax.block_until_ready(dx)
-                if self.edge_in[c][0][0].stage == cfg.stage:       # previous chunk lives here (p = 1)
-                    dys[(a.microbatch, c - 1)] = dx
-                else:
-                    dxs[key] = dx
-        elif kind == "W":
-            self.grads[c] = jax.block_until_ready(
-                prog.bwd_w_acc(self.params[c], residuals.pop(key), dys.pop(key, None), self.grads[c]))
-            st.stash.drop(("r", key))
-            st.stash.drop(("dy", key))
-        elif kind == "RECV_F":
-            shardings = prog.input_shardings()
-            inputs[key] = [self.transport.recv_operand((step, "F") + key + (j,), shape, dtype, shardings[j], edge,
-                                                       timeout)
-                           for j, (edge, shape, dtype) in enumerate(self.edge_in[c])]
-        elif kind == "RECV_B":
-            shardings = prog.output_shardings()
-            dys[key] = [self.transport.recv_operand((step, "B") + key + (j,), self.edge_out[c][j][1],
-                                                    self.edge_out[c][j][2], shardings[j], self.edge_out[c][j][0],
-                                                    timeout)
-                        for j in prog.out_diff]
-        elif kind == "SEND_F":
-            peer_chunk = c + (1 if self.edge_out[c][0][0].stage < cfg.stage else 0)
-            for j, leaf in enumerate(outputs.pop(key)):
-                self.transport.send((step, "F", a.microbatch, peer_chunk, j), leaf, self.edge_out[c][j][0])
-        elif kind == "SEND_B":
-            peer_chunk = c - (1 if self.edge_in[c][0][0].stage > cfg.stage else 0)
-            for j, leaf in zip(prog.in_diff, dxs.pop(key)):
-                self.transport.send((step, "B", a.microbatch, peer_chunk, j), leaf, self.edge_in[c][j][0])
-        elif kind == "OPT":
-            for i, p in enumerate(self.progs):
-                self.params[i], self.opt_state[i], self.grads[i] = p.update(
-                    self.params[i], self.opt_state[i], self.grads[i])
-            jax.block_until_ready(self.params)
-        else:
-            raise ValueError(f"{cfg.who}: cannot execute action {a}")
+        handler(self, st, a)
         st.spans.append((text, t0, time.time()))
         st.done += 1
 
-    def _finish(self, st: "_StepState") -> dict:
+    def sum_over_stages(self, step: int, local: float, timeout: float) -> float:
+        """`local` summed over every stage (the global gradient norm's square): host 0 of each stage
+        sends its scalar to every host of the other stages, each host adds what the others sent.
+        Every stage's hosts hold the same value (their arrays are global), so one sender suffices."""
         cfg = self.cfg
-        self.transport.flush(cfg.timeouts.get("step_s", 600.0))
+        if cfg.num_stages == 1:
+            return local
+        refs = []
+        if cfg.host == 0:
+            for s, row in enumerate(self.actors):
+                if s != cfg.stage:
+                    refs += [a.deliver.options(concurrency_group="io").remote((step, "NORM", cfg.stage), local)
+                             for a in row]
+        total = local + sum(float(self.inbox.take((step, "NORM", s), timeout))
+                            for s in range(cfg.num_stages) if s != cfg.stage)
+        if refs:
+            import ray
+
+            ray.get(refs, timeout=timeout)
+        return total
+
+    def _finish(self, st: StepState) -> dict:
+        cfg = self.cfg
+        self.transport.flush(st.timeout)
         from stages.telemetry import stage_stats
 
         out = {"stage": cfg.stage, "host": cfg.host, "spans": st.spans,
@@ -429,55 +385,3 @@ class StageWorker:
                     full = multihost_utils.process_allgather(leaf, tiled=True)
                     out[param_name(i, layer, key_path(path))] = np.asarray(full)
         return out
-
-
-class _StepState:
-    """What one step keeps between its actions: host batch, tensors by (microbatch, chunk), spans."""
-
-    def __init__(self, step: int):
-        self.step, self.done = step, 0
-        self.x_all = self.y_all = None
-        self.inputs, self.residuals, self.outputs, self.dys, self.dxs = {}, {}, {}, {}, {}
-        self.losses: dict[int, Any] = {}
-        self.spans: list = []
-        self.stash = _Stash()     # residuals and kept output gradients, bytes per device
-
-
-class _Stash:
-    """Bytes per device of what a step keeps between actions (forward residuals, and for
-    zero-bubble schedules the output gradients kept from I to W), and their peak.
-
-    Measured from the arrays themselves: each leaf counts its per-device shard size.
-    """
-
-    def __init__(self):
-        self.held: dict = {}
-        self.now = self.peak = self.peak_items = 0
-
-    def add(self, key, tree) -> None:
-        import jax
-
-        n = sum(_shard_bytes(leaf) for leaf in jax.tree_util.tree_leaves(tree))
-        self.now += n - self.held.get(key, 0)
-        self.held[key] = n
-        self.peak = max(self.peak, self.now)
-        self.peak_items = max(self.peak_items, sum(1 for k in self.held if k[0] == "r"))
-
-    def drop(self, key) -> None:
-        self.now -= self.held.pop(key, 0)
-
-
-_SHARD_BYTES: dict = {}
-
-
-def _shard_bytes(leaf) -> int:
-    """Bytes one device holds of `leaf` (its shard shape × itemsize), memoised per shape/sharding.
-    A numpy leaf (a received tensor of a one-device stage) counts whole."""
-    if isinstance(leaf, np.ndarray):
-        return leaf.nbytes
-    memo = (leaf.shape, leaf.dtype, leaf.sharding)
-    n = _SHARD_BYTES.get(memo)
-    if n is None:
-        shard = leaf.sharding.shard_shape(leaf.shape)
-        n = _SHARD_BYTES[memo] = int(np.prod(shard, dtype=np.int64)) * leaf.dtype.itemsize
-    return n

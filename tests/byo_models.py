@@ -163,3 +163,31 @@ def eqx_mlp(d=16, blocks=2):
                      axes=[("blocks.*/layers/0/weight", ("mlp", "embed")), ("blocks.*/layers/0/bias", ("mlp",)),
                            ("blocks.*/layers/1/weight", ("embed", "mlp"))],
                      out_axes=OUT_AXES)
+
+
+# ----------------------------------------------------------------------------- dropout (rng, train)
+
+KEEP = 0.75
+
+
+def dropout_block(p, x, *, rng, train):
+    h = jnp.tanh(x @ p["w"])
+    if train and rng is not None:
+        h = jnp.where(jax.random.bernoulli(rng, KEEP, h.shape), h / KEEP, 0.0)
+    return x + h
+
+
+def dropout_init(key, d=16, blocks=2):
+    ks = jax.random.split(key, blocks + 2)
+    out = {"in": {"w": jax.random.normal(ks[0], (D_IN, d)) / D_IN ** 0.5}}
+    for i in range(blocks):
+        out[f"block{i}"] = {"w": jax.random.normal(ks[i + 1], (d, d)) / d ** 0.5}
+    out["out"] = {"w": jax.random.normal(ks[-1], (d, D_OUT)) / d ** 0.5}
+    return out
+
+
+def dropout_mlp(d=16, blocks=2):
+    parts = ([("in", lambda p, x: x @ p["w"])] + [(f"block{i}", dropout_block) for i in range(blocks)]
+             + [("out", lambda p, x: x @ p["w"])])
+    return plain(lambda key: dropout_init(key, d, blocks), parts, loss=mse, input=((D_IN,), "float32"),
+                 label=((D_OUT,), "float32"), out_axes=[("out/*", ("batch", None)), ("*", ("batch", "embed"))])

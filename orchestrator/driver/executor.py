@@ -64,7 +64,7 @@ class PipelineExecutor:
             cluster_host=stage.hosts[host], layers=tuple(stage.layers), mesh=dict(stage.mesh),
             layout=dict(stage.layout), spec=self.checked.model, data=self.data,
             microbatches=job.pipeline.microbatches,
-            optimizer=(job.optimizer.name, dict(job.optimizer.args)), seed=job.run.seed,
+            optimizer=job.optimizer.spec(), seed=job.run.seed,
             actions=tuple(str(a) for a in grid if a is not None), num_stages=len(self.checked.stages),
             timeouts=dict(self.timeouts), pin_cpus=self.checked.cluster.pin_cpus,
             fail_setup=_injected_failure(stage.index, host), fail_step=_injected_step_failure(stage.index, host),

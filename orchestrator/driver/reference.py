@@ -17,17 +17,17 @@ from orchestrator.core.model.spec import ModelSpec, param_name
 
 
 def train_reference(spec: ModelSpec, source: DataSource, *, steps: int, seed: int, microbatches: int,
-                    optimizer: tuple[str, dict], on_step: Callable[[dict], None] | None = None) -> dict:
+                    optimizer: dict, on_step: Callable[[dict], None] | None = None) -> dict:
     """Train for `steps`; return {"losses", "step_times_s", "param_norms", "params"} (params: name -> array)."""
     import jax
     import jax.numpy as jnp
 
     from orchestrator.core.model.pipeline import key_path
     from orchestrator.core.model.registry import build_model
-    from stages.program import StageProgram, make_optimizer
+    from stages.program import StageProgram
 
     prog = StageProgram(spec, build_model(spec.factory, spec.args), 0, spec.num_layers,
-                        microbatches=microbatches, optimizer=make_optimizer(*optimizer))
+                        microbatches=microbatches, optimizer=optimizer)
     params = prog.init_params(seed)
     opt_state, grads = prog.init_state(params)
     losses, times = [], []
@@ -37,11 +37,12 @@ def train_reference(spec: ModelSpec, source: DataSource, *, steps: int, seed: in
         mb_losses = []
         for i in range(microbatches):
             loss, res = prog.fwd(params, [jnp.asarray(microbatch(x, i, microbatches))],
-                                 jnp.asarray(microbatch(y, i, microbatches)))
+                                 jnp.asarray(microbatch(y, i, microbatches)), np.array([seed, step, i], np.int32))
             _, g = prog.bwd(params, res, None)
             grads = prog.accumulate(grads, g)
             mb_losses.append(loss)
-        params, opt_state, grads = prog.update(params, opt_state, grads)
+        gnorm = np.float32(np.sqrt(float(prog.sq_norm(grads))))
+        params, opt_state, grads = prog.update(params, opt_state, grads, gnorm)
         loss = float(np.mean([float(v) for v in mb_losses]))
         jax.block_until_ready(params)
         losses.append(loss)

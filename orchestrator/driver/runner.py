@@ -75,7 +75,7 @@ def run_job(checked, *, reference: bool = False, echo: Callable[[str], None] = p
 
             result = train_reference(checked.model, source, steps=job.run.steps, seed=job.run.seed,
                                      microbatches=job.pipeline.microbatches,
-                                     optimizer=(job.optimizer.name, dict(job.optimizer.args)), on_step=on_step)
+                                     optimizer=job.optimizer.spec(), on_step=on_step)
             extra = {"mode": "reference"}
         else:
             result, extra = _run_pipeline(checked, plan, source, on_step, out, echo, keep_params, ckpt)

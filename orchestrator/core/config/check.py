@@ -22,7 +22,6 @@ import importlib
 import json
 import math
 import os
-import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +33,7 @@ from orchestrator.core.config.schema import ClusterConfig, JobConfig, Rule
 from orchestrator.core.private_fs import private_dir
 from orchestrator.core.redact import redact
 from orchestrator.core.model.layout import partition_spec, rule_axes, shard_count, stage_layout
+from orchestrator.core.model.optim import OptimError, build as build_optimizer
 from orchestrator.core.model.policy import remat_names, with_compute_dtype
 from orchestrator.core.model.registry import BUILTIN, ModelError, build_spec
 from orchestrator.core.model.spec import ModelSpec, param_name
@@ -236,6 +236,12 @@ def _check_data(job: JobConfig, model: ModelSpec, probs: _Problems) -> Optional[
 def _check_optimizer(job: JobConfig, probs: _Problems) -> None:
     import optax  # builds a GradientTransformation (closures): no arrays, no device state
 
+    if job.optimizer.chain is not None:
+        try:
+            build_optimizer(job.optimizer.spec())
+        except OptimError as e:
+            probs.add(e.key, e.value, e.rule)
+        return
     name, args = job.optimizer.name, job.optimizer.args
     fn = getattr(optax, name, None)
     if fn is None or not callable(fn) or isinstance(fn, type):

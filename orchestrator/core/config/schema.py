@@ -25,7 +25,7 @@ from orchestrator.core.model.registry import BUILTIN
 
 __all__ = [
     "RunConfig", "ModelConfig", "DataConfig", "OptimizerConfig", "StageConfig", "PipelineConfig",
-    "PrecisionConfig",
+    "PrecisionConfig", "ChainEntry",
     "JobConfig", "TimeoutsConfig", "ClusterConfig", "GpuConfig", "TpuConfig", "parse_job", "parse_cluster", "field_kind",
     "NAME_RE", "Rule", "key_homes", "unknown_key_hint",
 ]
@@ -181,8 +181,8 @@ class DataConfig(_Frozen):
         return self
 
 
-class OptimizerConfig(_Frozen):
-    """`optimizer:` — an optax optimizer function name and its keyword arguments."""
+class ChainEntry(_Frozen):
+    """One element of `optimizer.chain`: an optax function name and its keyword arguments."""
 
     name: str
     args: dict[str, Any] = Field(default_factory=dict)
@@ -191,8 +191,48 @@ class OptimizerConfig(_Frozen):
     @classmethod
     def _name(cls, v: str) -> str:
         if not _IDENT_RE.match(v) or v.startswith("_"):
+            raise Problem("must be the name of an optax function, e.g. 'clip_by_global_norm', 'adamw'")
+        return v
+
+
+class OptimizerConfig(_Frozen):
+    """`optimizer:` — an optax optimizer function `name` and its keyword arguments, or a `chain`
+    of optax functions (schedules, weight-decay masks, global-norm clipping across stages:
+    `orchestrator.core.model.optim`)."""
+
+    name: Optional[str] = None
+    args: dict[str, Any] = Field(default_factory=dict)
+    chain: Optional[tuple[ChainEntry, ...]] = None
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: Optional[str]) -> Optional[str]:
+        if v is not None and (not _IDENT_RE.match(v) or v.startswith("_")):
             raise Problem("must be the name of an optax optimizer function, e.g. 'adam', 'sgd', 'adamw'")
         return v
+
+    @field_validator("chain", mode="before")
+    @classmethod
+    def _chain(cls, v: Any) -> Any:
+        if isinstance(v, (list, tuple)) and not v:
+            raise Problem("must list at least one optax function")
+        return tuple(v) if isinstance(v, list) else v
+
+    @model_validator(mode="after")
+    def _one_of(self) -> "OptimizerConfig":
+        if (self.name is None) == (self.chain is None):
+            raise Problem("give exactly one of optimizer.name (with optimizer.args) and optimizer.chain",
+                          ("name",), self.name)
+        if self.chain is not None and self.args:
+            raise Problem("with optimizer.chain, give each function's args in its chain entry",
+                          ("args",), self.args)
+        return self
+
+    def spec(self) -> dict[str, Any]:
+        """Plain data the stages build the optax chain from (`orchestrator.core.model.optim.build`)."""
+        if self.chain is not None:
+            return {"chain": [{"name": e.name, "args": dict(e.args)} for e in self.chain]}
+        return {"name": self.name, "args": dict(self.args)}
 
 
 class StageConfig(_Frozen):
