@@ -97,20 +97,20 @@ class StageCheckpointer:
 
     def save(self, steps_done: int, worker) -> float:
         """Start saving the state after `steps_done` steps; returns the blocking seconds."""
+        import jax
         import orbax.checkpoint as ocp
 
         self._wait_previous()
         t0 = time.perf_counter()
-        tree, names = {}, {}
+        tree, names, seen = {}, {}, set()
         for (_, pn, _, on), p, o in zip(named_state(worker.progs, worker.params, worker.opt_state),
                                         worker.params, worker.opt_state):
-            import jax
-
             for name, leaf in zip(pn + on, jax.tree.leaves(p) + jax.tree.leaves(o)):
-                if name in names.values():
+                if name in seen:
                     continue                  # a shared leaf (count) of a second chunk
                 key = f"a{len(tree):05d}"
                 tree[key], names[key] = leaf, name
+                seen.add(name)
         state = {"arrays": tree, "step": np.int64(steps_done), "data": {"next_step": np.int64(steps_done)},
                  "rng": {"seed": np.int64(worker.cfg.seed)}}
         directory = stage_dir(self.root, steps_done, self.stage)

@@ -347,8 +347,10 @@ def test_driver_killed_during_a_save_leaves_the_last_commit(tmp_path, no_leaks):
                             env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)},
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
-        wait_until(lambda: ck.step_dir(root, 4).exists() or proc.poll() is not None, 900, "step 4's save to start",
-                   every=0.01)
+        # step 2's commit lags its save by up to one batched call (the reports come back with step
+        # results); step 4's save starts in that call, so both hold from then until step 4 commits
+        wait_until(lambda: ((ck.step_dir(root, 2) / ck.MARKER).exists() and ck.step_dir(root, 4).exists())
+                   or proc.poll() is not None, 900, "step 2 committed and step 4's save started", every=0.01)
         os.kill(proc.pid, signal.SIGKILL)          # the driver, mid-save
         proc.wait(60)
     finally:
