@@ -382,7 +382,7 @@ def test_resume_onto_another_layout_matches_within_f32(tmp_path, no_leaks):
     job = gpt_job(tmp_path, "resumed-3", part_dir)
     job["pipeline"]["stages"] = [{"layers": [0, 1], "mesh": {"model": 2}}, {"layers": [1, 3], "mesh": {"data": 2}},
                                  {"layers": [3, 4], "mesh": {"data": 2}}]
-    resumed = _run(job, resume="latest", cluster={"hosts": 3, "devices_per_host": 2})
+    resumed = _run(job, resume="latest", cluster={"hosts": 3, "devices_per_host": 2, "cpus_per_host": 0.5})
     assert resumed["checkpoint"]["resumed_from"] == 2
     assert resumed["losses"][:2] == full["losses"][:2]          # from the marker
     np.testing.assert_allclose(resumed["losses"][2:], full["losses"][2:], rtol=1e-5)
