@@ -23,7 +23,6 @@ from typing import Any, Callable
 import numpy as np
 
 from orchestrator.core.schedule import Kind
-from stages.data import microbatch
 
 
 class StepState:
@@ -33,7 +32,10 @@ class StepState:
       step: the step number.
       done: actions of the list executed so far.
       timeout: seconds a receive (and the end-of-step flush) may wait.
-      x_all, y_all: the step's host batch (first / last stage only).
+      tag: the forward key's kind: "F" for training; the eval uses "E<batch>", so its tensors
+        never meet a training step's in a mailbox.
+      batch: this host's rows of the step's batch (`stages.data.HostBatch`; first/last stage).
+      data_wait_s: how long the step waited for `batch` (the loader on the critical path).
       inputs: forward inputs waiting for their F (received, or from the chunk before here).
       residuals: what F kept for its backward.
       outputs: F outputs waiting for their SEND_F.
@@ -44,9 +46,10 @@ class StepState:
       stash: bytes per device of what is kept between actions.
     """
 
-    def __init__(self, step: int, timeout: float):
-        self.step, self.done, self.timeout = step, 0, timeout
-        self.x_all = self.y_all = None
+    def __init__(self, step: int, timeout: float, tag: str = "F"):
+        self.step, self.done, self.timeout, self.tag = step, 0, timeout, tag
+        self.batch = None
+        self.data_wait_s = 0.0
         self.inputs, self.residuals, self.outputs, self.dys, self.dxs = {}, {}, {}, {}, {}
         self.losses: dict[int, Any] = {}
         self.spans: list = []
@@ -95,29 +98,53 @@ def _shard_bytes(leaf) -> int:
 
 # -- handlers: (worker, state, action) -> None -------------------------------
 
-def forward(w, st: StepState, a) -> None:
-    """F: forward of (microbatch, chunk); the output goes to the loss, the next chunk here, or SEND_F."""
-    import jax
-
-    c, key, prog = a.chunk, (a.microbatch, a.chunk), w.progs[a.chunk]
-    m = w.cfg.microbatches
+def _operands(w, st: StepState, a, prog):
+    """F's input and labels: this host's rows of the batch on the first / last stage."""
+    cfg = w.cfg
+    mbs = cfg.data.global_batch // cfg.microbatches
     if prog.first:
-        xs = [w.transport.from_host(microbatch(st.x_all, a.microbatch, m), prog.input_sharding())]
+        x = [w.host_operand(st.batch.xs[a.microbatch], w.rows_in, (mbs, *cfg.spec.input_shape),
+                            prog.input_sharding())]
     else:
-        xs = st.inputs.pop(key)                   # the activation's leaves
+        x = st.inputs.pop((a.microbatch, a.chunk))     # the activation's leaves
     labels = None
     if prog.last:
-        labels = w.transport.from_host(microbatch(st.y_all, a.microbatch, m), prog.label_sharding())
-    ids = np.array([w.cfg.seed, st.step, a.microbatch], np.int32)     # the parts' RNG keys derive from these
-    y, st.residuals[key] = prog.fwd(w.params[c], xs, labels, ids)
-    jax.block_until_ready(y)
-    st.stash.add(("r", key), st.residuals[key])
+        labels = w.host_operand(st.batch.ys[a.microbatch], w.rows_lab, (mbs, *cfg.spec.label_shape),
+                                 prog.label_sharding())
+    return x, labels
+
+
+def _forward_output(w, st: StepState, a, prog, y) -> None:
+    c = a.chunk
     if prog.last:
         st.losses[a.microbatch] = y
     elif w.edge_out[c][0][0].stage == w.cfg.stage:      # next chunk lives here (p = 1)
         st.inputs[(a.microbatch, c + 1)] = y
     else:
-        st.outputs[key] = y
+        st.outputs[(a.microbatch, c)] = y
+
+
+def forward(w, st: StepState, a) -> None:
+    """F: forward of (microbatch, chunk); the output goes to the loss, the next chunk here, or SEND_F."""
+    import jax
+
+    c, key, prog = a.chunk, (a.microbatch, a.chunk), w.progs[a.chunk]
+    x, labels = _operands(w, st, a, prog)
+    ids = np.array([w.cfg.seed, st.step, a.microbatch], np.int32)     # the parts' RNG keys derive from these
+    y, st.residuals[key] = prog.fwd(w.params[c], x, labels, ids)
+    jax.block_until_ready(y)
+    st.stash.add(("r", key), st.residuals[key])
+    _forward_output(w, st, a, prog, y)
+
+
+def eval_forward(w, st: StepState, a) -> None:
+    """F of the forward-only eval schedule: the forward alone (no VJP, nothing kept)."""
+    import jax
+
+    prog = w.progs[a.chunk]
+    x, labels = _operands(w, st, a, prog)
+    y = jax.block_until_ready(prog.fwd_eval(w.params[a.chunk], x, labels))
+    _forward_output(w, st, a, prog, y)
 
 
 def _input_grad(w, st: StepState, a, dx) -> None:
@@ -171,7 +198,7 @@ def recv_forward(w, st: StepState, a) -> None:
     leaf (key ... + (leaf index,)), each with its own shape, dtype and sharding."""
     c, key = a.chunk, (a.microbatch, a.chunk)
     shardings = w.progs[c].input_shardings()
-    st.inputs[key] = [w.transport.recv_operand((st.step, "F") + key + (j,), shape, dtype, shardings[j], edge,
+    st.inputs[key] = [w.transport.recv_operand((st.step, st.tag) + key + (j,), shape, dtype, shardings[j], edge,
                                                st.timeout)
                       for j, (edge, shape, dtype) in enumerate(w.edge_in[c])]
 
@@ -191,7 +218,7 @@ def send_forward(w, st: StepState, a) -> None:
     c, edges = a.chunk, w.edge_out[a.chunk]
     peer_chunk = c + (1 if edges[0][0].stage < w.cfg.stage else 0)
     for j, leaf in enumerate(st.outputs.pop((a.microbatch, c))):
-        w.transport.send((st.step, "F", a.microbatch, peer_chunk, j), leaf, edges[j][0])
+        w.transport.send((st.step, st.tag, a.microbatch, peer_chunk, j), leaf, edges[j][0])
 
 
 def send_backward(w, st: StepState, a) -> None:
@@ -232,10 +259,18 @@ HANDLERS: dict[Kind, Handler] = {
 }
 
 
-def handler_for(action, who: str) -> Handler:
-    """The handler of `action`'s kind; a ValueError naming the action when there is none."""
-    handler = HANDLERS.get(action.kind)
+# the forward-only eval schedule (`orchestrator.core.schedule.forward_only`): forwards and their comms
+EVAL_HANDLERS: dict[Kind, Handler] = {
+    Kind.F: eval_forward,
+    Kind.RECV_F: recv_forward,
+    Kind.SEND_F: send_forward,
+}
+
+
+def handler_for(action, who: str, table: dict[Kind, Handler] = HANDLERS) -> Handler:
+    """The handler of `action`'s kind in `table`; a ValueError naming the action when there is none."""
+    handler = table.get(action.kind)
     if handler is None:
         raise ValueError(f"{who}: cannot execute action {action} (kind {action.kind} has no handler; "
-                         f"known: {', '.join(str(k) for k in HANDLERS)})")
+                         f"known: {', '.join(str(k) for k in table)})")
     return handler

@@ -9,6 +9,8 @@ transport moves. Basic flow for one microbatch on one stage:
 and once per step: params, opt_state, grads = update(params, opt_state, grads, gnorm), where
 gnorm is the global gradient norm over every stage when the chain clips by it (the worker
 exchanges one squared norm per stage, `sq_norm`, before any stage updates).
+Evaluation runs `fwd_eval(params, xs[, labels])`: the forward alone, train=False (the last
+stage's loss).
 
 Invariants:
   - No recompute: the forward returns the VJP residuals. Residuals that are the
@@ -197,6 +199,16 @@ class StageProgram:
 
         def seed(dys):
             return jnp.float32(1.0 / self.m) if self.last else list(dys)
+
+        def fwd_eval(params, xs, labels=None):     # evaluation: no VJP, nothing kept, train=False
+            y = self._apply(params, list(xs), None, train=False)
+            if self.last:
+                with sharding.use(self.mesh, self.layout):
+                    return self.model.loss(self._cast(y, jnp.float32), labels).astype(jnp.float32)
+            return jax.tree.leaves(y)
+
+        self.fwd_eval = jax.jit(fwd_eval) if self.mesh is None or self.last else jax.jit(
+            fwd_eval, out_shardings=self.output_shardings())
 
         psh = self.param_shardings() if self.mesh is not None else None
         if self.mesh is not None:

@@ -87,17 +87,17 @@ def oracle(checked, loss_of, params0, to_flat, tx=None, norms=None, keyed=False)
     import jax.numpy as jnp
     import optax
 
-    from stages.data import make_source
+    from stages.data import global_batch, open_reader
 
     job = checked.job
     m = job.pipeline.microbatches
     tx = tx or getattr(optax, job.optimizer.name)(**job.optimizer.args)
-    source = make_source(checked.model, job.data.source, job.data.global_batch, job.run.seed)
+    reader = open_reader(checked.data)        # the job's data: the same batch for (seed, step) everywhere
     grad = jax.jit(jax.value_and_grad(loss_of))
     params, state = params0, tx.init(params0)
     losses = []
     for step in range(job.run.steps):
-        x, y = source.batch(step)
+        x, y = global_batch(reader, checked.data, step)
         n = x.shape[0] // m
         acc, mb_losses = jax.tree.map(jnp.zeros_like, params), []
         for i in range(m):

@@ -216,12 +216,12 @@ def plain_jax_loss(checked, exported: Path, step: int) -> float:
     import orbax.checkpoint as ocp
 
     from orchestrator.core.model.registry import build_model
-    from stages.data import make_source
+    from stages.data import global_batch, open_reader
 
     params = ocp.PyTreeCheckpointer().restore(exported.resolve() / "params")["params"]
     spec, m = checked.model, checked.job.pipeline.microbatches
     model = build_model(spec.factory, spec.args)
-    x, y = make_source(spec, "synthetic", checked.job.data.global_batch, checked.job.run.seed).batch(step)
+    x, y = global_batch(open_reader(checked.data), checked.data, step)
     losses = []
     for i in range(m):
         h = jnp.asarray(np.split(x, m)[i])

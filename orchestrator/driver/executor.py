@@ -35,12 +35,14 @@ class StepResult:
     spans: list          # (stage, host, action, start, end)
     stats: list = field(default_factory=list)   # per actor: {stage, host, **telemetry.stage_stats}
     checkpoints: list = field(default_factory=list)   # save reports handed back with this step (stages.checkpoint)
+    eval_loss: float | None = None   # mean loss over the eval batches, when the step evaluated
 
 
 class PipelineExecutor:
-    def __init__(self, checked, lowered, data_source, run: str, checkpoint: dict | None = None):
+    def __init__(self, checked, lowered, data_source, run: str, eval_schedule=None, checkpoint: dict | None = None):
         self.checked, self.lowered, self.data, self.run = checked, lowered, data_source, run
-        self.checkpoint = checkpoint     # WorkerConfig.checkpoint (orchestrator.driver.checkpoint.worker_checkpoint)
+        self.eval_schedule = eval_schedule
+        self.checkpoint = checkpoint     # WorkerConfig.checkpoint (orchestrator.driver.checkpoint.prepare)
         t = checked.cluster.timeouts
         self.timeouts = {"init_s": t.init_s, "step_s": t.step_s, "shutdown_s": t.shutdown_s,
                          "jax_distributed_init_s": t.jax_distributed_init_s}
@@ -71,7 +73,9 @@ class PipelineExecutor:
             hosts=tuple(stage.hosts), devices_per_host=stage.devices_per_host,
             geoms=tuple(geoms), chunks=tuple(tuple(c) for c in stage.chunks),
             transport=self.checked.cluster.transport, transport_token=self.token, remat=stage.remat,
-            checkpoint=self.checkpoint)
+            eval_actions=() if self.eval_schedule is None else tuple(
+                str(a) for a in self.eval_schedule.actions[stage.index] if a is not None),
+            eval_every=job.run.eval_every, total_steps=job.run.steps, checkpoint=self.checkpoint)
 
     def start(self) -> None:
         import ray
@@ -159,9 +163,10 @@ class PipelineExecutor:
             losses = next(o["losses"] for o in outs if "losses" in o)
             spans = [(o["stage"], o["host"], *span) for o in outs for span in o["spans"]]
             stats = [{"stage": o["stage"], "host": o["host"], **o.get("stats", {})} for o in outs]
+            ev = next((o["eval_losses"] for o in outs if "eval_losses" in o), None)
             saved = [rec for o in outs for rec in o.get("checkpoints", ())]
             yield StepResult(step=i, loss=sum(losses) / len(losses), wall_s=wall, spans=spans, stats=stats,
-                             checkpoints=saved)
+                             eval_loss=None if ev is None else sum(ev) / len(ev), checkpoints=saved)
 
     def checkpoint_flush(self) -> list[dict]:
         """Every actor's save in flight, finished (bounded); the reports not yet handed back."""

@@ -1,7 +1,7 @@
 """Running a checked job: pipeline on Ray, or the single-process reference.
 
 Basic flow of `run_job`:
-  plan (pure) → output dir checked/created (owner-only) → data source →
+  plan (pure) → output dir checked/created (owner-only) → data plan →
   [Ray: connect → executor.start → step × N → param norms] or [reference] →
   summary.json. Whatever was started is shut down in `finally` (actors,
   placement group, and an embedded Ray we started), also on Ctrl-C.
@@ -23,7 +23,6 @@ from typing import Callable
 from orchestrator.core.plan import make_plan, plan_json
 from orchestrator.core.private_fs import private_dir, write_private
 from orchestrator.core.redact import redact
-from stages.data import make_source
 
 log = logging.getLogger("meshpipe")
 
@@ -34,16 +33,12 @@ def output_dir(checked) -> Path:
     return private_dir(Path(job.run.output_dir) / job.run.name)
 
 
-def load_text(checked) -> bytes | None:
-    data = checked.job.data
-    if data.source != "text":
-        return None
-    return Path(checked.data_path or data.path).read_bytes()
-
-
 def step_line(rec: dict, samples: int) -> str:
-    return (f"step {rec['step']:>4d}  loss {rec['loss']:.5f}  time {rec['step_time_s'] * 1e3:8.1f} ms  "
+    line = (f"step {rec['step']:>4d}  loss {rec['loss']:.5f}  time {rec['step_time_s'] * 1e3:8.1f} ms  "
             f"{samples / rec['step_time_s']:9.1f} samples/s")
+    if rec.get("eval_loss") is not None:
+        line += f"  eval loss {rec['eval_loss']:.5f}"
+    return line
 
 
 def run_job(checked, *, reference: bool = False, echo: Callable[[str], None] = print,
@@ -61,8 +56,7 @@ def run_job(checked, *, reference: bool = False, echo: Callable[[str], None] = p
         raise CheckpointError("--resume applies to pipeline runs, not --reference")
     ckpt = None if reference else prepare(checked, resume)
     out = output_dir(checked)
-    source = make_source(checked.model, job.data.source, job.data.global_batch, job.run.seed,
-                         text=load_text(checked))
+    source = checked.data     # a DataPlan: each host that needs data opens its own reader
     samples = job.data.global_batch
     progress = Progress(job.run.steps, tty=tty, echo=echo, line=lambda rec: step_line(rec, samples))
 
@@ -75,7 +69,8 @@ def run_job(checked, *, reference: bool = False, echo: Callable[[str], None] = p
 
             result = train_reference(checked.model, source, steps=job.run.steps, seed=job.run.seed,
                                      microbatches=job.pipeline.microbatches,
-                                     optimizer=job.optimizer.spec(), on_step=on_step)
+                                     optimizer=job.optimizer.spec(), on_step=on_step,
+                                     eval_every=job.run.eval_every)
             extra = {"mode": "reference"}
         else:
             result, extra = _run_pipeline(checked, plan, source, on_step, out, echo, keep_params, ckpt)
@@ -86,6 +81,7 @@ def run_job(checked, *, reference: bool = False, echo: Callable[[str], None] = p
         "losses": result["losses"],
         "step_times_s": result["step_times_s"],
         "param_norms": result["param_norms"],
+        "eval_losses": result.get("eval_losses", []),      # [step, mean eval loss] (data.eval)
         "plan": plan_json(plan),
         "config": json.dumps(redact(checked.to_dict()), indent=2),  # secrets never reach disk
         **extra,
@@ -111,11 +107,12 @@ def _run_pipeline(checked, plan, source, on_step, out: Path, echo, keep_params: 
     run = job.run.name
     started = placement.connect(checked.cluster, namespace=f"meshpipe-{run}")
     ray_info = _ray_info(run, echo)
-    ex = PipelineExecutor(checked, plan.schedule, source, run, checkpoint=ckpt.worker if ckpt else None)
+    ex = PipelineExecutor(checked, plan.schedule, source, run, plan.eval_schedule,
+                          checkpoint=ckpt.worker if ckpt else None)
     tel = RunTelemetry(run, plan.schedule, plan.sim.bubble_fraction, job.data.global_batch)
     metrics = _metrics(run, plan.sim.bubble_fraction)
     first = ckpt.start if ckpt else 0
-    losses, times, spans = (list(ckpt.losses) if ckpt else []), [], []
+    losses, times, spans, evals = (list(ckpt.losses) if ckpt else []), [], [], []
     committer = Committer(checked, job.pipeline.schedule, sum(len(s.hosts) for s in checked.stages),
                           losses) if ckpt else None
     if first:
@@ -135,8 +132,10 @@ def _run_pipeline(checked, plan, source, on_step, out: Path, echo, keep_params: 
             spans.append(r.spans)
             st = tel.add(step, r.wall_s, r.loss, r.spans, r.stats)
             if metrics is not None:
-                metrics.record(st)
-            on_step({"step": step, "loss": r.loss, "step_time_s": r.wall_s})
+                metrics.record(st, eval_loss=r.eval_loss)
+            if r.eval_loss is not None:
+                evals.append([step, r.eval_loss])
+            on_step({"step": step, "loss": r.loss, "step_time_s": r.wall_s, "eval_loss": r.eval_loss})
         if committer is not None:
             committer.add(ex.checkpoint_flush())
             if committer.incomplete():
@@ -163,7 +162,8 @@ def _run_pipeline(checked, plan, source, on_step, out: Path, echo, keep_params: 
         extra["checkpoint"] = {"dir": job.checkpoint.dir, "resumed_from": first or None,
                                "commits": committer.commits,
                                "restore_s": max((w.get("restore_s") or 0.0 for w in ex.info), default=0.0)}
-    return {"losses": losses, "step_times_s": times, "param_norms": norms, "params": arrays}, extra
+    return {"losses": losses, "step_times_s": times, "param_norms": norms, "params": arrays,
+            "eval_losses": evals}, extra
 
 
 def _ray_info(run: str, echo) -> dict:

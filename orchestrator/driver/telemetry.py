@@ -232,8 +232,12 @@ class RunTelemetry:
         for h in self.steps[-1].hosts:
             hosts[f"stage{h.get('stage')}/host{h.get('host')}"] = {k: v for k, v in h.items()
                                                                   if k not in ("stage", "host")}
+        waits = [max((h.get("data_wait_s", 0.0) for h in s.hosts), default=0.0) / s.wall_s
+                 for s in steady if s.wall_s > 0]
         return {
             "first_step_s": self.steps[0].wall_s,
+            # the longest wait of any host on its loader, as a share of the step (mean over steady steps)
+            "data_wait_share": sum(waits) / len(waits) if waits else 0.0,
             "median_step_s": median,
             "samples_per_s": self.global_batch / median if median > 0 else 0.0,
             "measured_bubble_mean": sum(s.measured_bubble for s in steady) / len(steady),
@@ -287,9 +291,12 @@ class Progress:
         self.width = width
         self.done = 0
         self._drawn = False
+        self.eval_loss = None        # the latest evaluation's loss, kept on the bar
 
     def update(self, rec: dict) -> None:
         self.done = rec["step"] + 1
+        if rec.get("eval_loss") is not None:
+            self.eval_loss = rec["eval_loss"]
         if not self.tty:
             self.echo(self.line(rec))
             return
@@ -300,6 +307,8 @@ class Progress:
         text = (f"\r{bar} {self.done}/{self.total}  loss {rec['loss']:.4f}  "
                 f"{rec['samples_per_s']:.1f} samples/s  {rec['step_time_s'] * 1e3:.0f} ms/step  "
                 f"eta {eta:.0f}s ")
+        if self.eval_loss is not None:
+            text += f" eval {self.eval_loss:.4f} "
         self.stream.write(text)
         self.stream.flush()
         self._drawn = True
