@@ -16,7 +16,8 @@ Invariants:
   - No recompute: the forward returns the VJP residuals. Residuals that are the
     parameters themselves are dropped from the forward's outputs and re-inserted
     from the live params in the backward, so a forward never copies weights
-    (see ARCHITECTURE.md, "the VJP note").
+    (a jitted `jax.vjp` returning its pullback would carry the parameters as
+    outputs: XLA copies every weight per forward).
   - Gradients cross only for the inexact (floating) leaves of an activation: `dys`
     lists the cotangents of this stage's floating output leaves, `dxs` those of its
     floating input leaves; integer leaves (positions, masks) get none.

@@ -24,6 +24,8 @@ Basic flow (driven by `orchestrator.driver.executor`):
      runs the forward-only eval list (`orchestrator.core.schedule.forward_only`) on the
      eval batches and returns their losses (`_with_eval`).
   5. `param_norms()`, `data_state()`, `shutdown()`.
+Hooks (`stages.hooks.WorkerHook`, from `WorkerConfig.hooks`) run at the start of
+`setup` and of every step: the extension point for profilers and the tests' faults.
 Actors make no scheduling decisions: the action list is the plan's.
 All hosts of a stage execute the same actions in the same order (SPMD).
 """
@@ -66,8 +68,7 @@ class WorkerConfig:
     geoms: tuple = ()               # orchestrator.core.edges.StageGeom of every stage (peers' meshes/layouts)
     chunks: tuple[tuple[int, int], ...] = ()   # layer range per virtual chunk; () means (layers,)
     pin_cpus: bool = False          # pin this process to core (cluster_host mod cores) before jax loads
-    fail_setup: str | None = None   # test-only fault injection: setup raises this message
-    fail_step: int | None = None    # test-only fault injection: this step raises at its start
+    hooks: tuple = ()               # stages.hooks.WorkerHook objects, called at setup and each step's start
     transport: str = "ray"          # "ray" (actor calls) or "socket" (stages.socket_transport)
     transport_token: bytes | None = field(default=None, repr=False)   # per-run secret for "socket"
     remat: str = "none"             # rematerialisation of this stage's parts (orchestrator.core.model.policy)
@@ -122,8 +123,8 @@ class StageWorker:
     def setup(self, coordinator: str | None = None) -> dict:
         cfg = self.cfg
         t0 = time.perf_counter()
-        if cfg.fail_setup:
-            raise RuntimeError(f"{cfg.who}: {cfg.fail_setup}")
+        for hook in cfg.hooks:
+            hook.on_setup(cfg)
         import jax
 
         from stages.telemetry import watch_compiles
@@ -348,8 +349,8 @@ class StageWorker:
     def _begin(self, step: int) -> StepState:
         if self.inbox.closed:
             raise RuntimeError(f"{self.cfg.who}: not starting step {step}: {self.inbox.closed}")
-        if self.cfg.fail_step == step:
-            raise RuntimeError(f"{self.cfg.who}: injected step failure (MESHPIPE_TEST_FAIL_STEP)")
+        for hook in self.cfg.hooks:
+            hook.on_step(self.cfg, step)
         self._pin_thread()
         st = StepState(step, self.cfg.timeouts.get("step_s", 600.0))
         if self.loader is not None:

@@ -319,6 +319,7 @@ def eqx_oracle(checked):
 
 
 @pytest.mark.ray
+@pytest.mark.slow
 @pytest.mark.parametrize("factory,ref", [("linen_mlp", linen_oracle), ("eqx_mlp", eqx_oracle)])
 def test_linen_and_equinox_models_two_stages_tensor_parallel_match_oracle(tmp_path, no_leaks, factory, ref):
     from orchestrator.driver.runner import run_job

@@ -5,6 +5,7 @@
     meshpipe checkpoints JOB.yaml [--set ...]
     meshpipe export CKPT --to DIR
     meshpipe plan JOB.yaml [--cluster CLUSTER.yaml] [--set ...] [--json] [--png PATH]
+    meshpipe plan JOB.yaml --auto [--cluster C.yaml] [--out PATH] [--explain] [--top K] [--max-model M] [--measure K]
     meshpipe submit JOB.yaml [--cluster CLUSTER.yaml] --address http://HOST:8265 [--set ...]
                              [--working-dir DIR] [--follow/--no-follow] [--no-wait] [--timeout S]
     meshpipe status SUBMISSION_ID --address http://HOST:8265
@@ -115,10 +116,31 @@ def run(job, cluster, overrides, reference, address, resume):
 @set_opt
 @click.option("--json", "as_json", is_flag=True, help="print the plan as JSON")
 @click.option("--png", type=click.Path(dir_okay=False), default=None, help="write the simulated timeline PNG")
-def plan(job, cluster, overrides, as_json, png):
-    """Show placement, schedule and simulated bubble without starting Ray."""
+@click.option("--auto", is_flag=True, help="choose stages, submeshes, layouts, microbatches and schedule "
+              "from the cost model; print the best candidates and write the winner as a job YAML")
+@click.option("--out", type=click.Path(dir_okay=False), default=None,
+              help="--auto: where to write the winning job (default: JOB's name + .auto.yaml beside it)")
+@click.option("--explain", "explain_", is_flag=True, help="--auto: show why the winner wins")
+@click.option("--top", type=click.IntRange(1), default=5, show_default=True, help="--auto: candidates shown")
+@click.option("--max-model", type=click.IntRange(1), default=None,
+              help="--auto: largest `model` mesh axis (default: devices per host × hosts per node group)")
+@click.option("--microbatches", default=None, metavar="M1,M2,...", help="--auto: microbatch counts to try")
+@click.option("--target-step-ms", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="--auto: fail unless a plan is predicted at most this fast")
+@click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
+              help="--auto: per-layer compile cache (default: ~/.cache/meshpipe/planner)")
+@click.option("--measure", type=click.IntRange(0), default=0, metavar="K",
+              help="--auto: run the top K candidates for a few steps on the cluster (starts Ray); "
+                   "predicted vs measured")
+def plan(job, cluster, overrides, as_json, png, auto, out, explain_, top, max_model, microbatches,
+         target_step_ms, cache_dir, measure):
+    """Show placement, schedule and simulated bubble without starting Ray (--auto: plan it for you)."""
     from orchestrator.core.plan import make_plan, plan_json, plan_text
 
+    if auto:
+        _auto(job, cluster, overrides, out, explain_, top, max_model, microbatches, target_step_ms, cache_dir, as_json,
+              measure)
+        return
     checked, _ = _checked(job, cluster, overrides)
     p = make_plan(checked)
     if png:
@@ -170,6 +192,35 @@ def export(ckpt, to):
         click.echo(f"meshpipe: checkpoint: {e}", err=True)
         sys.exit(2)
     click.echo(f"exported step {info['step']} of {info['model']} ({len(info['names'])} parameters) to {to}")
+
+
+def _auto(job, cluster, overrides, out, explain_, top, max_model, microbatches, target_step_ms, cache_dir, as_json,
+          measure):
+    from orchestrator.core.config import ConfigError
+    from orchestrator.driver.autoplan import PlanningError, ProfileError, auto_plan
+
+    try:
+        ms = tuple(int(x) for x in microbatches.split(",")) if microbatches else None
+    except ValueError:
+        click.echo(f"meshpipe: --microbatches = {microbatches!r}: must be positive integers separated by commas, "
+                   "e.g. 4,8", err=True)
+        sys.exit(2)
+    try:
+        auto_plan(job, cluster or str(DEFAULT_CLUSTER), overrides, out=out, explain_=explain_, top=top,
+                  max_model=max_model, microbatches=ms, target_step_ms=target_step_ms, cache_dir=cache_dir,
+                  as_json=as_json, echo=click.echo, measure=measure)
+    except ConfigError as e:
+        click.echo(f"meshpipe: invalid configuration:\n{e}", err=True)
+        sys.exit(2)
+    except PlanningError as e:
+        click.echo(f"meshpipe: no plan: {e}", err=True)
+        sys.exit(2)
+    except ProfileError as e:
+        click.echo(f"meshpipe: profiling failed: {e}", err=True)
+        sys.exit(1)
+    except (RuntimeError, TimeoutError) as e:   # --measure: a candidate's run failed (torn down already)
+        click.echo(f"meshpipe: measuring failed: {e}", err=True)
+        sys.exit(1)
 
 
 address_opt = click.option("--address", envvar="RAY_API_SERVER_ADDRESS", default="http://127.0.0.1:8265",

@@ -18,7 +18,7 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable, Sequence
 
 from orchestrator.core.plan import make_plan, plan_json
 from orchestrator.core.private_fs import private_dir, write_private
@@ -42,8 +42,9 @@ def step_line(rec: dict, samples: int) -> str:
 
 
 def run_job(checked, *, reference: bool = False, echo: Callable[[str], None] = print,
-            tty: bool = False, keep_params: bool = False, resume=None) -> dict:
+            tty: bool = False, hooks: Sequence = (), keep_params: bool = False, resume=None) -> dict:
     """Train the checked job; `tty`: draw a progress bar on stdout instead of one line per step;
+    `hooks`: `stages.hooks.WorkerHook` objects every stage worker calls (pipeline runs only);
     `keep_params`: the returned summary also holds "params" (name -> final numpy array; not written);
     `resume`: None, "latest" or a step — continue from that committed checkpoint
     (`orchestrator.driver.checkpoint`; its checks raise CheckpointError before anything starts)."""
@@ -73,7 +74,7 @@ def run_job(checked, *, reference: bool = False, echo: Callable[[str], None] = p
                                      eval_every=job.run.eval_every)
             extra = {"mode": "reference"}
         else:
-            result, extra = _run_pipeline(checked, plan, source, on_step, out, echo, keep_params, ckpt)
+            result, extra = _run_pipeline(checked, plan, source, on_step, out, echo, hooks, keep_params, ckpt)
     finally:
         progress.close()   # end the bar's line before anything else is printed
     summary = {
@@ -96,8 +97,8 @@ def run_job(checked, *, reference: bool = False, echo: Callable[[str], None] = p
     return summary
 
 
-def _run_pipeline(checked, plan, source, on_step, out: Path, echo, keep_params: bool = False,
-                  ckpt=None) -> tuple[dict, dict]:
+def _run_pipeline(checked, plan, source, on_step, out: Path, echo, hooks: Sequence = (),
+                  keep_params: bool = False, ckpt=None) -> tuple[dict, dict]:
     from orchestrator.driver import placement
     from orchestrator.driver.checkpoint import Committer
     from orchestrator.driver.executor import PipelineExecutor
@@ -107,7 +108,7 @@ def _run_pipeline(checked, plan, source, on_step, out: Path, echo, keep_params: 
     run = job.run.name
     started = placement.connect(checked.cluster, namespace=f"meshpipe-{run}")
     ray_info = _ray_info(run, echo)
-    ex = PipelineExecutor(checked, plan.schedule, source, run, plan.eval_schedule,
+    ex = PipelineExecutor(checked, plan.schedule, source, run, plan.eval_schedule, hooks=hooks,
                           checkpoint=ckpt.worker if ckpt else None)
     tel = RunTelemetry(run, plan.schedule, plan.sim.bubble_fraction, job.data.global_batch)
     metrics = _metrics(run, plan.sim.bubble_fraction)

@@ -110,10 +110,6 @@ class Checked:
     data_path: Optional[str] = None
     data: Any = None
 
-    @property
-    def hosts_used(self) -> int:
-        return sum(len(s.hosts) for s in self.stages)
-
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able summary (for summary.json), secrets redacted (`orchestrator.core.redact`).
 

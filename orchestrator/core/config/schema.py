@@ -26,7 +26,8 @@ from orchestrator.core.model.registry import BUILTIN
 __all__ = [
     "RunConfig", "ModelConfig", "DataConfig", "EvalConfig", "OptimizerConfig", "StageConfig", "PipelineConfig",
     "PrecisionConfig", "ChainEntry",
-    "JobConfig", "TimeoutsConfig", "ClusterConfig", "GpuConfig", "TpuConfig", "parse_job", "parse_cluster", "field_kind",
+    "JobConfig", "TimeoutsConfig", "ClusterConfig", "GpuConfig", "TpuConfig", "LinkClassConfig",
+    "LinksConfig", "DeviceConfig", "parse_job", "parse_cluster", "field_kind",
     "NAME_RE", "Rule", "key_homes", "unknown_key_hint",
 ]
 
@@ -473,6 +474,36 @@ class TpuConfig(_Frozen):
         return self
 
 
+class LinkClassConfig(_Frozen):
+    """One link class of `links:` for the planner's α-β model: t(bytes) = latency + bytes / bandwidth."""
+
+    bandwidth_gbps: PosFloat      # GB/s (1e9 bytes per second) per device on this link
+    latency_us: NonNegFloat       # per message, microseconds
+
+
+class LinksConfig(_Frozen):
+    """`links:` (optional; `meshpipe plan --auto` only) — the cluster's link classes.
+
+    `host`: between devices of one host; `group`: between hosts of one node group
+    (an NVLink/ICI domain: `hosts_per_group` consecutive hosts; a TPU slice);
+    `dcn`: between node groups. Left out: the platform's nominal defaults
+    (`orchestrator.core.planner.topology`).
+    """
+
+    host: Optional[LinkClassConfig] = None
+    group: Optional[LinkClassConfig] = None
+    dcn: Optional[LinkClassConfig] = None
+    hosts_per_group: Optional[PosInt] = None
+
+
+class DeviceConfig(_Frozen):
+    """`device:` (optional; `meshpipe plan --auto` only) — what one device can hold and do."""
+
+    memory_gb: Optional[PosFloat] = None      # bytes the planner may fill per device (1e9 bytes)
+    tflops: Optional[PosFloat] = None         # sustained float32 TFLOP/s per device
+    memory_bandwidth_gbps: Optional[PosFloat] = None   # GB/s per device
+
+
 class ClusterConfig(_Frozen):
     """A cluster (`cluster.yaml`): which Ray, what platform, how many hosts of how many devices."""
 
@@ -496,6 +527,8 @@ class ClusterConfig(_Frozen):
     timeouts: TimeoutsConfig = Field(default_factory=TimeoutsConfig)
     gpu: Optional[GpuConfig] = None   # platform gpu only
     tpu: Optional[TpuConfig] = None   # platform tpu only (required there)
+    links: Optional[LinksConfig] = None     # link classes for the auto-planner (null: platform defaults)
+    device: Optional[DeviceConfig] = None   # device memory/speed for the auto-planner (null: defaults)
 
     RESERVED_RESOURCES: ClassVar[frozenset[str]] = frozenset({"CPU", "GPU", "TPU", "memory",
                                                                "object_store_memory"})
@@ -574,6 +607,14 @@ class ClusterConfig(_Frozen):
         if self.executor == "action_calls" and self.steps_per_call not in (None, 1):
             raise Problem("must be 1 (or left out) with executor: action_calls, which makes one Ray call "
                           "per action", ("steps_per_call",), self.steps_per_call)
+        return self
+
+    @model_validator(mode="after")
+    def _links(self) -> "ClusterConfig":
+        g = self.links.hosts_per_group if self.links is not None else None
+        if g is not None and self.hosts % g:
+            raise Problem(f"must divide cluster.hosts = {self.hosts}: node groups are equal runs of "
+                          "consecutive hosts", ("links", "hosts_per_group"), g)
         return self
 
     @property
