@@ -466,18 +466,24 @@ def test_docstring_examples(module):
     ("http://10.0.0.5:8265", True, True), ("10.0.0.5:8265", True, True), ("https://10.0.0.5:8265", True, False),
     ("http://127.0.0.1:8265", True, False), ("http://localhost:8265", True, False),
     ("http://10.0.0.5:8265", False, False)])
-def test_submit_warns_before_the_token_goes_over_plain_http(address, sent, warned, caplog, monkeypatch):
+def test_submit_warns_before_the_token_goes_over_plain_http(address, sent, warned):
     from orchestrator.driver import jobs
 
     msg = jobs.cleartext_token_warning(address, sent)
     assert (msg is not None) == warned
     if warned:
         assert "plain http" in msg and "10.0.0.5" in msg and RAY_TOKEN not in msg
-        monkeypatch.setenv("RAY_AUTH_TOKEN", RAY_TOKEN)
-        with caplog.at_level(logging.WARNING, logger="meshpipe"):
-            try:
-                jobs.client("http://meshpipe-no-such-host.invalid:8265")   # fails at once, after warning
-            except jobs.JobsError:
-                pass
-        assert "goes to meshpipe-no-such-host.invalid over plain http" in caplog.text
-        assert RAY_TOKEN not in caplog.text
+        # In a child process: Ray's token loader caches the first token it reads for the whole
+        # process, so a fake token loaded here would break every later Ray start in this session.
+        code = ("import logging, sys\n"
+                "logging.basicConfig(stream=sys.stderr, level=logging.WARNING)\n"
+                "from orchestrator.driver import jobs\n"
+                "try:\n"
+                "    jobs.client('http://meshpipe-no-such-host.invalid:8265')   # fails at once, after warning\n"
+                "except jobs.JobsError:\n"
+                "    pass\n")
+        env = {**os.environ, "RAY_AUTH_TOKEN": RAY_TOKEN}
+        r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                           timeout=120)
+        assert "goes to meshpipe-no-such-host.invalid over plain http" in r.stderr, r.stderr
+        assert RAY_TOKEN not in r.stderr + r.stdout
