@@ -237,6 +237,84 @@ def test_split_point_that_does_not_exist_is_named():
                   input=((16,), "int32"), label=((16,), "int32"))
 
 
+def split_job(job, names, extra_stages=()):
+    """The job cut by named split points instead of layer ranges (meshes kept)."""
+    for st in job["pipeline"]["stages"]:
+        st.pop("layers")
+    job["pipeline"]["stages"] += list(extra_stages)
+    job["pipeline"]["split_at"] = list(names)
+    return job
+
+
+def test_named_split_points_resolve_to_layer_ranges_for_every_framework():
+    from orchestrator.core.model.split import split_names
+
+    llama = checked_of(split_job(llama_job("/tmp"), ["norm"]))     # the head part ("norm", "lm_head") starts at norm
+    assert [s.layers for s in llama.stages] == [(0, 3), (3, 4)]
+    assert llama.job.pipeline.split_at is None and llama.job.pipeline.stages[1].layers == (3, 4)
+    assert parse_job(llama.job.to_dict()) == llama.job               # the resolved job round-trips
+    assert split_names(llama.model) == {"blocks.0": 1, "blocks.1": 2, "head": 3, "norm": 3}
+    three = split_job(llama_job("/tmp"), ["blocks.1", "head"], [{"mesh": {"data": 2}}])
+    assert [s.layers for s in checked_of(three).stages] == [(0, 2), (2, 3), (3, 4)]
+    linen = checked_of(split_job(framework_job("/tmp", "linen_mlp"), ["body_1"]))      # a linen params key
+    assert [s.layers for s in linen.stages] == [(0, 2), (2, 4)]
+    eqx = checked_of(split_job(framework_job("/tmp", "eqx_mlp"), ["out"]))
+    assert [s.layers for s in eqx.stages] == [(0, 3), (3, 4)]
+    gpt = {**pytree_job("/tmp"), "model": {"name": "mlp", "args": {"blocks": 2}}, "layout": {"batch": "data"}}
+    assert [s.layers for s in checked_of(split_job(gpt, ["block1"])).stages] == [(0, 2), (2, 4)]   # a built-in
+    virtual = split_job(llama_job("/tmp"), ["blocks.0", "blocks.1", "head"])
+    virtual["pipeline"].update(virtual_stages=2, schedule="interleaved-1f1b")
+    assert [s.chunks for s in checked_of(virtual).stages] == [((0, 1), (2, 3)), ((1, 2), (3, 4))]
+
+
+@pytest.mark.parametrize("names,needles", [
+    (["layers.1"], ["pipeline.split_at[0] = 'layers.1'", "no part of model", "valid split points: blocks.0, "
+                    "blocks.1, head, norm", "0:embed 1:blocks.0 2:blocks.1 3:head"]),
+    (["blocks.l"], ["pipeline.split_at[0] = 'blocks.l'", "did you mean 'blocks.1'?"]),
+    (["lm_head"], ["pipeline.split_at[0] = 'lm_head'", "inside part 3:head", "valid split points: blocks.0"]),
+    (["blocks.0.attn"], ["'blocks.0.attn'", "inside part 1:blocks.0"]),
+    (["embed"], ["pipeline.split_at[0] = 'embed'", "the first stage always starts at part 0"]),
+])
+def test_unknown_split_point_is_refused_with_the_valid_names(names, needles):
+    with pytest.raises(ConfigError) as e:
+        checked_of(split_job(llama_job("/tmp"), names))
+    msg = str(e.value)
+    assert all(n in msg for n in needles), (needles, msg)
+
+
+def test_split_points_out_of_order_miscounted_or_mixed_with_layers_are_refused():
+    job = split_job(llama_job("/tmp"), ["head", "blocks.1"], [{"mesh": {"data": 2}}])
+    with pytest.raises(ConfigError, match=r"split_at\[1\] = 'blocks.1': starts part 2 .* not after the previous "
+                                          r"split point 'head'"):
+        checked_of(job)
+    with pytest.raises(ConfigError, match=r"pipeline.split_at = \['blocks.1', 'head'\]: 2 stages need 1 split"):
+        parse_job(split_job(llama_job("/tmp"), ["blocks.1", "head"]))
+    both = split_job(llama_job("/tmp"), ["blocks.1"])
+    both["pipeline"]["stages"][1]["layers"] = [2, 4]
+    with pytest.raises(ConfigError, match=r"pipeline.stages\[1\].layers = \[2, 4\]: give either pipeline.split_at"):
+        parse_job(both)
+    with pytest.raises(ConfigError, match=r"pipeline.split_at = 'head': must be a list"):
+        parse_job({**both, "pipeline": {**both["pipeline"], "split_at": "head"}})
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_nnx_llama_cut_by_named_split_points_matches_oracle(tmp_path, no_leaks):
+    """`split_at: [blocks.2, norm]` on a 4-block Llama: stages [embed, blocks.0-1] (data 2),
+    [blocks.2-3] (model 2), [head] (data 2) — a cut no layer-range test uses — equal the oracle."""
+    from orchestrator.driver.runner import run_job
+
+    job = llama_job(tmp_path)
+    job["model"]["args"]["blocks"] = 4
+    checked = checked_of(split_job(job, ["blocks.2", "norm"], [{"mesh": {"data": 2}}]))
+    assert [s.layers for s in checked.stages] == [(0, 3), (3, 5), (5, 6)]
+    pipe = run_job(checked, echo=lambda s: None, keep_params=True)
+    losses, params = llama_oracle(checked)
+    np.testing.assert_allclose(pipe["losses"], losses, rtol=RTOL, atol=ATOL)
+    assert losses[-1] < losses[0]
+    assert_params_equal(pipe["params"], params, pipeline_name_to_path)
+
+
 def test_logical_axis_not_divisible_names_the_rule_and_the_nnx_parameter():
     job = llama_job("/tmp")
     job["model"]["args"]["vocab"] = 63

@@ -3,7 +3,8 @@
 Basic flow: build the model's `ModelSpec` (the factory is called and the model
 described by `jax.eval_shape`: no devices, no arrays) → check data, optimizer
 (optax is imported to look the function up and call it with the args), the
-stages' layer ranges, hosts and meshes, the schedule (through
+stages' layer ranges (named split points, `pipeline.split_at`, resolved to ranges
+first: `Checked.job` carries the ranges), hosts and meshes, the schedule (through
 `orchestrator.core.schedule.check_params`), the layout (names, mesh axes, and that
 every sharded parameter / activation dim divides evenly) → a `Checked` value
 with one `StagePlan` per physical stage.
@@ -38,6 +39,7 @@ from orchestrator.core.model.optim import OptimError, build as build_optimizer
 from orchestrator.core.model.policy import remat_names, with_compute_dtype
 from orchestrator.core.model.registry import BUILTIN, ModelError, build_spec
 from orchestrator.core.model.spec import ModelSpec, param_name
+from orchestrator.core.model.split import SplitError, split_ranges
 from orchestrator.core.schedule import SCHEDULES, ScheduleError, check_params
 
 __all__ = ["Checked", "StagePlan", "check_job", "check_output_dir", "check_checkpoint_dir"]
@@ -270,6 +272,27 @@ def _check_optimizer(job: JobConfig, probs: _Problems) -> None:
 
 # ----------------------------------------------------------------------------- stages
 
+def _resolve_split(job: JobConfig, model: ModelSpec, probs: _Problems) -> Optional[JobConfig]:
+    """The job with each stage's `layers` filled in from `pipeline.split_at` (and split_at
+    cleared, so the resolved job round-trips through `parse_job`); None after adding a problem.
+    Virtual stage k = chunk j of stage i (k = j * p + i) takes the k-th range."""
+    names = job.pipeline.split_at
+    if names is None:
+        return job
+    try:
+        ranges = split_ranges(model, names)
+    except SplitError as e:
+        probs.add(f"pipeline.split_at[{e.index}]", e.name, e.rule)
+        return None
+    p, v = len(job.pipeline.stages), job.pipeline.virtual_stages
+    stages = []
+    for i, st in enumerate(job.pipeline.stages):
+        chunks = tuple(ranges[j * p + i] for j in range(v))
+        stages.append(st.model_copy(update={"layers": chunks[0] if v == 1 else chunks}))
+    pipeline = job.pipeline.model_copy(update={"stages": tuple(stages), "split_at": None})
+    return job.model_copy(update={"pipeline": pipeline})
+
+
 def _check_layers(job: JobConfig, model: ModelSpec, probs: _Problems) -> bool:
     p, v = len(job.pipeline.stages), job.pipeline.virtual_stages
     ok = True
@@ -492,7 +515,9 @@ def check_job(job: JobConfig, cluster: ClusterConfig) -> Checked:
     data = _check_data(job, model, probs)
     data_path = data.files[0] if data is not None and data.source == "text" else None
     _check_optimizer(job, probs)
-    layers_ok = _check_layers(job, model, probs)
+    resolved = _resolve_split(job, model, probs)
+    layers_ok = resolved is not None and _check_layers(resolved, model, probs)
+    job = resolved or job
     hosts = _check_hosts_meshes(job, cluster, probs)
     _check_schedule(job, probs)
     layouts = _check_layout_names(job, model, probs)

@@ -312,10 +312,11 @@ class StageConfig(_Frozen):
 
     `layers` is a half-open range `[start, stop)` of model layer indices; with
     `pipeline.virtual_stages: v > 1` it is a list of v such ranges (the stage's
-    chunks; chunk j of stage i is virtual stage j * num_stages + i).
+    chunks; chunk j of stage i is virtual stage j * num_stages + i). It is left out
+    when `pipeline.split_at` names the cuts (`check_job` fills it in from the model).
     """
 
-    layers: Union[tuple[int, int], tuple[tuple[int, int], ...]]
+    layers: Optional[Union[tuple[int, int], tuple[tuple[int, int], ...]]] = None
     mesh: Annotated[dict[str, PosInt], Field(min_length=1)]
     hosts: PosInt = 1
     layout: Optional[dict[str, Any]] = None
@@ -324,6 +325,9 @@ class StageConfig(_Frozen):
     @field_validator("layers", mode="before")
     @classmethod
     def _layers(cls, v: Any) -> Any:
+        if v is None:
+            return None
+
         def pair(x: Any, sub: tuple) -> tuple[int, int]:
             if not (isinstance(x, (list, tuple)) and len(x) == 2
                     and all(isinstance(i, int) and not isinstance(i, bool) for i in x)):
@@ -354,8 +358,15 @@ class StageConfig(_Frozen):
 
     @property
     def chunks(self) -> tuple[tuple[int, int], ...]:
-        """The stage's layer ranges, one per virtual stage (a single range when v == 1)."""
+        """The stage's layer ranges, one per virtual stage (a single range when v == 1; none
+        before `check_job` resolved `pipeline.split_at`)."""
+        if self.layers is None:
+            return ()
         return self.layers if isinstance(self.layers[0], tuple) else (self.layers,)  # type: ignore
+
+
+def _listed(value: Any) -> Any:
+    return [_listed(x) for x in value] if isinstance(value, (tuple, list)) else value
 
 
 class PipelineConfig(_Frozen):
@@ -366,6 +377,9 @@ class PipelineConfig(_Frozen):
     virtual_stages: PosInt = 1
     stages: tuple[StageConfig, ...]
     remat: str = "none"   # none | full | a jax.checkpoint_policies name (e.g. dots_saveable); per stage: stages[i].remat
+    # where stages 1.. begin, by part name or attribute path (orchestrator.core.model.split),
+    # instead of each stage's `layers`; one point per boundary between (virtual) stages
+    split_at: Optional[tuple[str, ...]] = None
 
     @field_validator("stages", mode="before")
     @classmethod
@@ -374,13 +388,81 @@ class PipelineConfig(_Frozen):
             raise Problem("must list at least one stage")
         return tuple(v) if isinstance(v, list) else v
 
+    @field_validator("split_at", mode="before")
+    @classmethod
+    def _split_at(cls, v: Any) -> Any:
+        if v is None:
+            return None
+        if not isinstance(v, (list, tuple)) or not all(isinstance(x, str) and x.strip() for x in v):
+            raise Problem("must be a list of split point names (part names or attribute paths, "
+                          "e.g. [\"blocks.2\", \"head\"])", (), v)
+        return tuple(v)
+
+    @model_validator(mode="after")
+    def _cuts(self) -> "PipelineConfig":
+        given = [i for i, st in enumerate(self.stages) if st.layers is not None]
+        if self.split_at is not None:
+            if given:
+                raise Problem("give either pipeline.split_at or each stage's layers, not both",
+                              ("stages", given[0], "layers"), _listed(self.stages[given[0]].layers))
+            want = len(self.stages) * self.virtual_stages - 1
+            if len(self.split_at) != want:
+                per = f" × virtual_stages {self.virtual_stages}" if self.virtual_stages > 1 else ""
+                raise Problem(f"{len(self.stages)} stages{per} need {want} split point(s) (one where each "
+                              f"stage after the first begins), got {len(self.split_at)}",
+                              ("split_at",), list(self.split_at))
+        elif len(given) != len(self.stages):
+            missing = next(i for i in range(len(self.stages)) if i not in given)
+            raise Problem("required key is missing: the stage's layer range [start, stop) (or name the "
+                          "cuts with pipeline.split_at)", ("stages", missing, "layers"))
+        return self
+
+
+class LossScaleConfig(_Frozen):
+    """`precision.loss_scale:` — dynamic loss scaling (`orchestrator.core.model.policy.DynamicLossScale`):
+    start at `initial`; a step with any non-finite gradient on any stage is skipped by every
+    stage and divides the scale by `factor` (not below `min_scale`); `growth_interval`
+    finite steps in a row multiply it by `factor`."""
+
+    initial: PosFloat = 2.0 ** 15
+    growth_interval: PosInt = 2000
+    factor: PosFloat = 2.0
+    min_scale: PosFloat = 1.0
+
+    @field_validator("initial", "factor", "min_scale", mode="before")
+    @classmethod
+    def _number(cls, v: Any) -> Any:
+        return float(v) if isinstance(v, int) and not isinstance(v, bool) else v
+
+    @model_validator(mode="after")
+    def _sane(self) -> "LossScaleConfig":
+        if not self.factor > 1:
+            raise Problem("must be > 1 (the scale grows and backs off by this factor)", ("factor",), self.factor)
+        if self.min_scale > self.initial:
+            raise Problem(f"must be <= initial ({self.initial})", ("min_scale",), self.min_scale)
+        if self.initial > 2.0 ** 64:
+            raise Problem("must be <= 2**64 (a larger scale overflows float32 gradients)", ("initial",),
+                          self.initial)
+        return self
+
 
 class PrecisionConfig(_Frozen):
     """`precision:` — mixed precision policy. Parameters, gradients and optimizer state stay
     float32; `compute` is the dtype the parts compute in and activations (and their
-    gradients) cross stages in; the loss is computed in float32."""
+    gradients) cross stages in; the loss is computed in float32. `loss_scale`: dynamic
+    loss scaling, on by default for float16 (its range is narrow), off otherwise unless given."""
 
-    compute: Literal["float32", "bfloat16"] = "float32"
+    compute: Literal["float32", "bfloat16", "float16"] = "float32"
+    loss_scale: Optional[LossScaleConfig] = None
+
+    def scaling(self):
+        """The job's `DynamicLossScale` rule, or None (no loss scaling)."""
+        from orchestrator.core.model.policy import DynamicLossScale
+
+        ls = self.loss_scale or (LossScaleConfig() if self.compute == "float16" else None)
+        if ls is None:
+            return None
+        return DynamicLossScale(ls.initial, ls.growth_interval, ls.factor, ls.min_scale)
 
 
 class CheckpointConfig(_Frozen):

@@ -195,7 +195,7 @@ def nnx_model(make: Callable, parts: Sequence[Union[str, tuple]], *, loss: Calla
 
         built.append(Part(name, part_init, apply,
                           axes=lambda path, shape, axes=axes: axes.get(path) or (None,) * len(shape),
-                          out_axes=lambda path, shape, name=name: outs(f"{name}/{path}", shape)))
+                          out_axes=lambda path, shape, name=name: outs(f"{name}/{path}", shape), paths=paths))
     return PipelineModel(tuple(built), loss, as_spec(input), as_spec(label), vocab)
 
 
@@ -255,7 +255,7 @@ def linen_model(module, parts: Sequence[tuple], *, loss: Callable, input, label,
 
         built.append(Part(name, part_init, apply,
                           axes=lambda path, shape, axes=axes: _padded(axes.get(path), shape),
-                          out_axes=lambda path, shape, name=name: outs(f"{name}/{path}", shape)))
+                          out_axes=lambda path, shape, name=name: outs(f"{name}/{path}", shape), paths=keys))
     return PipelineModel(tuple(built), loss, spec_in, as_spec(label), vocab)
 
 
@@ -302,5 +302,5 @@ def eqx_model(make: Callable, parts: Sequence[Union[str, tuple]], *, loss: Calla
             return jax.vmap(mods[0])(x) if call is None else call(*mods, x)
 
         built.append(Part(name, part_init, apply, axes=rules,
-                          out_axes=lambda path, shape, name=name: outs(f"{name}/{path}", shape)))
+                          out_axes=lambda path, shape, name=name: outs(f"{name}/{path}", shape), paths=paths))
     return PipelineModel(tuple(built), loss, as_spec(input), as_spec(label), vocab)

@@ -75,6 +75,8 @@ class Part:
       apply: (params, x, *, rng, train) -> y.
       axes: (leaf path, shape) -> logical axes of a parameter leaf (None: replicated).
       out_axes: (leaf path, batched shape) -> logical axes of an output leaf.
+      paths: the model attribute paths this part holds, in order (the nnx, linen and
+        equinox adapters fill it); a job's `pipeline.split_at` may name the first one.
     """
 
     name: str
@@ -82,6 +84,7 @@ class Part:
     apply: Callable[..., Any]
     axes: AxesFn = replicated
     out_axes: AxesFn = batch_first
+    paths: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -202,7 +205,7 @@ def describe(model: Any, *, name: str, factory: str, args: Mapping[str, Any]) ->
         out_tree = jax.tree_util.tree_map_with_path(leaf_spec, y)
         if not outs:
             raise ModelError(f"{what}: outputs no arrays")
-        layers.append(LayerSpec(part.name, pdefs, tuple(outs), out_tree))
+        layers.append(LayerSpec(part.name, pdefs, tuple(outs), out_tree, tuple(part.paths)))
         x, came_from = y, f"the output of part {i} ({part.name}) {_struct(y)}"
     labels = jax.ShapeDtypeStruct(lab.batched(b), np.dtype(lab.dtype))
     try:

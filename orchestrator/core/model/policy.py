@@ -5,6 +5,15 @@ in `compute` (float32 or bfloat16): its floating parameters and inputs are cast 
 and its floating outputs leave in it, so activations and their gradients cross stage
 edges in the compute dtype (bfloat16: half the bytes); the loss is float32.
 
+Loss scaling (float16's narrow range; `DynamicLossScale`, the rule jmp and optax use):
+the last stage seeds its backward with scale / m instead of 1 / m, so every gradient
+(activation cotangents crossing stage edges in float16 included) is scaled; before the
+update each stage divides its accumulated gradients by the scale and counts non-finite
+elements, the stages sum their counts (one exchange, as for the global norm) and all of
+them take the same decision: any non-finite gradient anywhere skips the update on every
+stage (parameters and optimizer state unchanged) and divides the scale by `factor`
+(not below `min_scale`); `growth_interval` finite steps in a row multiply it by `factor`.
+
 Remat: `none` keeps every part's residuals (the default, no recompute); `full`
 recomputes each part's forward in its backward (`jax.checkpoint`, saving only the
 part's inputs); any other value names a ready-made policy in
@@ -13,7 +22,7 @@ the rest).
 """
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from orchestrator.core.model.spec import ModelSpec
 
@@ -74,3 +83,40 @@ def with_compute_dtype(spec: ModelSpec, compute: str) -> ModelSpec:
             tree = jax.tree.map(lambda o: by_id.get(id(o), o), tree)
         layers.append(replace(layer, outputs=outs, out_tree=tree))
     return replace(spec, layers=tuple(layers), compute_dtype=compute)
+
+
+@dataclass(frozen=True)
+class DynamicLossScale:
+    """The dynamic loss-scaling rule (see the module docstring); pure Python, no jax.
+
+    Example:
+        >>> rule = DynamicLossScale(initial=8.0, growth_interval=2, factor=2.0, min_scale=1.0)
+        >>> state = rule.start()
+        >>> state = rule.next(state, finite=False); state
+        (4.0, 0)
+        >>> state = rule.next(rule.next(state, finite=True), finite=True); state
+        (8.0, 0)
+    """
+
+    initial: float = 2.0 ** 15
+    growth_interval: int = 2000
+    factor: float = 2.0
+    min_scale: float = 1.0
+
+    def start(self) -> tuple[float, int]:
+        """(scale, finite steps since the scale last changed) before the first step."""
+        return float(self.initial), 0
+
+    def next(self, state: tuple[float, int], finite: bool) -> tuple[float, int]:
+        """The state after a step whose gradients were all finite (`finite`) or not."""
+        scale, good = state
+        if not finite:
+            return max(self.min_scale, scale / self.factor), 0
+        good += 1
+        if good >= self.growth_interval:
+            return scale * self.factor, 0
+        return scale, good
+
+    def to_dict(self) -> dict:
+        return {"initial": self.initial, "growth_interval": self.growth_interval, "factor": self.factor,
+                "min_scale": self.min_scale}

@@ -64,12 +64,15 @@ class LayerSpec:
 
     `outputs` lists the output pytree's leaves in jax's flatten order; `out_tree` is
     that pytree with `LeafSpec`s as leaves (workers unflatten received leaves with it).
+    `paths`: the model attribute paths the part holds, in order (nnx / equinox submodules,
+    linen `params` keys; empty for plain JAX), so a split point may name the first one.
     """
 
     name: str
     params: Mapping[str, ParamDef]
     outputs: tuple[LeafSpec, ...]
     out_tree: Any = None
+    paths: tuple[str, ...] = ()
 
     @property
     def out_axes(self) -> tuple[str | None, ...]:
