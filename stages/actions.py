@@ -43,6 +43,8 @@ class StepState:
       dys: output gradients waiting for their B/I (and, zero-bubble, for W).
       dxs: input gradients waiting for their SEND_B.
       losses: the last stage's loss per microbatch.
+      loss_scale, skipped: under loss scaling, the scale this step used and whether its update
+        was skipped (a non-finite gradient on some stage); None otherwise.
       spans: (action text, start, end) of each executed action.
       stash: bytes per device of what is kept between actions.
     """
@@ -53,6 +55,7 @@ class StepState:
         self.data_wait_s = 0.0
         self.inputs, self.residuals, self.outputs, self.dys, self.dxs = {}, {}, {}, {}, {}
         self.losses: dict[int, Any] = {}
+        self.loss_scale, self.skipped = None, None
         self.spans: list = []
         self.stash = Stash()
 
@@ -162,12 +165,21 @@ def _input_grad(w, st: StepState, a, dx) -> None:
         st.dxs[(a.microbatch, c)] = dx
 
 
+def _output_grad(w, st: StepState, c: int, key, pop: bool):
+    """The output gradient B/I/W start from: received (or from the next chunk here); on the
+    model's last part under loss scaling, the scale (the program seeds scale / m)."""
+    dy = st.dys.pop(key, None) if pop else st.dys.get(key)
+    if dy is None and w.progs[c].last and w.scale_state is not None:
+        return np.float32(w.scale_state[0])
+    return dy
+
+
 def backward(w, st: StepState, a) -> None:
     """B: full backward; accumulates the weight gradient, releases the residuals."""
     import jax
 
     c, key = a.chunk, (a.microbatch, a.chunk)
-    dy = st.dys.pop(key, None)
+    dy = _output_grad(w, st, c, key, pop=True)
     dx, w.grads[c] = w.progs[c].bwd_acc(w.params[c], st.residuals.pop(key), dy, w.grads[c])
     jax.block_until_ready(w.grads[c])
     st.stash.drop(("r", key))
@@ -177,9 +189,8 @@ def backward(w, st: StepState, a) -> None:
 def backward_input(w, st: StepState, a) -> None:
     """I (zero-bubble): input gradient only; residuals and the output gradient are kept for W."""
     c, key = a.chunk, (a.microbatch, a.chunk)
-    dy = st.dys.get(key)
-    dx = w.progs[c].bwd_i(w.params[c], st.residuals[key], dy)
-    st.stash.add(("dy", key), dy)      # kept until W
+    dx = w.progs[c].bwd_i(w.params[c], st.residuals[key], _output_grad(w, st, c, key, pop=False))
+    st.stash.add(("dy", key), st.dys.get(key))      # kept until W
     _input_grad(w, st, a, dx)
 
 
@@ -189,7 +200,8 @@ def backward_weight(w, st: StepState, a) -> None:
 
     c, key = a.chunk, (a.microbatch, a.chunk)
     w.grads[c] = jax.block_until_ready(
-        w.progs[c].bwd_w_acc(w.params[c], st.residuals.pop(key), st.dys.pop(key, None), w.grads[c]))
+        w.progs[c].bwd_w_acc(w.params[c], st.residuals.pop(key), _output_grad(w, st, c, key, pop=True),
+                             w.grads[c]))
     st.stash.drop(("r", key))
     st.stash.drop(("dy", key))
 
@@ -233,9 +245,25 @@ def send_backward(w, st: StepState, a) -> None:
 def optimizer_step(w, st: StepState, a) -> None:
     """OPT: every chunk's optimizer update from its accumulated gradients. When the chain clips by
     the global norm, the stages first exchange their squared norms (`sum_over_stages`), so every
-    stage clips with the whole model's norm before any stage updates."""
+    stage clips with the whole model's norm before any stage updates. Under loss scaling the
+    gradients are unscaled first and the stages sum their non-finite counts (tag "FINITE"):
+    when any is non-zero every stage skips its update and all move the scale the same way
+    (`orchestrator.core.model.policy.DynamicLossScale`)."""
     import jax
 
+    if w.scale_state is not None:
+        scale = w.scale_state[0]
+        bad = 0.0
+        for i, p in enumerate(w.progs):
+            w.grads[i], n = p.unscale(w.grads[i], np.float32(scale))
+            bad += float(n)
+        finite = w.sum_over_stages(st.step, bad, st.timeout, tag="FINITE") == 0
+        st.loss_scale, st.skipped = scale, not finite
+        w.scale_state = w.scaler.next(w.scale_state, finite)
+        if not finite:
+            w.grads = [p.zero_grads(g) for p, g in zip(w.progs, w.grads)]
+            jax.block_until_ready(w.grads)
+            return
     gnorm = np.float32(0.0)
     if w.progs[0].clip is not None:
         local = sum(float(p.sq_norm(g)) for p, g in zip(w.progs, w.grads))

@@ -4,7 +4,8 @@ Basic flow (the worker calls it; `orchestrator.core.checkpoint` is the on-disk l
 `orchestrator.driver.checkpoint` the commit protocol above it):
   - after a step, `due(steps_done)` → `save(steps_done, worker)`: the stage's state as one
     pytree — {"arrays": params and optimizer state, one leaf per model-wide name
-    (`named_state`), "step", "data": {"next_step"}, "rng": {"seed"}} — goes to an orbax
+    (`named_state`; under loss scaling also the scale state, `SCALE_NAMES`, the same on every
+    stage), "step", "data": {"next_step"}, "rng": {"seed"}} — goes to an orbax
     `AsyncCheckpointer` (PyTree handler). The call blocks only for the device→host copy; the
     bytes are written on orbax's thread while the next steps run. A thread of ours waits for
     orbax to finish and then (host 0) lists the directory's files with size and sha256: the
@@ -30,6 +31,10 @@ import numpy as np
 from orchestrator.core.checkpoint import file_table, opt_name, stage_dir, step_dir
 from orchestrator.core.model.pipeline import key_path
 from orchestrator.core.model.spec import param_name
+
+
+# precision.loss_scale's state (scale, finite steps in a row): host numpy scalars, not model arrays
+SCALE_NAMES = ("opt:loss_scale|scale", "opt:loss_scale|good")
 
 
 def _keys(path) -> tuple[str, ...]:
@@ -111,6 +116,10 @@ class StageCheckpointer:
                 key = f"a{len(tree):05d}"
                 tree[key], names[key] = leaf, name
                 seen.add(name)
+        if worker.scale_state is not None:
+            for name, value in zip(SCALE_NAMES, (np.float64(worker.scale_state[0]), np.int64(worker.scale_state[1]))):
+                key = f"a{len(tree):05d}"
+                tree[key], names[key] = np.asarray(value), name
         state = {"arrays": tree, "step": np.int64(steps_done), "data": {"next_step": np.int64(steps_done)},
                  "rng": {"seed": np.int64(worker.cfg.seed)}}
         directory = stage_dir(self.root, steps_done, self.stage)
@@ -218,7 +227,27 @@ def restore(worker, plan: dict) -> None:
                                    f"{str(e)[:400]}") from e
             for key, (name, _) in targets.items():
                 got[name] = out["arrays"][key]
+    if worker.scale_state is not None:
+        worker.scale_state = _restore_scale(worker, plan, where)
     for c, (ptree, pn, otree, on) in enumerate(named):
         worker.params[c] = jax.tree_util.tree_unflatten(ptree, [got[n] for n in pn])
         worker.opt_state[c] = jax.tree_util.tree_unflatten(otree, [got[n] for n in on])
     jax.block_until_ready((worker.params, worker.opt_state))
+
+
+def _restore_scale(worker, plan: dict, where: dict) -> tuple[float, int]:
+    """The loss-scale state (scale, finite steps in a row) saved with the checkpoint's step."""
+    import orbax.checkpoint as ocp
+
+    missing = [n for n in SCALE_NAMES if n not in where]
+    if missing:
+        raise RuntimeError(f"{worker.cfg.who}: checkpoint step {plan['step']} has no loss-scale state "
+                           f"({missing[0]!r}): it was saved without precision.loss_scale")
+    i = where[SCALE_NAMES[0]][0]
+    keys = [where[n][1] for n in SCALE_NAMES]
+    item = {"arrays": {keys[0]: np.zeros((), np.float64), keys[1]: np.zeros((), np.int64)}}
+    args = {"arrays": {k: ocp.RestoreArgs(restore_type=np.ndarray) for k in keys}}
+    directory = step_dir(plan["root"], plan["step"]) / plan["stages"][i]["path"]
+    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as ckptr:
+        out = ckptr.restore(directory, args=ocp.args.PyTreeRestore(item, restore_args=args, partial_restore=True))
+    return float(out["arrays"][keys[0]]), int(out["arrays"][keys[1]])

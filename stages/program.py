@@ -23,7 +23,10 @@ Invariants:
     floating input leaves; integer leaves (positions, masks) get none.
   - The last stage's forward returns the microbatch loss; its backward seeds the
     cotangent 1/m, so accumulated gradients are those of the mean loss over the
-    m microbatches, in microbatch order.
+    m microbatches, in microbatch order. Under loss scaling the last stage's `dys` is
+    the scale S (a float32 scalar) and the seed S/m; `unscale(grads, S)` divides the
+    accumulated gradients by S and counts their non-finite elements (the worker sums
+    the counts over stages and skips the update everywhere when any is non-zero).
   - The first stage takes no gradient with respect to its input (the data).
   - Every part's output is constrained to its logical axes on the stage's mesh.
   - Precision (`spec.compute_dtype`, `orchestrator.core.model.policy`): parameters,
@@ -222,7 +225,11 @@ class StageProgram:
             return dxs, dparams
 
         def seed(dys):
-            return jnp.float32(1.0 / self.m) if self.last else list(dys)
+            if not self.last:
+                return list(dys)
+            if dys is None:
+                return jnp.float32(1.0 / self.m)
+            return jnp.asarray(dys, jnp.float32) / jnp.float32(self.m)     # loss scaling: S / m
 
         def fwd_eval(params, xs, labels=None):     # evaluation: no VJP, nothing kept, train=False
             y = self._apply(params, list(xs), None, train=False)
@@ -308,7 +315,14 @@ class StageProgram:
         def sq_norm(grads):
             return sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads))
 
+        def unscale(grads, scale):
+            grads = jax.tree.map(lambda g: g / scale.astype(g.dtype), grads)
+            bad = sum(jnp.sum(~jnp.isfinite(g)).astype(jnp.float32) for g in jax.tree.leaves(grads))
+            return grads, bad
+
         self.sq_norm = jax.jit(sq_norm)
+        self.unscale = jax.jit(unscale, donate_argnums=0)
+        self.zero_grads = jax.jit(lambda g: jax.tree.map(jnp.zeros_like, g), donate_argnums=0)
         self.accumulate = jax.jit(accumulate, donate_argnums=0)
         self.update = jax.jit(update, donate_argnums=(0, 1, 2))
 

@@ -76,6 +76,7 @@ class WorkerConfig:
     eval_every: int | None = None        # evaluate after every k-th step ...
     total_steps: int = 0                 # ... and after the last one
     checkpoint: dict | None = None  # {root, every, total, async[, restore]} (stages.checkpoint); None: off
+    loss_scale: dict | None = None  # DynamicLossScale fields (orchestrator.core.model.policy); None: off
 
     @property
     def layer_chunks(self) -> tuple[tuple[int, int], ...]:
@@ -93,6 +94,11 @@ class StageWorker:
         self.actors: list[list] = []    # every stage's actor handles, set by connect()
         self._step_state = None         # the step run_action is in
         self.ckpt = None                # stages.checkpoint.StageCheckpointer when checkpointing
+        from orchestrator.core.model.policy import DynamicLossScale
+
+        # loss scaling: the rule and (scale, finite steps in a row); the same on every stage
+        self.scaler = DynamicLossScale(**cfg.loss_scale) if cfg.loss_scale else None
+        self.scale_state = self.scaler.start() if self.scaler else None
         from orchestrator.core.schedule import Action
 
         self.actions = [Action.parse(text) for text in cfg.actions]
@@ -370,7 +376,7 @@ class StageWorker:
         st.spans.append((text, t0, time.time()))
         st.done += 1
 
-    def sum_over_stages(self, step: int, local: float, timeout: float) -> float:
+    def sum_over_stages(self, step: int, local: float, timeout: float, tag: str = "NORM") -> float:
         """`local` summed over every stage (the global gradient norm's square): host 0 of each stage
         sends its scalar to every host of the other stages, each host adds what the others sent.
         Every stage's hosts hold the same value (their arrays are global), so one sender suffices."""
@@ -381,9 +387,9 @@ class StageWorker:
         if cfg.host == 0:
             for s, row in enumerate(self.actors):
                 if s != cfg.stage:
-                    refs += [a.deliver.options(concurrency_group="io").remote((step, "NORM", cfg.stage), local)
+                    refs += [a.deliver.options(concurrency_group="io").remote((step, tag, cfg.stage), local)
                              for a in row]
-        total = local + sum(float(self.inbox.take((step, "NORM", s), timeout))
+        total = local + sum(float(self.inbox.take((step, tag, s), timeout))
                             for s in range(cfg.num_stages) if s != cfg.stage)
         if refs:
             import ray
@@ -404,6 +410,8 @@ class StageWorker:
                          "data_rows": len(self.loader.rows) if self.loader is not None else 0}}
         if self.progs[-1].last:
             out["losses"] = [float(st.losses[i]) for i in range(cfg.microbatches)]
+        if st.loss_scale is not None:
+            out["stats"].update(loss_scale=float(st.loss_scale), skipped=bool(st.skipped))
         if self.ckpt is not None:       # between steps: the state after this step's OPT
             if self.ckpt.due(st.step + 1):
                 out["stats"]["checkpoint_blocking_s"] = self.ckpt.save(st.step + 1, self)

@@ -469,6 +469,181 @@ def test_nnx_llama_bf16_matches_bf16_oracle_and_moves_half_the_bytes(tmp_path, n
     assert (2 * fwd, 2 * bwd) == (f32_fwd, f32_bwd)
 
 
+# ----------------------------------------------------------------------------- float16 with dynamic loss scaling
+
+# float16 tolerance, from a measured single-process fp16-vs-fp16 comparison (fp16_job, 8 steps):
+# scaled_oracle under jax.jit against the same loop op by op (jax.disable_jit: every op on its own,
+# no fusion) took the same skip decisions and scales, and differed by up to 7.5e-5 relative in the
+# losses and by up to 6.4e-4 of an array's largest magnitude in the parameters. Tolerance: 5x those.
+FP16_LOSS_RTOL, FP16_PARAM_FRACTION = 4e-4, 3.2e-3
+# 2**16 overflows float16 on step 0 (skipped: 2**15); growth every finite step brings the scale
+# to 2**21 by step 7, which overflows again (skipped). Measured in scaled_oracle, jit and eager alike.
+FP16_SCALE = {"initial": 65536, "growth_interval": 1, "factor": 2, "min_scale": 1}
+FP16_SCALES = [2.0 ** k for k in (16, 15, 16, 17, 18, 19, 20, 21)]
+FP16_SKIPPED = [0, 7]
+
+
+def fp16_job(tmp_path):
+    job = llama_job(tmp_path, steps=8)
+    job["precision"] = {"compute": "float16", "loss_scale": dict(FP16_SCALE)}
+    return job
+
+
+def scaled_oracle(checked, use_jit=True):
+    """The nnx Llama under float16 compute with dynamic loss scaling, written out by hand with plain
+    jax.value_and_grad: each microbatch's loss times scale/m is differentiated, the sum divided by the
+    scale; a step with any non-finite gradient is skipped and halves the scale (not below min_scale),
+    `growth_interval` finite steps in a row double it. Returns losses, scales, skipped steps, params."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    from examples.llama_model import Llama, next_token_loss
+    from stages.data import global_batch, open_reader
+
+    job, a = checked.job, checked.job.model.args
+    m, rule = job.pipeline.microbatches, job.precision.loss_scale
+    with nnx.use_eager_sharding(False):
+        model = Llama(a["vocab"], a["d_model"], a["heads"], a["kv_heads"], a["d_mlp"], a["blocks"],
+                      nnx.Rngs(jax.random.key(job.run.seed)))
+    graph, state = nnx.split(model, nnx.Param)
+    treedef = jax.tree.structure(state)
+
+    def loss_of(pure, x, y, seed):
+        st = jax.tree.unflatten(treedef, [v.astype(jnp.float16) for v in jax.tree.leaves(pure)])
+        model = nnx.merge(graph, st)
+        # Llama.__call__'s body with the policy's float16 activations between the pieces (nnx.Embed
+        # returns float32 even from a float16 table, which would run every block in float32)
+        h = model.embed(x).astype(jnp.float16)
+        for block in model.blocks:
+            h = block(h).astype(jnp.float16)
+        logits = model.lm_head(model.norm(h)).astype(jnp.float16)
+        loss = next_token_loss(logits.astype(jnp.float32), y)
+        return loss * seed, loss
+
+    grad = jax.value_and_grad(loss_of, has_aux=True)
+    grad = jax.jit(grad) if use_jit else grad
+    tx = getattr(optax, job.optimizer.name)(**job.optimizer.args)
+    params = nnx.to_pure_dict(state)
+    opt_state, reader = tx.init(params), open_reader(checked.data)
+    scale, good = rule.initial, 0
+    losses, scales, skipped = [], [], []
+    for step in range(job.run.steps):
+        x, y = global_batch(reader, checked.data, step)
+        n = x.shape[0] // m
+        acc, mb_losses = jax.tree.map(jnp.zeros_like, params), []
+        for i in range(m):
+            (_, loss), g = grad(params, jnp.asarray(x[i * n:(i + 1) * n]), jnp.asarray(y[i * n:(i + 1) * n]),
+                                jnp.float32(scale) / jnp.float32(m))
+            acc = jax.tree.map(jnp.add, acc, g)
+            mb_losses.append(float(loss))
+        acc = jax.tree.map(lambda v: v / jnp.float32(scale), acc)
+        finite = all(bool(jnp.all(jnp.isfinite(v))) for v in jax.tree.leaves(acc))
+        scales.append(scale)
+        losses.append(float(np.mean(mb_losses)))
+        if finite:
+            updates, opt_state = tx.update(acc, opt_state, params)
+            params = optax.apply_updates(params, updates)
+            good += 1
+            if good >= rule.growth_interval:
+                scale, good = scale * rule.factor, 0
+        else:
+            skipped.append(step)
+            scale, good = max(rule.min_scale, scale / rule.factor), 0
+    return losses, scales, skipped, flat(params)
+
+
+def test_loss_scale_rule_and_bad_settings():
+    from orchestrator.core.model.policy import DynamicLossScale
+
+    rule = DynamicLossScale(initial=4.0, growth_interval=2, factor=2.0, min_scale=2.0)
+    state, seen = rule.start(), []
+    for finite in (False, False, True, True, True, False):
+        state = rule.next(state, finite)
+        seen.append(state)
+    assert seen == [(2.0, 0), (2.0, 0), (2.0, 1), (4.0, 0), (4.0, 1), (2.0, 0)]      # min_scale floors it
+    job = fp16_job("/tmp")
+    assert checked_of(job).job.precision.scaling() == DynamicLossScale(65536.0, 1, 2.0, 1.0)
+    job["precision"] = {"compute": "float16"}
+    assert checked_of(job).job.precision.scaling() == DynamicLossScale()          # float16: on by default
+    job["precision"] = {"compute": "bfloat16"}
+    assert checked_of(job).job.precision.scaling() is None
+    for bad, needles in [({"factor": 1}, ["precision.loss_scale.factor = 1.0", "must be > 1"]),
+                         ({"min_scale": 8, "initial": 4}, ["precision.loss_scale.min_scale = 8.0", "<= initial"]),
+                         ({"growth_interval": 0}, ["precision.loss_scale.growth_interval"]),
+                         ({"initial": float("inf")}, ["precision.loss_scale.initial"]),
+                         ({"bogus": 1}, ["precision.loss_scale.bogus"])]:
+        job["precision"] = {"compute": "float16", "loss_scale": bad}
+        with pytest.raises(ConfigError) as e:
+            parse_job(job)
+        assert all(n in str(e.value) for n in needles), (needles, str(e.value))
+
+
+def test_fp16_plan_moves_half_the_bytes_of_f32():
+    fb, bb = edge_bytes(checked_of(fp16_job("/tmp")))
+    ff, bf = edge_bytes(checked_of(llama_job("/tmp")))
+    assert (2 * fb, 2 * bb) == (ff, bf)
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_nnx_llama_fp16_dynamic_loss_scaling_matches_oracle_and_skips_on_every_stage(tmp_path, no_leaks, schedule):
+    """float16 compute, 2 stages (stage 1 tensor-parallel): the scale backs off on an overflow, grows
+    after each finite step and backs off again — the same scales and skipped steps as scaled_oracle,
+    reported identically by every actor (the decision is global), losses and every parameter within
+    the measured fp16 tolerance."""
+    from orchestrator.driver.runner import run_job
+
+    job = fp16_job(tmp_path)
+    job["pipeline"]["schedule"] = schedule
+    checked = checked_of(job)
+    pipe = run_job(checked, echo=lambda s: None, keep_params=True)
+    losses, scales, skipped, params = scaled_oracle(checked)
+    assert (scales, skipped) == (FP16_SCALES, FP16_SKIPPED)          # the trajectory this test is about
+    assert pipe["loss_scale"] == {"scales": scales, "skipped_steps": skipped}
+    np.testing.assert_allclose(pipe["losses"], losses, rtol=FP16_LOSS_RTOL)
+    got = {pipeline_name_to_path(k): v for k, v in pipe["params"].items()}
+    assert sorted(got) == sorted(params)
+    for name, ref in params.items():
+        assert got[name].dtype == np.float32, name
+        assert np.max(np.abs(got[name] - ref)) <= FP16_PARAM_FRACTION * np.max(np.abs(ref)), name
+    # every actor reported the same (scale, skipped) for the last step (the runner fails a run otherwise)
+    hosts = pipe["telemetry"]["hosts_last"]
+    assert {(h["loss_scale"], h["skipped"]) for h in hosts.values()} == {(scales[-1], True)}, hosts
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_fp16_resume_restores_the_loss_scale_state_bit_exact(tmp_path, no_leaks):
+    """4 fp16 steps with checkpoints at 2 and 4 vs step 2's checkpoint resumed: the loss-scale state
+    (scale 2**15, one finite step towards growth_interval 2) comes back with the arrays, so the resumed
+    steps use the same scales and give the same losses and parameters, bit for bit."""
+    import shutil
+
+    from orchestrator.core import checkpoint as ck
+    from orchestrator.driver.runner import run_job
+
+    def job(name, ckpt_dir):
+        j = fp16_job(tmp_path)
+        j["run"].update(name=name, steps=4)
+        j["precision"]["loss_scale"]["growth_interval"] = 2
+        j["checkpoint"] = {"dir": str(ckpt_dir), "every_steps": 2, "keep": 3}
+        return j
+
+    full_dir, part_dir = tmp_path / "ck-full", tmp_path / "ck-part"
+    full = run_job(checked_of(job("full", full_dir)), echo=lambda s: None, keep_params=True)
+    assert full["loss_scale"] == {"scales": [2.0 ** 16, 2.0 ** 15, 2.0 ** 15, 2.0 ** 16], "skipped_steps": [0]}
+    part_dir.mkdir()
+    shutil.copytree(ck.step_dir(full_dir, 2), ck.step_dir(part_dir, 2))
+    resumed = run_job(checked_of(job("resumed", part_dir)), echo=lambda s: None, keep_params=True, resume=2)
+    assert resumed["loss_scale"]["scales"] == full["loss_scale"]["scales"][2:]     # not the initial 2**16
+    assert resumed["losses"] == full["losses"]
+    for name, arr in full["params"].items():
+        np.testing.assert_array_equal(resumed["params"][name], arr, err_msg=name)
+
+
 def test_unknown_remat_policy_is_refused_with_the_valid_names():
     job = llama_job("/tmp")
     job["pipeline"]["stages"][1]["remat"] = "dots_savable"

@@ -79,7 +79,8 @@ class PipelineExecutor:
             transport=self.checked.cluster.transport, transport_token=self.token, remat=stage.remat,
             eval_actions=() if self.eval_schedule is None else tuple(
                 str(a) for a in self.eval_schedule.actions[stage.index] if a is not None),
-            eval_every=job.run.eval_every, total_steps=job.run.steps, checkpoint=self.checkpoint)
+            eval_every=job.run.eval_every, total_steps=job.run.steps, checkpoint=self.checkpoint,
+            loss_scale=None if job.precision.scaling() is None else job.precision.scaling().to_dict())
 
     def start(self) -> None:
         import ray

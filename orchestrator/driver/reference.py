@@ -18,13 +18,15 @@ from orchestrator.core.model.spec import ModelSpec, param_name
 
 def train_reference(spec: ModelSpec, source, *, steps: int, seed: int, microbatches: int,
                     optimizer: dict, on_step: Callable[[dict], None] | None = None,
-                    eval_every: int | None = None) -> dict:
+                    eval_every: int | None = None, loss_scale=None) -> dict:
     """Train for `steps`; return {"losses", "step_times_s", "param_norms", "params",
     "eval_losses"} (params: name -> final array).
 
     With `source.eval` (data.eval), after every `eval_every`-th step and the last one the
     whole model's plain forward (`eval_loss`, not meshpipe's stage programs) is evaluated on
     the eval batches: their mean over microbatches, then over batches → eval_losses[(step, loss)].
+    `loss_scale`: a `DynamicLossScale` rule (precision.loss_scale), applied as the pipeline does:
+    backward seeded with scale / m, gradients unscaled, a step with a non-finite one skipped.
     """
     import jax
     import jax.numpy as jnp
@@ -40,6 +42,7 @@ def train_reference(spec: ModelSpec, source, *, steps: int, seed: int, microbatc
     losses, times, evals = [], [], []
     ev_reader = open_reader(source.eval) if source.eval is not None else None
     reader = open_reader(source)      # source: a DataPlan; the whole global batch, in this process
+    scale_state = loss_scale.start() if loss_scale is not None else None
     for step in range(steps):
         t0 = time.perf_counter()
         x, y = global_batch(reader, source, step)
@@ -47,16 +50,27 @@ def train_reference(spec: ModelSpec, source, *, steps: int, seed: int, microbatc
         for i in range(microbatches):
             loss, res = prog.fwd(params, [jnp.asarray(microbatch(x, i, microbatches))],
                                  jnp.asarray(microbatch(y, i, microbatches)), np.array([seed, step, i], np.int32))
-            _, g = prog.bwd(params, res, None)
+            _, g = prog.bwd(params, res, None if scale_state is None else np.float32(scale_state[0]))
             grads = prog.accumulate(grads, g)
             mb_losses.append(loss)
-        gnorm = np.float32(np.sqrt(float(prog.sq_norm(grads))))
-        params, opt_state, grads = prog.update(params, opt_state, grads, gnorm)
+        finite, used = True, None
+        if scale_state is not None:
+            used = scale_state[0]
+            grads, bad = prog.unscale(grads, np.float32(scale_state[0]))
+            finite = float(bad) == 0
+            scale_state = loss_scale.next(scale_state, finite)
+        if finite:
+            gnorm = np.float32(np.sqrt(float(prog.sq_norm(grads))))
+            params, opt_state, grads = prog.update(params, opt_state, grads, gnorm)
+        else:
+            grads = prog.zero_grads(grads)
         loss = float(np.mean([float(v) for v in mb_losses]))
         jax.block_until_ready(params)
         losses.append(loss)
         times.append(time.perf_counter() - t0)
         rec = {"step": step, "loss": loss, "step_time_s": times[-1]}
+        if used is not None:
+            rec.update(loss_scale=float(used), skipped=not finite)
         if ev_reader is not None and ((eval_every and (step + 1) % eval_every == 0) or step + 1 == steps):
             rec["eval_loss"] = eval_loss(spec, params, ev_reader, source.eval, source.eval_batches, microbatches)
             evals.append([step, rec["eval_loss"]])

@@ -84,6 +84,11 @@ def run_job(checked, *, reference: bool = False, echo: Callable[[str], None] = p
 
     def on_step(rec):
         rec = {**rec, "samples_per_s": samples / rec["step_time_s"] if rec["step_time_s"] else 0.0}
+        if rec.get("loss_scale") is not None:      # precision.loss_scale: the scale used, whether skipped
+            scaled = extra.setdefault("loss_scale", {"scales": [], "skipped_steps": []})
+            scaled["scales"].append(rec["loss_scale"])
+            if rec["skipped"]:
+                scaled["skipped_steps"].append(rec["step"])
         losses.append(rec["loss"])
         times.append(rec["step_time_s"])
         if rec.get("eval_loss") is not None:
@@ -114,7 +119,7 @@ def run_job(checked, *, reference: bool = False, echo: Callable[[str], None] = p
             result = train_reference(checked.model, source, steps=job.run.steps, seed=job.run.seed,
                                      microbatches=job.pipeline.microbatches,
                                      optimizer=job.optimizer.spec(), on_step=on_step,
-                                     eval_every=job.run.eval_every)
+                                     eval_every=job.run.eval_every, loss_scale=job.precision.scaling())
             norms, arrays = result["param_norms"], result.get("params")
         else:
             norms, arrays = _run_pipeline(checked, plan, source, on_step, out, echo, extra, hooks, keep_params,
@@ -179,7 +184,7 @@ def _run_pipeline(checked, plan, source, on_step, out: Path, echo, extra: dict, 
             if metrics is not None:
                 metrics.record(st, eval_loss=r.eval_loss)
             on_step({"step": r.step, "loss": r.loss, "step_time_s": r.wall_s, "eval_loss": r.eval_loss,
-                     "span_s": st.span_s, "measured_bubble": st.measured_bubble})
+                     "span_s": st.span_s, "measured_bubble": st.measured_bubble, **_scaling(r.step, r.stats)})
             if committer is not None:     # after on_step: the marker records the losses so far
                 for done in committer.add(r.checkpoints):
                     log.info("checkpoint step %d committed", done)
@@ -211,6 +216,19 @@ def _run_pipeline(checked, plan, source, on_step, out: Path, echo, extra: dict, 
 
             ray.shutdown()
     return norms, arrays
+
+
+def _scaling(step: int, stats: list) -> dict:
+    """Loss scaling's step record (`loss_scale`, `skipped`), checked to be the same on every actor:
+    the skip decision is global, so a disagreement is a bug and fails the run."""
+    seen = {(s["loss_scale"], s["skipped"]) for s in stats if "loss_scale" in s}
+    if not seen:
+        return {}
+    if len(seen) > 1:
+        by = {f"stage{s['stage']}/host{s['host']}": (s.get("loss_scale"), s.get("skipped")) for s in stats}
+        raise RuntimeError(f"step {step}: stages disagree on loss scaling (scale, skipped): {by}")
+    scale, skipped = seen.pop()
+    return {"loss_scale": scale, "skipped": skipped}
 
 
 def _ray_info(run: str, echo) -> dict:
