@@ -315,6 +315,69 @@ def test_nnx_llama_cut_by_named_split_points_matches_oracle(tmp_path, no_leaks):
     assert_params_equal(pipe["params"], params, pipeline_name_to_path)
 
 
+# ----------------------------------------------------------------------------- candidate mesh axes
+
+CANDIDATES = {"batch": "data", "heads": {"first": ["model", "data"]}, "kv_heads": "model|data",
+              "mlp": {"first": ["model", None]}, "vocab": {"first": [["data", "model"], "model"]}}
+
+
+def test_candidate_mesh_axes_first_that_fits_each_stage_wins():
+    """heads 6 x head_dim 8 = 48, kv_heads 2 x 8 = 16, d_mlp 64, vocab 64: on a (data 2, model 3) stage
+    heads take model (48 % 3 == 0), kv_heads fall through to data (16 % 3 != 0), mlp to null
+    (replicated), vocab replicated (64 % 6 != 0, 64 % 3 != 0); on a stage without a model axis
+    every candidate naming model is dropped and heads take data."""
+    from orchestrator.core.model.layout import FirstOf, choose, format_layout, parse_layout
+
+    job = llama_job("/tmp")
+    job["model"]["args"].update(d_model=48, heads=6, kv_heads=2)
+    job["pipeline"]["stages"] = [{"layers": [0, 2], "mesh": {"data": 2, "rep": 3}},
+                                 {"layers": [2, 4], "mesh": {"data": 2, "model": 3}}]
+    job["layout"] = CANDIDATES
+    checked = checked_of(job, {**CLUSTER, "devices_per_host": 6, "hosts": 2})
+    assert checked.stages[0].layout == {"batch": "data", "heads": "data", "kv_heads": "data"}
+    assert checked.stages[1].layout == {"batch": "data", "heads": "model", "kv_heads": "data"}
+    assert parse_job(checked.job.to_dict()) == checked.job                    # {first: [...]} round-trips
+    assert checked.job.layout["kv_heads"] == FirstOf(("model", "data"))       # text candidates in a mapping
+    assert format_layout(parse_layout("heads:model|data;e:data,model|")) == "heads:model|data;e:data,model|"
+    assert choose({"h": FirstOf(("data", "model"))}, {"data": 2, "model": 2}, {"h": [6, 5]}) == {}
+    # a stage override replaces the candidates with a plain rule
+    job["pipeline"]["stages"][1]["layout"] = {"kv_heads": "model"}
+    with pytest.raises(ConfigError, match=r"pipeline.stages\[1\].layout.kv_heads = 'model': not divisible.*16"):
+        checked_of(job, {**CLUSTER, "devices_per_host": 6, "hosts": 2})
+
+
+@pytest.mark.parametrize("rule,needles", [
+    ({"frist": ["model"]}, ["layout.heads = {'frist': ['model']}", "{first: [candidate, ...]}"]),
+    ({"first": []}, ["layout.heads = {'first': []}", "{first: [candidate, ...]}"]),
+    ({"first": ["modle", "data"]}, ["layout.heads", "mesh axis 'modle' is in no stage's mesh", "did you mean 'model'"]),
+    ("model|da-ta", ["layout.heads", "'da-ta' must be an identifier"]),
+])
+def test_bad_candidate_rules_are_refused_with_the_key(rule, needles):
+    job = llama_job("/tmp")
+    job["layout"]["heads"] = rule
+    with pytest.raises(ConfigError) as e:
+        checked_of(job)
+    assert all(n in str(e.value) for n in needles), (needles, str(e.value))
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_nnx_llama_with_candidate_layout_matches_oracle(tmp_path, no_leaks):
+    """Candidates resolved per stage reach the stage programs: stage 0 (data 2) shards heads and
+    kv_heads over data (a layout no plain-rule test uses), stage 1 (model 2) over model."""
+    from orchestrator.driver.runner import run_job
+
+    job = llama_job(tmp_path)
+    job["layout"] = CANDIDATES
+    checked = checked_of(job)
+    assert checked.stages[0].layout == {"batch": "data", "heads": "data", "kv_heads": "data"}
+    assert checked.stages[1].layout == {"heads": "model", "kv_heads": "model", "mlp": "model", "vocab": "model"}
+    pipe = run_job(checked, echo=lambda s: None, keep_params=True)
+    losses, params = llama_oracle(checked)
+    np.testing.assert_allclose(pipe["losses"], losses, rtol=RTOL, atol=ATOL)
+    assert_params_equal(pipe["params"], params, pipeline_name_to_path)
+
+
 def test_logical_axis_not_divisible_names_the_rule_and_the_nnx_parameter():
     job = llama_job("/tmp")
     job["model"]["args"]["vocab"] = 63

@@ -34,7 +34,7 @@ from orchestrator.core.config.limits import memory_problems, optimizer_problems
 from orchestrator.core.config.schema import ClusterConfig, JobConfig, Rule
 from orchestrator.core.private_fs import free_bytes, private_dir
 from orchestrator.core.redact import redact
-from orchestrator.core.model.layout import partition_spec, rule_axes, shard_count, stage_layout
+from orchestrator.core.model.layout import FirstOf, choose, partition_spec, rule_axes, shard_count, stage_layout
 from orchestrator.core.model.optim import OptimError, build as build_optimizer
 from orchestrator.core.model.policy import remat_names, with_compute_dtype
 from orchestrator.core.model.registry import BUILTIN, ModelError, build_spec
@@ -430,6 +430,8 @@ def _plain(value: Any) -> Any:
 
 
 def _json_rule(rule: Rule) -> Any:
+    if isinstance(rule, FirstOf):
+        return {"first": [_json_rule(o) for o in rule.first]}
     return list(rule) if isinstance(rule, tuple) else rule
 
 
@@ -458,26 +460,46 @@ def _check_batch(job: JobConfig, layouts: Optional[list], probs: _Problems) -> i
     return mb
 
 
+def _stage_tensors(model: ModelSpec, st, mb: int) -> list[tuple[str, tuple, tuple]]:
+    """(what, logical axes, shape) of every tensor a stage holds: inputs, parameters, outputs."""
+    tensors: list[tuple[str, tuple, tuple]] = []
+    for a, b in st.chunks:
+        if a == 0:
+            tensors.append(("the model input", model.input_axes, (mb, *model.input_shape)))
+        else:
+            for leaf in model.layers[a - 1].outputs:
+                what = f"the activation{' leaf ' + leaf.path if leaf.path else ''}"
+                tensors.append((f"{what} entering layer {a} ({model.layers[a].name})", leaf.axes,
+                                leaf.batched(mb)))
+        for li in range(a, b):
+            layer = model.layers[li]
+            for pname, pdef in layer.params.items():
+                tensors.append((f"parameter {param_name(li, layer, pname)}", pdef.axes, pdef.shape))
+            for leaf in layer.outputs:
+                tensors.append((f"the output {leaf.path + ' ' if leaf.path else ''}of layer {li:02d}.{layer.name}",
+                                leaf.axes, leaf.batched(mb)))
+    return tensors
+
+
+def _choose_layouts(job: JobConfig, model: ModelSpec, layouts: list, mb: int, sized: bool) -> list:
+    """Each stage's layout with its candidate rules (`FirstOf`) chosen: the first candidate whose
+    size divides every dim carrying the name on that stage (`sized`: the stage cuts are known;
+    otherwise the first candidate the mesh has)."""
+    out = []
+    for st, layout in zip(job.pipeline.stages, layouts):
+        sizes: dict[str, set] = {}
+        for _, axes, shape in (_stage_tensors(model, st, mb) if sized else ()):
+            for name, size in zip(axes, shape):
+                if name:
+                    sizes.setdefault(name, set()).add(size)
+        out.append(choose(layout, st.mesh, sizes))
+    return out
+
+
 def _check_divisibility(job: JobConfig, model: ModelSpec, layouts: list, mb: int, probs: _Problems) -> None:
     reported: dict[tuple, int] = {}
     for i, (st, layout) in enumerate(zip(job.pipeline.stages, layouts)):
-        tensors: list[tuple[str, tuple, tuple]] = []  # (what, axes, shape)
-        for a, b in st.chunks:
-            if a == 0:
-                tensors.append(("the model input", model.input_axes, (mb, *model.input_shape)))
-            else:
-                for leaf in model.layers[a - 1].outputs:
-                    what = f"the activation{' leaf ' + leaf.path if leaf.path else ''}"
-                    tensors.append((f"{what} entering layer {a} ({model.layers[a].name})", leaf.axes,
-                                    leaf.batched(mb)))
-            for li in range(a, b):
-                layer = model.layers[li]
-                for pname, pdef in layer.params.items():
-                    tensors.append((f"parameter {param_name(li, layer, pname)}", pdef.axes, pdef.shape))
-                for leaf in layer.outputs:
-                    tensors.append((f"the output {leaf.path + ' ' if leaf.path else ''}of layer {li:02d}.{layer.name}",
-                                    leaf.axes, leaf.batched(mb)))
-        for what, axes, shape in tensors:
+        for what, axes, shape in _stage_tensors(model, st, mb):
             for d, (name, entry) in enumerate(zip(axes, partition_spec(axes, layout))):
                 size = shape[d] if d < len(shape) else None
                 if entry is None or size is None or name == "batch":  # batch: see _check_batch
@@ -521,6 +543,9 @@ def check_job(job: JobConfig, cluster: ClusterConfig) -> Checked:
     hosts = _check_hosts_meshes(job, cluster, probs)
     _check_schedule(job, probs)
     layouts = _check_layout_names(job, model, probs)
+    if layouts is not None:           # candidate rules (layout `{first: [...]}`) chosen per stage
+        layouts = _choose_layouts(job, model, layouts, max(1, job.data.global_batch // job.pipeline.microbatches),
+                                  layers_ok and job.data.global_batch % job.pipeline.microbatches == 0)
     mb = _check_batch(job, layouts, probs)
     if layers_ok and layouts is not None and job.data.global_batch % job.pipeline.microbatches == 0:
         _check_divisibility(job, model, layouts, mb, probs)

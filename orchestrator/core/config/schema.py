@@ -20,7 +20,7 @@ from orchestrator.core.backends import get_backend
 from orchestrator.core.backends.tpu_topology import TpuTypeError, geometry
 from orchestrator.core.config.errors import ConfigError, Problem, fmt_value, problem, problem_nv, suggest
 from orchestrator.core.redact import redact
-from orchestrator.core.model.layout import parse_layout
+from orchestrator.core.model.layout import FirstOf, parse_layout
 from orchestrator.core.model.registry import BUILTIN
 
 __all__ = [
@@ -73,21 +73,30 @@ def _layout_value(value: Any) -> dict[str, Rule]:
                           "e.g. 'batch:data;mlp:model'") from None
     elif isinstance(value, Mapping):
         for k, v in value.items():
-            ok = v is None or isinstance(v, str) or (
+            ok = v is None or isinstance(v, (str, FirstOf, Mapping)) or (
                 isinstance(v, (list, tuple)) and v and all(isinstance(t, str) for t in v))
+            if ok and isinstance(v, Mapping) and (set(v) != {"first"} or not isinstance(v.get("first"), list)
+                                                  or not v["first"]):
+                ok = False
             if not ok:
-                raise Problem("must be a mesh axis name, a non-empty list of them, or null", (k,), v)
-        rules = parse_layout(value)
+                raise Problem("must be a mesh axis name, a non-empty list of them (sharded over their "
+                              "product), {first: [candidate, ...]} (the first that fits each stage) or null",
+                              (k,), v)
+        try:
+            rules = parse_layout(value)
+        except ValueError as e:
+            raise Problem(str(e).partition(": ")[2] or str(e)) from None
     else:
         raise Problem(f"must be a mapping (logical: mesh_axis) or Mesh-TF text like "
                       f"'batch:data;mlp:model', not {type(value).__name__}")
     for logical, rule in rules.items():
         _check_axis_name(logical, "logical axis", (logical,))
-        axes = (rule,) if isinstance(rule, str) else tuple(rule or ())
-        for a in axes:
-            _check_axis_name(a, "mesh axis", (logical,))
-        if len(set(axes)) != len(axes):
-            raise Problem("a mesh axis may appear only once in a rule", (logical,), rule)
+        for option in rule.first if isinstance(rule, FirstOf) else (rule,):
+            axes = (option,) if isinstance(option, str) else tuple(option or ())
+            for a in axes:
+                _check_axis_name(a, "mesh axis", (logical,))
+            if len(set(axes)) != len(axes):
+                raise Problem("a mesh axis may appear only once in a rule", (logical,), option)
     return rules
 
 
