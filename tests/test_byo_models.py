@@ -677,6 +677,23 @@ def test_nnx_llama_fp16_dynamic_loss_scaling_matches_oracle_and_skips_on_every_s
     assert {(h["loss_scale"], h["skipped"]) for h in hosts.values()} == {(scales[-1], True)}, hosts
 
 
+@pytest.mark.slow
+def test_reference_run_applies_the_same_loss_scaling_rule():
+    """`meshpipe run --reference` (meshpipe's unpipelined trainer) under fp16: the oracle's scales and
+    skipped steps, losses within the fp16 tolerance."""
+    from orchestrator.driver.reference import train_reference
+
+    checked = checked_of(fp16_job("/tmp"))
+    recs: list = []
+    ref = train_reference(checked.model, checked.data, steps=checked.job.run.steps, seed=checked.job.run.seed,
+                          microbatches=checked.job.pipeline.microbatches, optimizer=checked.job.optimizer.spec(),
+                          on_step=recs.append, loss_scale=checked.job.precision.scaling())
+    losses, scales, skipped, _ = scaled_oracle(checked)
+    assert [r["loss_scale"] for r in recs] == scales == FP16_SCALES
+    assert [r["step"] for r in recs if r["skipped"]] == skipped == FP16_SKIPPED
+    np.testing.assert_allclose(ref["losses"], losses, rtol=FP16_LOSS_RTOL)
+
+
 @pytest.mark.ray
 @pytest.mark.slow
 def test_fp16_resume_restores_the_loss_scale_state_bit_exact(tmp_path, no_leaks):
