@@ -165,9 +165,16 @@ class CompiledGraph(_Batched):
     def close(self, timeout: float) -> None:
         """Tear the graph down (bounded by Ray's own `teardown_timeout`, 30 s); the executor kills
         the actors next. After a failed step the actors start no further step, so their loops end."""
+        import ray
+
+        from orchestrator.driver.ray_internals import compiled_graph_proxy
+
         graph, self.graph = self.graph, None
         if graph is not None:
             graph.teardown(kill_actors=False)
+            proxy = compiled_graph_proxy(graph)
+            if proxy is not None:      # else it outlives the run until the graph is collected
+                ray.kill(proxy, no_restart=True)
 
 
 class ActionCalls:
