@@ -57,17 +57,63 @@ def activation_shape(checked, boundary: int) -> tuple[int, ...]:
     return (checked.microbatch_size, *checked.model.layers[boundary - 1].out_shape)
 
 
+# The wire dtype of activations and their gradients: stages/worker.py receives every
+# stage edge as float32 (the built-in models compute in float32).
+WIRE_DTYPE = np.dtype(np.float32)
+
+
+@dataclass(frozen=True)
+class PlannedEdge:
+    """One stage edge the executor plans: virtual stage `virtual` → `virtual + 1`.
+
+    `src`/`dst` are the (physical) stages; `boundary` the layer index the activation
+    enters; `wraps` marks the edge from the last stage back to the first (a chunk boundary
+    of an interleaved schedule).
+    """
+
+    virtual: int
+    src: int
+    dst: int
+    src_chunk: int
+    boundary: int
+
+    @property
+    def wraps(self) -> bool:
+        return self.dst < self.src
+
+
+def planned_edges(checked) -> list[PlannedEdge]:
+    """Every edge between virtual stages k and k+1 that crosses actors, in virtual-stage order.
+
+    Virtual stage k is chunk k // p of stage k % p (the worker's `_plan_edges` rule); an
+    edge whose two ends are the same stage (p = 1) stays inside the actor and is left out.
+    """
+    p = len(checked.stages)
+    v = len(checked.stages[0].chunks or (checked.stages[0].layers,))
+    out = []
+    for k in range(p * v - 1):
+        src, dst, j = k % p, (k + 1) % p, k // p
+        if src == dst:
+            continue
+        chunks = checked.stages[src].chunks or (checked.stages[src].layers,)
+        out.append(PlannedEdge(k, src, dst, j, chunks[j][1]))
+    return out
+
+
 def edges_json(checked) -> list[dict]:
-    """Per stage edge: reshard bytes vs lower bound, forward and backward (for `meshpipe plan`)."""
+    """Per stage edge: reshard bytes vs lower bound, forward and backward (for `meshpipe plan`).
+
+    Lists the same edges the executor plans (`planned_edges`), with their wire dtype.
+    """
     geoms = stage_geoms(checked)
     out = []
-    for s in range(len(geoms) - 1):
-        boundary = checked.stages[s].layers[1]
-        axes = checked.model.layers[boundary - 1].out_axes
-        shape = activation_shape(checked, boundary)
-        fwd = edge_plan(geoms[s], geoms[s + 1], axes, shape, np.float32)
-        bwd = edge_plan(geoms[s + 1], geoms[s], axes, shape, np.float32)
-        out.append({"edge": [s, s + 1], "shape": list(shape), "axes": list(axes),
+    for e in planned_edges(checked):
+        axes = checked.model.layers[e.boundary - 1].out_axes
+        shape = activation_shape(checked, e.boundary)
+        fwd = edge_plan(geoms[e.src], geoms[e.dst], axes, shape, WIRE_DTYPE)
+        bwd = edge_plan(geoms[e.dst], geoms[e.src], axes, shape, WIRE_DTYPE)
+        out.append({"edge": [e.src, e.dst], "virtual": [e.virtual, e.virtual + 1], "boundary": e.boundary,
+                    "wraps": e.wraps, "dtype": WIRE_DTYPE.name, "shape": list(shape), "axes": list(axes),
                     "src_spec": repr(fwd.src.spec), "dst_spec": repr(fwd.dst.spec),
                     "forward": {"cross_host_bytes": fwd.cross_host_bytes,
                                 "lower_bound_bytes": fwd.lower_bound_bytes, "tiles": len(fwd.tiles)},

@@ -4,7 +4,15 @@ Basic flow of `run_job`:
   plan (pure) → output dir checked/created (owner-only) → data source →
   [Ray: connect → executor.start → step × N → param norms] or [reference] →
   summary.json. Whatever was started is shut down in `finally` (actors,
-  placement group, and an embedded Ray we started), also on Ctrl-C.
+  placement group, and an embedded Ray we started), also on Ctrl-C/SIGTERM
+  (`orchestrator.driver.interrupt`): the actors are told to abandon their step
+  first, so stopping takes seconds, not a step deadline.
+
+A run that stops early (a stage failed, or a signal) still writes summary.json,
+with `status` "failed"/"interrupted", the steps done and the error; a stage's
+full (redacted) traceback goes to `error.txt` beside it. `existing_record` is
+what `meshpipe run` checks so that a second run of the same job never replaces
+the first one's record silently (`--overwrite`).
 
 Telemetry (`orchestrator.driver.telemetry`, `orchestrator.driver.metrics`): every step's
 spans and per-actor stats feed the progress display (a bar on a terminal, one
@@ -41,6 +49,18 @@ def load_text(checked) -> bytes | None:
     return Path(checked.data_path or data.path).read_bytes()
 
 
+RECORD_FILES = ("summary.json", "trace.json", "error.txt")
+
+
+def existing_record(checked, reference: bool = False) -> Path | None:
+    """The file of an earlier run that this run would replace (in its run directory), if any."""
+    run_dir = Path(checked.job.run.output_dir) / checked.job.run.name
+    for name in (("summary.reference.json",) if reference else RECORD_FILES):
+        if (run_dir / name).exists():
+            return run_dir / name
+    return None
+
+
 def step_line(rec: dict, samples: int) -> str:
     return (f"step {rec['step']:>4d}  loss {rec['loss']:.5f}  time {rec['step_time_s'] * 1e3:8.1f} ms  "
             f"{samples / rec['step_time_s']:9.1f} samples/s")
@@ -58,24 +78,35 @@ def run_job(checked, *, reference: bool = False, echo: Callable[[str], None] = p
                          text=load_text(checked))
     samples = job.data.global_batch
     progress = Progress(job.run.steps, tty=tty, echo=echo, line=lambda rec: step_line(rec, samples))
+    done: list[dict] = []
 
     def on_step(rec):
+        done.append(rec)
         progress.update({**rec, "samples_per_s": samples / rec["step_time_s"] if rec["step_time_s"] else 0.0})
 
+    path = out / ("summary.reference.json" if reference else "summary.json")
+    for stale in ((path.name,) if reference else RECORD_FILES):   # (an --overwrite: never mix two runs)
+        (out / stale).unlink(missing_ok=True)
     try:
-        if reference:
-            from orchestrator.driver.reference import train_reference
+        try:
+            if reference:
+                from orchestrator.driver.reference import train_reference
 
-            result = train_reference(checked.model, source, steps=job.run.steps, seed=job.run.seed,
-                                     microbatches=job.pipeline.microbatches,
-                                     optimizer=(job.optimizer.name, dict(job.optimizer.args)), on_step=on_step)
-            extra = {"mode": "reference"}
-        else:
-            result, extra = _run_pipeline(checked, plan, source, on_step, out, echo)
-    finally:
-        progress.close()   # end the bar's line before anything else is printed
+                result = train_reference(checked.model, source, steps=job.run.steps, seed=job.run.seed,
+                                         microbatches=job.pipeline.microbatches,
+                                         optimizer=(job.optimizer.name, dict(job.optimizer.args)),
+                                         on_step=on_step)
+                extra = {"mode": "reference"}
+            else:
+                result, extra = _run_pipeline(checked, plan, source, on_step, out, echo)
+        finally:
+            progress.close()   # end the bar's line before anything else is printed
+    except BaseException as e:
+        _record_stop(e, checked, plan, done, out, path, reference)
+        raise
     summary = {
         "run": job.run.name,
+        "status": "succeeded",
         "losses": result["losses"],
         "step_times_s": result["step_times_s"],
         "param_norms": result["param_norms"],
@@ -83,12 +114,39 @@ def run_job(checked, *, reference: bool = False, echo: Callable[[str], None] = p
         "config": json.dumps(redact(checked.to_dict()), indent=2),  # secrets never reach disk
         **extra,
     }
-    path = out / ("summary.reference.json" if reference else "summary.json")
     write_private(path, json.dumps(summary, indent=1))  # 0o600, atomic
     echo(f"wrote {path}")
     if not reference:
         echo(summary_block(summary, out))
     return summary
+
+
+def _record_stop(e: BaseException, checked, plan, done: list[dict], out: Path, path: Path,
+                 reference: bool) -> None:
+    """The record of a run that stopped early; the path (and the steps done) go onto `e`."""
+    from orchestrator.core.redact import redact_text
+    from orchestrator.driver.interrupt import Interrupted
+    from orchestrator.driver.waiting import StageFailure
+
+    status = "interrupted" if isinstance(e, KeyboardInterrupt) else "failed"
+    try:
+        if isinstance(e, StageFailure) and e.detail:
+            err = out / "error.txt"
+            write_private(err, f"{e.message}\nwhere: {e.where}\n\n{e.detail}\n")
+            e.error_file = str(err)
+        summary = {
+            "run": checked.job.run.name, "status": status, "mode": "reference" if reference else "pipeline",
+            "error": redact_text(f"{type(e).__name__}: {getattr(e, 'message', None) or e}"),
+            "steps_done": len(done), "steps": checked.job.run.steps,
+            "losses": [r["loss"] for r in done], "step_times_s": [r["step_time_s"] for r in done],
+            "plan": plan_json(plan), "config": json.dumps(redact(checked.to_dict()), indent=2),
+        }
+        write_private(path, json.dumps(summary, indent=1))
+    except Exception as w:  # noqa: BLE001 - the record must not hide the run's own error
+        log.warning("could not write %s: %s", path, w)
+        return
+    if isinstance(e, Interrupted):
+        e.steps_done, e.total_steps, e.record = len(done), checked.job.run.steps, str(path)
 
 
 def _run_pipeline(checked, plan, source, on_step, out: Path, echo) -> tuple[dict, dict]:
@@ -99,6 +157,9 @@ def _run_pipeline(checked, plan, source, on_step, out: Path, echo) -> tuple[dict
     job = checked.job
     run = job.run.name
     started = placement.connect(checked.cluster, namespace=f"meshpipe-{run}")
+    from orchestrator.driver.quiet import filter_worker_logs
+
+    filter_worker_logs()
     ray_info = _ray_info(run, echo)
     ex = PipelineExecutor(checked, plan.schedule, source, run)
     tel = RunTelemetry(run, plan.schedule, plan.sim.bubble_fraction, job.data.global_batch)
@@ -121,6 +182,8 @@ def _run_pipeline(checked, plan, source, on_step, out: Path, echo) -> tuple[dict
         norms = ex.param_norms()
         ok = True
     finally:
+        if not ok:
+            ex.abort("the driver stopped the run")   # a step still running ends now, not at its deadline
         ex.shutdown()
         try:
             tel.write(out)
@@ -153,7 +216,43 @@ def _ray_info(run: str, echo) -> dict:
         log.debug("no dashboard/metrics info: %s", e)
     if info.get("dashboard_url"):
         echo(f"Ray dashboard {info['dashboard_url']}  (namespace {info['namespace']}, actors {info['actors']})")
+        for line in auth_hint(info["dashboard_url"], _gcs_address()):
+            echo(f"  {line}")
     return info
+
+
+def _gcs_address() -> str | None:
+    try:
+        import ray
+
+        return ray.get_runtime_context().gcs_address
+    except Exception:  # noqa: BLE001 - informational only
+        return None
+
+
+def auth_hint(dashboard_url: str, gcs_address: str | None) -> list[str]:
+    """How a person gets into a token-authenticated Ray (Ray 2.60): browser and CLI; [] without auth.
+
+    The dashboard shows a token prompt; what is pasted there is POSTed to
+    `/api/authenticate` (Authorization: Bearer), which sets the `ray-authentication-token`
+    cookie. Ray's CLI needs `RAY_AUTH_MODE=token` and finds the token itself.
+    """
+    from orchestrator.driver.jobs import token_source
+
+    try:
+        from ray._private.authentication.authentication_utils import is_token_auth_enabled
+
+        on = is_token_auth_enabled()
+    except Exception:  # noqa: BLE001 - a Ray without token auth
+        on = False
+    if not on:
+        return []
+    source = token_source() or "Ray's token loader"
+    gcs = f" --address {gcs_address}" if gcs_address else ""
+    return [f"token auth is on: the dashboard asks for the token; paste the output of "
+            f"`ray get-auth-token` (it reads {source}); the browser keeps it as a cookie",
+            f"Ray CLI: RAY_AUTH_MODE=token ray status{gcs}; "
+            f"RAY_AUTH_MODE=token ray list actors --address {dashboard_url}"]
 
 
 def _metrics(run: str, simulated_bubble: float):

@@ -1,11 +1,60 @@
-"""Bounded waits on Ray object refs: every remote wait in meshpipe goes through here."""
+"""Bounded waits on Ray object refs: every remote wait in meshpipe goes through here.
+
+A call that fails on an actor becomes a `StageFailure` whose first line names the
+stage/host and the exception (`short_error`), followed by where it ran (pid, node)
+and the last frames of the stage's own traceback, redacted
+(`orchestrator.core.redact`) and short enough for one screen; `detail` keeps the
+whole (redacted) remote traceback, which the runner writes to `<run dir>/error.txt`.
+"""
 from __future__ import annotations
 
 import time
 
+SHORT_FRAMES_LINES = 16     # traceback lines kept in the short form (the ones nearest the error)
+
 
 class StageFailure(RuntimeError):
-    pass
+    """A stage's call failed. `str()` is the short form; `detail` the full redacted traceback;
+    `error_file` is set by the runner once `detail` is written to the run directory."""
+
+    def __init__(self, message: str, detail: str = "", where: str = "", tail: str = ""):
+        super().__init__(message)
+        self.message, self.detail, self.where, self.tail = message, detail, where, tail
+        self.error_file: str | None = None
+
+    def __str__(self) -> str:
+        parts = [self.message]
+        if self.where:
+            parts.append(f"  where: {self.where}")
+        if self.tail:
+            parts.append("  stage traceback (most recent call last; full: "
+                         f"{self.error_file or 'error.txt in the run directory'}):")
+            parts += [f"    {ln}" for ln in self.tail.splitlines()]
+        return "\n".join(parts)
+
+
+def stage_failure(what: str, label: str, e: BaseException) -> StageFailure:
+    """The StageFailure for call `what` that raised `e` on actor `label` (e.g. "stage 1 host 0")."""
+    import traceback
+
+    from orchestrator.core.redact import redact_text
+
+    remote = getattr(e, "traceback_str", None)        # ray.exceptions.RayTaskError: the actor's own
+    text = remote or "".join(traceback.format_exception(type(e), e, e.__traceback__))
+    detail = redact_text(text).rstrip()
+    where = label
+    pid, ip = getattr(e, "pid", None), getattr(e, "ip", None)
+    if pid or ip:
+        where += f" (pid {pid}, node {ip})"
+    return StageFailure(f"{what} failed on {label}: {short_error(e)}", detail=detail, where=where,
+                        tail=_tail(detail))
+
+
+def _tail(detail: str) -> str:
+    """The frames nearest the error (frames within Ray's own wrapper dropped)."""
+    lines = [ln for ln in detail.splitlines() if ln.strip()]
+    body = [ln for ln in lines if not ln.startswith("Traceback")]
+    return "\n".join(body[-SHORT_FRAMES_LINES:])
 
 
 def wait_all(refs: list, timeout: float, what: str, labels: list[str] | None = None) -> list:
@@ -30,7 +79,7 @@ def wait_all(refs: list, timeout: float, what: str, labels: list[str] | None = N
             try:
                 results[index[r]] = ray.get(r, timeout=max(1.0, deadline - time.monotonic()))  # ready
             except Exception as e:  # noqa: BLE001 - re-raised with the stage named
-                raise StageFailure(f"{what} failed on {labels[index[r]]}: {short_error(e)}") from e
+                raise stage_failure(what, labels[index[r]], e) from e
     return results
 
 

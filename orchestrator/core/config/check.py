@@ -95,6 +95,8 @@ class Checked:
       stages: one `StagePlan` per physical stage.
       microbatch_size: job.data.global_batch // job.pipeline.microbatches.
       data_path: absolute path of the text file for `data.source: text`, else None.
+      import_dir: a directory the stage actors put first on their import path (the CLI
+        sets the job file's, so a `module:factory` model beside the job imports).
     """
 
     job: JobConfig
@@ -103,6 +105,7 @@ class Checked:
     stages: tuple[StagePlan, ...]
     microbatch_size: int
     data_path: Optional[str] = None
+    import_dir: Optional[str] = None
 
     @property
     def hosts_used(self) -> int:
@@ -457,6 +460,9 @@ def check_job(job: JobConfig, cluster: ClusterConfig) -> Checked:
     """
     model = _build_model(job)
     probs = _Problems()
+    if model.param_count() == 0:
+        probs.add("model.name", job.model.name, f"the model has no parameters ({_model_layers(model)}): "
+                  "there is nothing to train; give its layers ParamDefs")
     data_path = _check_data(job, model, probs)
     _check_optimizer(job, probs)
     layers_ok = _check_layers(job, model, probs)
