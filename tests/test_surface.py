@@ -72,6 +72,26 @@ def test_plan_png_prints_the_path_it_wrote(tmp_path):
     json.loads(out.stdout)           # stdout stays JSON
 
 
+# -- a stage's error as the driver shows it (a real RayTaskError, no cluster needed) ------------------
+def test_stage_failure_names_where_and_keeps_the_stage_traceback_redacted():
+    from ray.exceptions import RayTaskError
+
+    from orchestrator.driver.waiting import stage_failure
+
+    frames = "".join(f'  File "/srv/stages/worker.py", line {100 + i}, in f{i}\n    x = g{i}()\n' for i in range(30))
+    tb = f"Traceback (most recent call last):\n{frames}IndexError: tuple index out of range (password=hunter2)\n"
+    err = RayTaskError("StageWorker.run_steps", tb, IndexError("tuple index out of range (password=hunter2)"),
+                       proctitle="ray::StageWorker.run_steps", pid=4242, ip="10.1.2.3").as_instanceof_cause()
+    f = stage_failure("steps 0-3", "stage 1 host 0", err)
+    short = str(f)
+    assert short.splitlines()[0] == ("steps 0-3 failed on stage 1 host 0: "
+                                     "IndexError: tuple index out of range (password=<redacted>)")
+    assert "where: stage 1 host 0 (pid 4242, node 10.1.2.3, in StageWorker.run_steps)" in short
+    assert 'line 129, in f29' in short and 'line 100, in f0' not in short      # nearest frames only
+    assert len(short.splitlines()) <= 25 and "hunter2" not in short
+    assert 'line 100, in f0' in f.detail and 'line 129, in f29' in f.detail and "hunter2" not in f.detail
+
+
 # -- everyday commands (no Ray) ---------------------------------------------------------------
 def test_version():
     out = cli("--version")
@@ -179,3 +199,97 @@ def test_progress_bar_fits_an_80_column_terminal(tmp_path):
     assert bars, text[-3000:]
     assert all(len(ln) <= 79 for ln in bars), [len(ln) for ln in bars]
     assert "loss" in bars[-1]
+
+
+# -- a stage error, through the CLI: cause, traceback, error.txt; then no silent overwrite -------
+@pytest.mark.ray
+def test_a_stage_error_shows_where_and_its_traceback_and_the_run_is_not_overwritten(tmp_path):
+    sets = ["--set", "run.steps=3", "--set", f"run.output_dir={tmp_path}", "--set", "run.name=fails"]
+    out = cli("run", "examples/mlp.yaml", *sets, env={**ENV, "MESHPIPE_TEST_FAIL_STEP": "1:0:1"}, timeout=300)
+    assert out.returncode == 1, out.stdout + out.stderr
+    err = out.stderr
+    assert "run failed:" in err and "injected step failure" in err
+    assert re.search(r"where: stage \d host 0 \(pid \d+, node [\d.]+, in StageWorker\.run_steps\)", err), err
+    assert "stage traceback" in err and 'stages/worker.py", line' in err       # the actor's own frames
+    assert "Traceback (most recent call last)" not in err                       # no driver traceback
+    assert len(err.splitlines()) <= 40                                          # one screen
+    run_dir = tmp_path / "fails"
+    full = (run_dir / "error.txt").read_text()
+    assert "injected step failure" in full and 'stages/worker.py", line' in full
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["steps_done"] == 1 and len(summary["losses"]) == 1
+    again = cli("run", "examples/mlp.yaml", *sets)                               # refused before Ray starts
+    assert again.returncode == 2, again.stdout + again.stderr
+    assert "run.name = 'fails'" in again.stderr and "--overwrite" in again.stderr
+    assert json.loads((run_dir / "summary.json").read_text()) == summary         # untouched
+
+
+@pytest.mark.ray
+def test_a_factory_beside_the_job_file_trains_on_the_actors_without_pythonpath(tmp_path):
+    job = _own_model_job(tmp_path, steps=1)
+    out = cli("run", str(job), cwd=tmp_path, timeout=300)      # PYTHONPATH holds only the repository
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    summary = json.loads((tmp_path / "runs" / "mine" / "summary.json").read_text())
+    assert summary["status"] == "succeeded" and len(summary["losses"]) == 1
+
+
+# -- stopping ------------------------------------------------------------------------------
+def _marked(mark: str) -> list[int]:
+    """Pids of live processes whose environment carries MESHPIPE_TEST_MARK=mark (the run's Ray too)."""
+    needle = f"MESHPIPE_TEST_MARK={mark}".encode()
+    pids = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                zombie = (d / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+                if not zombie and needle in (d / "environ").read_bytes().split(b"\0"):
+                    pids.append(int(d.name))
+            except (OSError, IndexError):
+                continue
+    return pids
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_stops_the_run_within_seconds_with_its_record(tmp_path, sig):
+    """Ctrl-C reaches the whole foreground process group (the driver and the Ray it started);
+    SIGTERM is what `ray job stop` sends to the driver. Either: exit 130 within seconds, the step
+    reached and the record's path printed, summary.json written, nothing left running."""
+    from tests.conftest import wait_until
+
+    mark = f"{os.getpid()}-{sig.name}"
+    env = {**ENV, "MESHPIPE_TEST_MARK": mark, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "orchestrator.driver.cli", "run", "examples/mlp.yaml",
+                             "--set", "run.steps=100000", "--set", f"run.output_dir={tmp_path}",
+                             "--set", "run.name=stopped"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        for line in proc.stdout:                       # wait for the first step line
+            if line.startswith("step ") or time.monotonic() > deadline:
+                break
+        t0 = time.monotonic()
+        if sig == signal.SIGINT:
+            os.killpg(proc.pid, sig)                   # what a terminal's Ctrl-C does
+            time.sleep(0.5)
+            os.killpg(proc.pid, sig)                   # a second, impatient Ctrl-C
+        else:
+            proc.send_signal(sig)
+        out, err = proc.communicate(timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+    assert proc.returncode == 130, err[-3000:]
+    assert took < 30, took
+    what = "Ctrl-C (SIGINT)" if sig == signal.SIGINT else "SIGTERM"
+    record = tmp_path / "stopped" / "summary.json"
+    m = re.search(rf"meshpipe: stopped by {re.escape(what)} after (\d+) of 100000 steps; record: (\S+)", err)
+    assert m, err[-3000:]
+    assert m.group(2) == str(record)
+    summary = json.loads(record.read_text())
+    assert summary["status"] == "interrupted" and summary["steps_done"] == int(m.group(1)) >= 1
+    assert "Traceback" not in err, err[-3000:]           # neither the driver's nor a worker's
+    assert "*** SIG" not in err and "PC: @" not in err    # no absl stack dump
+    wait_until(lambda: not _marked(mark), 30, "the run's Ray processes to exit")

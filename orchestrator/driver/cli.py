@@ -146,20 +146,20 @@ def run(job, cluster, overrides, reference, address, overwrite):
                    f"from an earlier run; pass --overwrite to replace it, or choose another name "
                    f"(--set run.name=...)", err=True)
         sys.exit(2)
-    from orchestrator.driver.interrupt import Interrupted, stop_on_signals
+    from orchestrator.driver.interrupt import stop_on_signals, stopped_message
     from orchestrator.driver.placement import PlacementError
     from orchestrator.driver.waiting import StageFailure
 
-    try:
-        with stop_on_signals():
+    with stop_on_signals() as stop:
+        try:
             run_job(checked, reference=reference, echo=lambda s: click.echo(s), tty=sys.stdout.isatty())
-    except (PlacementError, StageFailure, TimeoutError) as e:
-        # the run was torn down already (runner's finally); say what failed, without a driver traceback
-        click.echo(f"meshpipe: run failed: {e}", err=True)
-        sys.exit(1)
-    except Interrupted as e:
-        click.echo(f"meshpipe: {e}", err=True)
-        sys.exit(130)
+        except (PlacementError, StageFailure, TimeoutError) as e:
+            # the run was torn down already (runner's finally); say what failed, without a driver traceback
+            click.echo(f"meshpipe: run failed: {e}", err=True)
+            sys.exit(1)
+        except KeyboardInterrupt as e:   # Ctrl-C or SIGTERM (interrupt.stop_on_signals); all torn down
+            click.echo(f"\nmeshpipe: {stopped_message(stop, e)}", err=True)
+            sys.exit(130)
 
 
 @main.command()

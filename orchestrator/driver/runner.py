@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Callable
@@ -125,7 +126,6 @@ def _record_stop(e: BaseException, checked, plan, done: list[dict], out: Path, p
                  reference: bool) -> None:
     """The record of a run that stopped early; the path (and the steps done) go onto `e`."""
     from orchestrator.core.redact import redact_text
-    from orchestrator.driver.interrupt import Interrupted
     from orchestrator.driver.waiting import StageFailure
 
     status = "interrupted" if isinstance(e, KeyboardInterrupt) else "failed"
@@ -145,7 +145,7 @@ def _record_stop(e: BaseException, checked, plan, done: list[dict], out: Path, p
     except Exception as w:  # noqa: BLE001 - the record must not hide the run's own error
         log.warning("could not write %s: %s", path, w)
         return
-    if isinstance(e, Interrupted):
+    if isinstance(e, KeyboardInterrupt):   # what the CLI prints (interrupt.stopped_message)
         e.steps_done, e.total_steps, e.record = len(done), checked.job.run.steps, str(path)
 
 
@@ -157,8 +157,10 @@ def _run_pipeline(checked, plan, source, on_step, out: Path, echo) -> tuple[dict
     job = checked.job
     run = job.run.name
     started = placement.connect(checked.cluster, namespace=f"meshpipe-{run}")
+    from orchestrator.driver.interrupt import reinstall
     from orchestrator.driver.quiet import filter_worker_logs
 
+    reinstall()            # ray.init put absl's signal handler in place of ours (stack dump, abort)
     filter_worker_logs()
     ray_info = _ray_info(run, echo)
     ex = PipelineExecutor(checked, plan.schedule, source, run)
@@ -182,7 +184,10 @@ def _run_pipeline(checked, plan, source, on_step, out: Path, echo) -> tuple[dict
         norms = ex.param_norms()
         ok = True
     finally:
+        quiet_refs = not ok and "RAY_IGNORE_UNHANDLED_ERRORS" not in os.environ
         if not ok:
+            # the cause is reported already; the aborted steps' own errors are its echo: not printed
+            os.environ["RAY_IGNORE_UNHANDLED_ERRORS"] = "1"
             ex.abort("the driver stopped the run")   # a step still running ends now, not at its deadline
         ex.shutdown()
         try:
@@ -195,6 +200,11 @@ def _run_pipeline(checked, plan, source, on_step, out: Path, echo) -> tuple[dict
             import ray
 
             ray.shutdown()
+        if quiet_refs:
+            import gc
+
+            gc.collect()   # the abandoned refs go (and Ray checks the variable) before it is unset
+            os.environ.pop("RAY_IGNORE_UNHANDLED_ERRORS", None)
     extra = {"mode": "pipeline", "startup_s": startup, "workers": ex.info, "executor": ex.dispatch_info,
              "last_step_spans": [list(s) for s in spans[-1]] if spans else [],
              "telemetry": tel.summary(), "ray": ray_info}

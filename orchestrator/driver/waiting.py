@@ -8,6 +8,7 @@ whole (redacted) remote traceback, which the runner writes to `<run dir>/error.t
 """
 from __future__ import annotations
 
+import re
 import time
 
 SHORT_FRAMES_LINES = 16     # traceback lines kept in the short form (the ones nearest the error)
@@ -34,26 +35,35 @@ class StageFailure(RuntimeError):
 
 
 def stage_failure(what: str, label: str, e: BaseException) -> StageFailure:
-    """The StageFailure for call `what` that raised `e` on actor `label` (e.g. "stage 1 host 0")."""
+    """The StageFailure for call `what` that raised `e` on actor `label` (e.g. "stage 1 host 0").
+
+    Ray's error (`RayTaskError(...)`) carries the actor's own traceback in its text, after a
+    header `ray::Class.method() (pid=…, ip=…, …)`; the pid and node come from there.
+    """
     import traceback
 
     from orchestrator.core.redact import redact_text
 
-    remote = getattr(e, "traceback_str", None)        # ray.exceptions.RayTaskError: the actor's own
-    text = remote or "".join(traceback.format_exception(type(e), e, e.__traceback__))
-    detail = redact_text(text).rstrip()
+    text = _ANSI.sub("", redact_text(str(e))).rstrip()
+    head = _RAY_HEADER.search(text)
     where = label
-    pid, ip = getattr(e, "pid", None), getattr(e, "ip", None)
-    if pid or ip:
-        where += f" (pid {pid}, node {ip})"
+    if head:
+        detail = text[head.start():]
+        where += f" (pid {head['pid']}, node {head['ip']}, in {head['call']})"
+    else:
+        detail = redact_text("".join(traceback.format_exception(type(e), e, e.__traceback__))).rstrip()
     return StageFailure(f"{what} failed on {label}: {short_error(e)}", detail=detail, where=where,
                         tail=_tail(detail))
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_RAY_HEADER = re.compile(r"ray::(?P<call>[\w.]+)\(\) \(pid=(?P<pid>\d+), ip=(?P<ip>[^,)]+)")
+
+
 def _tail(detail: str) -> str:
-    """The frames nearest the error (frames within Ray's own wrapper dropped)."""
-    lines = [ln for ln in detail.splitlines() if ln.strip()]
-    body = [ln for ln in lines if not ln.startswith("Traceback")]
+    """The traceback lines nearest the error: no header, no `^^^^` marker lines."""
+    lines = detail.splitlines()[1:] if _RAY_HEADER.match(detail) else detail.splitlines()
+    body = [ln for ln in lines if ln.strip() and not ln.startswith("Traceback") and set(ln.strip()) != {"^"}]
     return "\n".join(body[-SHORT_FRAMES_LINES:])
 
 
