@@ -204,8 +204,8 @@ def test_progress_bar_fits_an_80_column_terminal(tmp_path):
 # -- a stage error, through the CLI: cause, traceback, error.txt; then no silent overwrite -------
 @pytest.mark.ray
 def test_a_stage_error_shows_where_and_its_traceback_and_the_run_is_not_overwritten(tmp_path):
-    sets = ["--set", "run.steps=3", "--set", f"run.output_dir={tmp_path}", "--set", "run.name=fails"]
-    out = cli("run", "examples/mlp.yaml", *sets, env={**ENV, "MESHPIPE_TEST_FAIL_STEP": "1:0:1"}, timeout=300)
+    sets = ["--set", "run.steps=6", "--set", f"run.output_dir={tmp_path}", "--set", "run.name=fails"]
+    out = cli("run", "examples/mlp.yaml", *sets, env={**ENV, "MESHPIPE_TEST_FAIL_STEP": "1:0:5"}, timeout=300)
     assert out.returncode == 1, out.stdout + out.stderr
     err = out.stderr
     assert "run failed:" in err and "injected step failure" in err
@@ -217,7 +217,8 @@ def test_a_stage_error_shows_where_and_its_traceback_and_the_run_is_not_overwrit
     full = (run_dir / "error.txt").read_text()
     assert "injected step failure" in full and 'stages/worker.py", line' in full
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["status"] == "failed" and summary["steps_done"] == 1 and len(summary["losses"]) == 1
+    # steps 0-3 ran in the first call (steps_per_call 4); step 5 failed in the second
+    assert summary["status"] == "failed" and summary["steps_done"] == 4 and len(summary["losses"]) == 4
     again = cli("run", "examples/mlp.yaml", *sets)                               # refused before Ray starts
     assert again.returncode == 2, again.stdout + again.stderr
     assert "run.name = 'fails'" in again.stderr and "--overwrite" in again.stderr
@@ -293,3 +294,60 @@ def test_a_signal_stops_the_run_within_seconds_with_its_record(tmp_path, sig):
     assert "Traceback" not in err, err[-3000:]           # neither the driver's nor a worker's
     assert "*** SIG" not in err and "PC: @" not in err    # no absl stack dump
     wait_until(lambda: not _marked(mark), 30, "the run's Ray processes to exit")
+
+
+# -- noise -------------------------------------------------------------------------------------
+FORK = ("import jax, os\njax.devices()\npid = os.fork()\nif pid == 0:\n    os._exit(0)\nos.waitpid(pid, 0)\n")
+
+
+@pytest.mark.parametrize("how", ["loud", "driver", "actor"])
+def test_jax_fork_warning_is_quiet_unless_asked(how):
+    from orchestrator.driver.quiet import actor_env
+
+    code, env = FORK, {**ENV}
+    env.pop("PYTHONWARNINGS", None)
+    env.pop("MESHPIPE_QUIET", None)
+    if how == "driver":
+        code = "from orchestrator.driver.quiet import quiet\nquiet()\n" + FORK
+    elif how == "actor":     # what a stage actor gets in its runtime_env when the driver is quiet
+        os.environ["MESHPIPE_QUIET"] = "1"
+        try:
+            env.update(actor_env())
+        finally:
+            del os.environ["MESHPIPE_QUIET"]
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert ("os.fork() was called" in out.stderr) == (how == "loud"), out.stderr
+
+
+def test_gloo_and_fork_lines_forwarded_by_ray_are_dropped_unless_asked(monkeypatch):
+    from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+
+    from orchestrator.driver import quiet
+
+    seen = []
+    monkeypatch.setattr(dispatcher, "handlers", [("ray_print_logs", lambda data: seen.append(data["lines"]))])
+    lines = ["\x1b[0m[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1",
+             "/x/jax/_src/xla_bridge.py:164: RuntimeWarning: os.fork() was called. os.fork() is incompatible",
+             "  self.pid = os.fork()", "stage 1: my own print"]
+    monkeypatch.delenv("MESHPIPE_QUIET", raising=False)
+    assert not quiet.filter_worker_logs()                      # -v: everything through
+    dispatcher.emit({"lines": lines, "pid": 1, "is_err": True})
+    monkeypatch.setenv("MESHPIPE_QUIET", "1")
+    assert quiet.filter_worker_logs()
+    dispatcher.emit({"lines": lines, "pid": 1, "is_err": True})
+    assert seen == [lines, ["stage 1: my own print"]]
+
+
+def test_existing_record_is_what_a_second_run_would_replace(tmp_path):
+    from orchestrator.driver.runner import existing_record
+
+    job = load_job(str(ROOT / "examples/mlp.yaml"), [f"run.output_dir={tmp_path}"])
+    checked = check_job(job, load_cluster(LOCAL))
+    assert existing_record(checked) is None
+    (tmp_path / "mlp-tiny").mkdir()
+    (tmp_path / "mlp-tiny" / "summary.reference.json").write_text("{}")
+    assert existing_record(checked) is None                      # a reference run beside it is fine
+    assert existing_record(checked, reference=True) == tmp_path / "mlp-tiny" / "summary.reference.json"
+    (tmp_path / "mlp-tiny" / "error.txt").write_text("x")        # a failed run is a record too
+    assert existing_record(checked) == tmp_path / "mlp-tiny" / "error.txt"
