@@ -199,6 +199,12 @@ def test_progress_bar_fits_an_80_column_terminal(tmp_path):
     assert bars, text[-3000:]
     assert all(len(ln) <= 79 for ln in bars), [len(ln) for ln in bars]
     assert "loss" in bars[-1]
+    # the run's first lines: the dashboard URL and how to get in with token auth (Ray 2.60's default)
+    url = re.search(r"Ray dashboard (http://127\.0\.0\.1:\d+)", text)
+    assert url, text[:3000]
+    assert "paste the output of `ray get-auth-token`" in text
+    assert re.search(r"RAY_AUTH_MODE=token ray status --address 127\.0\.0\.1:\d+", text)
+    assert f"RAY_AUTH_MODE=token ray list actors --address {url.group(1)}" in text
 
 
 # -- a stage error, through the CLI: cause, traceback, error.txt; then no silent overwrite -------
