@@ -15,6 +15,8 @@ Basic flow (driven by `orchestrator.driver.executor`):
      F/B/I/W compute, SEND_* push tensors to the neighbours' mailboxes (never
      block), RECV_* take from this actor's mailbox (bounded wait), OPT updates.
      Returns the step's losses (last stage) and per-action spans.
+     Each action runs its kind's handler (`stages.actions.HANDLERS`, resolved
+     once per action at construction) over the step's `StepState`.
      The same list can be driven as `run_steps(first, count)` (several steps in
      one call) or `run_action(step, i)` (one call per action: the reference
      executor); all three share `_begin` / `_act` / `_finish`.
@@ -32,7 +34,8 @@ from typing import Any
 
 import numpy as np
 
-from stages.data import DataSource, microbatch
+from stages.actions import StepState, handler_for
+from stages.data import DataSource
 from stages.mailbox import Mailbox
 from orchestrator.core.model.spec import ModelSpec, param_name
 
@@ -83,7 +86,8 @@ class StageWorker:
         from orchestrator.core.schedule import Action
 
         self.actions = [Action.parse(text) for text in cfg.actions]
-        self.action_texts = [str(a) for a in self.actions]
+        # the step program: each action with its text (span label) and its kind's handler, resolved once
+        self.program = [(a, str(a), handler_for(a, cfg.who)) for a in self.actions]
         self.pinned: set[int] | None = None
         self.pinned_threads: set[int] = set()
         if cfg.pin_cpus:
@@ -205,8 +209,8 @@ class StageWorker:
         """Execute this stage's lowered action list for `step` (see the module docstring)."""
         try:
             st = self._begin(step)
-            for a, text in zip(self.actions, self.action_texts):
-                self._act(st, a, text)
+            for a, text, handler in self.program:
+                self._act(st, a, text, handler)
             return self._finish(st)
         except Exception as e:
             self._fail(step, e)
@@ -231,8 +235,8 @@ class StageWorker:
                 expected = "action 0" if st is None else f"action {st.done} of step {st.step}"
                 raise RuntimeError(f"{self.cfg.who}: action {index} of step {step} out of order "
                                    f"(expected {expected})")
-            self._act(st, self.actions[index], self.action_texts[index])
-            if index == len(self.actions) - 1:
+            self._act(st, *self.program[index])
+            if index == len(self.program) - 1:
                 self._step_state = None
                 return self._finish(st)
             return None
@@ -270,91 +274,28 @@ class StageWorker:
             os.sched_setaffinity(0, self.pinned)
             self.pinned_threads.add(tid)
 
-    def _begin(self, step: int) -> "_StepState":
+    def _begin(self, step: int) -> StepState:
         if self.inbox.closed:
             raise RuntimeError(f"{self.cfg.who}: not starting step {step}: {self.inbox.closed}")
         if self.cfg.fail_step == step:
             raise RuntimeError(f"{self.cfg.who}: injected step failure (MESHPIPE_TEST_FAIL_STEP)")
         self._pin_thread()
         progs = self.progs
-        st = _StepState(step)
+        st = StepState(step, self.cfg.timeouts.get("step_s", 600.0))
         if progs[0].first or progs[-1].last:
             st.x_all, st.y_all = self.cfg.data.batch(step)
         return st
 
-    def _act(self, st: "_StepState", a, text: str) -> None:
-        """One action of the list; tensors between actions live in `st` (keyed (microbatch, chunk))."""
-        import jax
-
-        cfg, step, m = self.cfg, st.step, self.cfg.microbatches
-        timeout = cfg.timeouts.get("step_s", 600.0)
-        inputs, residuals, outputs, dys, dxs = st.inputs, st.residuals, st.outputs, st.dys, st.dxs
-        kind, key = a.kind.value, (a.microbatch, a.chunk)
-        c = a.chunk
-        prog = self.progs[c] if kind != "OPT" else None
+    def _act(self, st: StepState, a, text: str, handler) -> None:
+        """One action of the list (`stages.actions`: its kind's handler), with its span."""
         t0 = time.time()
-        if kind == "F":
-            if prog.first:
-                x = self.transport.from_host(microbatch(st.x_all, a.microbatch, m), prog.input_sharding())
-            else:
-                x = inputs.pop(key)
-            labels = None
-            if prog.last:
-                labels = self.transport.from_host(microbatch(st.y_all, a.microbatch, m), prog.label_sharding())
-            y, residuals[key] = prog.fwd(self.params[c], x, labels)
-            jax.block_until_ready(y)
-            st.stash.add(("r", key), residuals[key])
-            if prog.last:
-                st.losses[a.microbatch] = y
-            elif self.edge_out[c].stage == cfg.stage:      # next chunk lives here (p = 1)
-                inputs[(a.microbatch, c + 1)] = y
-            else:
-                outputs[key] = y
-        elif kind in ("B", "I"):
-            dy = dys.pop(key, None) if kind == "B" else dys.get(key)
-            if kind == "B":
-                dx, self.grads[c] = prog.bwd_acc(self.params[c], residuals.pop(key), dy, self.grads[c])
-                jax.block_until_ready(self.grads[c])
-                st.stash.drop(("r", key))
-            else:
-                dx = prog.bwd_i(self.params[c], residuals[key], dy)
-                st.stash.add(("dy", key), dy)      # kept until W
-            if dx is not None:
-                jax.block_until_ready(dx)
-                if self.edge_in[c].stage == cfg.stage:       # previous chunk lives here (p = 1)
-                    dys[(a.microbatch, c - 1)] = dx
-                else:
-                    dxs[key] = dx
-        elif kind == "W":
-            self.grads[c] = jax.block_until_ready(
-                prog.bwd_w_acc(self.params[c], residuals.pop(key), dys.pop(key, None), self.grads[c]))
-            st.stash.drop(("r", key))
-            st.stash.drop(("dy", key))
-        elif kind == "RECV_F":
-            inputs[key] = self.transport.recv_operand((step, "F") + key, self.in_shape[c], np.float32,
-                                                      prog.input_sharding(), self.edge_in[c], timeout)
-        elif kind == "RECV_B":
-            dys[key] = self.transport.recv_operand((step, "B") + key, self.out_shape[c], np.float32,
-                                                   prog.output_sharding(), self.edge_out[c], timeout)
-        elif kind == "SEND_F":
-            peer_chunk = c + (1 if self.edge_out[c].stage < cfg.stage else 0)
-            self.transport.send((step, "F", a.microbatch, peer_chunk), outputs.pop(key), self.edge_out[c])
-        elif kind == "SEND_B":
-            peer_chunk = c - (1 if self.edge_in[c].stage > cfg.stage else 0)
-            self.transport.send((step, "B", a.microbatch, peer_chunk), dxs.pop(key), self.edge_in[c])
-        elif kind == "OPT":
-            for i, p in enumerate(self.progs):
-                self.params[i], self.opt_state[i], self.grads[i] = p.update(
-                    self.params[i], self.opt_state[i], self.grads[i])
-            jax.block_until_ready(self.params)
-        else:
-            raise ValueError(f"{cfg.who}: cannot execute action {a}")
+        handler(self, st, a)
         st.spans.append((text, t0, time.time()))
         st.done += 1
 
-    def _finish(self, st: "_StepState") -> dict:
+    def _finish(self, st: StepState) -> dict:
         cfg = self.cfg
-        self.transport.flush(cfg.timeouts.get("step_s", 600.0))
+        self.transport.flush(st.timeout)
         from stages.telemetry import stage_stats
 
         out = {"stage": cfg.stage, "host": cfg.host, "spans": st.spans,
@@ -375,55 +316,3 @@ class StageWorker:
                     full = np.asarray(multihost_utils.process_allgather(p[name], tiled=True), dtype=np.float64)
                     norms[param_name(i, layer, name)] = float(np.linalg.norm(full))
         return norms
-
-
-class _StepState:
-    """What one step keeps between its actions: host batch, tensors by (microbatch, chunk), spans."""
-
-    def __init__(self, step: int):
-        self.step, self.done = step, 0
-        self.x_all = self.y_all = None
-        self.inputs, self.residuals, self.outputs, self.dys, self.dxs = {}, {}, {}, {}, {}
-        self.losses: dict[int, Any] = {}
-        self.spans: list = []
-        self.stash = _Stash()     # residuals and kept output gradients, bytes per device
-
-
-class _Stash:
-    """Bytes per device of what a step keeps between actions (forward residuals, and for
-    zero-bubble schedules the output gradients kept from I to W), and their peak.
-
-    Measured from the arrays themselves: each leaf counts its per-device shard size.
-    """
-
-    def __init__(self):
-        self.held: dict = {}
-        self.now = self.peak = self.peak_items = 0
-
-    def add(self, key, tree) -> None:
-        import jax
-
-        n = sum(_shard_bytes(leaf) for leaf in jax.tree_util.tree_leaves(tree))
-        self.now += n - self.held.get(key, 0)
-        self.held[key] = n
-        self.peak = max(self.peak, self.now)
-        self.peak_items = max(self.peak_items, sum(1 for k in self.held if k[0] == "r"))
-
-    def drop(self, key) -> None:
-        self.now -= self.held.pop(key, 0)
-
-
-_SHARD_BYTES: dict = {}
-
-
-def _shard_bytes(leaf) -> int:
-    """Bytes one device holds of `leaf` (its shard shape × itemsize), memoised per shape/sharding.
-    A numpy leaf (a received tensor of a one-device stage) counts whole."""
-    if isinstance(leaf, np.ndarray):
-        return leaf.nbytes
-    memo = (leaf.shape, leaf.dtype, leaf.sharding)
-    n = _SHARD_BYTES.get(memo)
-    if n is None:
-        shard = leaf.sharding.shard_shape(leaf.shape)
-        n = _SHARD_BYTES[memo] = int(np.prod(shard, dtype=np.int64)) * leaf.dtype.itemsize
-    return n

@@ -1,0 +1,226 @@
+"""The stage worker's step interpreter: one small handler per action kind.
+
+Basic flow: `StageWorker` resolves its lowered action list once, at construction,
+into `(action, text, handler)` triples (`HANDLERS[action.kind]`); a step then
+calls `handler(worker, state, action)` for each in order. A handler reads the
+stage's programs, parameters, edges and transport from the worker and keeps the
+tensors that pass between actions in the per-step `StepState`, keyed
+(microbatch, chunk). Adding an action kind (a forward-only eval, a checkpoint
+copy) is one handler here and one entry in `HANDLERS`.
+
+Invariants:
+  - A handler blocks until the device work it issued is done, so the span the
+    worker records around it is the action's real duration.
+  - SEND_* never blocks on the peer; RECV_* waits at most `state.timeout`.
+  - Nothing here decides what runs when: the order is the lowered schedule's.
+  - jax is imported inside the handlers, never at module level: the worker
+    process pins its CPUs before jax loads.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+
+from orchestrator.core.schedule import Kind
+from stages.data import microbatch
+
+
+class StepState:
+    """What one step keeps between its actions: host batch, tensors by (microbatch, chunk), spans.
+
+    Attributes:
+      step: the step number.
+      done: actions of the list executed so far.
+      timeout: seconds a receive (and the end-of-step flush) may wait.
+      x_all, y_all: the step's host batch (first / last stage only).
+      inputs: forward inputs waiting for their F (received, or from the chunk before here).
+      residuals: what F kept for its backward.
+      outputs: F outputs waiting for their SEND_F.
+      dys: output gradients waiting for their B/I (and, zero-bubble, for W).
+      dxs: input gradients waiting for their SEND_B.
+      losses: the last stage's loss per microbatch.
+      spans: (action text, start, end) of each executed action.
+      stash: bytes per device of what is kept between actions.
+    """
+
+    def __init__(self, step: int, timeout: float):
+        self.step, self.done, self.timeout = step, 0, timeout
+        self.x_all = self.y_all = None
+        self.inputs, self.residuals, self.outputs, self.dys, self.dxs = {}, {}, {}, {}, {}
+        self.losses: dict[int, Any] = {}
+        self.spans: list = []
+        self.stash = Stash()
+
+
+class Stash:
+    """Bytes per device of what a step keeps between actions (forward residuals, and for
+    zero-bubble schedules the output gradients kept from I to W), and their peak.
+
+    Measured from the arrays themselves: each leaf counts its per-device shard size.
+    """
+
+    def __init__(self):
+        self.held: dict = {}
+        self.now = self.peak = self.peak_items = 0
+
+    def add(self, key, tree) -> None:
+        import jax
+
+        n = sum(_shard_bytes(leaf) for leaf in jax.tree_util.tree_leaves(tree))
+        self.now += n - self.held.get(key, 0)
+        self.held[key] = n
+        self.peak = max(self.peak, self.now)
+        self.peak_items = max(self.peak_items, sum(1 for k in self.held if k[0] == "r"))
+
+    def drop(self, key) -> None:
+        self.now -= self.held.pop(key, 0)
+
+
+_SHARD_BYTES: dict = {}
+
+
+def _shard_bytes(leaf) -> int:
+    """Bytes one device holds of `leaf` (its shard shape × itemsize), memoised per shape/sharding.
+    A numpy leaf (a received tensor of a one-device stage) counts whole."""
+    if isinstance(leaf, np.ndarray):
+        return leaf.nbytes
+    memo = (leaf.shape, leaf.dtype, leaf.sharding)
+    n = _SHARD_BYTES.get(memo)
+    if n is None:
+        shard = leaf.sharding.shard_shape(leaf.shape)
+        n = _SHARD_BYTES[memo] = int(np.prod(shard, dtype=np.int64)) * leaf.dtype.itemsize
+    return n
+
+
+# -- handlers: (worker, state, action) -> None -------------------------------
+
+def forward(w, st: StepState, a) -> None:
+    """F: forward of (microbatch, chunk); the output goes to the loss, the next chunk here, or SEND_F."""
+    import jax
+
+    c, key, prog = a.chunk, (a.microbatch, a.chunk), w.progs[a.chunk]
+    m = w.cfg.microbatches
+    if prog.first:
+        x = w.transport.from_host(microbatch(st.x_all, a.microbatch, m), prog.input_sharding())
+    else:
+        x = st.inputs.pop(key)
+    labels = None
+    if prog.last:
+        labels = w.transport.from_host(microbatch(st.y_all, a.microbatch, m), prog.label_sharding())
+    y, st.residuals[key] = prog.fwd(w.params[c], x, labels)
+    jax.block_until_ready(y)
+    st.stash.add(("r", key), st.residuals[key])
+    if prog.last:
+        st.losses[a.microbatch] = y
+    elif w.edge_out[c].stage == w.cfg.stage:      # next chunk lives here (p = 1)
+        st.inputs[(a.microbatch, c + 1)] = y
+    else:
+        st.outputs[key] = y
+
+
+def _input_grad(w, st: StepState, a, dx) -> None:
+    """Where B/I's input gradient goes: the chunk before it here, or SEND_B."""
+    import jax
+
+    if dx is None:
+        return
+    jax.block_until_ready(dx)
+    c = a.chunk
+    if w.edge_in[c].stage == w.cfg.stage:       # previous chunk lives here (p = 1)
+        st.dys[(a.microbatch, c - 1)] = dx
+    else:
+        st.dxs[(a.microbatch, c)] = dx
+
+
+def backward(w, st: StepState, a) -> None:
+    """B: full backward; accumulates the weight gradient, releases the residuals."""
+    import jax
+
+    c, key = a.chunk, (a.microbatch, a.chunk)
+    dy = st.dys.pop(key, None)
+    dx, w.grads[c] = w.progs[c].bwd_acc(w.params[c], st.residuals.pop(key), dy, w.grads[c])
+    jax.block_until_ready(w.grads[c])
+    st.stash.drop(("r", key))
+    _input_grad(w, st, a, dx)
+
+
+def backward_input(w, st: StepState, a) -> None:
+    """I (zero-bubble): input gradient only; residuals and the output gradient are kept for W."""
+    c, key = a.chunk, (a.microbatch, a.chunk)
+    dy = st.dys.get(key)
+    dx = w.progs[c].bwd_i(w.params[c], st.residuals[key], dy)
+    st.stash.add(("dy", key), dy)      # kept until W
+    _input_grad(w, st, a, dx)
+
+
+def backward_weight(w, st: StepState, a) -> None:
+    """W (zero-bubble): weight gradient only, from what I kept; releases both."""
+    import jax
+
+    c, key = a.chunk, (a.microbatch, a.chunk)
+    w.grads[c] = jax.block_until_ready(
+        w.progs[c].bwd_w_acc(w.params[c], st.residuals.pop(key), st.dys.pop(key, None), w.grads[c]))
+    st.stash.drop(("r", key))
+    st.stash.drop(("dy", key))
+
+
+def recv_forward(w, st: StepState, a) -> None:
+    """RECV_F: this chunk's forward input from the previous virtual stage (bounded wait)."""
+    c, key = a.chunk, (a.microbatch, a.chunk)
+    st.inputs[key] = w.transport.recv_operand((st.step, "F") + key, w.in_shape[c], np.float32,
+                                              w.progs[c].input_sharding(), w.edge_in[c], st.timeout)
+
+
+def recv_backward(w, st: StepState, a) -> None:
+    """RECV_B: this chunk's output gradient from the next virtual stage (bounded wait)."""
+    c, key = a.chunk, (a.microbatch, a.chunk)
+    st.dys[key] = w.transport.recv_operand((st.step, "B") + key, w.out_shape[c], np.float32,
+                                           w.progs[c].output_sharding(), w.edge_out[c], st.timeout)
+
+
+def send_forward(w, st: StepState, a) -> None:
+    """SEND_F: F's output to the next virtual stage (never blocks)."""
+    c, edge = a.chunk, w.edge_out[a.chunk]
+    peer_chunk = c + (1 if edge.stage < w.cfg.stage else 0)
+    w.transport.send((st.step, "F", a.microbatch, peer_chunk), st.outputs.pop((a.microbatch, c)), edge)
+
+
+def send_backward(w, st: StepState, a) -> None:
+    """SEND_B: B/I's input gradient to the previous virtual stage (never blocks)."""
+    c, edge = a.chunk, w.edge_in[a.chunk]
+    peer_chunk = c - (1 if edge.stage > w.cfg.stage else 0)
+    w.transport.send((st.step, "B", a.microbatch, peer_chunk), st.dxs.pop((a.microbatch, c)), edge)
+
+
+def optimizer_step(w, st: StepState, a) -> None:
+    """OPT: every chunk's optimizer update from its accumulated gradients."""
+    import jax
+
+    for i, p in enumerate(w.progs):
+        w.params[i], w.opt_state[i], w.grads[i] = p.update(w.params[i], w.opt_state[i], w.grads[i])
+    jax.block_until_ready(w.params)
+
+
+Handler = Callable[[Any, StepState, Any], None]
+
+HANDLERS: dict[Kind, Handler] = {
+    Kind.F: forward,
+    Kind.B: backward,
+    Kind.I: backward_input,
+    Kind.W: backward_weight,
+    Kind.RECV_F: recv_forward,
+    Kind.RECV_B: recv_backward,
+    Kind.SEND_F: send_forward,
+    Kind.SEND_B: send_backward,
+    Kind.OPT: optimizer_step,
+}
+
+
+def handler_for(action, who: str) -> Handler:
+    """The handler of `action`'s kind; a ValueError naming the action when there is none."""
+    handler = HANDLERS.get(action.kind)
+    if handler is None:
+        raise ValueError(f"{who}: cannot execute action {action} (kind {action.kind} has no handler; "
+                         f"known: {', '.join(str(k) for k in HANDLERS)})")
+    return handler
