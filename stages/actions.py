@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from orchestrator.core.edges import WIRE_DTYPE   # what `meshpipe plan` shows per edge
 from orchestrator.core.schedule import Kind
 from stages.data import microbatch
 
@@ -168,14 +169,14 @@ def backward_weight(w, st: StepState, a) -> None:
 def recv_forward(w, st: StepState, a) -> None:
     """RECV_F: this chunk's forward input from the previous virtual stage (bounded wait)."""
     c, key = a.chunk, (a.microbatch, a.chunk)
-    st.inputs[key] = w.transport.recv_operand((st.step, "F") + key, w.in_shape[c], np.float32,
+    st.inputs[key] = w.transport.recv_operand((st.step, "F") + key, w.in_shape[c], WIRE_DTYPE,
                                               w.progs[c].input_sharding(), w.edge_in[c], st.timeout)
 
 
 def recv_backward(w, st: StepState, a) -> None:
     """RECV_B: this chunk's output gradient from the next virtual stage (bounded wait)."""
     c, key = a.chunk, (a.microbatch, a.chunk)
-    st.dys[key] = w.transport.recv_operand((st.step, "B") + key, w.out_shape[c], np.float32,
+    st.dys[key] = w.transport.recv_operand((st.step, "B") + key, w.out_shape[c], WIRE_DTYPE,
                                            w.progs[c].output_sharding(), w.edge_out[c], st.timeout)
 
 

@@ -59,6 +59,38 @@ def test_plan_of_an_interleaved_schedule_lists_every_chunk_and_every_edge():
     assert text.count("float32 (") == 3
 
 
+@pytest.mark.parametrize("sets", [INTERLEAVED, []], ids=["interleaved", "1f1b"])
+def test_plan_shows_the_edges_the_stage_workers_plan(sets):
+    """The same edges as the workers' own rule (`StageWorker._plan_edges`, run on the configs the
+    executor would hand them, no Ray): each cross-actor output edge of each chunk, and its input twin."""
+    from types import SimpleNamespace
+
+    from orchestrator.core.edges import planned_edges
+    from orchestrator.driver.executor import PipelineExecutor
+    from stages.data import make_source
+    from stages.worker import StageWorker
+
+    checked = check_job(load_job(GPT, sets), load_cluster(LOCAL))
+    plan = make_plan(checked)
+    job = checked.job
+    source = make_source(checked.model, "synthetic", job.data.global_batch, 0)
+    ex = PipelineExecutor(checked, plan.schedule, source, "t")
+    outs, ins = set(), set()
+    for stage in checked.stages:
+        cfg = ex.worker_config(stage, 0)
+        w = SimpleNamespace(cfg=cfg, progs=[None] * len(cfg.layer_chunks))
+        StageWorker._plan_edges(w)
+        for c, (start, stop) in enumerate(cfg.layer_chunks):
+            if w.edge_out[c] is not None and w.edge_out[c].stage != stage.index:
+                outs.add((stage.index, w.edge_out[c].stage, stop))
+            if w.edge_in[c] is not None and w.edge_in[c].stage != stage.index:
+                ins.add((w.edge_in[c].stage, stage.index, start))
+    planned = {(e.src, e.dst, e.boundary) for e in planned_edges(checked)}
+    assert planned == outs == ins and len(planned) == len(planned_edges(checked))
+    assert [(e["edge"][0], e["edge"][1], e["boundary"]) for e in plan_json(plan)["edges"]] == \
+        [(e.src, e.dst, e.boundary) for e in planned_edges(checked)]
+
+
 def test_plan_of_a_plain_schedule_is_unchanged_in_shape():
     js = plan_json(make_plan(check_job(load_job(GPT), load_cluster(LOCAL))))
     assert [e["edge"] for e in js["edges"]] == [[0, 1]] and not js["edges"][0]["wraps"]
