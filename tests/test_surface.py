@@ -389,3 +389,12 @@ def test_existing_record_is_what_a_second_run_would_replace(tmp_path):
     assert existing_record(checked, reference=True) == tmp_path / "mlp-tiny" / "summary.reference.json"
     (tmp_path / "mlp-tiny" / "error.txt").write_text("x")        # a failed run is a record too
     assert existing_record(checked) == tmp_path / "mlp-tiny" / "error.txt"
+
+
+def test_quick_option_leaves_out_every_test_that_starts_ray():
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--quick", "--co",
+                          "tests/test_surface.py"], cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
+    assert out.returncode == 0, out.stdout + out.stderr
+    ids = [ln for ln in out.stdout.splitlines() if ln.startswith("tests/")]
+    assert "tests/test_surface.py::test_version" in ids
+    assert not [i for i in ids if "signal_stops" in i or "progress_bar" in i or "trains_on_the_actors" in i]
