@@ -9,8 +9,13 @@ Two kinds of line reach a terminal without telling the user anything:
     from multi-host CPU stages (`jax.distributed` over gloo), printed by C++ in the
     stage actors and forwarded to the driver by Ray.
 
+A third: after a failed or stopped step, the other actors' aborted calls end in
+errors nobody fetches, and Ray prints each one with its whole traceback when its
+reference is dropped ("Unhandled error (suppress with
+'RAY_IGNORE_UNHANDLED_ERRORS=1')"); the cause itself is reported by the driver.
+
 `quiet()` filters the warning in this process and (through `actor_env`) in the
-stage actors; `filter_worker_logs()` drops both kinds from the actor output Ray
+stage actors, and sets RAY_IGNORE_UNHANDLED_ERRORS for this process; `filter_worker_logs()` drops both kinds from the actor output Ray
 forwards to the driver. Everything still lands in Ray's log files
 (`/tmp/ray/session_latest/logs`).
 """
@@ -31,6 +36,7 @@ log = logging.getLogger("meshpipe")
 def quiet() -> None:
     """Ignore jax's fork warning here and mark the run quiet (the stage actors follow, `actor_env`)."""
     warnings.filterwarnings("ignore", message=re.escape(FORK_WARNING), category=RuntimeWarning)
+    os.environ.setdefault("RAY_IGNORE_UNHANDLED_ERRORS", "1")   # read by Ray each time (worker.raise_errors)
     os.environ[_ENV] = "1"
 
 

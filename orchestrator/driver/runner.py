@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from pathlib import Path
 from typing import Callable
@@ -167,7 +166,7 @@ def _run_pipeline(checked, plan, source, on_step, out: Path, echo) -> tuple[dict
     tel = RunTelemetry(run, plan.schedule, plan.sim.bubble_fraction, job.data.global_batch)
     metrics = _metrics(run, plan.sim.bubble_fraction)
     losses, times, spans = [], [], []
-    ok = False
+    ok = interrupted = False
     try:
         t0 = time.perf_counter()
         ex.start()
@@ -183,11 +182,11 @@ def _run_pipeline(checked, plan, source, on_step, out: Path, echo) -> tuple[dict
             on_step({"step": step, "loss": r.loss, "step_time_s": r.wall_s})
         norms = ex.param_norms()
         ok = True
+    except KeyboardInterrupt:
+        interrupted = True
+        raise
     finally:
-        quiet_refs = not ok and "RAY_IGNORE_UNHANDLED_ERRORS" not in os.environ
-        if not ok:
-            # the cause is reported already; the aborted steps' own errors are its echo: not printed
-            os.environ["RAY_IGNORE_UNHANDLED_ERRORS"] = "1"
+        if interrupted:   # (a failed step has told every actor already: worker._fail)
             ex.abort("the driver stopped the run")   # a step still running ends now, not at its deadline
         ex.shutdown()
         try:
@@ -200,11 +199,6 @@ def _run_pipeline(checked, plan, source, on_step, out: Path, echo) -> tuple[dict
             import ray
 
             ray.shutdown()
-        if quiet_refs:
-            import gc
-
-            gc.collect()   # the abandoned refs go (and Ray checks the variable) before it is unset
-            os.environ.pop("RAY_IGNORE_UNHANDLED_ERRORS", None)
     extra = {"mode": "pipeline", "startup_s": startup, "workers": ex.info, "executor": ex.dispatch_info,
              "last_step_spans": [list(s) for s in spans[-1]] if spans else [],
              "telemetry": tel.summary(), "ray": ray_info}
