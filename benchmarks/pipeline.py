@@ -99,8 +99,6 @@ def measure_pipeline(size: Size, schedule: str, m: int, *, steps: int, warmup: i
     """One pipelined run in the connected Ray session; a dict of raw measurements (see module doc)."""
     from orchestrator.core.plan import make_plan
     from orchestrator.core.schedule import simulate
-    from stages.data import make_source
-
     rec: dict = {"size": size.name, "schedule": schedule, "m": m, "p": 2, "pinned": pin, "executor": executor}
     try:
         checked = checked_job(size, schedule, m, warmup + steps, executor, steps_per_call)
@@ -108,7 +106,7 @@ def measure_pipeline(size: Size, schedule: str, m: int, *, steps: int, warmup: i
         plan = make_plan(checked)
     except Exception as e:  # noqa: BLE001 - an unsupported configuration is a result, not a crash
         return {**rec, "status": f"unsupported (config): {_first_line(e)}"}
-    source = make_source(checked.model, "synthetic", checked.job.data.global_batch, 0)
+    source = checked.data
     ex = _executor_class(pin)(checked, plan.schedule, source, f"bench-{size.name}-{schedule}-m{m}")
     walls, spans, losses, stash = [], [], [], {}
     t0 = time.perf_counter()
@@ -169,7 +167,8 @@ def plain_jax(size: Size, m: int, steps: int) -> dict:
     import jax.numpy as jnp
     import optax
 
-    from stages.data import make_source, microbatch
+    from orchestrator.core.data.plan import synthetic_plan
+    from stages.data import microbatch, synthetic_batch
     from orchestrator.core.model.registry import build_spec
     from stages.models.base import init_layer, layer_key, load_impl
 
@@ -204,10 +203,10 @@ def plain_jax(size: Size, m: int, steps: int) -> dict:
     step_jit = jax.jit(train_step, donate_argnums=(0, 1))
     mb_jit = jax.jit(grad_fn)
     upd_jit = jax.jit(update, donate_argnums=(0, 1))
-    source = make_source(spec, "synthetic", size.mbs * m, 0)
+    source = synthetic_plan(spec, size.mbs * m, 0)
 
     def batch(i):
-        x, y = source.batch(i)
+        x, y = synthetic_batch(source, i)
         return (jnp.asarray(x.reshape(m, size.mbs, *x.shape[1:])), jnp.asarray(y.reshape(m, size.mbs, *y.shape[1:])))
 
     step_times, losses = [], []
@@ -220,7 +219,7 @@ def plain_jax(size: Size, m: int, steps: int) -> dict:
         if i >= warm:
             step_times.append(time.perf_counter() - t)
         losses.append(float(loss))
-    x0, y0 = source.batch(0)
+    x0, y0 = synthetic_batch(source, 0)
     x1, y1 = jnp.asarray(microbatch(x0, 0, m)), jnp.asarray(microbatch(y0, 0, m))
     mb_times = []
     for i in range(warm + max(steps, 5)):

@@ -24,7 +24,6 @@ import numpy as np
 
 from orchestrator.core.edges import WIRE_DTYPE   # what `meshpipe plan` shows per edge
 from orchestrator.core.schedule import Kind
-from stages.data import microbatch
 
 
 class StepState:
@@ -34,7 +33,10 @@ class StepState:
       step: the step number.
       done: actions of the list executed so far.
       timeout: seconds a receive (and the end-of-step flush) may wait.
-      x_all, y_all: the step's host batch (first / last stage only).
+      tag: the forward key's kind: "F" for training; the eval uses "E<batch>", so its tensors
+        never meet a training step's in a mailbox.
+      batch: this host's rows of the step's batch (`stages.data.HostBatch`; first/last stage).
+      data_wait_s: how long the step waited for `batch` (the loader on the critical path).
       inputs: forward inputs waiting for their F (received, or from the chunk before here).
       residuals: what F kept for its backward.
       outputs: F outputs waiting for their SEND_F.
@@ -45,9 +47,10 @@ class StepState:
       stash: bytes per device of what is kept between actions.
     """
 
-    def __init__(self, step: int, timeout: float):
-        self.step, self.done, self.timeout = step, 0, timeout
-        self.x_all = self.y_all = None
+    def __init__(self, step: int, timeout: float, tag: str = "F"):
+        self.step, self.done, self.timeout, self.tag = step, 0, timeout, tag
+        self.batch = None
+        self.data_wait_s = 0.0
         self.inputs, self.residuals, self.outputs, self.dys, self.dxs = {}, {}, {}, {}, {}
         self.losses: dict[int, Any] = {}
         self.spans: list = []
@@ -96,28 +99,52 @@ def _shard_bytes(leaf) -> int:
 
 # -- handlers: (worker, state, action) -> None -------------------------------
 
-def forward(w, st: StepState, a) -> None:
-    """F: forward of (microbatch, chunk); the output goes to the loss, the next chunk here, or SEND_F."""
-    import jax
-
-    c, key, prog = a.chunk, (a.microbatch, a.chunk), w.progs[a.chunk]
-    m = w.cfg.microbatches
+def _operands(w, st: StepState, a, prog):
+    """F's input and labels: this host's rows of the batch on the first / last stage."""
+    cfg = w.cfg
+    mbs = cfg.data.global_batch // cfg.microbatches
     if prog.first:
-        x = w.transport.from_host(microbatch(st.x_all, a.microbatch, m), prog.input_sharding())
+        x = w.host_operand(st.batch.xs[a.microbatch], w.rows_in, (mbs, *cfg.spec.input_shape),
+                            prog.input_sharding())
     else:
-        x = st.inputs.pop(key)
+        x = st.inputs.pop((a.microbatch, a.chunk))
     labels = None
     if prog.last:
-        labels = w.transport.from_host(microbatch(st.y_all, a.microbatch, m), prog.label_sharding())
-    y, st.residuals[key] = prog.fwd(w.params[c], x, labels)
-    jax.block_until_ready(y)
-    st.stash.add(("r", key), st.residuals[key])
+        labels = w.host_operand(st.batch.ys[a.microbatch], w.rows_lab, (mbs, *cfg.spec.label_shape),
+                                 prog.label_sharding())
+    return x, labels
+
+
+def _forward_output(w, st: StepState, a, prog, y) -> None:
+    c = a.chunk
     if prog.last:
         st.losses[a.microbatch] = y
     elif w.edge_out[c].stage == w.cfg.stage:      # next chunk lives here (p = 1)
         st.inputs[(a.microbatch, c + 1)] = y
     else:
-        st.outputs[key] = y
+        st.outputs[(a.microbatch, c)] = y
+
+
+def forward(w, st: StepState, a) -> None:
+    """F: forward of (microbatch, chunk); the output goes to the loss, the next chunk here, or SEND_F."""
+    import jax
+
+    c, key, prog = a.chunk, (a.microbatch, a.chunk), w.progs[a.chunk]
+    x, labels = _operands(w, st, a, prog)
+    y, st.residuals[key] = prog.fwd(w.params[c], x, labels)
+    jax.block_until_ready(y)
+    st.stash.add(("r", key), st.residuals[key])
+    _forward_output(w, st, a, prog, y)
+
+
+def eval_forward(w, st: StepState, a) -> None:
+    """F of the forward-only eval schedule: the forward alone (no VJP, nothing kept)."""
+    import jax
+
+    prog = w.progs[a.chunk]
+    x, labels = _operands(w, st, a, prog)
+    y = jax.block_until_ready(prog.fwd_eval(w.params[a.chunk], x, labels))
+    _forward_output(w, st, a, prog, y)
 
 
 def _input_grad(w, st: StepState, a, dx) -> None:
@@ -169,7 +196,7 @@ def backward_weight(w, st: StepState, a) -> None:
 def recv_forward(w, st: StepState, a) -> None:
     """RECV_F: this chunk's forward input from the previous virtual stage (bounded wait)."""
     c, key = a.chunk, (a.microbatch, a.chunk)
-    st.inputs[key] = w.transport.recv_operand((st.step, "F") + key, w.in_shape[c], WIRE_DTYPE,
+    st.inputs[key] = w.transport.recv_operand((st.step, st.tag) + key, w.in_shape[c], WIRE_DTYPE,
                                               w.progs[c].input_sharding(), w.edge_in[c], st.timeout)
 
 
@@ -184,7 +211,7 @@ def send_forward(w, st: StepState, a) -> None:
     """SEND_F: F's output to the next virtual stage (never blocks)."""
     c, edge = a.chunk, w.edge_out[a.chunk]
     peer_chunk = c + (1 if edge.stage < w.cfg.stage else 0)
-    w.transport.send((st.step, "F", a.microbatch, peer_chunk), st.outputs.pop((a.microbatch, c)), edge)
+    w.transport.send((st.step, st.tag, a.microbatch, peer_chunk), st.outputs.pop((a.microbatch, c)), edge)
 
 
 def send_backward(w, st: StepState, a) -> None:
@@ -218,10 +245,18 @@ HANDLERS: dict[Kind, Handler] = {
 }
 
 
-def handler_for(action, who: str) -> Handler:
-    """The handler of `action`'s kind; a ValueError naming the action when there is none."""
-    handler = HANDLERS.get(action.kind)
+# the forward-only eval schedule (`orchestrator.core.schedule.forward_only`): forwards and their comms
+EVAL_HANDLERS: dict[Kind, Handler] = {
+    Kind.F: eval_forward,
+    Kind.RECV_F: recv_forward,
+    Kind.SEND_F: send_forward,
+}
+
+
+def handler_for(action, who: str, table: dict[Kind, Handler] = HANDLERS) -> Handler:
+    """The handler of `action`'s kind in `table`; a ValueError naming the action when there is none."""
+    handler = table.get(action.kind)
     if handler is None:
         raise ValueError(f"{who}: cannot execute action {action} (kind {action.kind} has no handler; "
-                         f"known: {', '.join(str(k) for k in HANDLERS)})")
+                         f"known: {', '.join(str(k) for k in table)})")
     return handler

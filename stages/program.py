@@ -5,6 +5,7 @@ Basic flow for one microbatch on one stage:
     dx, grads = bwd_acc(params, res, dy, grads)   # or bwd_i -> dx, later bwd_w_acc -> grads
                                                   # (= bwd, then accumulate: the reference's way)
 and once per step: params, opt_state, grads = update(params, opt_state, grads).
+Evaluation runs `fwd_eval(params, x[, labels])`: the forward alone (the last stage's loss).
 
 Invariants:
   - No recompute: the forward returns the VJP residuals. Residuals that are the
@@ -103,6 +104,16 @@ class StageProgram:
 
         def seed(dy):
             return jnp.float32(1.0 / self.m) if self.last else dy
+
+        def fwd_eval(params, x, labels=None):     # evaluation: no VJP, nothing kept
+            y = self._apply(params, x)
+            if self.last:
+                with sharding.use(self.mesh, self.layout):
+                    return self.impl.loss(y, labels)
+            return y
+
+        self.fwd_eval = jax.jit(fwd_eval) if self.mesh is None or self.last else jax.jit(
+            fwd_eval, out_shardings=self.output_sharding())
 
         psh = self.param_shardings() if self.mesh is not None else None
         out_sh = None if self.mesh is None else (self.output_sharding(), None)

@@ -20,7 +20,10 @@ Basic flow (driven by `orchestrator.driver.executor`):
      The same list can be driven as `run_steps(first, count)` (several steps in
      one call) or `run_action(step, i)` (one call per action: the reference
      executor); all three share `_begin` / `_act` / `_finish`.
-  5. `param_norms()`, `shutdown()`.
+     With `data.eval`, after every `eval_every`-th step (and the last) the same call
+     runs the forward-only eval list (`orchestrator.core.schedule.forward_only`) on the
+     eval batches and returns their losses (`_with_eval`).
+  5. `param_norms()`, `data_state()`, `shutdown()`.
 Actors make no scheduling decisions: the action list is the plan's.
 All hosts of a stage execute the same actions in the same order (SPMD).
 """
@@ -34,8 +37,8 @@ from typing import Any
 
 import numpy as np
 
-from stages.actions import StepState, handler_for
-from stages.data import DataSource
+from stages.actions import EVAL_HANDLERS, StepState, handler_for
+from stages.data import HostLoader, rows_array, rows_of
 from stages.mailbox import Mailbox
 from orchestrator.core.model.spec import ModelSpec, param_name
 
@@ -51,7 +54,7 @@ class WorkerConfig:
     mesh: dict[str, int]
     layout: dict[str, Any]
     spec: ModelSpec
-    data: DataSource
+    data: Any                 # orchestrator.core.data.DataPlan: each host opens its own reader
     microbatches: int
     optimizer: tuple[str, dict]
     seed: int
@@ -67,6 +70,9 @@ class WorkerConfig:
     fail_step: int | None = None    # test-only fault injection: this step raises at its start
     transport: str = "ray"          # "ray" (actor calls) or "socket" (stages.socket_transport)
     transport_token: bytes | None = field(default=None, repr=False)   # per-run secret for "socket"
+    eval_actions: tuple[str, ...] = ()   # this stage's forward-only eval list (data.eval), else ()
+    eval_every: int | None = None        # evaluate after every k-th step ...
+    total_steps: int = 0                 # ... and after the last one
 
     @property
     def layer_chunks(self) -> tuple[tuple[int, int], ...]:
@@ -88,6 +94,10 @@ class StageWorker:
         self.actions = [Action.parse(text) for text in cfg.actions]
         # the step program: each action with its text (span label) and its kind's handler, resolved once
         self.program = [(a, str(a), handler_for(a, cfg.who)) for a in self.actions]
+        # the forward-only eval program (data.eval), resolved the same way from its own table
+        self.eval_program = [(a, str(a), handler_for(a, cfg.who, EVAL_HANDLERS))
+                             for a in (Action.parse(text) for text in cfg.eval_actions)]
+        self._eval_batches = None       # this host's rows of the eval batches, read once
         self.pinned: set[int] | None = None
         self.pinned_threads: set[int] = set()
         if cfg.pin_cpus:
@@ -155,6 +165,7 @@ class StageWorker:
 
             self.transport = RayTransport(**args)
         self._plan_edges()
+        self._open_data()
         jax.block_until_ready(self.params)
         import ray
 
@@ -181,6 +192,31 @@ class StageWorker:
             self.in_shape.append((mbs, *cfg.spec.layers[start - 1].out_shape) if start > 0 else None)
             self.out_shape.append((mbs, *cfg.spec.layers[stop - 1].out_shape))
 
+    def _open_data(self) -> None:
+        """Loaders for this host's rows: inputs on the first stage, labels on the last (else none)."""
+        cfg = self.cfg
+        mbs = cfg.data.global_batch // cfg.microbatches
+        first, last = self.progs[0], self.progs[-1]
+        self.rows_in = rows_of(first.input_sharding(), (mbs, *cfg.spec.input_shape)) if first.first else None
+        self.rows_lab = rows_of(last.label_sharding(), (mbs, *cfg.spec.label_shape)) if last.last else None
+        self.loader = None
+        if self.rows_in is not None or self.rows_lab is not None:
+            self.loader = HostLoader(cfg.data, self.rows_in, self.rows_lab, cfg.microbatches, who=cfg.who)
+
+    def host_operand(self, local, rows, shape, sharding):
+        """This host's rows of a microbatch as the jitted program's operand."""
+        if self.transport.single_device:
+            return local                  # one device: the host holds every row (see recv_operand)
+        return rows_array(local, rows, shape, sharding)
+
+    def data_state(self) -> dict | None:
+        """The loader's position (a small dict for a checkpoint); None on a host that loads nothing."""
+        return None if self.loader is None else self.loader.state()
+
+    def load_data_state(self, state: dict) -> None:
+        if self.loader is not None:
+            self.loader.load_state(state)
+
     def transport_address(self):
         """(host, port) this actor's transport listens on after setup; None for the Ray transport."""
         return getattr(self.transport, "address", None)
@@ -197,6 +233,8 @@ class StageWorker:
 
     def shutdown(self) -> None:
         self.inbox.close("shutdown")
+        if getattr(self, "loader", None) is not None:
+            self.loader.close()
         if getattr(self, "transport", None) is not None:
             self.transport.close()
         if self.cfg.stage_hosts > 1:
@@ -211,7 +249,7 @@ class StageWorker:
             st = self._begin(step)
             for a, text, handler in self.program:
                 self._act(st, a, text, handler)
-            return self._finish(st)
+            return self._with_eval(step, self._finish(st))
         except Exception as e:
             self._fail(step, e)
             raise
@@ -238,7 +276,7 @@ class StageWorker:
             self._act(st, *self.program[index])
             if index == len(self.program) - 1:
                 self._step_state = None
-                return self._finish(st)
+                return self._with_eval(step, self._finish(st))
             return None
         except Exception as e:
             self._fail(step, e)
@@ -280,10 +318,11 @@ class StageWorker:
         if self.cfg.fail_step == step:
             raise RuntimeError(f"{self.cfg.who}: injected step failure (MESHPIPE_TEST_FAIL_STEP)")
         self._pin_thread()
-        progs = self.progs
         st = StepState(step, self.cfg.timeouts.get("step_s", 600.0))
-        if progs[0].first or progs[-1].last:
-            st.x_all, st.y_all = self.cfg.data.batch(step)
+        if self.loader is not None:
+            waited = self.loader.wait_s
+            st.batch = self.loader.get(step, st.timeout)
+            st.data_wait_s = self.loader.wait_s - waited
         return st
 
     def _act(self, st: StepState, a, text: str, handler) -> None:
@@ -300,9 +339,40 @@ class StageWorker:
 
         out = {"stage": cfg.stage, "host": cfg.host, "spans": st.spans,
                "stats": {**stage_stats(self), "stash_peak_bytes": st.stash.peak,
-                         "stash_peak_items": st.stash.peak_items}}
+                         "stash_peak_items": st.stash.peak_items, "data_wait_s": st.data_wait_s,
+                         "data_bytes_read": self.loader.bytes_read if self.loader is not None else 0,
+                         "data_windows_read": self.loader.windows_read if self.loader is not None else 0,
+                         "data_rows": len(self.loader.rows) if self.loader is not None else 0}}
         if self.progs[-1].last:
             out["losses"] = [float(st.losses[i]) for i in range(cfg.microbatches)]
+        return out
+
+    # -- evaluation (forward-only schedule) -------------------------------
+    def _with_eval(self, step: int, out: dict) -> dict:
+        """After step `step`'s update: when an evaluation is due, run it (all stages do, in the same
+        step) and add `eval_losses` (last stage: one mean loss per eval batch) and `eval_s`."""
+        cfg = self.cfg
+        due = self.eval_program and ((cfg.eval_every and (step + 1) % cfg.eval_every == 0)
+                                     or step + 1 == cfg.total_steps)
+        if not due:
+            return out
+        t0 = time.perf_counter()
+        if self._eval_batches is None:
+            loader = None if self.loader is None else HostLoader(
+                cfg.data.eval, self.rows_in, self.rows_lab, cfg.microbatches, who=f"{cfg.who} eval")
+            self._eval_batches = [None if loader is None else loader.load(b) for b in range(cfg.data.eval_batches)]
+        losses = []
+        for b, batch in enumerate(self._eval_batches):
+            st = StepState(step, cfg.timeouts.get("step_s", 600.0), tag=f"E{b}")   # its own mailbox keys
+            st.batch = batch
+            for a, _, handler in self.eval_program:
+                handler(self, st, a)
+            if self.progs[-1].last:
+                losses.append(float(np.mean([float(st.losses[i]) for i in range(cfg.microbatches)])))
+        self.transport.flush(cfg.timeouts.get("step_s", 600.0))
+        out["eval_s"] = time.perf_counter() - t0
+        if self.progs[-1].last:
+            out["eval_losses"] = losses
         return out
 
     def param_norms(self) -> dict[str, float]:

@@ -67,14 +67,11 @@ def test_plan_shows_the_edges_the_stage_workers_plan(sets):
 
     from orchestrator.core.edges import planned_edges
     from orchestrator.driver.executor import PipelineExecutor
-    from stages.data import make_source
     from stages.worker import StageWorker
 
     checked = check_job(load_job(GPT, sets), load_cluster(LOCAL))
     plan = make_plan(checked)
-    job = checked.job
-    source = make_source(checked.model, "synthetic", job.data.global_batch, 0)
-    ex = PipelineExecutor(checked, plan.schedule, source, "t")
+    ex = PipelineExecutor(checked, plan.schedule, checked.data, "t", plan.eval_schedule)
     outs, ins = set(), set()
     for stage in checked.stages:
         cfg = ex.worker_config(stage, 0)

@@ -103,10 +103,11 @@ def test_progress_prints_lines_off_a_terminal_and_a_bar_on_one():
     out = io.StringIO()
     p = Progress(4, tty=True, echo=lines.append, line=str, stream=out)
     p.update(rec)
-    p.update({**rec, "step": 1})
+    p.update({**rec, "step": 1, "eval_loss": 1.25})
     p.close()
     text = out.getvalue()
     assert text.count("\r") == 2 and text.endswith("\n") and "2/4" in text and "128.0 samples/s" in text
+    assert "eval 1.2500" in text.splitlines()[-1] and "eval" not in text.split("\r")[1]   # once evaluated
     assert lines == ["step 0"]                               # the bar never goes through echo
 
 
@@ -139,15 +140,18 @@ def test_run_metrics_tags_and_counter_deltas(monkeypatch):
     m = metrics.RunMetrics("demo", sim.bubble_fraction)
     hosts = lambda n: [  # noqa: E731
         {"stage": 0, "host": 0, "sent_bytes_to": {"1": 100 * n}, "memory_bytes": 5,
-         "memory_source": "process_rss", "compile_s": 1.5},
+         "memory_source": "process_rss", "compile_s": 1.5, "data_wait_s": 0.25 * n},
         {"stage": 1, "host": 0, "sent_bytes_to": {"0": 40 * n}, "memory_bytes": 6,
          "memory_source": "process_rss", "compile_s": 2.5}]
     for step in range(3):
-        m.record(tel.add(step, 0.5, 1.0, as_measured(sim, 10.0 * step), hosts(step + 1)))
+        m.record(tel.add(step, 0.5, 1.0, as_measured(sim, 10.0 * step), hosts(step + 1)),
+                 eval_loss=2.5 if step == 1 else None)
     made = FakeMetric.made
     assert set(made) == {f"meshpipe_{n}" for n in (
         "step_time_s", "samples_per_s", "bubble_measured", "bubble_simulated", "restarts", "steps_done",
-        "busy_fraction", "memory_bytes", "compile_time_s", "reshard_bytes")}
+        "busy_fraction", "memory_bytes", "compile_time_s", "reshard_bytes", "eval_loss", "data_wait_s")}
+    assert made["meshpipe_eval_loss"].values == {(("run", "demo"),): 2.5}
+    assert made["meshpipe_data_wait_s"].values == {(("host", "0"), ("run", "demo"), ("stage", "0")): 0.75}
     reshard = {dict(k)["edge"]: v for k, v in made["meshpipe_reshard_bytes"].values.items()}
     assert reshard == {"0->1": 300, "1->0": 120}            # deltas summed back to the totals
     assert made["meshpipe_steps_done"].values == {(("run", "demo"),): 3}

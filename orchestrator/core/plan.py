@@ -15,7 +15,9 @@ import numpy as np
 from orchestrator.core.edges import edges_json
 from orchestrator.core.hosts import describe
 from orchestrator.core.redact import redact
-from orchestrator.core.schedule import Schedule, SimResult, generate, lower, render_grid, simulate, validate
+from orchestrator.core.schedule import (
+    Schedule, SimResult, add_comms, forward_only, generate, lower, render_grid, simulate, validate,
+)
 from orchestrator.core.model.layout import format_layout
 
 
@@ -25,6 +27,7 @@ class Plan:
     schedule: Schedule      # lowered and validated
     sim: SimResult
     costs: list[dict]
+    eval_schedule: Schedule | None = None   # forward-only, lowered and validated (with data.eval)
 
 
 def _chunks(s) -> tuple[tuple[int, int], ...]:
@@ -50,7 +53,11 @@ def make_plan(checked) -> Plan:
     lowered = lower(sched)
     validate(lowered)
     costs = stage_costs(checked)
-    return Plan(checked, lowered, simulate(lowered, costs), costs)
+    ev = None
+    if job.data.eval is not None:
+        ev = add_comms(forward_only(len(checked.stages), job.pipeline.microbatches, job.pipeline.virtual_stages))
+        validate(ev)
+    return Plan(checked, lowered, simulate(lowered, costs), costs, ev)
 
 
 def cross_host_axes(mesh: dict[str, int], devices_per_host: int) -> list[str]:

@@ -9,6 +9,7 @@
     meshpipe jobs --address http://HOST:8265
     meshpipe status SUBMISSION_ID --address http://HOST:8265
     meshpipe logs SUBMISSION_ID --address http://HOST:8265 [--follow]
+    meshpipe prepare INPUTS... --out DIR (--tokenizer FILE | --train-tokenizer VOCAB) [--shard-tokens N]
 
 `--set` takes job keys (`run.steps=3`) and, with a `cluster.` prefix, cluster
 keys (`cluster.timeouts.step_s=60`). The job file's directory is put on the
@@ -298,6 +299,31 @@ def logs(submission_id, address, follow):
     except Exception as e:  # noqa: BLE001
         _fail(jobs.unknown_job(e, address, submission_id) or jobs.JobsError(jobs.explain(e, address)))
     _wait(c, submission_id, address, True, None)
+
+
+@main.command()
+@click.argument("inputs", nargs=-1, required=True, type=click.Path(exists=True))
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False),
+              help="directory for the shards and index.json (data.path of a `source: tokens` job)")
+@click.option("--tokenizer", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="a tokenizers JSON file to encode with")
+@click.option("--train-tokenizer", "train_vocab", type=click.IntRange(min=258), default=None, metavar="VOCAB",
+              help="train a byte-level BPE tokenizer of VOCAB tokens on INPUTS first (OUT/tokenizer.json)")
+@click.option("--shard-tokens", type=click.IntRange(min=1), default=1 << 24, show_default=True,
+              help="largest shard, in tokens")
+def prepare(inputs, out_dir, tokenizer, train_vocab, shard_tokens):
+    """Turn text files (or directories of them) into token shards for `data.source: tokens`."""
+    from orchestrator.driver.prepare import prepare as run_prepare
+
+    try:
+        doc = run_prepare(inputs, out_dir, tokenizer=tokenizer, train_vocab=train_vocab,
+                          shard_tokens=shard_tokens, progress=click.progressbar)
+    except (ValueError, ImportError, OSError) as e:
+        click.echo(f"meshpipe prepare: {e}", err=True)
+        sys.exit(2)
+    total = sum(s["tokens"] for s in doc["shards"])
+    click.echo(f"wrote {len(doc['shards'])} shard(s), {total} tokens ({doc['dtype']}, vocab {doc['vocab']}) "
+               f"to {out_dir}")
 
 
 @main.command(name="jobs")

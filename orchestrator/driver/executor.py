@@ -34,11 +34,13 @@ class StepResult:
     wall_s: float
     spans: list          # (stage, host, action, start, end)
     stats: list = field(default_factory=list)   # per actor: {stage, host, **telemetry.stage_stats}
+    eval_loss: float | None = None   # mean loss over the eval batches, when the step evaluated
 
 
 class PipelineExecutor:
-    def __init__(self, checked, lowered, data_source, run: str):
+    def __init__(self, checked, lowered, data_source, run: str, eval_schedule=None):
         self.checked, self.lowered, self.data, self.run = checked, lowered, data_source, run
+        self.eval_schedule = eval_schedule
         t = checked.cluster.timeouts
         self.timeouts = {"init_s": t.init_s, "step_s": t.step_s, "shutdown_s": t.shutdown_s,
                          "jax_distributed_init_s": t.jax_distributed_init_s}
@@ -68,7 +70,10 @@ class PipelineExecutor:
             fail_setup=_injected_failure(stage.index, host), fail_step=_injected_step_failure(stage.index, host),
             hosts=tuple(stage.hosts), devices_per_host=stage.devices_per_host,
             geoms=tuple(geoms), chunks=tuple(tuple(c) for c in stage.chunks),
-            transport=self.checked.cluster.transport, transport_token=self.token)
+            transport=self.checked.cluster.transport, transport_token=self.token,
+            eval_actions=() if self.eval_schedule is None else tuple(
+                str(a) for a in self.eval_schedule.actions[stage.index] if a is not None),
+            eval_every=job.run.eval_every, total_steps=job.run.steps)
 
     def start(self) -> None:
         import ray
@@ -164,7 +169,9 @@ class PipelineExecutor:
             losses = next(o["losses"] for o in outs if "losses" in o)
             spans = [(o["stage"], o["host"], *span) for o in outs for span in o["spans"]]
             stats = [{"stage": o["stage"], "host": o["host"], **o.get("stats", {})} for o in outs]
-            yield StepResult(step=i, loss=sum(losses) / len(losses), wall_s=wall, spans=spans, stats=stats)
+            ev = next((o["eval_losses"] for o in outs if "eval_losses" in o), None)
+            yield StepResult(step=i, loss=sum(losses) / len(losses), wall_s=wall, spans=spans, stats=stats,
+                             eval_loss=None if ev is None else sum(ev) / len(ev))
 
     def param_norms(self) -> dict[str, float]:
         refs, labels = [], []

@@ -155,9 +155,11 @@ def package(checked, job_path: str, cluster_path: str | None, overrides: tuple[s
     if cluster_path:
         args += ["--cluster", inside(Path(cluster_path), "the cluster file", "--cluster")]
     args += ["--address", "auto"] + (["--overwrite"] if overwrite else [])
-    if job.data.source == "text" and job.data.path:
+    if job.data.source in ("text", "tokens", "hf") and isinstance(job.data.path, str):
         src = Path(checked.data_path or job.data.path)
         sets.append(f"data.path={inside(src, 'the data file', 'data.path')}")
+    if job.data.tokenizer:
+        sets.append(f"data.tokenizer={inside(Path(job.data.tokenizer), 'the tokenizer file', 'data.tokenizer')}")
     if not Path(job.run.output_dir).is_absolute():
         if _is_loopback(address):
             sets.append(f"run.output_dir={Path(job.run.output_dir).resolve()}")

@@ -58,6 +58,8 @@ class RunMetrics:
         self.memory = g("memory_bytes", "Memory in use by a stage host (source: device or process_rss)",
                         HOST + ("source",))
         self.compile = g("compile_time_s", "Seconds a stage host spent tracing/lowering/compiling", HOST)
+        self.eval_loss = g("eval_loss", "Mean loss on the data.eval batches at the last evaluation")
+        self.data_wait = g("data_wait_s", "Time a stage host's last step waited for its data loader (s)", HOST)
         self.reshard = Counter("meshpipe_reshard_bytes", "Bytes a stage host sent to a neighbour stage",
                                tag_keys=HOST + ("edge",))
         self._sent: dict[tuple[int, int, str], int] = {}
@@ -66,9 +68,11 @@ class RunMetrics:
         self.bubble_simulated.set(self._simulated, tags={"run": run})
         self.done = 0
 
-    def record(self, st) -> None:
-        """Record one `telemetry.StepStats`."""
+    def record(self, st, eval_loss: float | None = None) -> None:
+        """Record one `telemetry.StepStats` (and the step's eval loss, when it evaluated)."""
         run = {"run": self.run}
+        if eval_loss is not None:
+            self.eval_loss.set(eval_loss, tags=run)
         self.step_time.set(st.wall_s, tags=run)
         self.samples.set(st.samples_per_s, tags=run)
         self.bubble_measured.set(st.measured_bubble, tags=run)
@@ -82,6 +86,8 @@ class RunMetrics:
                 self.memory.set(h["memory_bytes"], tags={**tags, "source": h.get("memory_source", "")})
             if "compile_s" in h:
                 self.compile.set(h["compile_s"], tags=tags)
+            if "data_wait_s" in h:
+                self.data_wait.set(h["data_wait_s"], tags=tags)
             for direction, total in (h.get("sent_bytes_to") or {}).items():
                 peer = int(direction)   # keyed by destination stage
                 key = (stage, host, direction)

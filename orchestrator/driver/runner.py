@@ -1,7 +1,7 @@
 """Running a checked job: pipeline on Ray, or the single-process reference.
 
 Basic flow of `run_job`:
-  plan (pure) → output dir checked/created (owner-only) → data source →
+  plan (pure) → output dir checked/created (owner-only) → data plan →
   [Ray: connect → executor.start → step × N → param norms] or [reference] →
   summary.json. Whatever was started is shut down in `finally` (actors,
   placement group, and an embedded Ray we started), also on Ctrl-C/SIGTERM
@@ -31,7 +31,6 @@ from typing import Callable
 from orchestrator.core.plan import make_plan, plan_json
 from orchestrator.core.private_fs import private_dir, write_private
 from orchestrator.core.redact import redact
-from stages.data import make_source
 
 log = logging.getLogger("meshpipe")
 
@@ -40,13 +39,6 @@ def output_dir(checked) -> Path:
     """The run directory, created owner-only (0o700 whatever the umask; see private_fs)."""
     job = checked.job
     return private_dir(Path(job.run.output_dir) / job.run.name)
-
-
-def load_text(checked) -> bytes | None:
-    data = checked.job.data
-    if data.source != "text":
-        return None
-    return Path(checked.data_path or data.path).read_bytes()
 
 
 RECORD_FILES = ("summary.json", "trace.json", "error.txt")
@@ -62,8 +54,11 @@ def existing_record(checked, reference: bool = False) -> Path | None:
 
 
 def step_line(rec: dict, samples: int) -> str:
-    return (f"step {rec['step']:>4d}  loss {rec['loss']:.5f}  time {rec['step_time_s'] * 1e3:8.1f} ms  "
+    line = (f"step {rec['step']:>4d}  loss {rec['loss']:.5f}  time {rec['step_time_s'] * 1e3:8.1f} ms  "
             f"{samples / rec['step_time_s']:9.1f} samples/s")
+    if rec.get("eval_loss") is not None:
+        line += f"  eval loss {rec['eval_loss']:.5f}"
+    return line
 
 
 def run_job(checked, *, reference: bool = False, echo: Callable[[str], None] = print,
@@ -74,8 +69,7 @@ def run_job(checked, *, reference: bool = False, echo: Callable[[str], None] = p
     job = checked.job
     plan = make_plan(checked)
     out = output_dir(checked)
-    source = make_source(checked.model, job.data.source, job.data.global_batch, job.run.seed,
-                         text=load_text(checked))
+    source = checked.data     # a DataPlan: each host that needs data opens its own reader
     samples = job.data.global_batch
     progress = Progress(job.run.steps, tty=tty, echo=echo, line=lambda rec: step_line(rec, samples))
     done: list[dict] = []
@@ -95,7 +89,7 @@ def run_job(checked, *, reference: bool = False, echo: Callable[[str], None] = p
                 result = train_reference(checked.model, source, steps=job.run.steps, seed=job.run.seed,
                                          microbatches=job.pipeline.microbatches,
                                          optimizer=(job.optimizer.name, dict(job.optimizer.args)),
-                                         on_step=on_step)
+                                         on_step=on_step, eval_every=job.run.eval_every)
                 extra = {"mode": "reference"}
             else:
                 result, extra = _run_pipeline(checked, plan, source, on_step, out, echo)
@@ -110,6 +104,7 @@ def run_job(checked, *, reference: bool = False, echo: Callable[[str], None] = p
         "losses": result["losses"],
         "step_times_s": result["step_times_s"],
         "param_norms": result["param_norms"],
+        "eval_losses": result.get("eval_losses", []),      # [step, mean eval loss] (data.eval)
         "plan": plan_json(plan),
         "config": json.dumps(redact(checked.to_dict()), indent=2),  # secrets never reach disk
         **extra,
@@ -162,10 +157,10 @@ def _run_pipeline(checked, plan, source, on_step, out: Path, echo) -> tuple[dict
     reinstall()            # ray.init put absl's signal handler in place of ours (stack dump, abort)
     filter_worker_logs()
     ray_info = _ray_info(run, echo)
-    ex = PipelineExecutor(checked, plan.schedule, source, run)
+    ex = PipelineExecutor(checked, plan.schedule, source, run, plan.eval_schedule)
     tel = RunTelemetry(run, plan.schedule, plan.sim.bubble_fraction, job.data.global_batch)
     metrics = _metrics(run, plan.sim.bubble_fraction)
-    losses, times, spans = [], [], []
+    losses, times, spans, evals = [], [], [], []
     ok = interrupted = False
     try:
         t0 = time.perf_counter()
@@ -178,8 +173,10 @@ def _run_pipeline(checked, plan, source, on_step, out: Path, echo) -> tuple[dict
             spans.append(r.spans)
             st = tel.add(step, r.wall_s, r.loss, r.spans, r.stats)
             if metrics is not None:
-                metrics.record(st)
-            on_step({"step": step, "loss": r.loss, "step_time_s": r.wall_s})
+                metrics.record(st, eval_loss=r.eval_loss)
+            if r.eval_loss is not None:
+                evals.append([step, r.eval_loss])
+            on_step({"step": step, "loss": r.loss, "step_time_s": r.wall_s, "eval_loss": r.eval_loss})
         norms = ex.param_norms()
         ok = True
     except KeyboardInterrupt:
@@ -202,7 +199,7 @@ def _run_pipeline(checked, plan, source, on_step, out: Path, echo) -> tuple[dict
     extra = {"mode": "pipeline", "startup_s": startup, "workers": ex.info, "executor": ex.dispatch_info,
              "last_step_spans": [list(s) for s in spans[-1]] if spans else [],
              "telemetry": tel.summary(), "ray": ray_info}
-    return {"losses": losses, "step_times_s": times, "param_norms": norms}, extra
+    return {"losses": losses, "step_times_s": times, "param_norms": norms, "eval_losses": evals}, extra
 
 
 def _ray_info(run: str, echo) -> dict:

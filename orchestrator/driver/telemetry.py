@@ -232,8 +232,12 @@ class RunTelemetry:
         for h in self.steps[-1].hosts:
             hosts[f"stage{h.get('stage')}/host{h.get('host')}"] = {k: v for k, v in h.items()
                                                                   if k not in ("stage", "host")}
+        waits = [max((h.get("data_wait_s", 0.0) for h in s.hosts), default=0.0) / s.wall_s
+                 for s in steady if s.wall_s > 0]
         return {
             "first_step_s": self.steps[0].wall_s,
+            # the longest wait of any host on its loader, as a share of the step (mean over steady steps)
+            "data_wait_share": sum(waits) / len(waits) if waits else 0.0,
             "median_step_s": median,
             "samples_per_s": self.global_batch / median if median > 0 else 0.0,
             "measured_bubble_mean": sum(s.measured_bubble for s in steady) / len(steady),
@@ -289,9 +293,12 @@ class Progress:
         self.columns = columns or _terminal_columns(self.stream)
         self.done = 0
         self._drawn = False
+        self.eval_loss = None        # the latest evaluation's loss, kept on the bar
 
     def update(self, rec: dict) -> None:
         self.done = rec["step"] + 1
+        if rec.get("eval_loss") is not None:
+            self.eval_loss = rec["eval_loss"]
         if not self.tty:
             self.echo(self.line(rec))
             return
@@ -311,8 +318,10 @@ class Progress:
         """
         limit = max(10, columns - 1)
         eta = rec["step_time_s"] * (self.total - self.done)   # at the latest pace (startup excluded)
-        fields = [f"{self.done}/{self.total}", f"loss {rec['loss']:.4f}", f"{rec['step_time_s'] * 1e3:.0f} ms/step",
-                  f"eta {eta:.0f}s", f"{rec['samples_per_s']:.1f} samples/s"]
+        fields = [f"{self.done}/{self.total}", f"loss {rec['loss']:.4f}"]
+        if self.eval_loss is not None:
+            fields.append(f"eval {self.eval_loss:.4f}")
+        fields += [f"{rec['step_time_s'] * 1e3:.0f} ms/step", f"eta {eta:.0f}s", f"{rec['samples_per_s']:.1f} samples/s"]
         frac = min(1.0, self.done / max(1, self.total))
         while True:
             tail = "  ".join(fields)

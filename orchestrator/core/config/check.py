@@ -95,6 +95,7 @@ class Checked:
       stages: one `StagePlan` per physical stage.
       microbatch_size: job.data.global_batch // job.pipeline.microbatches.
       data_path: absolute path of the text file for `data.source: text`, else None.
+      data: the `DataPlan` every host opens its own reader from (`orchestrator.core.data`).
       import_dir: a directory the stage actors put first on their import path (the CLI
         sets the job file's, so a `module:factory` model beside the job imports).
     """
@@ -105,6 +106,7 @@ class Checked:
     stages: tuple[StagePlan, ...]
     microbatch_size: int
     data_path: Optional[str] = None
+    data: Any = None
     import_dir: Optional[str] = None
 
     @property
@@ -125,6 +127,11 @@ class Checked:
                       "args": json.loads(json.dumps(dict(m.args), default=repr))},
             "microbatch_size": self.microbatch_size,
             "data_path": self.data_path,
+            "data": None if self.data is None else {
+                "source": self.data.source, "files": list(self.data.files), "dtype": self.data.dtype,
+                "windows": None if self.data.counts is None else sum(self.data.counts),
+                "split": list(self.data.split), "eval_batches": self.data.eval_batches,
+                "eval_files": [] if self.data.eval is None else list(self.data.eval.files)},
             "stages": [dict(s.to_dict(), params=sum(m.param_count(a, b) for a, b in s.chunks))
                        for s in self.stages],
         })
@@ -186,22 +193,22 @@ def _build_model(job: JobConfig) -> ModelSpec:
         raise ConfigError(problem("model.args", dict(args), f"invalid model arguments: {e}")) from None
 
 
-def _check_data(job: JobConfig, model: ModelSpec, probs: _Problems) -> Optional[str]:
+def _check_data(job: JobConfig, model: ModelSpec, probs: _Problems):
+    """The job's `DataPlan` (`orchestrator.core.data.plan`), or None after adding its problems."""
+    from orchestrator.core.data.plan import DataProblems, plan_data
+
     d = job.data
     if d.seq_len is not None and "seq" not in model.logical_axes():
         probs.add("data.seq_len", d.seq_len, f"model {model.name!r} has no 'seq' axis, so seq_len "
                   "does not apply; remove it or set it to null")
-    if d.source != "text":
+    if job.run.eval_every is not None and d.eval is None:
+        probs.add("run.eval_every", job.run.eval_every, "needs data.eval (held-out data to evaluate on)")
+    try:
+        return plan_data(d, model, job.run.seed)
+    except DataProblems as e:
+        for key, value, rule in e.problems:
+            probs.add(key, value, rule)
         return None
-    if not model.input_dtype.startswith(("int", "uint")):
-        probs.add("data.source", d.source, f"text data gives token ids, but model {model.name!r} "
-                  f"takes {model.input_dtype} inputs; use 'synthetic'")
-    path = Path(d.path or "")
-    if not path.is_file():
-        probs.add("data.path", d.path, f"file not found (relative paths are read from the current "
-                  f"directory, {os.getcwd()})")
-        return None
-    return str(path.resolve())
 
 
 def _check_optimizer(job: JobConfig, probs: _Problems) -> None:
@@ -463,7 +470,8 @@ def check_job(job: JobConfig, cluster: ClusterConfig) -> Checked:
     if model.param_count() == 0:
         probs.add("model.name", job.model.name, f"the model has no parameters ({_model_layers(model)}): "
                   "there is nothing to train; give its layers ParamDefs")
-    data_path = _check_data(job, model, probs)
+    data = _check_data(job, model, probs)
+    data_path = data.files[0] if data is not None and data.source == "text" else None
     _check_optimizer(job, probs)
     layers_ok = _check_layers(job, model, probs)
     hosts = _check_hosts_meshes(job, cluster, probs)
@@ -479,7 +487,7 @@ def check_job(job: JobConfig, cluster: ClusterConfig) -> Checked:
                              chunks=tuple(st.chunks))
                    for i, st in enumerate(job.pipeline.stages))
     return Checked(job=job, cluster=cluster, model=model, stages=stages, microbatch_size=mb,
-                   data_path=data_path)
+                   data_path=data_path, data=data)
 
 
 def check_output_dir(job: JobConfig) -> Path:

@@ -24,7 +24,7 @@ from orchestrator.core.model.layout import parse_layout
 from orchestrator.core.model.registry import BUILTIN
 
 __all__ = [
-    "RunConfig", "ModelConfig", "DataConfig", "OptimizerConfig", "StageConfig", "PipelineConfig",
+    "RunConfig", "ModelConfig", "DataConfig", "EvalConfig", "OptimizerConfig", "StageConfig", "PipelineConfig",
     "JobConfig", "TimeoutsConfig", "ClusterConfig", "GpuConfig", "TpuConfig", "parse_job", "parse_cluster", "field_kind",
     "NAME_RE", "Rule", "key_homes", "unknown_key_hint",
 ]
@@ -94,6 +94,7 @@ class RunConfig(_Frozen):
     steps: PosInt
     seed: NonNegInt = 0
     output_dir: str = "runs"
+    eval_every: Optional[PosInt] = None     # run data.eval every k steps (and after the last)
 
     @field_validator("name")
     @classmethod
@@ -136,22 +137,90 @@ class ModelConfig(_Frozen):
                       f"factory as 'package.module:function'{suggest(v, BUILTIN)}")
 
 
-class DataConfig(_Frozen):
-    """`data:` — where examples come from and how many per step."""
+class EvalConfig(_Frozen):
+    """`data.eval:` — held-out data for `run.eval_every`: a `holdout` fraction of the data set's
+    windows (its tail, never trained on) or other files (`path`, same source kind); `batches`
+    eval batches of `data.global_batch` rows each, the same ones at every evaluation."""
 
-    source: Literal["synthetic", "text"] = "synthetic"
-    path: Optional[str] = None
-    global_batch: PosInt
-    seq_len: Optional[PosInt] = None
+    path: Optional[Union[str, tuple[str, ...]]] = None
+    holdout: Optional[Annotated[float, Field(gt=0, lt=1, allow_inf_nan=False)]] = None
+    batches: PosInt = 2
+
+    @field_validator("path", mode="before")
+    @classmethod
+    def _path(cls, v: Any) -> Any:
+        return tuple(v) if isinstance(v, list) else v
 
     @model_validator(mode="after")
-    def _path_iff_text(self) -> "DataConfig":
-        if self.source == "text" and not self.path:
-            raise Problem("required when data.source is 'text' (a text file to train on)",
-                          ("path",), self.path)
-        if self.source != "text" and self.path is not None:
-            raise Problem(f"only used when data.source is 'text' (it is {self.source!r}); "
-                          "remove it or set it to null", ("path",), self.path)
+    def _one(self) -> "EvalConfig":
+        if (self.path is None) == (self.holdout is None):
+            raise Problem("give exactly one of data.eval.path (held-out files) or data.eval.holdout "
+                          "(a fraction of the data set, e.g. 0.05)", ("path",), self.path)
+        return self
+
+
+_SOURCE_KEYS = {"synthetic": set(), "text": {"path"}, "tokens": {"path", "dtype"},
+                "hf": {"path", "format", "column", "tokenizer"}, "grain": {"factory", "args"}}
+_REQUIRED = {"text": ("path",), "tokens": ("path",), "hf": ("path", "tokenizer"), "grain": ("factory",)}
+
+
+class DataConfig(_Frozen):
+    """`data:` — where examples come from and how many per step.
+
+    Sources: `synthetic` (generated from (seed, step)), `text` (bytes of a text file as
+    tokens), `tokens` (token shards: a directory with index.json, `.bin` files), `hf` (a
+    Hugging Face `datasets` data set from local files, `column` tokenized with the
+    `tokenizer` file), `grain` (`factory: package.module:function` returning a grain
+    random-access source or MapDataset of token windows). `prefetch`: batches the
+    host's loader thread keeps ready (0: load on the step's path).
+    """
+
+    source: Literal["synthetic", "text", "tokens", "hf", "grain"] = "synthetic"
+    path: Optional[Union[str, tuple[str, ...]]] = None
+    dtype: Optional[Literal["uint16", "uint32"]] = None
+    format: Optional[Literal["parquet", "json", "arrow", "csv"]] = None
+    column: Optional[str] = None
+    tokenizer: Optional[str] = None
+    factory: Optional[str] = None
+    args: Optional[dict[str, Any]] = None
+    global_batch: PosInt
+    seq_len: Optional[PosInt] = None
+    prefetch: Annotated[int, Field(ge=0, le=64)] = 2
+    eval: Optional[EvalConfig] = None
+
+    @field_validator("path", mode="before")
+    @classmethod
+    def _path(cls, v: Any) -> Any:
+        if isinstance(v, list):
+            if not v:
+                raise Problem("must name at least one file")
+            return tuple(v)
+        return v
+
+    @field_validator("factory")
+    @classmethod
+    def _factory(cls, v: Optional[str]) -> Optional[str]:
+        if v is not None and not _FACTORY_RE.match(v):
+            raise Problem("must be an import path 'package.module:function'")
+        return v
+
+    @model_validator(mode="after")
+    def _keys_of_source(self) -> "DataConfig":
+        src = self.source
+        for key in _REQUIRED.get(src, ()):
+            if getattr(self, key) in (None, ""):
+                what = {"path": "the data to read", "tokenizer": "a tokenizers JSON file",
+                        "factory": "'package.module:function'"}[key]
+                raise Problem(f"required when data.source is {src!r} ({what})", (key,), getattr(self, key))
+        for key in ("path", "dtype", "format", "column", "tokenizer", "factory", "args"):
+            if getattr(self, key) is not None and key not in _SOURCE_KEYS[src]:
+                users = [s for s, keys in _SOURCE_KEYS.items() if key in keys]
+                raise Problem(f"only used when data.source is {' or '.join(repr(u) for u in users)} "
+                              f"(it is {src!r}); remove it or set it to null", (key,), getattr(self, key))
+        if src == "text" and not isinstance(self.path, str):
+            raise Problem("source 'text' reads one file: give one path", ("path",), list(self.path or ()))
+        if self.eval is not None and src == "synthetic":
+            raise Problem("synthetic data has no held-out set; evaluate a real source", ("eval",), None)
         return self
 
 

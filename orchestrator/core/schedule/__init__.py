@@ -13,7 +13,7 @@ A runtime executes ``low.actions[s]`` in order on stage s (skipping None):
 RECV blocks until its matching SEND ran; SEND never blocks. Pure: imports
 neither ray nor jax (matplotlib only inside `render_png`).
 """
-from orchestrator.core.schedule.generators import SCHEDULES, check_params, generate
+from orchestrator.core.schedule.generators import SCHEDULES, check_params, forward_only, generate
 from orchestrator.core.schedule.ir import Action, Kind, Schedule, ScheduleError
 from orchestrator.core.schedule.lowering import add_comms, add_optimizer_step, lower
 from orchestrator.core.schedule.render import render_grid, render_png, to_chrome_trace
@@ -22,6 +22,6 @@ from orchestrator.core.schedule.validate import validate
 
 __all__ = [
     "Action", "Kind", "Schedule", "ScheduleError", "SCHEDULES",
-    "generate", "check_params", "lower", "add_comms", "add_optimizer_step",
+    "generate", "check_params", "forward_only", "lower", "add_comms", "add_optimizer_step",
     "validate", "simulate", "SimResult", "render_grid", "to_chrome_trace", "render_png",
 ]

@@ -170,6 +170,28 @@ def zb_h1(p: int, m: int, v: int = 1) -> Schedule:
     return _place("zb-h1", p, m, 1, orders)
 
 
+def forward_only(p: int, m: int, v: int = 1) -> Schedule:
+    """Evaluation: every stage runs the forwards of all m microbatches (all v chunks), nothing else.
+
+    Not a training schedule (not in SCHEDULES); lower it with `add_comms` only (no OPT).
+
+    Example:
+      >>> print(forward_only(2, 2).grid())
+      [['0F0', '0F1', '.'], ['.', '1F0', '1F1']]
+    """
+    for label, value in (("p", p), ("m", m), ("v", v)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ScheduleError(f"forward-only: {label} must be an int >= 1, got {label}={value!r}")
+    orders = []
+    for s in range(p):
+        warmup: Order = []
+        steady = [_fwd(s, mb, c) for c in range(v) for mb in range(m)]   # chunk-major: chunk c after c-1
+        cooldown: Order = []
+        orders.append(warmup + steady + cooldown)
+    placed = _place("forward-only", p, m, v, orders)
+    return Schedule("forward-only", p, m, v, placed.actions, forward_only=True)
+
+
 SCHEDULES: dict[str, Callable[..., Schedule]] = {
     "gpipe": gpipe,
     "1f1b": one_f_one_b,

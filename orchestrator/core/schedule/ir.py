@@ -207,6 +207,8 @@ class Schedule:
       actions: ``actions[s]`` is stage s's list; None is an idle slot (trailing
         idle slots are dropped on construction).
       lowered: True once communication actions were inserted (`lower`).
+      forward_only: True for an evaluation schedule (`forward_only`): forwards and their
+        comms only, no backward, no OPT; the validator holds it to that.
 
     Example:
       >>> s = Schedule("toy", 1, 1, 1, ((Action(0, Kind.F, 0), None, Action(0, Kind.B, 0)),))
@@ -222,6 +224,7 @@ class Schedule:
     chunks: int
     actions: tuple[tuple[Action | None, ...], ...] = field(repr=False)
     lowered: bool = False
+    forward_only: bool = False
 
     def __post_init__(self):
         rows = []
@@ -267,8 +270,11 @@ class Schedule:
 
     def to_json(self) -> dict[str, Any]:
         """Plain dict: name, p, m, v, lowered and the grid of action strings."""
-        return {"name": self.name, "p": self.p, "m": self.m, "v": self.v,
-                "lowered": self.lowered, "grid": self.grid()}
+        out = {"name": self.name, "p": self.p, "m": self.m, "v": self.v,
+               "lowered": self.lowered, "grid": self.grid()}
+        if self.forward_only:
+            out["forward_only"] = True
+        return out
 
     @staticmethod
     def from_json(data: dict[str, Any]) -> "Schedule":
@@ -276,7 +282,7 @@ class Schedule:
         rows = [[None if cell in (None, "", ".") else Action.parse(cell) for cell in row]
                 for row in data["grid"]]
         return Schedule(data["name"], data["p"], data["m"], data.get("v", 1), tuple(rows),
-                        bool(data.get("lowered", False)))
+                        bool(data.get("lowered", False)), bool(data.get("forward_only", False)))
 
     def __str__(self) -> str:
         from orchestrator.core.schedule.render import render_grid

@@ -7,6 +7,8 @@ Rules, checked in this order (the name is what `ScheduleError.rule` holds):
   comm-in-compute      comm actions only in lowered schedules.
   complete             every (stage, microbatch, chunk) has one F and one
                        backward: a B, or an I and a W (B-or-IW: not both).
+                       A forward_only schedule (evaluation) has every F and
+                       no backward and no OPT at all (rule 'forward-only').
   F-before-B           on each stage, F precedes its B or I.
   I-before-W           on each stage, I precedes its W.
   OPT-last             at most one OPT per stage, after all its backwards.
@@ -73,6 +75,17 @@ def validate(schedule: Schedule) -> None:
 
 
 def _check_complete(schedule: Schedule, where: dict[Action, tuple[int, int]]) -> None:
+    if schedule.forward_only:
+        for a, cell in where.items():
+            if a.kind in (Kind.B, Kind.I, Kind.W, Kind.OPT, Kind.SEND_B, Kind.RECV_B):
+                _fail(schedule, "forward-only", f"{a} in a forward-only schedule", [cell])
+        for s in range(schedule.p):
+            for c in range(schedule.v):
+                for mb in range(schedule.m):
+                    if Action(s, Kind.F, mb, c) not in where:
+                        _fail(schedule, "complete", f"forward {Action(s, Kind.F, mb, c)} is missing "
+                              f"on stage {s}", [])
+        return
     for s in range(schedule.p):
         for c in range(schedule.v):
             for mb in range(schedule.m):
