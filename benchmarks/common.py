@@ -56,12 +56,6 @@ class Size:
     def num_layers(self) -> int:
         return self.blocks + 2
 
-    def flops_per_token_fwd(self) -> int:
-        """Matmul flops of one forward per token (2 per multiply-add), attention scores included."""
-        d, h, v, s = self.d_model, self.d_mlp, self.vocab, self.seq
-        block = 2 * (4 * d * d + 2 * d * h) + 2 * 2 * s * d   # qkvo + mlp + (QK^T, AV) averaged
-        return self.blocks * block + 2 * d * v
-
     def describe(self) -> str:
         return (f"GPT d_model={self.d_model} d_mlp={self.d_mlp} heads={self.heads} vocab={self.vocab} "
                 f"blocks={self.blocks} seq={self.seq}, microbatch {self.mbs} sequences")

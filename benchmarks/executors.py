@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 
 from benchmarks.common import SIZES, fmt, md_table, median
+from benchmarks.formulas import efficiency, overhead_ms
 
 DEFAULT = ("step_calls", 4)
 
@@ -29,7 +30,7 @@ def measure(ec: dict, pin: bool, warmup: int, echo) -> list[dict]:
                 rec["rep"] = rep
                 took = time.perf_counter() - t
                 if rec.get("status") == "ok":
-                    over = (rec["step_s"] - rec["ideal_s"]) / rec["compute_actions_per_stage"] * 1e3
+                    over = overhead_ms(rec["step_s"], rec["ideal_s"], rec["compute_actions_per_stage"])
                     echo(f"  {run['size']:>5} {executor:<14} k={k}  step {rec['step_s'] * 1e3:7.2f} ms  "
                          f"ideal {rec['ideal_s'] * 1e3:7.2f} ms  overhead {over:.3f} ms/action  ({took:.0f} s)")
                 else:
@@ -55,9 +56,9 @@ def derive(records: list[dict]) -> list[dict]:
         out.append({
             "key": [size, sched, m, executor, k], "rounds": len(rs),
             "step_s": median([r["step_s"] for r in rs]), "ideal_s": median([r["ideal_s"] for r in rs]),
-            "efficiency": median([r["ideal_s"] / r["step_s"] for r in rs]),
-            "overhead_ms": median([(r["step_s"] - r["ideal_s"]) / n * 1e3 for r in rs]),
-            "overhead_mean_ms": median([(r["step_s"] - r["ideal_mean_s"]) / n * 1e3 for r in rs]),
+            "efficiency": median([efficiency(r["ideal_s"], r["step_s"]) for r in rs]),
+            "overhead_ms": median([overhead_ms(r["step_s"], r["ideal_s"], n) for r in rs]),
+            "overhead_mean_ms": median([overhead_ms(r["step_s"], r["ideal_mean_s"], n) for r in rs]),
             "vs_default": median(ratios) if ratios else None,
         })
     return out

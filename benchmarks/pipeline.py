@@ -43,6 +43,7 @@ from benchmarks.common import (
     LEARNING_RATE, SIZES, Size, compute_actions_per_stage, critical_path_actions, median, sim_costs,
     span_costs, span_totals, spread,
 )
+from benchmarks.formulas import efficiency
 
 TIMEOUTS = {"init_s": 180.0, "step_s": 180.0, "shutdown_s": 30.0, "jax_distributed_init_s": 30.0}
 
@@ -142,7 +143,7 @@ def measure_pipeline(size: Size, schedule: str, m: int, *, steps: int, warmup: i
         "ideal_s": sim.step_time, "ideal_no_opt_s": sim0.step_time,
         "costs_mean": costs_mean, "ideal_mean_s": simulate(plan.schedule, sim_costs(costs_mean)).step_time,
         "busy_s": [sum(t.get(k, 0.0) for k in ("F", "B", "I", "W")) for t in totals],
-        "efficiency": sim.step_time / step,
+        "efficiency": efficiency(sim.step_time, step),
         "compute_actions_per_stage": compute_actions_per_stage(plan.schedule),
         "critical_path_actions": critical_path_actions(sim, plan.schedule),
         "peak_inflight": list(sim.peak_inflight),

@@ -231,6 +231,8 @@ class BenchProbe(ReshardProbe):
 
         key, shape = tuple(key), tuple(shape)
         sharding = self.sharding()
+        if variant in self.transports:
+            self.transports[variant].expect(self.edge(from_stage), shape, np.float32)
         self._armed.set()
         try:
             if variant in self.transports:

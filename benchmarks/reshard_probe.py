@@ -148,6 +148,12 @@ class ReshardProbe:
         for name, rows in addresses.items():
             self.transports[name].connect(rows)
 
+    def expect(self, shape: Sequence[int], dtype: Any, from_stage: int) -> None:
+        """Let every socket transport accept `shape`/`dtype` from `from_stage` (before it is sent)."""
+        for name in SOCKETS:
+            if name in self.transports:
+                self.transports[name].expect(self.edge(from_stage), tuple(shape), np.dtype(dtype))
+
     def transport_counts(self) -> dict:
         """Per socket transport: payloads sent through shared memory and as streams."""
         return {name: {"shm": t.shm_sends, "stream": t.stream_sends}

@@ -35,7 +35,8 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks import common
+from benchmarks import common, formulas
+from benchmarks.formulas import fb as _fb
 from benchmarks.common import RESULTS, SCHEDULES, SIZES, fmt, md_table, run_child, sim_costs
 
 SECTIONS = ("pipeline", "overhead", "executors", "jax", "torch", "memory")
@@ -78,7 +79,8 @@ All times are medians; a run's first `warmup` steps (compilation) are dropped. p
   timing is reported as a check).
 - **ideal** — `orchestrator.core.schedule.simulate` of the lowered schedule with those costs, OPT included,
   transfers free: the step a runtime with zero orchestration and transfer cost would take.
-- **efficiency** = ideal ÷ step (1.0 = the runtime adds nothing to the schedule's own bubble).
+- **efficiency** = ideal ÷ step (1.0 = the runtime adds nothing to the schedule's own bubble). These
+  formulas (efficiency, overhead, bound, vs plain, of bound) are computed in `benchmarks/formulas.py` only.
 - **overhead per action** = (step − ideal) ÷ N, N = compute actions (F, B, I, W, OPT) in one stage's
   list per step (2m + 1 for gpipe / 1f1b, 3m + 1 for zb-h1, 2mv + 1 interleaved); **per critical-path action**: the same
   excess ÷ the compute actions on the simulated critical path (2m + 3 for 1f1b at p = 2); **with mean
@@ -112,7 +114,7 @@ NOTES = """\
 - Pinning: the executor does not set `WorkerConfig.pin_cpus`; this benchmark's `PipelineExecutor` subclass
   sets stage s → core s mod nproc (`--no-pin` turns it off). Torch ranks are pinned the same way.
 - interleaved-1f1b is tried as a job with 2 chunks per stage; its status is recorded as the runtime reports it.
-- Memory is measured on the actors by the stage worker itself (`stages/worker.py` `_Stash`: bytes per device
+- Memory is measured on the actors by the stage worker itself (`stages/actions.py` `Stash`: bytes per device
   of the residuals and kept output gradients, peak per step) and reported with each step's stats.
 - Finer measurements would need: (a) spans for the step's boundaries (run_step entry/exit and
   `transport.flush`) so the time outside spans is attributed; (b) the SEND span split into pack /
@@ -293,22 +295,20 @@ def best_plain(records: list[dict], size: str, m: int) -> dict | None:
     return min(ok, key=lambda r: r["step_s"]) if ok else None
 
 
-def _fb(c: dict) -> float:
-    return c.get("F", 0.0) + (c["B"] if "B" in c else c.get("I", 0.0) + c.get("W", 0.0))
-
-
 def derive_meshpipe(rec: dict, raw: dict) -> dict:
     """Efficiency, overhead, ratios and the loss breakdown of one pipelined run."""
     step, ideal, m = rec["step_s"], rec["ideal_s"], rec["m"]
-    d = {"efficiency": ideal / step, "overhead_ms": (step - ideal) / rec["compute_actions_per_stage"] * 1e3,
-         "overhead_cp_ms": (step - ideal) / rec["critical_path_actions"] * 1e3, "bound": m / (m + P - 1)}
+    d = {"efficiency": formulas.efficiency(ideal, step),
+         "overhead_ms": formulas.overhead_ms(step, ideal, rec["compute_actions_per_stage"]),
+         "overhead_cp_ms": formulas.overhead_ms(step, ideal, rec["critical_path_actions"]),
+         "bound": formulas.bound(m, P)}
     if "ideal_mean_s" in rec:
-        d["overhead_mean_ms"] = (step - rec["ideal_mean_s"]) / rec["compute_actions_per_stage"] * 1e3
+        d["overhead_mean_ms"] = formulas.overhead_ms(step, rec["ideal_mean_s"], rec["compute_actions_per_stage"])
     plain = best_plain(raw.get("jax", {}).get("records", []), rec["size"], m)
     if plain:
         d["plain_s"], d["plain_cores"] = plain["step_s"], plain["cores"]
-        d["vs_plain"] = plain["step_s"] / step
-        d["of_bound"] = d["vs_plain"] / d["bound"]
+        d["vs_plain"] = formulas.vs_plain(plain["step_s"], step)
+        d["of_bound"] = formulas.of_bound(d["vs_plain"], d["bound"])
         n = min(len(plain["losses"]), len(rec["losses"]))
         d["loss_rel_diff"] = max(abs(a - b) / abs(b) for a, b in zip(rec["losses"][:n], plain["losses"][:n]))
     costs = rec["costs"]
@@ -342,18 +342,19 @@ def derive_torch(rec: dict, raw: dict) -> dict:
     low = lower(generate(rec["schedule"], P, rec["m"]))
     sim = simulate(low, sim_costs(rec["costs"]))
     step = rec["step_s"]
-    d = {"ideal_s": sim.step_time, "efficiency": sim.step_time / step,
-         "overhead_ms": (step - sim.step_time) / common.compute_actions_per_stage(low) * 1e3,
-         "overhead_cp_ms": (step - sim.step_time) / common.critical_path_actions(sim, low) * 1e3,
-         "bound": rec["m"] / (rec["m"] + P - 1)}
+    n = common.compute_actions_per_stage(low)
+    d = {"ideal_s": sim.step_time, "efficiency": formulas.efficiency(sim.step_time, step),
+         "overhead_ms": formulas.overhead_ms(step, sim.step_time, n),
+         "overhead_cp_ms": formulas.overhead_ms(step, sim.step_time, common.critical_path_actions(sim, low)),
+         "bound": formulas.bound(rec["m"], P)}
     if "costs_mean" in rec:
         mean_ideal = simulate(low, sim_costs(rec["costs_mean"])).step_time
-        d["overhead_mean_ms"] = (step - mean_ideal) / common.compute_actions_per_stage(low) * 1e3
+        d["overhead_mean_ms"] = formulas.overhead_ms(step, mean_ideal, n)
     plain = best_plain(raw.get("torch", {}).get("plain", []), rec["size"], rec["m"])
     if plain:
         d["plain_s"], d["plain_cores"] = plain["step_s"], plain["cores"]
-        d["vs_plain"] = plain["step_s"] / step
-        d["of_bound"] = d["vs_plain"] / d["bound"]
+        d["vs_plain"] = formulas.vs_plain(plain["step_s"], step)
+        d["of_bound"] = formulas.of_bound(d["vs_plain"], d["bound"])
     return d
 
 
@@ -493,7 +494,7 @@ def _render_overhead(raw, der) -> list[str]:
              "actions. Target ≤ 0.3 ms per action. The action spans themselves are not free either: *F/B ms* "
              "shows them per stage (for meshpipe they include jit dispatch, the separate gradient-accumulate "
              "call and `block_until_ready`); *SEND ms* is meshpipe's mean SEND span (plan lookup, pack, push). "
-             "Tiny actions' durations are right-skewed (0.3–0.9 ms around a ~0.5 ms median), so an ideal built "
+             "Tiny actions' durations are right-skewed (a long tail above the median), so an ideal built "
              "from median spans undercounts the compute a step really did; *with mean spans* builds the ideal "
              "from each kind's mean span instead (both runtimes), which charges the runtime only for the time "
              "between actions."),

@@ -1,8 +1,8 @@
 """Recycled 64-byte-aligned host buffers for the transports, on the heap or in shared memory.
 
-A fresh 16 MiB buffer costs its page faults (≈1.5 ms measured on the 2-core CI
-machine: more than a third of moving it over loopback TCP), so receivers and
-senders take buffers from a `BufferPool` instead of allocating them.
+A fresh large buffer costs its page faults (a sizable share of moving it over
+loopback TCP; see the README's Benchmarks), so receivers and senders take
+buffers from a `BufferPool` instead of allocating them.
 
 A pooled block is in use while anything but the pool references its memory: each
 `take` hands out a new numpy view of a pool-owned block, and numpy views, and CPU

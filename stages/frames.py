@@ -1,7 +1,15 @@
 """The socket transport's wire format (pure: sockets and numpy, no jax, no ray, no pickle).
 
-  handshake:  the connector sends HELLO = struct "!4sH" (b"MPH1", token length) + token;
-              the listener answers b"\\x01" or drops the connection (hmac.compare_digest).
+  handshake:  mutual challenge-response over per-connection nonces; the run key never
+              crosses the wire (`mac(label, a, b)` = HMAC-SHA256(key, label + a + b)):
+                connector -> listener  HELLO = b"MPH2" + nonce_c (32 random bytes)
+                listener -> connector  CHALLENGE = b"MPC2" + nonce_s + mac(b"server", nonce_c, nonce_s)
+                connector -> listener  PROOF = mac(b"client", nonce_s, nonce_c)
+                listener -> connector  b"\\x01" (or it drops the connection)
+              Each side proves it holds the key over a nonce the other side just chose, so a
+              recorded handshake replayed later fails, and the labels stop a reflected proof.
+              Every message before authentication has a fixed size; the listener drives its
+              half (`ServerHandshake`) without a thread and gives it HANDSHAKE_S seconds.
   frame:      struct "!4sIQ" (b"MPF1", JSON header length, data length), the JSON
               header {"key": [...], "arrays": [[dtype str, shape], ...], ...}, then the
               data: every array's C-order bytes back to back, or a tensor frame's byte
@@ -11,13 +19,17 @@
 
 Arrays are written straight from their memory (strided ones as a gather list of their
 contiguous runs, `sendmsg`) and read straight into their destinations (`recvmsg_into`).
-Every read takes a stop flag and a deadline: nothing blocks forever.
+Every read takes a stop flag and a deadline: nothing blocks forever. A frame that breaks
+the protocol (bad magic, a header that is not the expected JSON, more bytes than allowed)
+raises `PeerError`, before anything is allocated from its header.
 """
 from __future__ import annotations
 
+import hashlib
 import hmac
 import json
 import os
+import secrets
 import socket
 import struct
 import time
@@ -27,14 +39,22 @@ import numpy as np
 
 from orchestrator.core.reshard.tiles import aligned_empty
 
-HELLO = struct.Struct("!4sH")
-HELLO_MAGIC = b"MPH1"
+NONCE = 32
+HELLO = struct.Struct(f"!4s{NONCE}s")
+HELLO_MAGIC = b"MPH2"
+CHALLENGE = struct.Struct(f"!4s{NONCE}s32s")
+CHALLENGE_MAGIC = b"MPC2"
+PROOF = 32              # bytes of an HMAC-SHA256
+HANDSHAKE_S = 5.0       # seconds a connector has to complete the listener's half of the handshake
 FRAME = struct.Struct("!4sIQ")
 FRAME_MAGIC = b"MPF1"
 GRANT = struct.Struct("!4sI")
 GRANT_MAGIC = b"MPG1"
 ACK = b"\x01"
-MAX_HEADER = 1 << 20
+MAX_HEADER = 1 << 20   # bytes of a frame's JSON header
+MAX_GRANT = 64 << 10   # bytes of a grant's JSON
+MAX_FRAME_BYTES = 64 << 20   # data bytes of a frame read into fresh arrays (no destinations given)
+MAX_DIMS = 32
 IOV_MAX = 1024          # buffers per sendmsg / recvmsg_into call (Linux's limit)
 MIN_RUN = 4096          # strided arrays with shorter contiguous runs are copied before sending
 RECV_BATCH = 4 << 20    # bytes of destination views offered to one recvmsg_into call
@@ -43,6 +63,15 @@ MAX_FDS = 250           # file descriptors one grant may carry (Linux: SCM_MAX_F
 
 class FrameError(ConnectionError):
     """A malformed frame or a broken stream."""
+
+
+class PeerError(FrameError):
+    """The peer broke the protocol (garbage, an unexpected tensor, a size not allowed): the
+    receiver closes that one connection and logs why; the run goes on."""
+
+
+class HandshakeRefused(ConnectionRefusedError):
+    """The peer could not prove it holds the run key (or refused our proof)."""
 
 
 # -- frames (pure) -------------------------------------------------------------
@@ -129,6 +158,16 @@ def send_buffers(sock: socket.socket, buffers) -> None:
         i = _advance(views, i, sock.sendmsg(views[i:i + IOV_MAX]))
 
 
+def _poll_timeout(stop, deadline: float | None, what: str) -> None:
+    """After a socket timeout: raise if `stop()` or past `deadline`; with neither given, raise at once."""
+    if stop is not None and stop():
+        raise FrameError("transport closed") from None
+    if deadline is None and stop is None:
+        raise FrameError(f"timed out: {what}") from None
+    if deadline is not None and time.monotonic() > deadline:
+        raise FrameError(f"stream stalled: {what} within the deadline") from None
+
+
 def _recv_views(sock: socket.socket, views: list, stop=None, deadline: float | None = None) -> None:
     """Fill every writable memoryview in `views`, in order (scatter reads, RECV_BATCH bytes offered a call)."""
     views = [v for v in views if v.nbytes]
@@ -141,10 +180,7 @@ def _recv_views(sock: socket.socket, views: list, stop=None, deadline: float | N
         try:
             k = sock.recvmsg_into(views[i:j])[0]
         except TimeoutError:
-            if stop is not None and stop():
-                raise FrameError("transport closed") from None
-            if deadline is not None and time.monotonic() > deadline:
-                raise FrameError(f"stream stalled after {got} bytes within the deadline") from None
+            _poll_timeout(stop, deadline, f"{got} data bytes")
             continue
         if k == 0:
             raise FrameError(f"connection closed mid-frame (after {got} data bytes)")
@@ -156,17 +192,16 @@ def _recv_exact(sock: socket.socket, view: memoryview, stop=None, deadline: floa
                 at_boundary: bool = False) -> bool:
     """Fill `view` from `sock`. Returns False on a clean EOF before the first byte when `at_boundary`.
 
-    A socket timeout re-polls while `stop()` is false and `deadline` (monotonic) is not passed.
+    A socket timeout re-polls while `stop()` is false and `deadline` (monotonic) is not passed
+    (a frame boundary waits for `stop` only); with neither, the first timeout raises.
     """
     got, n = 0, view.nbytes
     while got < n:
         try:
             k = sock.recv_into(view[got:], n - got)
         except TimeoutError:
-            if stop is not None and stop():
-                raise FrameError("transport closed") from None
-            if deadline is not None and time.monotonic() > deadline and not (at_boundary and got == 0):
-                raise FrameError(f"stream stalled: {got} of {n} bytes within the deadline") from None
+            _poll_timeout(stop, None if at_boundary and got == 0 and stop is not None else deadline,
+                          f"{got} of {n} bytes")
             continue
         if k == 0:
             if at_boundary and got == 0:
@@ -176,12 +211,43 @@ def _recv_exact(sock: socket.socket, view: memoryview, stop=None, deadline: floa
     return True
 
 
-def read_frame(sock: socket.socket, stop=None, io_timeout: float = 60.0, destinations=None) -> Frame | None:
+def _header_arrays(header: dict, total: int, max_bytes: int) -> list[tuple[np.dtype, tuple]]:
+    """The (dtype, shape) pairs a plain frame announces, checked before anything is allocated."""
+    metas = header.get("arrays")
+    if not isinstance(metas, list):
+        raise PeerError("frame header has no 'arrays' list")
+    out, want = [], 0
+    for meta in metas:
+        if not (isinstance(meta, list) and len(meta) == 2 and isinstance(meta[0], str)
+                and isinstance(meta[1], list) and len(meta[1]) <= MAX_DIMS
+                and all(type(n) is int and n >= 0 for n in meta[1])):
+            raise PeerError(f"bad array entry {str(meta)[:80]!r} in a frame header")
+        try:
+            dt = np.dtype(meta[0])
+        except TypeError:
+            raise PeerError(f"unknown dtype {meta[0][:40]!r}") from None
+        if dt.hasobject or dt.fields is not None or dt.itemsize == 0:
+            raise PeerError(f"refusing dtype {meta[0][:40]!r}")
+        n = dt.itemsize
+        for d in meta[1]:
+            n *= d
+        want += n
+        if want > max_bytes:
+            raise PeerError(f"frame arrays need more than {max_bytes} bytes")
+        out.append((dt, tuple(meta[1])))
+    if want != total:
+        raise PeerError(f"frame announces {total} data bytes, its arrays hold {want}")
+    return out
+
+
+def read_frame(sock: socket.socket, stop=None, io_timeout: float = 60.0, destinations=None,
+               max_bytes: int = MAX_FRAME_BYTES) -> Frame | None:
     """One frame from `sock`; None on a clean EOF between frames.
 
     `destinations(header)` may return writable memoryviews to read the frame's data into,
-    in order (they must hold exactly its data bytes); None (or no callable) reads the
-    header's "arrays" into fresh 64-byte-aligned arrays.
+    in order (they must hold exactly its data bytes; it may raise `PeerError`); None (or no
+    callable) reads the header's "arrays" into fresh 64-byte-aligned arrays, at most
+    `max_bytes` of them. A frame that breaks the protocol raises `PeerError`.
     """
     fixed = bytearray(FRAME.size)
     if not _recv_exact(sock, memoryview(fixed), stop, None, at_boundary=True):
@@ -189,52 +255,104 @@ def read_frame(sock: socket.socket, stop=None, io_timeout: float = 60.0, destina
     deadline = time.monotonic() + io_timeout       # the rest of a started frame must come in time
     magic, head_len, total = FRAME.unpack(fixed)
     if magic != FRAME_MAGIC or head_len > MAX_HEADER:
-        raise FrameError(f"bad frame header {bytes(fixed)!r}")
+        raise PeerError(f"bad frame header {bytes(fixed)!r}")
     head = bytearray(head_len)
     _recv_exact(sock, memoryview(head), stop, deadline)
-    header = json.loads(head)
+    try:
+        header = json.loads(head)
+    except ValueError:
+        raise PeerError("frame header is not JSON") from None
+    key = header.get("key") if isinstance(header, dict) else None
+    if not (isinstance(key, list) and len(key) <= 16 and all(type(k) in (int, str) for k in key)):
+        raise PeerError("frame header is not an object with a 'key' list of ints and strings")
     views = destinations(header) if destinations is not None else None
     arrays = None
     if views is None:
-        arrays = []
-        for dtype, shape in header["arrays"]:
-            dt = np.dtype(dtype)
-            if dt.hasobject or dt.fields is not None:
-                raise FrameError(f"refusing dtype {dtype}")
-            arrays.append(aligned_empty(tuple(int(n) for n in shape), dt))
+        arrays = [aligned_empty(shape, dt) for dt, shape in _header_arrays(header, total, max_bytes)]
         views = [memoryview(a.reshape(-1).view(np.uint8)) for a in arrays]
     want = sum(v.nbytes for v in views)
     if want != total:
-        raise FrameError(f"frame announces {total} data bytes, its destinations hold {want}")
+        raise PeerError(f"frame announces {total} data bytes, its destinations hold {want}")
     _recv_views(sock, views, stop, deadline)
-    return Frame(tuple(header["key"]), arrays, header)
+    return Frame(tuple(key), arrays, header)
 
 
-def client_handshake(sock: socket.socket, token: bytes) -> None:
-    """Send the run token and wait for the listener's acknowledgement (sock's timeout applies)."""
-    sock.sendall(HELLO.pack(HELLO_MAGIC, len(token)) + token)
-    ack = sock.recv(1)
-    if ack != ACK:
-        raise ConnectionRefusedError("the peer's transport refused the connection (wrong run token?)")
+def _mac(key: bytes, label: bytes, a: bytes, b: bytes) -> bytes:
+    return hmac.new(key, label + a + b, hashlib.sha256).digest()
 
 
-def server_handshake(sock: socket.socket, token: bytes) -> bool:
-    """Check a connector's token (sock's timeout applies); True (and ACK sent) only when it matches."""
-    try:
-        hello = bytearray(HELLO.size)
-        if not _recv_exact(sock, memoryview(hello), at_boundary=True):
-            return False
-        magic, n = HELLO.unpack(hello)
-        if magic != HELLO_MAGIC or n > 1024:
-            return False
-        got = bytearray(n)
-        _recv_exact(sock, memoryview(got))
-        if not hmac.compare_digest(bytes(got), token):
-            return False
-        sock.sendall(ACK)
-        return True
-    except (OSError, FrameError):
-        return False
+def client_handshake(sock: socket.socket, key: bytes, timeout: float = HANDSHAKE_S) -> None:
+    """The connector's half of the handshake (module docstring), within `timeout` seconds.
+
+    Raises:
+      HandshakeRefused: the listener's proof is wrong (it does not hold `key`) or it refused ours.
+      FrameError / OSError: the connection broke or stalled (worth a retry).
+    """
+    deadline = time.monotonic() + timeout
+    nonce_c = secrets.token_bytes(NONCE)
+    sock.sendall(HELLO.pack(HELLO_MAGIC, nonce_c))
+    got = bytearray(CHALLENGE.size)
+    _recv_exact(sock, memoryview(got), deadline=deadline)
+    magic, nonce_s, proof = CHALLENGE.unpack(got)
+    if magic != CHALLENGE_MAGIC or not hmac.compare_digest(proof, _mac(key, b"server", nonce_c, nonce_s)):
+        raise HandshakeRefused("the peer's transport could not prove it holds this run's key")
+    sock.sendall(_mac(key, b"client", nonce_s, nonce_c))
+    ack = bytearray(1)
+    if not _recv_exact(sock, memoryview(ack), deadline=deadline, at_boundary=True) or ack != ACK:
+        raise HandshakeRefused("the peer's transport refused this connection (wrong run key?)")
+
+
+class ServerHandshake:
+    """The listener's half of one connection's handshake on a non-blocking socket, driven
+    by a selector: call `step()` whenever the socket is readable.
+
+    Only fixed-size messages are read (HELLO, then PROOF), so a connector can make the
+    listener hold at most HELLO.size + PROOF bytes; `deadline` (monotonic) is the caller's
+    to enforce (close the socket once it passes).
+    """
+
+    def __init__(self, sock: socket.socket, key: bytes, deadline: float):
+        self.sock, self.key, self.deadline = sock, key, deadline
+        self.buf, self.got = bytearray(HELLO.size), 0
+        self.nonce_c = self.nonce_s = None
+
+    def step(self) -> bool:
+        """Read what has arrived; True once the connector is authenticated (ACK sent).
+
+        Raises:
+          PeerError: the connector broke the protocol or its proof is wrong.
+          OSError: the connection broke.
+        """
+        while True:
+            while self.got < len(self.buf):
+                try:
+                    k = self.sock.recv_into(memoryview(self.buf)[self.got:])
+                except (BlockingIOError, InterruptedError):
+                    return False
+                if k == 0:
+                    raise PeerError(f"closed during the handshake after {self.got} bytes")
+                self.got += k
+            if self.nonce_s is None:
+                magic, self.nonce_c = HELLO.unpack(self.buf)
+                if magic != HELLO_MAGIC:
+                    raise PeerError(f"not a meshpipe handshake: {bytes(self.buf[:8])!r}")
+                self.nonce_s = secrets.token_bytes(NONCE)
+                self._send(CHALLENGE.pack(CHALLENGE_MAGIC, self.nonce_s,
+                                          _mac(self.key, b"server", self.nonce_c, self.nonce_s)))
+                self.buf, self.got = bytearray(PROOF), 0
+                continue
+            if not hmac.compare_digest(bytes(self.buf), _mac(self.key, b"client", self.nonce_s, self.nonce_c)):
+                raise PeerError("wrong handshake proof (not this run's key, or a replay)")
+            self._send(ACK)
+            return True
+
+    def _send(self, data: bytes) -> None:
+        try:
+            n = self.sock.send(data)     # a few bytes into a fresh socket's buffer: never partial
+        except BlockingIOError:
+            n = 0
+        if n != len(data):
+            raise PeerError("the connector does not read its handshake")
 
 
 def send_grant(sock: socket.socket, message: dict, fds: list[int]) -> None:
@@ -248,24 +366,31 @@ def send_grant(sock: socket.socket, message: dict, fds: list[int]) -> None:
         sock.sendall(data[sent:])
 
 
-def read_grant(sock: socket.socket) -> tuple[dict, list[int]]:
-    """(message, received fds) of the next grant on `sock` (its timeout applies)."""
+def read_grant(sock: socket.socket, timeout: float) -> tuple[dict, list[int]]:
+    """(message, received fds) of the next grant on `sock`, within `timeout` seconds in all
+    (the socket's own timeout bounds each read); at most MAX_GRANT bytes of JSON."""
+    deadline = time.monotonic() + timeout
     first, fds, _, _ = socket.recv_fds(sock, GRANT.size, MAX_FDS)
-    if not first:
-        raise FrameError("connection closed while waiting for a grant")
     try:
+        if not first:
+            raise FrameError("connection closed while waiting for a grant")
         fixed = bytearray(GRANT.size)
         fixed[:len(first)] = first
         if len(first) < GRANT.size:
-            _recv_exact(sock, memoryview(fixed)[len(first):])
+            _recv_exact(sock, memoryview(fixed)[len(first):], deadline=deadline)
         magic, n = GRANT.unpack(fixed)
-        if magic != GRANT_MAGIC or n > MAX_HEADER:
-            raise FrameError(f"bad grant header {bytes(fixed)!r}")
+        if magic != GRANT_MAGIC or n > MAX_GRANT:
+            raise PeerError(f"bad grant header {bytes(fixed)!r}")
         body = bytearray(n)
-        _recv_exact(sock, memoryview(body))
-        return json.loads(body), fds
+        _recv_exact(sock, memoryview(body), deadline=deadline)
+        try:
+            message = json.loads(body)
+        except ValueError:
+            raise PeerError("grant is not JSON") from None
+        if not isinstance(message, dict):
+            raise PeerError("grant is not a JSON object")
+        return message, fds
     except BaseException:
         for fd in fds:
             os.close(fd)
         raise
-

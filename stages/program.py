@@ -11,7 +11,8 @@ Invariants:
   - No recompute: the forward returns the VJP residuals. Residuals that are the
     parameters themselves are dropped from the forward's outputs and re-inserted
     from the live params in the backward, so a forward never copies weights
-    (see ARCHITECTURE.md, "the VJP note").
+    (a jitted `jax.vjp` returning its pullback would carry the parameters as
+    outputs: XLA copies every weight per forward).
   - The last stage's forward returns the microbatch loss; its backward seeds the
     cotangent 1/m, so accumulated gradients are those of the mean loss over the
     m microbatches, in microbatch order — exactly what the reference does.
@@ -20,6 +21,7 @@ Invariants:
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any, Sequence
 
 import jax
@@ -27,6 +29,7 @@ import jax.numpy as jnp
 import optax
 
 from stages import sharding
+from stages.residuals import forwarded_params
 from stages.models.base import ModelImpl, init_layer, layer_key
 from orchestrator.core.model.spec import LayerSpec, ModelSpec
 
@@ -40,7 +43,7 @@ class StageProgram:
 
     def __init__(self, spec: ModelSpec, impl: ModelImpl, start: int, stop: int, *,
                  microbatches: int, optimizer: optax.GradientTransformation,
-                 mesh=None, layout: dict | None = None):
+                 mesh=None, layout: dict | None = None, recompute: bool = False):
         self.spec, self.impl = spec, impl
         self.start, self.stop = start, stop
         self.layers: Sequence[LayerSpec] = spec.layers[start:stop]
@@ -48,7 +51,7 @@ class StageProgram:
         self.mesh, self.layout = mesh, dict(layout or {})
         self.m = microbatches
         self.tx = optimizer
-        self._vjp_meta: dict[str, Any] = {}
+        self._vjp_meta: dict[str, Any] = {"recompute": recompute}   # see stages.residuals
         self._build()
 
     # -- shardings ---------------------------------------------------------
@@ -87,6 +90,8 @@ class StageProgram:
                 def f(p, *xs):
                     return self._apply(p, xs[0] if xs else x)
             primals = (params,) if self.first else (params, x)
+            if meta["recompute"]:      # the backward recomputes the forward: keep its inputs only
+                return f(*primals), [x] + ([labels] if self.last else [])
             y, vjp = jax.vjp(f, *primals)
             leaves, treedef = jax.tree.flatten(vjp)
             where = {id(leaf): i for i, leaf in enumerate(jax.tree.leaves(params))}
@@ -95,6 +100,14 @@ class StageProgram:
             return y, [leaf for leaf, s in zip(leaves, slots) if s is None]
 
         def pullback(params, res, dy):
+            if meta["recompute"]:
+                x, labels = res[0], (res[1] if self.last else None)
+                f = (lambda p, *xs: self.impl.loss(self._apply(p, xs[0] if xs else x), labels)) if self.last \
+                    else (lambda p, *xs: self._apply(p, xs[0] if xs else x))
+                with sharding.use(self.mesh, self.layout):
+                    _, vjp = jax.vjp(f, *((params,) if self.first else (params, x)))
+                    grads = vjp(dy)
+                return (None if self.first else grads[1]), grads[0]
             plist, it = jax.tree.leaves(params), iter(res)
             leaves = [plist[s] if s is not None else next(it) for s in meta["slots"]]
             grads = jax.tree.unflatten(meta["treedef"], leaves)(dy)
@@ -117,7 +130,21 @@ class StageProgram:
 
         psh = self.param_shardings() if self.mesh is not None else None
         out_sh = None if self.mesh is None else (self.output_sharding(), None)
-        self.fwd = jax.jit(fwd, out_shardings=out_sh) if self.mesh is not None else jax.jit(fwd)
+        jit_fwd = jax.jit(fwd, out_shardings=out_sh) if self.mesh is not None else jax.jit(fwd)
+
+        def checked_fwd(params, *args):
+            """The first call verifies that no parameter comes back as a residual (stages.residuals)."""
+            if "checked" not in meta:
+                meta["checked"] = True
+                if not meta["recompute"] and forwarded_params(fwd, params, *args):
+                    warnings.warn(f"layers [{self.start}, {self.stop}): this JAX ({jax.__version__}) returns "
+                                  "parameters as VJP residuals, so each forward would copy the weights; "
+                                  "recomputing the forward in the backward instead", RuntimeWarning, stacklevel=2)
+                    meta["recompute"] = True
+                    meta["jit"] = jax.jit(fwd, out_shardings=out_sh) if self.mesh is not None else jax.jit(fwd)
+            return meta.get("jit", jit_fwd)(params, *args)
+
+        self.fwd = checked_fwd
         xsh = None if (self.mesh is None or self.first) else self.input_sharding()
 
         def bwd(params, res, dy):

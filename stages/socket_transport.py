@@ -4,7 +4,10 @@ Same plan, mailbox keys and counters as `RayTransport` (both are `TiledTransport
 only the hop differs. Every actor listens on TCP and, on Linux, on an abstract Unix
 socket; its address is (ip, port, machine, unix name), `machine` being the kernel's
 boot id. A sender reaches a peer on the same machine over the Unix socket, any other
-over TCP; both connections start with the run-token handshake (`stages.frames`).
+over TCP; both connections start with the mutual challenge-response handshake over the
+run key (`stages.frames`). A receiver accepts only tensors it announced (`expect`) and
+checks every frame against its own plan; a peer that breaks the protocol loses its
+connection (`PeerError`, logged), not the run.
 
 Moving one tensor from this host to destination host d (one payload per pair):
   shared memory  (same machine, at least SHM_MIN_BYTES for d): the sender asks d for
@@ -25,18 +28,22 @@ Either way d allocates each distinct destination block once, 64-byte aligned (CP
 `device_put` adopts it without a copy; replicas share it), and when every sending host
 of the key is done, the shards go into the mailbox under `(*key, ASSEMBLED)`.
 
-Every blocking socket operation has a timeout: connects, handshakes and grants
-`io_timeout`, sends `io_timeout` per blocked write; reader threads poll their stop flag
-between frames and give up mid-frame after `io_timeout`.
+Every blocking socket operation has a timeout: handshakes HANDSHAKE_S (the listener
+drives them on one selector thread, see `Listener`), connects and grants `io_timeout`,
+sends `io_timeout` per blocked write; reader threads poll their stop flag between frames
+and give up mid-frame after `io_timeout`.
 """
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import secrets
 import select
+import selectors
 import socket
 import threading
+import time
 import weakref
 
 import numpy as np
@@ -44,15 +51,17 @@ import numpy as np
 from orchestrator.core.reshard.stream import blocks_on, stream_layout
 from stages.bufpool import BufferPool, as_array, shm_block, shm_supported
 from stages.frames import (
+    HANDSHAKE_S,
     Frame,
     FrameError,
+    PeerError,
+    ServerHandshake,
     client_handshake,
     frame_header,
     read_frame,
     read_grant,
     send_buffers,
     send_grant,
-    server_handshake,
 )
 from stages.transport import Edge, TiledTransport
 
@@ -62,6 +71,11 @@ SHM_MIN_BYTES = 1 << 20     # smaller payloads go as streams (a grant costs a ro
 SHM_POOL_BYTES = 4 << 30    # shared-memory destination blocks a receiver keeps
 ASSEMBLED = "assembled"     # last mailbox key element of a fully placed tensor
 COPY_THREADS = 4            # at most this many threads write one payload into shared memory
+MAX_PENDING = 64            # unauthenticated connections a listener holds at once (a new one evicts the oldest)
+MAX_PEERS = 256             # authenticated connections a listener serves
+MAX_ARRIVALS = 4096         # tensors partly arrived at once on one host
+
+log = logging.getLogger(__name__)
 
 
 def machine_id() -> str | None:
@@ -77,84 +91,165 @@ def machine_id() -> str | None:
 
 # -- receiving ---------------------------------------------------------------------
 class Listener:
-    """Accepts token-checked connections (TCP, and Unix when `unix` names an abstract socket);
-    one daemon reader thread per connection reads frames (into `destinations(header)` when
-    that gives views, see `stages.frames.read_frame`) and calls `on_frame(frame, conn)`."""
+    """Accepts authenticated connections (TCP, and Unix when `unix` names an abstract socket)
+    and gives each authenticated peer one daemon reader thread, which reads frames (into
+    `destinations(header)` when that gives views, see `stages.frames.read_frame`) and calls
+    `on_frame(frame, conn)`.
+
+    Before authentication a connection costs no thread: one selector thread accepts and
+    drives every pending handshake (`ServerHandshake`), at most `max_pending` at once (a new
+    one evicts the oldest), each for at most `handshake_s` seconds; at most `max_peers`
+    authenticated connections are served. A peer that breaks the protocol after
+    authenticating (`PeerError`) loses its connection, with the reason logged and counted in
+    `rejected`; any other reader failure goes to `on_error(reason)`. `refused` counts
+    connections dropped before authentication.
+    """
 
     def __init__(self, host: str, token: bytes, on_frame, on_error, io_timeout: float, name: str = "",
-                 destinations=None, unix: str | None = None):
+                 destinations=None, unix: str | None = None, max_pending: int = MAX_PENDING,
+                 max_peers: int = MAX_PEERS, handshake_s: float = HANDSHAKE_S):
         self.token, self.on_frame, self.on_error, self.io_timeout = token, on_frame, on_error, io_timeout
         self.destinations = destinations
         self.name = name
+        self.max_pending, self.max_peers, self.handshake_s = max_pending, max_peers, handshake_s
         self.closed = False
-        self.refused = 0
-        self._conns: list[socket.socket] = []
+        self.refused = self.rejected = 0
+        self._conns: dict[socket.socket, threading.Thread] = {}
+        self._pending: dict[socket.socket, ServerHandshake] = {}    # insertion order = age
         self._lock = threading.Lock()
-        self.socks = [socket.create_server((host, 0), backlog=64)]
+        self.socks = [socket.create_server((host, 0), backlog=128)]
         self.address = (host, self.socks[0].getsockname()[1])
         if unix is not None:
             u = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             u.bind("\0" + unix)
-            u.listen(64)
+            u.listen(128)
             self.socks.append(u)
-        self._threads = []
+        self._selector = selectors.DefaultSelector()
         for sock in self.socks:
-            sock.settimeout(POLL_S)
-            self._threads.append(threading.Thread(target=self._accept, args=(sock,), daemon=True,
-                                                  name=f"{name} accept"))
-            self._threads[-1].start()
+            sock.setblocking(False)
+            self._selector.register(sock, selectors.EVENT_READ, None)
+        self._thread = threading.Thread(target=self._loop, daemon=True, name=f"{name} accept")
+        self._thread.start()
 
-    def _accept(self, sock: socket.socket) -> None:
+    def _drop_pending(self, conn: socket.socket, reason: str) -> None:
+        self._pending.pop(conn, None)
+        try:
+            self._selector.unregister(conn)
+        except (KeyError, ValueError):
+            pass
+        conn.close()
+        self.refused += 1
+        if self.refused <= 5 or self.refused % 1000 == 0:
+            log.warning("%s: dropped an unauthenticated connection (%s; %d so far)", self.name, reason, self.refused)
+
+    def _loop(self) -> None:
         while not self.closed:
             try:
-                conn, _ = sock.accept()
-            except TimeoutError:
-                continue
+                wait = POLL_S
+                if self._pending:
+                    wait = max(0.0, min(wait, next(iter(self._pending.values())).deadline - time.monotonic()))
+                events = self._selector.select(wait)
             except OSError:
                 return
-            conn.settimeout(self.io_timeout)
-            t = threading.Thread(target=self._serve, args=(conn,), daemon=True, name=f"{self.name} reader")
-            with self._lock:
+            for sel_key, _ in events:
+                if sel_key.data is None:
+                    self._accept(sel_key.fileobj)
+                else:
+                    self._step(sel_key.fileobj, sel_key.data)
+            now = time.monotonic()
+            for conn in [c for c, h in self._pending.items() if h.deadline <= now]:
+                self._drop_pending(conn, f"handshake not completed within {self.handshake_s:g} s")
+        for conn in list(self._pending):
+            conn.close()
+        self._pending.clear()
+
+    def _accept(self, sock: socket.socket) -> None:
+        for _ in range(64):            # then let the pending handshakes and deadlines have a turn
+            try:
+                conn, _ = sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:       # out of file descriptors: shed the oldest pending, keep listening
                 if self.closed:
-                    conn.close()
                     return
-                self._conns.append(conn)
-                self._threads.append(t)
-            t.start()
+                if self._pending:
+                    self._drop_pending(next(iter(self._pending)), f"accept failed: {e}")
+                else:
+                    log.warning("%s: accept failed: %s", self.name, e)
+                    time.sleep(POLL_S / 10)
+                return
+            if self.closed:
+                conn.close()
+                return
+            if len(self._pending) >= self.max_pending:
+                self._drop_pending(next(iter(self._pending)), f"more than {self.max_pending} handshakes pending")
+            conn.setblocking(False)
+            shake = ServerHandshake(conn, self.token, time.monotonic() + self.handshake_s)
+            self._pending[conn] = shake
+            self._selector.register(conn, selectors.EVENT_READ, shake)
+
+    def _step(self, conn: socket.socket, shake: ServerHandshake) -> None:
+        try:
+            if not shake.step():
+                return
+        except (OSError, FrameError) as e:
+            self._drop_pending(conn, str(e))
+            return
+        self._pending.pop(conn, None)
+        self._selector.unregister(conn)
+        with self._lock:
+            self._conns = {c: t for c, t in self._conns.items() if t.is_alive()}
+            if self.closed or len(self._conns) >= self.max_peers:
+                conn.close()
+                self.refused += 1
+                log.warning("%s: refused an authenticated connection: %d peers already served",
+                            self.name, len(self._conns))
+                return
+            conn.settimeout(POLL_S)
+            if conn.family != socket.AF_UNIX:
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            t = self._conns[conn] = threading.Thread(target=self._serve, args=(conn,), daemon=True,
+                                                     name=f"{self.name} reader")
+        t.start()
 
     def _serve(self, conn: socket.socket) -> None:
         try:
-            if not server_handshake(conn, self.token):
-                self.refused += 1
-                return
-            if conn.family != socket.AF_UNIX:
-                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn.settimeout(POLL_S)
             stop = lambda: self.closed
             while not self.closed:
                 frame = read_frame(conn, stop, self.io_timeout, self.destinations)
                 if frame is None:
                     return
                 self.on_frame(frame, conn)
+        except PeerError as e:
+            if not self.closed:
+                self.rejected += 1
+                log.warning("%s: closed a peer's connection: %s", self.name, e)
         except Exception as e:  # noqa: BLE001 - a reader must not die silently
             if not self.closed:
                 self.on_error(f"{type(e).__name__}: {e}")
         finally:
             conn.close()
 
+    def threads(self) -> int:
+        """Threads this listener runs now (the selector thread and one reader per live peer)."""
+        with self._lock:
+            return int(self._thread.is_alive()) + sum(t.is_alive() for t in self._conns.values())
+
     def close(self) -> None:
         with self._lock:
             self.closed = True
             conns = list(self._conns)
-        for sock in self.socks + conns:      # shutdown wakes a thread blocked in accept / recv at once
+            threads = list(self._conns.values())
+        for sock in self.socks + conns:      # shutdown wakes a thread blocked in recv at once
             try:
                 sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
             sock.close()
-        for t in self._threads:
+        for t in [self._thread, *threads]:
             if t is not threading.current_thread():
                 t.join(timeout=2 * POLL_S)
+        self._selector.close()
 
 
 class _Shape:
@@ -193,22 +288,36 @@ class _Conn:
         self.address = tuple(address)
         self.lock = threading.Lock()
         self.maps: dict[int, mmap.mmap] = {}
+        self.io_timeout = io_timeout
+        deadline = time.monotonic() + io_timeout
+        while True:   # a listener under a flood may evict a pending handshake: retry until io_timeout
+            try:
+                self.sock = self._open(token, min(io_timeout, HANDSHAKE_S), unix)
+                break
+            except (FrameError, ConnectionResetError, BrokenPipeError, TimeoutError, BlockingIOError):
+                # (a Unix connect whose backlog is full fails with EAGAIN at once)
+                if time.monotonic() + 0.1 > deadline:
+                    raise
+                time.sleep(0.1)
+        self.unix = unix is not None
+
+    def _open(self, token: bytes, timeout: float, unix: str | None) -> socket.socket:
         if unix is None:
-            sock = socket.create_connection(self.address[:2], timeout=io_timeout)
+            sock = socket.create_connection(self.address[:2], timeout=timeout)
         else:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             if unix is None:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             else:
-                sock.settimeout(io_timeout)
+                sock.settimeout(timeout)
                 sock.connect("\0" + unix)
-            client_handshake(sock, token)
+            client_handshake(sock, token, timeout)
+            sock.settimeout(self.io_timeout)
         except BaseException:
             sock.close()
             raise
-        self.sock = sock
-        self.unix = unix is not None
+        return sock
 
     def send(self, buffers) -> None:
         with self.lock:
@@ -217,9 +326,12 @@ class _Conn:
     def grant(self, request: bytes) -> dict:
         """Send a grant request and read the answer; maps newly granted blocks. Call with `lock` held."""
         send_buffers(self.sock, [request])
-        message, fds = read_grant(self.sock)
+        message, fds = read_grant(self.sock, self.io_timeout)
         try:
-            sizes = {int(b): int(n) for b, n in message.get("new", [])}
+            try:
+                sizes = {int(b): int(n) for b, n in message.get("new", [])}
+            except (TypeError, ValueError):
+                raise PeerError("grant lists its new blocks wrongly") from None
             if len(sizes) != len(fds):
                 raise FrameError(f"grant announces {len(sizes)} new blocks, carries {len(fds)} descriptors")
             for (block, nbytes), fd in zip(sizes.items(), fds):
@@ -288,16 +400,23 @@ class SocketTransport(TiledTransport):
                                  name=f"transport host {me}", destinations=self._destinations, unix=unix)
         self.address = (*self.listener.address, self.machine, unix)
 
+    def expect(self, edge: Edge, shape, dtype) -> None:
+        """Accept tensors of `shape`/`dtype` from `edge.stage` along `edge` (call before the
+        peers send). A tensor frame that matches no expected tensor closes its connection:
+        a receiver allocates only what its own plan says."""
+        memo = (edge.stage, tuple(edge.axes), tuple(int(n) for n in shape), np.dtype(dtype).str)
+        self._incoming[memo] = self._plan(edge, False, memo[2], np.dtype(dtype))
+
     # -- receiving (reader threads) ---------------------------------------------------
-    def _incoming_plan(self, tensor: dict):
-        memo = (tensor["stage"], tuple(tensor["axes"]), tuple(tensor["shape"]), tensor["dtype"])
-        plan = self._incoming.get(memo)
+    def _incoming_plan(self, tensor):
+        """The plan of an expected tensor a frame names (see `expect`); PeerError otherwise."""
+        try:
+            memo = (tensor["stage"], tuple(tensor["axes"]), tuple(tensor["shape"]), tensor["dtype"])
+            plan = self._incoming.get(memo)
+        except (TypeError, KeyError):
+            plan = None
         if plan is None:
-            stage = tensor["stage"]
-            if not isinstance(stage, int) or not 0 <= stage < len(self.geoms):
-                raise FrameError(f"tensor frame from unknown stage {stage!r}")
-            edge = Edge(stage, self.geoms[stage], memo[1])
-            plan = self._incoming[memo] = self._plan(edge, False, memo[2], np.dtype(memo[3]))
+            raise PeerError(f"tensor frame {str(tensor)[:200]} matches no tensor this host expects")
         return plan
 
     def _layout(self, plan, src: int, dst: int):
@@ -325,39 +444,40 @@ class SocketTransport(TiledTransport):
         return got
 
     def _arrival(self, key: tuple, plan, shm: bool) -> tuple[tuple, int, _Arrival]:
-        base, src = key[:-1], key[-1]
-        if src not in plan.sends:
-            raise FrameError(f"{key}: host {src} is not a source host of this edge")
+        base, src = key[:-1], key[-1] if key else None
+        if src not in plan.sends or not plan.sends[src].get(self.me):
+            raise PeerError(f"{key}: host {src} sends nothing to this host on this edge")
         with self._arrivals_lock:
             arrival = self._arrivals.get(base)
             if arrival is None:
+                if len(self._arrivals) >= MAX_ARRIVALS:
+                    raise PeerError(f"{key}: more than {MAX_ARRIVALS} tensors partly arrived")
                 arrival = self._arrivals[base] = _Arrival(self._shape(plan), self.pool, self.shm if shm else None)
         return base, src, arrival
 
     def _destinations(self, header: dict):
         """A tensor frame's stream lands in its places in the destination blocks."""
-        if header.get("shm"):              # grant requests and "done" notes carry no data
+        if header.get("shm") in ("request", "done"):   # grant requests and "done" notes carry no data
             return []
         tensor = header.get("tensor")
         if tensor is None:
-            return None
+            raise PeerError(f"frame {str(header)[:200]} is neither a tensor, a grant request nor a 'done'")
         plan = self._incoming_plan(tensor)
         _, src, arrival = self._arrival(tuple(header["key"]), plan, shm=False)
         views = arrival.views
         return [views[b][off:off + n] for b, off, n in self._layout(plan, src, self.me)[1]]
 
     def _on_frame(self, frame: Frame, conn: socket.socket) -> None:
-        shm = frame.header.get("shm")
-        if shm == "request":
+        if not frame.key:
+            raise PeerError("frame with an empty key")
+        if frame.header.get("shm") == "request":
             self._grant(frame, conn)
-        elif shm == "done" or "tensor" in frame.header:
+        else:                     # a "done" or a tensor frame read into place (`_destinations`)
             self._landed(frame.key[:-1], frame.key[-1])
-        else:
-            self.inbox.put(frame.key, frame.arrays)
 
     def _grant(self, frame: Frame, conn: socket.socket) -> None:
         """Answer a same-machine sender: this tensor's shared-memory blocks (fds for new ones)."""
-        plan = self._incoming_plan(frame.header["tensor"])
+        plan = self._incoming_plan(frame.header.get("tensor"))
         _, _, arrival = self._arrival(frame.key, plan, shm=True)
         if arrival.shm_ids is None or conn.family != socket.AF_UNIX:
             send_grant(conn, {"blocks": None}, [])
@@ -371,7 +491,9 @@ class SocketTransport(TiledTransport):
 
     def _landed(self, base: tuple, src: int) -> None:
         with self._arrivals_lock:
-            arrival = self._arrivals[base]
+            arrival = self._arrivals.get(base)
+            if arrival is None or src not in arrival.waiting:
+                raise PeerError(f"{(*base, src)}: nothing of this tensor is awaited from host {src}")
             arrival.waiting.discard(src)
             done = not arrival.waiting and self._arrivals.pop(base, None) is not None
         if done:

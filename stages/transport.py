@@ -14,8 +14,8 @@ No host ever gathers the whole tensor unless its own shards are the whole tensor
 
 `Transport` is the interface the worker uses; `TiledTransport` holds the plan/pack/
 assemble part every tile transport shares, `RayTransport` ships with Ray calls and
-`stages.socket_transport.SocketTransport` (opt-in, cluster `transport: socket`) with
-framed TCP streams. A faster transport (e.g. NCCL between GPU hosts) can replace
+`stages.socket_transport.SocketTransport` (the default, cluster `transport: socket`) with
+framed streams over TCP or Unix sockets and shared memory on one machine. A faster transport (e.g. NCCL between GPU hosts) can replace
 them without touching the plan.
 """
 from __future__ import annotations
@@ -57,6 +57,10 @@ class Transport:
 
     def flush(self, timeout: float) -> None:
         raise NotImplementedError
+
+    def expect(self, edge: Edge, shape: tuple, dtype) -> None:
+        """Announce a tensor that may arrive along `edge` (before any peer sends it). A transport
+        that reads headers from the network accepts only announced tensors; the default ignores it."""
 
     @staticmethod
     def from_host(arr: np.ndarray, sharding):
@@ -139,8 +143,8 @@ class TiledTransport(Transport):
 
     def recv_operand(self, key, shape, dtype, sharding, edge, timeout):
         """The tensor `key` in the cheapest form a jitted program takes: when this stage's whole
-        mesh is one device, the numpy array itself (jit moves it in C++: measured 14 µs, against
-        ~150 µs for a Python `device_put` + `make_array`); otherwise `recv`'s jax.Array."""
+        mesh is one device, the numpy array itself (jit moves it in C++, far cheaper than a Python
+        `device_put` + `make_array`; figures in the README's Benchmarks); otherwise `recv`'s jax.Array."""
         local = self._local_shards(key, shape, dtype, edge, timeout)
         if self.single_device:
             return local[self.local[0][0]]

@@ -24,6 +24,8 @@ Basic flow (driven by `orchestrator.driver.executor`):
      runs the forward-only eval list (`orchestrator.core.schedule.forward_only`) on the
      eval batches and returns their losses (`_with_eval`).
   5. `param_norms()`, `data_state()`, `shutdown()`.
+Hooks (`stages.hooks.WorkerHook`, from `WorkerConfig.hooks`) run at the start of
+`setup` and of every step: the extension point for profilers and the tests' faults.
 Actors make no scheduling decisions: the action list is the plan's.
 All hosts of a stage execute the same actions in the same order (SPMD).
 """
@@ -66,8 +68,7 @@ class WorkerConfig:
     geoms: tuple = ()               # orchestrator.core.edges.StageGeom of every stage (peers' meshes/layouts)
     chunks: tuple[tuple[int, int], ...] = ()   # layer range per virtual chunk; () means (layers,)
     pin_cpus: bool = False          # pin this process to core (cluster_host mod cores) before jax loads
-    fail_setup: str | None = None   # test-only fault injection: setup raises this message
-    fail_step: int | None = None    # test-only fault injection: this step raises at its start
+    hooks: tuple = ()               # stages.hooks.WorkerHook objects, called at setup and each step's start
     transport: str = "ray"          # "ray" (actor calls) or "socket" (stages.socket_transport)
     transport_token: bytes | None = field(default=None, repr=False)   # per-run secret for "socket"
     eval_actions: tuple[str, ...] = ()   # this stage's forward-only eval list (data.eval), else ()
@@ -107,20 +108,21 @@ class StageWorker:
 
     # -- lifecycle ---------------------------------------------------------
     def coordinator_address(self) -> str:
-        """host 0 of a multi-host stage: pick a free port for this stage's JAX world."""
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
+        """host 0 of a multi-host stage: pick a free port on the node address for this stage's
+        JAX world (its coordinator binds only there; `stages.jaxinit` checks it got the port)."""
         import ray
 
         ip = ray.util.get_node_ip_address()
-        return f"{ip}:{port}"
+        with socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET) as s:
+            s.bind((ip, 0))
+            port = s.getsockname()[1]
+        return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
 
     def setup(self, coordinator: str | None = None) -> dict:
         cfg = self.cfg
         t0 = time.perf_counter()
-        if cfg.fail_setup:
-            raise RuntimeError(f"{cfg.who}: {cfg.fail_setup}")
+        for hook in cfg.hooks:
+            hook.on_setup(cfg)
         import jax
 
         from stages.telemetry import watch_compiles
@@ -191,6 +193,10 @@ class StageWorker:
                 after % p, cfg.geoms[after % p], tuple(cfg.spec.layers[stop - 1].out_axes)))
             self.in_shape.append((mbs, *cfg.spec.layers[start - 1].out_shape) if start > 0 else None)
             self.out_shape.append((mbs, *cfg.spec.layers[stop - 1].out_shape))
+            if self.edge_in[c] is not None:       # what may arrive: activations in, gradients back
+                self.transport.expect(self.edge_in[c], self.in_shape[c], np.float32)
+            if self.edge_out[c] is not None:
+                self.transport.expect(self.edge_out[c], self.out_shape[c], np.float32)
 
     def _open_data(self) -> None:
         """Loaders for this host's rows: inputs on the first stage, labels on the last (else none)."""
@@ -315,8 +321,8 @@ class StageWorker:
     def _begin(self, step: int) -> StepState:
         if self.inbox.closed:
             raise RuntimeError(f"{self.cfg.who}: not starting step {step}: {self.inbox.closed}")
-        if self.cfg.fail_step == step:
-            raise RuntimeError(f"{self.cfg.who}: injected step failure (MESHPIPE_TEST_FAIL_STEP)")
+        for hook in self.cfg.hooks:
+            hook.on_step(self.cfg, step)
         self._pin_thread()
         st = StepState(step, self.cfg.timeouts.get("step_s", 600.0))
         if self.loader is not None:

@@ -78,7 +78,7 @@ def no_leaks(ray_local):
     wait_until(lambda: not live_placement_groups(), 30, "all placement groups to be removed")
 
 
-QUICK_SKIPS = ("ray", "multinode", "slow", "gpu", "tpu")
+QUICK_SKIPS = ("ray", "multinode", "flood", "slow", "gpu", "tpu")
 
 
 def pytest_addoption(parser):

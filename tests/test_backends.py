@@ -218,8 +218,8 @@ def test_gpu_placement():
         assert "CUDA_VISIBLE_DEVICES" not in h.env and "XLA_FLAGS" not in h.env   # Ray sets CUDA_VISIBLE_DEVICES
         assert h.jax_init == JaxInit("explicit", 2, i, tuple(range(8)))
     assert JaxInit("explicit", 2, 1, tuple(range(8))).kwargs("10.0.0.1:1234", 30) == {
-        "coordinator_address": "10.0.0.1:1234", "num_processes": 2, "process_id": 1,
-        "local_device_ids": list(range(8)), "initialization_timeout": 30}
+        "coordinator_address": "10.0.0.1:1234", "coordinator_bind_address": "10.0.0.1:1234",
+        "num_processes": 2, "process_id": 1, "local_device_ids": list(range(8)), "initialization_timeout": 30}
 
 
 def test_tpu_whole_slice_placement():

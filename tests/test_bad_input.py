@@ -306,6 +306,82 @@ def test_output_dir_with_nul_refused():
     has_all(error_of(load_job, GPT, ['run.output_dir="runs\\0x"']), "run.output_dir", "NUL")
 
 
+# ----------------------------------------------------------------------------- 12. values that fail late
+
+@pytest.mark.parametrize("sets,needles", [
+    (["optimizer.args.learning_rate=.inf"], ["optimizer.args.learning_rate", "inf", "finite"]),
+    (["optimizer.args.learning_rate=1e308"], ["optimizer.args.learning_rate", "1e+308", "at most 100"]),
+    (["optimizer.args.b1=.nan"], ["optimizer.args.b1", "nan", "finite"]),
+    (["optimizer.name=identity", "optimizer.args={}"], ["optimizer.name", "'identity'", "gradient ascent"]),
+    (["optimizer.name=scale_by_adam", "optimizer.args={}"], ["optimizer.name", "'scale_by_adam'", "learning_rate"]),
+    ([f"run.seed={2**64}"], ["run.seed", str(2**64), "less than or equal to 4294967295"]),
+    ([f"run.steps={10**12}"], ["run.steps", str(10**12), "less than or equal to 1000000000"]),
+    ([f"data.global_batch={2**40}"], ["data.global_batch", str(2**40), "cannot fit", "global batch"]),
+    (["data.source=synthetic", "data.path=null", "data.seq_len=1048576", "data.global_batch=4096"],
+     ["pipeline.stages[", "cannot fit", "each device needs at least"]),
+    (["model.args.d_model=2097152", "model.args.d_mlp=2097152", "model.args.heads=4"],
+     ["pipeline.stages[", "cannot fit", "parameters"]),
+    (['run.name="a\\x07b"'], ["run.name", "U+0007", "printable"]),
+    (['pipeline.stages[0].mesh={"da\\x1bta": 2}'], ["pipeline.stages[0].mesh", "control characters"]),
+])
+def test_values_that_would_fail_late_are_refused_at_plan_time(local, sets, needles):
+    """Each passed the schema before and failed on the actors (or trained garbage); now
+    `check_job` refuses it with key, value and rule (no Ray involved)."""
+    def plan():
+        return check_job(load_job(GPT, sets), local)
+    has_all(error_of(plan), *needles)
+
+
+def test_a_model_larger_than_any_device_is_refused_on_a_remote_cluster_too(local):
+    """13 trillion parameters: without the machine's memory to compare (a running cluster),
+    the bound is the largest accelerator memory there is."""
+    cluster = parse_cluster({**local.to_dict(), "address": "auto", "num_cpus": None})
+    job = load_job(GPT, ["model.args.d_model=1048576", "model.args.d_mlp=1048576", "model.args.blocks=2"])
+    has_all(error_of(check_job, job, cluster), "cannot fit", "the most any device has")
+
+
+def _text_job(path) -> list[str]:
+    return [f"data.path={json.dumps(str(path))}"]
+
+
+def test_data_path_must_be_a_long_enough_regular_file_inside_its_directory(tmp_path, local):
+    short = write(tmp_path, "short.txt", "x" * 20)                  # seq_len 32: not one window
+    has_all(error_of(check_job, load_job(GPT, _text_job(short)), local), "data.path", "holds 20 bytes")
+    has_all(error_of(check_job, load_job(GPT, _text_job(tmp_path)), local), "data.path", "is a directory")
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    has_all(error_of(check_job, load_job(GPT, _text_job(fifo)), local), "data.path", "FIFO")
+    has_all(error_of(check_job, load_job(GPT, _text_job("/dev/zero")), local), "data.path", "character device")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    secret = write(outside, "secret.txt", "s" * 100)
+    jobdir = tmp_path / "job"
+    jobdir.mkdir()
+    (jobdir / "data.txt").symlink_to(secret)
+    has_all(error_of(check_job, load_job(GPT, _text_job(jobdir / "data.txt")), local), "data.path",
+            "is a symlink to", str(secret), f"outside {jobdir}")
+    (jobdir / "inside.txt").symlink_to(write(jobdir, "real.txt", "r" * 100))   # a link within is fine
+    check_job(load_job(GPT, _text_job(jobdir / "inside.txt")), local)
+
+
+@pytest.mark.parametrize("where", ["job", "cluster"])
+@pytest.mark.parametrize("bad,needle", [(b"\x01", "control character U+0001"), (b"\xff", "invalid utf-8"),
+                                        (b"\x1b[31m", "control character U+001B")])
+def test_control_characters_and_invalid_utf8_in_yaml_give_file_line_column(tmp_path, where, bad, needle):
+    src = GPT if where == "job" else LOCAL
+    lines = src.read_bytes().split(b"\n")
+    n = next(i for i, line in enumerate(lines) if line and not line.startswith(b"#"))
+    lines[n] = lines[n] + b"  # " + bad
+    path = tmp_path / f"{where}.yaml"
+    path.write_bytes(b"\n".join(lines))
+    col = len(lines[n]) - len(bad) + 1
+    has_all(error_of(load_job if where == "job" else load_cluster, path), f"{path}:{n + 1}:{col}", needle)
+
+
+def test_control_character_in_a_set_value_is_a_clear_error():
+    has_all(error_of(load_job, GPT, ["run.name=a\x01b"]), "run.name", "U+0001", ":1:2")
+
+
 # ----------------------------------------------------------------------------- the CLI: refused before ray
 
 BATCH = """

@@ -13,6 +13,7 @@ from orchestrator.core.plan import make_plan, plan_json
 from orchestrator.driver.runner import run_job
 from orchestrator.driver.waiting import StageFailure
 from tests.conftest import ROOT
+from tests.faults import FailSetup, FailStep
 
 CALL = ("import sys; from orchestrator.driver.cli import main\n"
         "try:\n    main(sys.argv[1:])\n"
@@ -80,27 +81,25 @@ def test_cli_run_on_embedded_ray_writes_summary(tmp_path, example, run_name):
 
 
 @pytest.mark.ray
-def test_failed_setup_names_stage_and_leaves_nothing(tmp_path, no_leaks, monkeypatch):
-    monkeypatch.setenv("MESHPIPE_TEST_FAIL_SETUP", "1:0")
+def test_failed_setup_names_stage_and_leaves_nothing(tmp_path, no_leaks):
     checked = check_job(parse_job(_mlp_job(tmp_path, "fails", 1, data=2)),
                         parse_cluster({"hosts": 4, "devices_per_host": 2}))
     with pytest.raises(StageFailure, match="stage 1 host 0.*injected setup failure"):
-        run_job(checked, echo=lambda s: None)
+        run_job(checked, echo=lambda s: None, hooks=[FailSetup(stage=1, host=0)])
 
 
 @pytest.mark.ray
 @pytest.mark.parametrize("executor", ["step_calls", "compiled_graph", "action_calls"])
-def test_failed_step_fails_fast_everywhere_and_leaves_nothing(tmp_path, no_leaks, monkeypatch, executor):
+def test_failed_step_fails_fast_everywhere_and_leaves_nothing(tmp_path, no_leaks, executor):
     """Stage 1 raises at the start of step 2; stage 0, waiting for its tensors, is told at once
     (`abort_step`), so the run ends long before the 120 s step deadline, naming the cause."""
     import time
 
-    monkeypatch.setenv("MESHPIPE_TEST_FAIL_STEP", "1:0:2")
     checked = check_job(parse_job(_mlp_job(tmp_path, f"fails-{executor}", 6, data=1)), parse_cluster(
         {"hosts": 2, "devices_per_host": 1, "executor": executor, "timeouts": {"step_s": 120}}))
     t0 = time.monotonic()
-    with pytest.raises(StageFailure, match="injected step failure"):
-        run_job(checked, echo=lambda s: None)
+    with pytest.raises(StageFailure, match="stage 1 host 0: injected step failure at step 2"):
+        run_job(checked, echo=lambda s: None, hooks=[FailStep(stage=1, host=0, step=2)])
     assert time.monotonic() - t0 < 60
 
 

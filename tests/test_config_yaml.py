@@ -126,7 +126,7 @@ def test_parse_rejects_non_mapping():
 # ----------------------------------------------------------------------------- properties
 
 # Strings such as "1e5" are excluded: PyYAML's dumper writes them unquoted and the safe
-# loader (like YAML 1.2) reads them back as floats; see orchestrator/safe_yaml.py.
+# loader (like YAML 1.2) reads them back as floats; see orchestrator/core/safe_yaml.py.
 _CHARS = st.characters(exclude_categories=("Cc", "Cs", "Zl", "Zp"))  # PyYAML's dumper mangles these
 _EXP_FLOAT = re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$")
 

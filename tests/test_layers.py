@@ -1,4 +1,4 @@
-"""The import rule (README, "Where things live"): three layers, imports in one direction.
+"""The import rule (README, "How it works"): three layers, imports in one direction.
 
   orchestrator.core    pure description and planning: imports neither ray, nor
                        stages, nor orchestrator.driver (not even inside a function)
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -112,3 +113,27 @@ def test_pure_packages_import_neither_ray_nor_jax():
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout.strip().splitlines()[-1]) == []
+
+
+# -- no test switches in the product ------------------------------------------------------------
+# Tests inject faults through the worker hook interface (`stages.hooks`, `tests/faults.py`);
+# an environment switch read by product code (the old MESHPIPE_TEST_FAIL_*) must not come back.
+TEST_SWITCH = re.compile(r"MESHPIPE_TEST_\w*")
+
+
+def switches_in(source: str) -> list[str]:
+    return sorted(set(TEST_SWITCH.findall(source)))
+
+
+def test_product_code_reads_no_test_switches():
+    bad = [f"{p.relative_to(ROOT)}: {name}" for _, p in package_modules() for name in switches_in(p.read_text())]
+    assert bad == [], "test-only switches in product code (use a stages.hooks.WorkerHook in tests/):\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("source, found", [
+    ('target = os.environ.get("MESHPIPE_TEST_FAIL_STEP", "")\n', ["MESHPIPE_TEST_FAIL_STEP"]),
+    ('if os.getenv("MESHPIPE_TEST_SLOW"):\n    pass\n', ["MESHPIPE_TEST_SLOW"]),
+    ('for hook in cfg.hooks:\n    hook.on_step(cfg, step)\n', []),
+])
+def test_the_switch_check_catches_an_env_read(source, found):
+    assert switches_in(source) == found

@@ -18,6 +18,7 @@ from orchestrator.core.config import check_job, parse_cluster, parse_job
 from orchestrator.driver.runner import run_job
 from orchestrator.driver.waiting import StageFailure
 from tests.conftest import _address, free_port, wait_until
+from tests.faults import FailSetup
 
 pytestmark = pytest.mark.multinode
 
@@ -101,11 +102,10 @@ def test_two_host_stage_matches_reference_and_spans_nodes(cluster, tmp_path):
     wait_until(_pgs_gone, 30, "the placement group to be removed")
 
 
-def test_peer_that_fails_to_start_fails_fast_and_cleans_up(cluster, tmp_path, monkeypatch):
-    monkeypatch.setenv("MESHPIPE_TEST_FAIL_SETUP", "0:1")
+def test_peer_that_fails_to_start_fails_fast_and_cleans_up(cluster, tmp_path):
     checked = check_job(parse_job(job(tmp_path, name="gpt-badpeer", steps=1)), parse_cluster(CLUSTER))
     with pytest.raises(StageFailure) as err:
-        run_job(checked, echo=lambda s: None)
+        run_job(checked, echo=lambda s: None, hooks=[FailSetup(stage=0, host=1)])
     text = str(err.value)
     assert "stage 0 host 1" in text and "injected setup failure" in text
     wait_until(lambda: _actors_gone("gpt-badpeer"), 30, "the failed run's actors to exit")

@@ -106,6 +106,7 @@ def move(probes: Probes, name: str, direction: str, seed: int, via: str) -> None
     src, dst = (0, 1) if direction == "forward" else (1, 0)
     (src_geom, senders), (dst_geom, receivers) = (geoms[src], actors[src]), (geoms[dst], actors[dst])
     key = (seed, direction, 0)
+    ray.get([x.expect.remote(SHAPE, dtype, src) for x in receivers], timeout=TIMEOUT)
     recvs = [x.recv.remote(key, SHAPE, dtype, src, TIMEOUT, via) for x in receivers]
     sends = [x.send.remote(key, seed, SHAPE, dtype, dst, TIMEOUT, via) for x in senders]
     sent, got = ray.get(sends, timeout=TIMEOUT), ray.get(recvs, timeout=TIMEOUT)

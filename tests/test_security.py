@@ -460,3 +460,24 @@ def test_docstring_examples(module):
 
     result = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0
+
+
+@pytest.mark.parametrize("address,sent,warned", [
+    ("http://10.0.0.5:8265", True, True), ("10.0.0.5:8265", True, True), ("https://10.0.0.5:8265", True, False),
+    ("http://127.0.0.1:8265", True, False), ("http://localhost:8265", True, False),
+    ("http://10.0.0.5:8265", False, False)])
+def test_submit_warns_before_the_token_goes_over_plain_http(address, sent, warned, caplog, monkeypatch):
+    from orchestrator.driver import jobs
+
+    msg = jobs.cleartext_token_warning(address, sent)
+    assert (msg is not None) == warned
+    if warned:
+        assert "plain http" in msg and "10.0.0.5" in msg and RAY_TOKEN not in msg
+        monkeypatch.setenv("RAY_AUTH_TOKEN", RAY_TOKEN)
+        with caplog.at_level(logging.WARNING, logger="meshpipe"):
+            try:
+                jobs.client("http://meshpipe-no-such-host.invalid:8265")   # fails at once, after warning
+            except jobs.JobsError:
+                pass
+        assert "goes to meshpipe-no-such-host.invalid over plain http" in caplog.text
+        assert RAY_TOKEN not in caplog.text

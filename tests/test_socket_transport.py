@@ -157,6 +157,7 @@ def test_same_machine_peers_share_memory_and_fall_back_to_tcp(unix_reachable):
             t.connect([[a.address], [addr_b]])
         axes = ("batch", "embed")
         x = np.arange(64 * 32, dtype=np.float32).reshape(64, 32)
+        b.expect(Edge(0, geoms[0], axes), x.shape, np.float32)
         a.send((0, "F", 0, 0), jax.device_put(x, sharding), Edge(1, geoms[1], axes))
         got = b.recv((0, "F", 0, 0), x.shape, np.float32, sharding, Edge(0, geoms[0], axes), timeout=5)
         np.testing.assert_array_equal(np.asarray(got), x)

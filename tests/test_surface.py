@@ -152,6 +152,23 @@ def impl(s):
     return builtin(s)
 
 
+def broken(args, seq_len=None):
+    return dataclasses.replace(mlp.spec(args, seq_len=seq_len), name="broken", impl="mymodel:broken_impl")
+
+
+def broken_impl(s):
+    """A bug inside stage 1's model code (block2), as a user would write one."""
+    from stages.models.base import ModelImpl
+    from stages.models.mlp_impl import impl as builtin
+    base = builtin(s)
+
+    def apply(layer, p, x):
+        if layer.name == "block2":
+            return x.shape[5]
+        return base.apply(layer, p, x)
+    return ModelImpl(apply=apply, loss=base.loss)
+
+
 def empty(args, seq_len=None):
     layers = tuple(LayerSpec(f"id{i}", "identity", {}, ("batch", "embed"), (8,)) for i in range(2))
     return ModelSpec("empty", layers, "mymodel:impl", (8,), "float32", ("batch", "embed"), (8,), "float32")
@@ -239,22 +256,23 @@ def test_progress_bar_fits_an_80_column_terminal(tmp_path):
 # -- a stage error, through the CLI: cause, traceback, error.txt; then no silent overwrite -------
 @pytest.mark.ray
 def test_a_stage_error_shows_where_and_its_traceback_and_the_run_is_not_overwritten(tmp_path):
-    sets = ["--set", "run.steps=6", "--set", f"run.output_dir={tmp_path}", "--set", "run.name=fails"]
-    out = cli("run", "examples/mlp.yaml", *sets, env={**ENV, "MESHPIPE_TEST_FAIL_STEP": "1:0:5"}, timeout=300)
+    """A bug in the user's model code on stage 1 (IndexError in block2's apply)."""
+    job = _own_model_job(tmp_path, "mymodel:broken", steps=3, name="fails")
+    out = cli("run", str(job), cwd=tmp_path, timeout=300)
     assert out.returncode == 1, out.stdout + out.stderr
     err = out.stderr
-    assert "run failed:" in err and "injected step failure" in err
-    assert re.search(r"where: stage \d host 0 \(pid \d+, node [\d.]+, in StageWorker\.run_steps\)", err), err
-    assert "stage traceback" in err and 'stages/worker.py", line' in err       # the actor's own frames
+    assert "run failed:" in err and "IndexError: tuple index out of range" in err
+    assert re.search(r"where: stage 1 host 0 \(pid \d+, node [\d.]+, in StageWorker\.\w+\)", err), err
+    assert "stage traceback" in err and 'mymodel.py", line' in err and "x.shape[5]" in err  # the actor's frames
     assert "Traceback (most recent call last)" not in err                       # no driver traceback
-    assert len(err.splitlines()) <= 40                                          # one screen
-    run_dir = tmp_path / "fails"
+    assert len(err.splitlines()) <= 40, err                                     # one screen
+    run_dir = tmp_path / "runs" / "fails"
     full = (run_dir / "error.txt").read_text()
-    assert "injected step failure" in full and 'stages/worker.py", line' in full
+    assert "IndexError: tuple index out of range" in full and 'mymodel.py", line' in full
+    assert len(full.splitlines()) > len(err.splitlines()) - 10                  # the whole traceback
     summary = json.loads((run_dir / "summary.json").read_text())
-    # steps 0-3 ran in the first call (steps_per_call 4); step 5 failed in the second
-    assert summary["status"] == "failed" and summary["steps_done"] == 4 and len(summary["losses"]) == 4
-    again = cli("run", "examples/mlp.yaml", *sets)                               # refused before Ray starts
+    assert summary["status"] == "failed" and summary["steps_done"] == 0 and "IndexError" in summary["error"]
+    again = cli("run", str(job), cwd=tmp_path)                                  # refused before Ray starts
     assert again.returncode == 2, again.stdout + again.stderr
     assert "run.name = 'fails'" in again.stderr and "--overwrite" in again.stderr
     assert json.loads((run_dir / "summary.json").read_text()) == summary         # untouched

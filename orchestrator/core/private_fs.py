@@ -16,10 +16,12 @@ Example:
 """
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 
-__all__ = ["DIR_MODE", "FILE_MODE", "private_dir", "write_private"]
+__all__ = ["DIR_MODE", "FILE_MODE", "DiskFullError", "private_dir", "write_private", "append_private",
+           "free_bytes"]
 
 DIR_MODE = 0o700
 FILE_MODE = 0o600
@@ -60,19 +62,81 @@ def private_dir(path: str | os.PathLike, *, tighten: bool = True) -> Path:
     return path
 
 
+class DiskFullError(OSError):
+    """A write ran out of space (ENOSPC / EDQUOT); the message names the file, the bytes it
+    needed and what is free, and no partial or temporary file is left behind."""
+
+
+def _full(e: OSError) -> bool:
+    return e.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))
+
+
+def free_bytes(path: str | os.PathLike) -> int:
+    """Bytes an unprivileged write may still use on the file system holding `path`."""
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def disk_full(path: Path, nbytes: int, e: OSError) -> DiskFullError:
+    """The clear error for a write of `nbytes` to `path` that hit a full disk."""
+    try:
+        free = f"{free_bytes(path.parent)} bytes free"
+    except OSError:
+        free = "free space unknown"
+    return DiskFullError(e.errno, f"no space left on the device writing {path} ({nbytes} bytes; {free}): "
+                         f"{e.strerror}; free some space or point run.output_dir at another disk")
+
+
 def write_private(path: str | os.PathLike, data: str | bytes) -> Path:
-    """Write `data` to `path` atomically (temp file + rename) with mode 0o600."""
+    """Write `data` to `path` atomically (temp file + fsync + rename) with mode 0o600.
+
+    Raises:
+      DiskFullError: the disk (or quota) is full; neither the temporary file nor a partial
+        `path` is left, and an existing `path` keeps its old content.
+    """
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
     raw = data.encode() if isinstance(data, str) else data
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), FILE_MODE)
     try:
-        os.fchmod(fd, FILE_MODE)  # the mode passed to open() is masked by the umask; this is not
-        with os.fdopen(fd, "wb") as f:
-            fd = -1
-            f.write(raw)
-    finally:
-        if fd >= 0:
-            os.close(fd)
-    os.replace(tmp, path)
+        try:
+            os.fchmod(fd, FILE_MODE)  # the mode passed to open() is masked by the umask; this is not
+            with os.fdopen(fd, "wb") as f:
+                fd = -1
+                f.write(raw)
+                f.flush()
+                os.fsync(f.fileno())  # a full disk shows here at the latest, not after the rename
+        finally:
+            if fd >= 0:
+                os.close(fd)
+        os.replace(tmp, path)
+    except BaseException as e:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        if isinstance(e, OSError) and _full(e):
+            raise disk_full(path, len(raw), e) from None
+        raise
     return path
+
+
+def append_private(path: str | os.PathLike, data: str | bytes) -> None:
+    """Append `data` (e.g. one JSON line) to `path`, created 0o600; a full disk raises
+    `DiskFullError` and truncates the file back to its length before the append."""
+    path = Path(path)
+    raw = data.encode() if isinstance(data, str) else data
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | getattr(os, "O_NOFOLLOW", 0), FILE_MODE)
+    try:
+        start = os.fstat(fd).st_size
+        try:
+            view = memoryview(raw)
+            while view:
+                view = view[os.write(fd, view):]
+        except OSError as e:
+            if _full(e):
+                os.ftruncate(fd, start)
+                raise disk_full(path, len(raw), e) from None
+            raise
+    finally:
+        os.close(fd)

@@ -172,9 +172,10 @@ def _load(text: str | bytes, source: str, max_bytes: int, max_aliases: int, max_
     size = len(text.encode("utf-8", "surrogatepass") if isinstance(text, str) else text)
     if size > max_bytes:
         raise YamlError(f"{source}: {size} bytes is over the limit of {max_bytes} bytes (max_bytes)")
-    loader = SafeConfigLoader(text)
-    loader.source, loader.max_aliases, loader.max_depth = source, max_aliases, max_depth
+    loader = None
     try:
+        loader = SafeConfigLoader(text)   # (its reader already decodes and checks the first characters)
+        loader.source, loader.max_aliases, loader.max_depth = source, max_aliases, max_depth
         node = loader.get_single_node()
         if node is None:
             return None
@@ -182,6 +183,9 @@ def _load(text: str | bytes, source: str, max_bytes: int, max_aliases: int, max_
         return loader.construct_document(node)
     except YamlError:
         raise
+    except yaml.reader.ReaderError as e:   # a control character or invalid UTF-8: say where
+        raise YamlError(f"{_reader_where(source, text, e)}: invalid YAML: "
+                        f"{_reader_problem(e)}") from None
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
         what = " ".join(x for x in (e.context, e.problem) if x)
@@ -191,7 +195,27 @@ def _load(text: str | bytes, source: str, max_bytes: int, max_aliases: int, max_
     except (ValueError, TypeError, RecursionError) as e:  # e.g. an int with too many digits
         raise YamlError(f"{source}: invalid YAML value: {' '.join(str(e).split())}") from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
+
+
+def _reader_where(source: str, text: str | bytes, e: "yaml.reader.ReaderError") -> str:
+    """`source:line:column` (1-based) of a reader error (a character offset in the decoded text,
+    or a byte offset when decoding failed)."""
+    if isinstance(text, bytes) and e.encoding == "unicode":
+        text = text.decode("utf-8", "replace").lstrip("\ufeff")
+    head = text[:e.position]
+    nl = b"\n" if isinstance(head, bytes) else "\n"
+    line = head.count(nl) + 1
+    column = e.position - (head.rfind(nl) + 1) + 1
+    return f"{source}:{line}:{column}"
+
+
+def _reader_problem(e: "yaml.reader.ReaderError") -> str:
+    if e.encoding != "unicode":
+        return f"invalid {e.encoding} (byte 0x{e.character:02x}); YAML files must be UTF-8 text"
+    return (f"control character U+{e.character:04X} is not allowed in YAML; remove it (or, if it "
+            "is meant, write it as an escape such as \\x07 inside a double-quoted string)")
 
 
 def safe_load_value(text: str, *, source: str = "<value>", max_bytes: int = DEFAULT_MAX_BYTES,

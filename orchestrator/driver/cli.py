@@ -4,6 +4,7 @@
     meshpipe run JOB.yaml [--cluster CLUSTER.yaml] [--address ADDR] [--set key.path=value ...]
                           [--reference] [--overwrite]
     meshpipe plan JOB.yaml [--cluster CLUSTER.yaml] [--set ...] [--json] [--png PATH]
+    meshpipe plan JOB.yaml --auto [--cluster C.yaml] [--out PATH] [--explain] [--top K] [--max-model M] [--measure K]
     meshpipe submit JOB.yaml [--cluster CLUSTER.yaml] --address http://HOST:8265 [--set ...]
                              [--working-dir DIR] [--follow/--no-follow] [--no-wait] [--timeout S]
     meshpipe jobs --address http://HOST:8265
@@ -147,6 +148,7 @@ def run(job, cluster, overrides, reference, address, overwrite):
                    f"from an earlier run; pass --overwrite to replace it, or choose another name "
                    f"(--set run.name=...)", err=True)
         sys.exit(2)
+    from orchestrator.core.private_fs import DiskFullError
     from orchestrator.driver.interrupt import stop_on_signals, stopped_message
     from orchestrator.driver.placement import PlacementError
     from orchestrator.driver.waiting import StageFailure
@@ -154,7 +156,7 @@ def run(job, cluster, overrides, reference, address, overwrite):
     with stop_on_signals() as stop:
         try:
             run_job(checked, reference=reference, echo=lambda s: click.echo(s), tty=sys.stdout.isatty())
-        except (PlacementError, StageFailure, TimeoutError) as e:
+        except (PlacementError, StageFailure, TimeoutError, DiskFullError) as e:
             # the run was torn down already (runner's finally); say what failed, without a driver traceback
             click.echo(f"meshpipe: run failed: {e}", err=True)
             sys.exit(1)
@@ -169,11 +171,39 @@ def run(job, cluster, overrides, reference, address, overwrite):
 @set_opt
 @click.option("--json", "as_json", is_flag=True, help="print the plan as JSON")
 @click.option("--png", type=click.Path(dir_okay=False), default=None, help="write the simulated timeline PNG")
-def plan(job, cluster, overrides, as_json, png):
-    """Show placement, schedule and simulated bubble without starting Ray."""
+@click.option("--auto", is_flag=True, help="choose stages, submeshes, layouts, microbatches and schedule "
+              "from the cost model; print the best candidates and write the winner as a job YAML")
+@click.option("--out", type=click.Path(dir_okay=False), default=None,
+              help="--auto: where to write the winning job (default: JOB's name + .auto.yaml beside it)")
+@click.option("--explain", "explain_", is_flag=True, help="--auto: show why the winner wins")
+@click.option("--top", type=click.IntRange(1), default=5, show_default=True, help="--auto: candidates shown")
+@click.option("--max-model", type=click.IntRange(1), default=None,
+              help="--auto: largest `model` mesh axis (default: devices per host × hosts per node group)")
+@click.option("--microbatches", default=None, metavar="M1,M2,...", help="--auto: microbatch counts to try")
+@click.option("--target-step-ms", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="--auto: fail unless a plan is predicted at most this fast")
+@click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
+              help="--auto: per-layer compile cache (default: ~/.cache/meshpipe/planner)")
+@click.option("--measure", type=click.IntRange(0), default=0, metavar="K",
+              help="--auto: run the top K candidates for a few steps on the cluster (starts Ray); "
+                   "predicted vs measured")
+def plan(job, cluster, overrides, as_json, png, auto, out, explain_, top, max_model, microbatches,
+         target_step_ms, cache_dir, measure):
+    """Show placement, schedule and simulated bubble without starting Ray (--auto: plan it for you).
+
+    A job whose model.name is a `package.module:function` factory has that module imported
+    and the function called here too (it describes the model): plan a job only if you would
+    run it (docs/security.md)."""
     from orchestrator.core.plan import make_plan, plan_json, plan_text
 
+    if auto:
+        _auto(job, cluster, overrides, out, explain_, top, max_model, microbatches, target_step_ms, cache_dir, as_json,
+              measure)
+        return
     checked, _ = _checked(job, cluster, overrides)
+    if ":" in checked.job.model.name:
+        click.echo(f"meshpipe: note: model.name {checked.job.model.name!r} was imported and called to "
+                   "describe the model (job code ran; no Ray was started)", err=True)
     p = make_plan(checked)
     if png:
         from orchestrator.core.schedule import render_png
@@ -184,6 +214,35 @@ def plan(job, cluster, overrides, as_json, png):
         click.echo(json.dumps(plan_json(p), indent=1))
     else:
         click.echo(plan_text(p))
+
+
+def _auto(job, cluster, overrides, out, explain_, top, max_model, microbatches, target_step_ms, cache_dir, as_json,
+          measure):
+    from orchestrator.core.config import ConfigError
+    from orchestrator.driver.autoplan import PlanningError, ProfileError, auto_plan
+
+    try:
+        ms = tuple(int(x) for x in microbatches.split(",")) if microbatches else None
+    except ValueError:
+        click.echo(f"meshpipe: --microbatches = {microbatches!r}: must be positive integers separated by commas, "
+                   "e.g. 4,8", err=True)
+        sys.exit(2)
+    try:
+        auto_plan(job, cluster or str(DEFAULT_CLUSTER), overrides, out=out, explain_=explain_, top=top,
+                  max_model=max_model, microbatches=ms, target_step_ms=target_step_ms, cache_dir=cache_dir,
+                  as_json=as_json, echo=click.echo, measure=measure)
+    except ConfigError as e:
+        click.echo(f"meshpipe: invalid configuration:\n{e}", err=True)
+        sys.exit(2)
+    except PlanningError as e:
+        click.echo(f"meshpipe: no plan: {e}", err=True)
+        sys.exit(2)
+    except ProfileError as e:
+        click.echo(f"meshpipe: profiling failed: {e}", err=True)
+        sys.exit(1)
+    except (RuntimeError, TimeoutError) as e:   # --measure: a candidate's run failed (torn down already)
+        click.echo(f"meshpipe: measuring failed: {e}", err=True)
+        sys.exit(1)
 
 
 address_opt = click.option("--address", envvar="RAY_API_SERVER_ADDRESS", default="http://127.0.0.1:8265",

@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass, field
+from collections.abc import Sequence
 
 from orchestrator.driver import placement
 from orchestrator.core.edges import stage_geoms
 from orchestrator.driver.waiting import wait_all
+from stages.hooks import WorkerHook
 from stages.worker import StageWorker, WorkerConfig
 
 
@@ -38,9 +40,11 @@ class StepResult:
 
 
 class PipelineExecutor:
-    def __init__(self, checked, lowered, data_source, run: str, eval_schedule=None):
+    def __init__(self, checked, lowered, data_source, run: str, eval_schedule=None,
+                 hooks: Sequence[WorkerHook] = ()):
         self.checked, self.lowered, self.data, self.run = checked, lowered, data_source, run
         self.eval_schedule = eval_schedule
+        self.hooks = tuple(hooks)       # stages.hooks.WorkerHook objects, passed to every actor
         t = checked.cluster.timeouts
         self.timeouts = {"init_s": t.init_s, "step_s": t.step_s, "shutdown_s": t.shutdown_s,
                          "jax_distributed_init_s": t.jax_distributed_init_s}
@@ -67,7 +71,7 @@ class PipelineExecutor:
             optimizer=(job.optimizer.name, dict(job.optimizer.args)), seed=job.run.seed,
             actions=tuple(str(a) for a in grid if a is not None), num_stages=len(self.checked.stages),
             timeouts=dict(self.timeouts), pin_cpus=self.checked.cluster.pin_cpus,
-            fail_setup=_injected_failure(stage.index, host), fail_step=_injected_step_failure(stage.index, host),
+            hooks=self.hooks,
             hosts=tuple(stage.hosts), devices_per_host=stage.devices_per_host,
             geoms=tuple(geoms), chunks=tuple(tuple(c) for c in stage.chunks),
             transport=self.checked.cluster.transport, transport_token=self.token,
@@ -182,24 +186,3 @@ class PipelineExecutor:
         for part in wait_all(refs, self.timeouts["step_s"], "param norms", labels):
             norms.update(part)
         return dict(sorted(norms.items()))
-
-
-def _injected_failure(stage: int, host: int) -> str | None:
-    """Test-only fault injection: MESHPIPE_TEST_FAIL_SETUP="<stage>:<host>" makes that host's setup fail."""
-    import os
-
-    target = os.environ.get("MESHPIPE_TEST_FAIL_SETUP")
-    if target and target == f"{stage}:{host}":
-        return f"injected setup failure (MESHPIPE_TEST_FAIL_SETUP={target})"
-    return None
-
-
-def _injected_step_failure(stage: int, host: int) -> int | None:
-    """Test-only: MESHPIPE_TEST_FAIL_STEP="<stage>:<host>:<step>" makes that host raise at that step's start."""
-    import os
-
-    target = os.environ.get("MESHPIPE_TEST_FAIL_STEP", "")
-    parts = target.split(":")
-    if len(parts) == 3 and parts[:2] == [str(stage), str(host)] and parts[2].isdigit():
-        return int(parts[2])
-    return None

@@ -37,6 +37,7 @@ is bounded and Ctrl-C stops only the waiting, not the job.
 """
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import secrets
@@ -82,13 +83,10 @@ def auth_headers() -> tuple[dict[str, str], str]:
         return {}, "RAY_AUTH_MODE=disabled is set: no Ray auth token sent"
     source = token_source()
     headers: dict[str, str] = {}
-    try:
-        from ray._raylet import AuthenticationTokenLoader
+    from orchestrator.driver.ray_internals import auth_headers_from_ray
 
-        loader = AuthenticationTokenLoader.instance()
-        loader.reset_cache()   # read the environment as it is now
-        headers = dict(loader.get_token_for_http_header(ignore_auth_mode=True))
-    except ImportError:  # a Ray without the loader: read the same places ourselves
+    headers = auth_headers_from_ray()
+    if headers is None:   # a Ray whose loader is missing or changed: read the same places ourselves
         token = _read_token()
         headers = {"authorization": f"Bearer {token}"} if token else {}
     if not headers:
@@ -206,12 +204,33 @@ def client(address: str):
     from ray.job_submission import JobSubmissionClient
 
     headers, _ = auth_headers()
+    warning = cleartext_token_warning(address, bool(headers))
+    if warning:
+        logging.getLogger("meshpipe").warning(warning)
     try:
         return bounded(lambda: JobSubmissionClient(address, headers=headers), what=f"connecting to {address}")
     except JobsError:
         raise
     except Exception as e:  # noqa: BLE001 - Ray raises several types; name the cause
         raise JobsError(explain(e, address)) from None
+
+
+def cleartext_token_warning(address: str, token_sent: bool) -> str | None:
+    """A warning when the Ray token would travel over plain http to a non-loopback host, else None.
+
+    Example:
+        >>> cleartext_token_warning("http://127.0.0.1:8265", True) is None
+        True
+        >>> cleartext_token_warning("10.0.0.5:8265", True).split(":")[0]
+        'the Ray auth token goes to 10.0.0.5 over plain http (no TLS)'
+    """
+    scheme = urlparse(address).scheme if "://" in address else "http"
+    if not token_sent or scheme not in ("http", "ray") or _is_loopback(address):
+        return None
+    host = urlparse(address if "://" in address else f"http://{address}").hostname
+    return (f"the Ray auth token goes to {host} over plain http (no TLS): anyone on the path can read it "
+            "and then run code on that cluster. Use an SSH tunnel (--address http://127.0.0.1:8265 "
+            "after `ssh -N -L 8265:127.0.0.1:8265 head`) or an https address behind a TLS proxy")
 
 
 def explain(e: Exception, address: str) -> str:

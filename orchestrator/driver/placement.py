@@ -47,7 +47,6 @@ from orchestrator.core.hosts import bundles, plan_hosts
 log = logging.getLogger("meshpipe")
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
-_SINGLE_MACHINE_VAR = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
 
@@ -67,7 +66,13 @@ def connect(cluster, namespace: str) -> bool:
                            dashboard_host=cluster.dashboard_host, log_to_driver=True,
                            logging_level=logging.WARNING,
                            **({} if loopback else {"_node_ip_address": node_ip}))
-        if not loopback:
+        if loopback:
+            try:
+                verify_loopback(cluster)
+            except PlacementError:
+                ray.shutdown()
+                raise
+        else:
             log.warning("the embedded Ray's GCS, raylet, object manager and worker ports listen on all "
                         "interfaces (cluster.node_ip_address = %s, GCS at %s): anyone who reaches them can run "
                         "code on this machine; Ray's token authentication is the only guard", node_ip,
@@ -82,38 +87,40 @@ def connect(cluster, namespace: str) -> bool:
     return True
 
 
-@contextlib.contextmanager
 def loopback_only():
-    """While starting an embedded Ray: make it bind and advertise 127.0.0.1 only (module doc)."""
-    old_env = os.environ.get(_SINGLE_MACHINE_VAR)
-    try:
-        from ray._private import ray_constants  # read at import time; ray may be imported already
-    except ImportError:  # pragma: no cover - layout of a future Ray
-        ray_constants = None
-    old_const = getattr(ray_constants, "ENABLE_RAY_CLUSTER", None)
-    os.environ[_SINGLE_MACHINE_VAR] = "0"
-    if old_const is not None:
-        ray_constants.ENABLE_RAY_CLUSTER = False
-    try:
-        yield
-    finally:
-        if old_env is None:
-            os.environ.pop(_SINGLE_MACHINE_VAR, None)
-        else:
-            os.environ[_SINGLE_MACHINE_VAR] = old_env
-        if old_const is not None:
-            ray_constants.ENABLE_RAY_CLUSTER = old_const
+    """While starting an embedded Ray: make it bind and advertise 127.0.0.1 only (module doc;
+    the private switch lives in `orchestrator.driver.ray_internals`)."""
+    from orchestrator.driver.ray_internals import single_machine_mode
+
+    return single_machine_mode()
+
+
+def verify_loopback(cluster) -> None:
+    """After starting an embedded Ray: refuse to go on if any of its processes listens beyond
+    loopback on an address the cluster YAML did not ask for (a Ray upgrade that ignores the
+    single-machine switch must not expose this machine silently).
+
+    Raises:
+      PlacementError: naming each exposed ip:port and process.
+    """
+    from orchestrator.driver.ray_internals import beyond_loopback
+
+    allowed = {cluster.dashboard_host} if cluster.dashboard_host not in LOOPBACK else set()
+    exposed = beyond_loopback(allowed)
+    if exposed:
+        raise PlacementError(f"the embedded Ray listens beyond loopback although the cluster YAML asks for "
+                             f"loopback only (node_ip_address {getattr(cluster, 'node_ip_address', '127.0.0.1')}, "
+                             f"dashboard_host {cluster.dashboard_host}): {', '.join(exposed)}; refusing to run. "
+                             "Set cluster.node_ip_address to expose it on purpose.")
 
 
 def live_nodes() -> list[Node]:
     """The connected cluster's alive nodes, with what each has free now (when Ray says)."""
     import ray
 
-    try:
-        from ray._private.state import available_resources_per_node
-        avail = available_resources_per_node()
-    except Exception:  # noqa: BLE001 - a private API: without it, totals stand in for what is free
-        avail = {}
+    from orchestrator.driver.ray_internals import available_resources
+
+    avail = available_resources()   # (a private API: without it, totals stand in for what is free)
     return [Node.from_ray(n, avail.get(n["NodeID"])) for n in ray.nodes() if n.get("Alive")]
 
 

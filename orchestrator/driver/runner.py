@@ -26,7 +26,7 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable, Sequence
 
 from orchestrator.core.plan import make_plan, plan_json
 from orchestrator.core.private_fs import private_dir, write_private
@@ -62,8 +62,9 @@ def step_line(rec: dict, samples: int) -> str:
 
 
 def run_job(checked, *, reference: bool = False, echo: Callable[[str], None] = print,
-            tty: bool = False) -> dict:
-    """Train the checked job; `tty`: draw a progress bar on stdout instead of one line per step."""
+            tty: bool = False, hooks: Sequence = ()) -> dict:
+    """Train the checked job; `tty`: draw a progress bar on stdout instead of one line per step;
+    `hooks`: `stages.hooks.WorkerHook` objects every stage worker calls (pipeline runs only)."""
     from orchestrator.driver.telemetry import Progress, summary_block
 
     job = checked.job
@@ -92,7 +93,7 @@ def run_job(checked, *, reference: bool = False, echo: Callable[[str], None] = p
                                          on_step=on_step, eval_every=job.run.eval_every)
                 extra = {"mode": "reference"}
             else:
-                result, extra = _run_pipeline(checked, plan, source, on_step, out, echo)
+                result, extra = _run_pipeline(checked, plan, source, on_step, out, echo, hooks)
         finally:
             progress.close()   # end the bar's line before anything else is printed
     except BaseException as e:
@@ -143,7 +144,7 @@ def _record_stop(e: BaseException, checked, plan, done: list[dict], out: Path, p
         e.steps_done, e.total_steps, e.record = len(done), checked.job.run.steps, str(path)
 
 
-def _run_pipeline(checked, plan, source, on_step, out: Path, echo) -> tuple[dict, dict]:
+def _run_pipeline(checked, plan, source, on_step, out: Path, echo, hooks: Sequence = ()) -> tuple[dict, dict]:
     from orchestrator.driver import placement
     from orchestrator.driver.executor import PipelineExecutor
     from orchestrator.driver.telemetry import RunTelemetry
@@ -157,7 +158,7 @@ def _run_pipeline(checked, plan, source, on_step, out: Path, echo) -> tuple[dict
     reinstall()            # ray.init put absl's signal handler in place of ours (stack dump, abort)
     filter_worker_logs()
     ray_info = _ray_info(run, echo)
-    ex = PipelineExecutor(checked, plan.schedule, source, run, plan.eval_schedule)
+    ex = PipelineExecutor(checked, plan.schedule, source, run, plan.eval_schedule, hooks=hooks)
     tel = RunTelemetry(run, plan.schedule, plan.sim.bubble_fraction, job.data.global_batch)
     metrics = _metrics(run, plan.sim.bubble_fraction)
     losses, times, spans, evals = [], [], [], []
@@ -170,7 +171,7 @@ def _run_pipeline(checked, plan, source, on_step, out: Path, echo) -> tuple[dict
             step = r.step
             losses.append(r.loss)
             times.append(r.wall_s)
-            spans.append(r.spans)
+            spans = [r.spans]     # only the last step's spans are kept (driver memory per step bounded)
             st = tel.add(step, r.wall_s, r.loss, r.spans, r.stats)
             if metrics is not None:
                 metrics.record(st, eval_loss=r.eval_loss)
@@ -208,9 +209,9 @@ def _ray_info(run: str, echo) -> dict:
 
     info = {"namespace": f"meshpipe-{run}", "actors": f"{run}/stage<s>/host<h>", "placement_group": f"{run}/pg"}
     try:
-        from ray._private.worker import get_dashboard_url
+        from orchestrator.driver.ray_internals import dashboard_url
 
-        url = get_dashboard_url()
+        url = dashboard_url()
         info["dashboard_url"] = f"http://{url}" if url and "://" not in url else url
         info["metrics_endpoints"] = metrics_endpoints()
     except Exception as e:  # noqa: BLE001 - informational only

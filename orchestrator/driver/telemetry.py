@@ -191,6 +191,9 @@ class RunTelemetry:
         st = StepStats(step=step, loss=float(loss), wall_s=float(wall_s), span_s=span_s,
                        samples_per_s=self.global_batch / wall_s if wall_s > 0 else 0.0,
                        measured_bubble=bubble, busy=busy, hosts=list(hosts or []))
+        if self.steps:   # earlier steps keep their scalars only: driver memory per step stays small
+            last = self.steps[-1]
+            last.busy, last.hosts = {}, []
         self.steps.append(st)
         if self.first is None:
             self.first = (step, spans)

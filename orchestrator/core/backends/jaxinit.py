@@ -80,8 +80,10 @@ class JaxInit:
         if self.mode == "explicit":
             if not coordinator:
                 raise ValueError("explicit jax.distributed initialisation needs a coordinator address")
-            kw.update(coordinator_address=coordinator, num_processes=self.num_processes,
-                      process_id=self.process_id)
+            # bind the coordinator on the address the other hosts use, not on all interfaces
+            # (JAX's default): on an embedded cluster that is 127.0.0.1
+            kw.update(coordinator_address=coordinator, coordinator_bind_address=coordinator,
+                      num_processes=self.num_processes, process_id=self.process_id)
             if self.local_device_ids is not None:
                 kw["local_device_ids"] = list(self.local_device_ids)
         return kw

@@ -29,8 +29,9 @@ from typing import Any, Callable, Mapping, Optional
 
 from orchestrator.core.backends import get_backend
 from orchestrator.core.config.errors import ConfigError, problem, suggest
+from orchestrator.core.config.limits import memory_problems, optimizer_problems
 from orchestrator.core.config.schema import ClusterConfig, JobConfig, Rule
-from orchestrator.core.private_fs import private_dir
+from orchestrator.core.private_fs import free_bytes, private_dir
 from orchestrator.core.redact import redact
 from orchestrator.core.model.layout import partition_spec, rule_axes, shard_count, stage_layout
 from orchestrator.core.model.registry import BUILTIN, build_spec
@@ -108,10 +109,6 @@ class Checked:
     data_path: Optional[str] = None
     data: Any = None
     import_dir: Optional[str] = None
-
-    @property
-    def hosts_used(self) -> int:
-        return sum(len(s.hosts) for s in self.stages)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able summary (for summary.json), secrets redacted (`orchestrator.core.redact`).
@@ -232,6 +229,8 @@ def _check_optimizer(job: JobConfig, probs: _Problems) -> None:
     if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
         probs.add("optimizer.name", name, f"optax.{name}(...) returned {type(tx).__name__}, not an "
                   "optimizer (GradientTransformation)")
+        return
+    probs.extend(optimizer_problems(name, args, fn))
 
 
 # ----------------------------------------------------------------------------- stages
@@ -480,6 +479,8 @@ def check_job(job: JobConfig, cluster: ClusterConfig) -> Checked:
     mb = _check_batch(job, layouts, probs)
     if layers_ok and layouts is not None and job.data.global_batch % job.pipeline.microbatches == 0:
         _check_divisibility(job, model, layouts, mb, probs)
+        if not probs:
+            probs.extend(memory_problems(job, cluster, model, layouts, mb))
     if probs:
         raise ConfigError(probs)
     stages = tuple(StagePlan(index=i, layers=st.chunks[0], mesh=dict(st.mesh), hosts=hosts[i],
@@ -509,12 +510,35 @@ def check_output_dir(job: JobConfig) -> Path:
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError(problem("run.name", job.run.name, f"{run_dir} exists and is not a directory"))
     target = run_dir if run_dir.is_dir() else out
-    try:
+    key, value = ("run.name", job.run.name) if target == run_dir else ("run.output_dir", job.run.output_dir)
+    try:   # real bytes, synced: an empty file can be created on a full disk, a block cannot
         fd, tmp = tempfile.mkstemp(prefix=".meshpipe-write-test-", dir=target)
-        os.close(fd)
-        os.unlink(tmp)
+        try:
+            os.write(fd, b"\0" * WRITE_PROBE_BYTES)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+            os.unlink(tmp)
     except OSError as e:
-        key, value = ("run.name", job.run.name) if target == run_dir else ("run.output_dir", job.run.output_dir)
-        raise ConfigError(problem(key, value, f"not writable: cannot create a file in {target}: "
-                                  f"{e.strerror or e}")) from None
+        raise ConfigError(problem(key, value, f"not writable: cannot write {WRITE_PROBE_BYTES} bytes in "
+                                  f"{target}: {e.strerror or e}")) from None
+    need = run_output_bytes(job)
+    try:
+        free = free_bytes(target)
+    except OSError:
+        free = None
+    if free is not None and free < need:
+        raise ConfigError(problem(key, value, f"not enough free space in {target}: {free:,} bytes free, "
+                                  f"the run writes about {need:,} (summary, trace, timeline and a record "
+                                  f"per step for {job.run.steps:,} steps)"))
     return run_dir
+
+
+RUN_FIXED_BYTES = 8 << 20      # summary.json, trace.json (first + last steps), timeline.png
+RUN_STEP_BYTES = 512           # per step: its loss and time in summary.json, a metrics record
+WRITE_PROBE_BYTES = 64 << 10
+
+
+def run_output_bytes(job: JobConfig) -> int:
+    """About how many bytes a run writes into its run directory (an upper estimate)."""
+    return RUN_FIXED_BYTES + RUN_STEP_BYTES * job.run.steps

@@ -25,7 +25,8 @@ from orchestrator.core.model.registry import BUILTIN
 
 __all__ = [
     "RunConfig", "ModelConfig", "DataConfig", "EvalConfig", "OptimizerConfig", "StageConfig", "PipelineConfig",
-    "JobConfig", "TimeoutsConfig", "ClusterConfig", "GpuConfig", "TpuConfig", "parse_job", "parse_cluster", "field_kind",
+    "JobConfig", "TimeoutsConfig", "ClusterConfig", "GpuConfig", "TpuConfig", "LinkClassConfig",
+    "LinksConfig", "DeviceConfig", "parse_job", "parse_cluster", "field_kind",
     "NAME_RE", "Rule", "key_homes", "unknown_key_hint",
 ]
 
@@ -34,6 +35,8 @@ NonNegInt = Annotated[int, Field(ge=0)]
 PosFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 NonNegFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 Rule = Union[str, tuple[str, ...], None]
+MAX_STEPS = 10**9          # ~11 days at 1 ms a step; more is a typo, not a run
+MAX_SEED = 2**32 - 1       # JAX PRNG keys and numpy seed sequences take it without overflow
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _IDENT_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -91,8 +94,8 @@ class RunConfig(_Frozen):
     """`run:` — what the run is called, how long it trains, where it writes."""
 
     name: str
-    steps: PosInt
-    seed: NonNegInt = 0
+    steps: Annotated[int, Field(ge=1, le=MAX_STEPS)]
+    seed: Annotated[int, Field(ge=0, le=MAX_SEED)] = 0
     output_dir: str = "runs"
     eval_every: Optional[PosInt] = None     # run data.eval every k steps (and after the last)
 
@@ -373,6 +376,36 @@ class TpuConfig(_Frozen):
         return self
 
 
+class LinkClassConfig(_Frozen):
+    """One link class of `links:` for the planner's α-β model: t(bytes) = latency + bytes / bandwidth."""
+
+    bandwidth_gbps: PosFloat      # GB/s (1e9 bytes per second) per device on this link
+    latency_us: NonNegFloat       # per message, microseconds
+
+
+class LinksConfig(_Frozen):
+    """`links:` (optional; `meshpipe plan --auto` only) — the cluster's link classes.
+
+    `host`: between devices of one host; `group`: between hosts of one node group
+    (an NVLink/ICI domain: `hosts_per_group` consecutive hosts; a TPU slice);
+    `dcn`: between node groups. Left out: the platform's nominal defaults
+    (`orchestrator.core.planner.topology`).
+    """
+
+    host: Optional[LinkClassConfig] = None
+    group: Optional[LinkClassConfig] = None
+    dcn: Optional[LinkClassConfig] = None
+    hosts_per_group: Optional[PosInt] = None
+
+
+class DeviceConfig(_Frozen):
+    """`device:` (optional; `meshpipe plan --auto` only) — what one device can hold and do."""
+
+    memory_gb: Optional[PosFloat] = None      # bytes the planner may fill per device (1e9 bytes)
+    tflops: Optional[PosFloat] = None         # sustained float32 TFLOP/s per device
+    memory_bandwidth_gbps: Optional[PosFloat] = None   # GB/s per device
+
+
 class ClusterConfig(_Frozen):
     """A cluster (`cluster.yaml`): which Ray, what platform, how many hosts of how many devices."""
 
@@ -396,6 +429,8 @@ class ClusterConfig(_Frozen):
     timeouts: TimeoutsConfig = Field(default_factory=TimeoutsConfig)
     gpu: Optional[GpuConfig] = None   # platform gpu only
     tpu: Optional[TpuConfig] = None   # platform tpu only (required there)
+    links: Optional[LinksConfig] = None     # link classes for the auto-planner (null: platform defaults)
+    device: Optional[DeviceConfig] = None   # device memory/speed for the auto-planner (null: defaults)
 
     RESERVED_RESOURCES: ClassVar[frozenset[str]] = frozenset({"CPU", "GPU", "TPU", "memory",
                                                                "object_store_memory"})
@@ -474,6 +509,14 @@ class ClusterConfig(_Frozen):
         if self.executor == "action_calls" and self.steps_per_call not in (None, 1):
             raise Problem("must be 1 (or left out) with executor: action_calls, which makes one Ray call "
                           "per action", ("steps_per_call",), self.steps_per_call)
+        return self
+
+    @model_validator(mode="after")
+    def _links(self) -> "ClusterConfig":
+        g = self.links.hosts_per_group if self.links is not None else None
+        if g is not None and self.hosts % g:
+            raise Problem(f"must divide cluster.hosts = {self.hosts}: node groups are equal runs of "
+                          "consecutive hosts", ("links", "hosts_per_group"), g)
         return self
 
     @property
@@ -645,9 +688,36 @@ def _convert(exc: ValidationError, root: type[BaseModel]) -> list[str]:
     return out
 
 
+_CONTROL_RE = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029]")   # tab and newline allowed
+_KEY_CONTROL_RE = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def _control_characters(raw: Any, loc: tuple = ()) -> list[str]:
+    """A problem line per key or string value holding a control character (YAML lets a
+    double-quoted string spell any character as an escape; values may hold tabs and newlines)."""
+    out = []
+    if isinstance(raw, Mapping):
+        for k, v in raw.items():
+            if isinstance(k, str) and _KEY_CONTROL_RE.search(k):
+                out.append(problem(loc + (repr(k),), v, "a key must not contain control characters"))
+            else:
+                out += _control_characters(v, loc + (k,))
+    elif isinstance(raw, (list, tuple)):
+        for i, v in enumerate(raw):
+            out += _control_characters(v, loc + (i,))
+    elif isinstance(raw, str) and _CONTROL_RE.search(raw):
+        c = _CONTROL_RE.search(raw).group()
+        what = "a NUL byte (U+0000)" if c == "\x00" else f"control character U+{ord(c):04X}"
+        out.append(problem(loc, raw, f"contains {what}; names, paths and values must be printable text"))
+    return out
+
+
 def _parse(cls: type[BaseModel], raw: Any, source: Optional[str]) -> Any:
     if not isinstance(raw, Mapping):
         raise ConfigError(problem("<top level>", raw, "must be a mapping of sections"), source)
+    bad = _control_characters(raw)
+    if bad:
+        raise ConfigError(bad, source)
     try:
         return cls.model_validate(dict(raw))
     except ValidationError as e:

@@ -70,7 +70,8 @@ class TokenSet:
 
 
 def regular_file(path: str | Path, what: str = "path") -> Path:
-    """`path` resolved, if it is a regular, non-empty file; else `ShardError`.
+    """`path` resolved, if it is a regular, non-empty file inside its own directory once symlinks
+    are resolved (a link out of it is refused); else `ShardError`.
 
     Example:
         >>> regular_file("/dev/null")
@@ -92,7 +93,11 @@ def regular_file(path: str | Path, what: str = "path") -> Path:
             raise ShardError(str(path), f"is {name}, not a regular file")
     if st.st_size == 0:
         raise ShardError(str(path), "is empty")
-    return p.resolve()
+    real, home = Path(os.path.realpath(p)), Path(os.path.realpath(Path(os.path.abspath(p)).parent))
+    if home not in real.parents:   # e.g. data/train.txt -> /etc/shadow: read and shipped to every actor
+        raise ShardError(str(path), f"is a symlink to {real}, outside {home}; copy the file there or "
+                         "name its real path")
+    return real
 
 
 def _read_index(directory: Path) -> dict:

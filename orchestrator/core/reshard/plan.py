@@ -322,11 +322,6 @@ class ReshardPlan:
         """All tiles, destination hosts ascending, each in recvs order."""
         return tuple(t for h in sorted(self.recvs) for t in self.recvs[h])
 
-    @property
-    def dst_shard_shapes(self) -> dict[int, tuple[int, ...]]:
-        """Destination device -> its shard shape."""
-        return {d: self.dst_shard_shape for d in self.dst.devices.ravel().tolist()}
-
     def pair_bytes(self) -> dict[tuple[int, int], tuple[int, int]]:
         """(src_host, dst_host) -> (tile count, bytes), for pairs that exchange anything."""
         return {(s, d): (len(ts), sum(t.nbytes for t in ts))

@@ -1,6 +1,6 @@
 """Pipeline-schedule IR: actions, schedules, their text form and dependencies.
 
-A schedule is data (STYLE.md item 1). An `Action` says what one physical stage
+A schedule is data. An `Action` says what one physical stage
 does at one point of its program: a forward or backward of one microbatch
 through one virtual chunk, a send or receive, or the optimizer step. A
 `Schedule` holds one ordered action list per physical stage; `None` is an idle
@@ -65,7 +65,6 @@ COMPUTE = frozenset({Kind.F, Kind.B, Kind.I, Kind.W})
 COMM = frozenset({Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B})
 SENDS = frozenset({Kind.SEND_F, Kind.SEND_B})
 RECVS = frozenset({Kind.RECV_F, Kind.RECV_B})
-GRAD_PRODUCERS = frozenset({Kind.B, Kind.I})   # produce the input gradient
 RELEASES = frozenset({Kind.B, Kind.W})         # last use of stashed activations
 
 _ACTION_RE = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|OPT|F|B|I|W)(\d*)(?:c(\d+))?$")

@@ -1,0 +1,135 @@
+"""Plan-time limits: values that pass the schema but would fail late or train garbage.
+
+Each check returns problem lines (`key = value: rule`) for `check_job` to report with
+the others, before Ray starts:
+
+  - `optimizer_problems`: hyperparameters must be finite (no `.nan` / `.inf`), the
+    learning rate at most MAX_LEARNING_RATE, and the optax function must take a
+    `learning_rate` (plain transforms such as `identity` or `scale_by_adam` apply the
+    gradient unscaled: the update *adds* it, gradient ascent).
+  (Data files: `orchestrator.core.data.shards.regular_file` — regular, non-empty, and not
+    a symlink out of its own directory.)
+  - `memory_problems`: a lower bound of what each device and each host must hold
+    (parameters, their gradients, one microbatch of activations; the global batch on
+    every host), against what the cluster can have: this machine's memory for an
+    embedded CPU cluster, otherwise the largest memory any device / server has
+    (MAX_DEVICE_BYTES / MAX_HOST_BYTES) — so an impossible plan is refused, a tight one
+    is left to the run.
+Pure: reads only this machine's memory size.
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, Optional
+
+from orchestrator.core.config.errors import problem
+from orchestrator.core.model.layout import partition_spec, shard_count
+
+__all__ = ["optimizer_problems", "memory_problems", "MAX_LEARNING_RATE", "MAX_DEVICE_BYTES", "MAX_HOST_BYTES"]
+
+MAX_LEARNING_RATE = 100.0
+MAX_DEVICE_BYTES = 288 << 30      # the largest accelerator memory shipping (288 GB HBM)
+MAX_HOST_BYTES = 32 << 40         # the largest single servers (32 TiB)
+
+
+def _numbers(value: Any, loc: str):
+    """(key path, number) of every int/float inside `value` (dicts and lists walked)."""
+    if isinstance(value, bool):
+        return
+    if isinstance(value, (int, float)):
+        yield loc, value
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield from _numbers(v, f"{loc}.{k}")
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            yield from _numbers(v, f"{loc}[{i}]")
+
+
+def optimizer_problems(name: str, args: dict, fn) -> list[str]:
+    """Problems with optax function `fn` (`optax.<name>`) called with `args`.
+
+    Example:
+        >>> import optax
+        >>> optimizer_problems("identity", {}, optax.identity)[0].split(":")[0]
+        "optimizer.name = 'identity'"
+    """
+    import inspect
+
+    out = []
+    for loc, v in _numbers(args, "optimizer.args"):
+        if isinstance(v, float) and not math.isfinite(v):
+            out.append(problem(loc, v, "must be a finite number (not NaN or infinity)"))
+    try:
+        takes_lr = "learning_rate" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        takes_lr = True
+    if not takes_lr:
+        out.append(problem("optimizer.name", name, "takes no learning_rate: it is a gradient transform "
+                           "that applies the gradient unscaled, so training would climb the loss "
+                           "(gradient ascent); use an optimizer such as 'adam', 'adamw' or 'sgd'"))
+    lr = args.get("learning_rate")
+    if isinstance(lr, (int, float)) and not isinstance(lr, bool) and math.isfinite(lr) and lr > MAX_LEARNING_RATE:
+        out.append(problem("optimizer.args.learning_rate", lr, f"must be at most {MAX_LEARNING_RATE:g}; a "
+                           "larger step diverges (or overflows) on the first update"))
+    return out
+
+
+def _nbytes(shape, itemsize: int = 4) -> int:
+    return math.prod(int(n) for n in shape) * itemsize
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:,.1f} GiB"
+
+
+def _machine_bytes() -> Optional[int]:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def memory_problems(job, cluster, model, layouts: list, mb: int) -> list[str]:
+    """Refuse a plan whose lower-bound memory cannot fit (see the module docstring)."""
+    out = []
+    embedded_cpu = cluster.address is None and cluster.platform == "cpu"
+    machine = _machine_bytes() if embedded_cpu else None
+    device_cap = machine if machine else MAX_DEVICE_BYTES
+    host_cap = machine if machine else MAX_HOST_BYTES
+    where = ("this machine's memory" if machine else
+             f"the most any device has ({_gib(MAX_DEVICE_BYTES)})")
+    seq = job.data.seq_len
+    sizes = {"batch": mb, **({"seq": seq} if seq else {})}
+    total = 0
+    for i, (st, layout) in enumerate(zip(job.pipeline.stages, layouts)):
+        params = acts = 0
+        for a, b in st.chunks:
+            for li in range(a, b):
+                layer = model.layers[li]
+                for pdef in layer.params.values():
+                    pieces = 1
+                    for entry in partition_spec(pdef.axes, layout):
+                        if entry is not None:
+                            pieces *= shard_count(entry, st.mesh)
+                    params += _nbytes(pdef.shape) // max(1, pieces)
+                acts += _nbytes((mb, *layer.out_shape))
+        devices = math.prod(st.mesh.values())
+        per_device = 2 * params + acts // devices      # parameters + gradients + one microbatch's outputs
+        total += per_device * devices
+        if per_device > device_cap:
+            out.append(problem(f"pipeline.stages[{i}]", {"layers": [list(c) for c in st.chunks], "mesh": dict(st.mesh)},
+                               f"cannot fit: each device needs at least {_gib(per_device)} (parameters "
+                               f"{_gib(params)} + gradients + one microbatch of activations), more than "
+                               f"{where}; shard the stage over more devices or use a smaller model"))
+    per_example = _nbytes(model.input_shape, 4) + _nbytes(model.label_shape, 4)
+    batch = per_example * job.data.global_batch
+    if batch > host_cap:
+        out.append(problem("data.global_batch", job.data.global_batch, f"cannot fit: every host builds the "
+                           f"global batch ({_gib(batch)}), more than {where if machine else 'any server has (' + _gib(MAX_HOST_BYTES) + ')'}"))
+    if machine and total + batch * len(job.pipeline.stages) > machine and not out:
+        out.append(problem("pipeline.stages", f"{len(job.pipeline.stages)} stages", f"cannot fit: the embedded "
+                           f"cluster's stages together need at least {_gib(total + batch * len(job.pipeline.stages))}, "
+                           f"more than this machine's memory ({_gib(machine)})"))
+    return out

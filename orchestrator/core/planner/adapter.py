@@ -1,0 +1,41 @@
+"""Adapter: today's `ModelSpec` (orchestrator.core.model) → the planner's `PlanModel`. Pure.
+
+The one module that knows both sides; when the model front-end changes, re-point
+`from_spec` (and the worker's `build_layer`, `stages.aot_profile`) and nothing else.
+A layer's signature covers what its compiled program depends on: its kind, its
+parameters' shapes and axes, its input and output shapes and whether it is the
+first layer (takes tokens, no input gradient) or the last (computes the loss).
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional
+
+from orchestrator.core.model.registry import build_spec
+from orchestrator.core.model.spec import ModelSpec
+from orchestrator.core.planner.model import ParamInfo, PlanLayer, PlanModel, signature_of
+
+__all__ = ["from_spec", "from_job"]
+
+
+def from_spec(spec: ModelSpec, model_name: str, model_args: Mapping[str, Any],
+              seq_len: Optional[int]) -> PlanModel:
+    """The `PlanModel` of a `ModelSpec` built from (model_name, model_args, seq_len)."""
+    layers = []
+    n = spec.num_layers
+    for i, layer in enumerate(spec.layers):
+        params = tuple(ParamInfo(name, tuple(p.shape), tuple(p.axes)) for name, p in sorted(layer.params.items()))
+        in_shape = spec.input_shape if i == 0 else spec.layers[i - 1].out_shape
+        in_axes = spec.input_axes if i == 0 else spec.layers[i - 1].out_axes
+        sig = signature_of({"model": spec.name, "impl": spec.impl, "kind": layer.kind,
+                            "params": [(p.name, p.shape, p.axes) for p in params],
+                            "in": (tuple(in_shape), tuple(in_axes)), "out": (tuple(layer.out_shape), layer.out_axes),
+                            "first": i == 0, "last": i == n - 1, "label": tuple(spec.label_shape)})
+        layers.append(PlanLayer(i, layer.name, params, tuple(layer.out_axes), tuple(layer.out_shape), 4, sig))
+    source = {"kind": "modelspec", "name": model_name, "args": dict(model_args), "seq_len": seq_len}
+    return PlanModel(spec.name, tuple(layers), tuple(spec.input_axes), source)
+
+
+def from_job(job) -> PlanModel:
+    """The `PlanModel` of a `JobConfig`'s model."""
+    spec = build_spec(job.model.name, job.model.args, seq_len=job.data.seq_len)
+    return from_spec(spec, job.model.name, job.model.args, job.data.seq_len)

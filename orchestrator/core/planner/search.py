@@ -1,0 +1,489 @@
+"""The search: stages, cuts, submeshes, mesh axes + layout rules, microbatches and schedule. Pure.
+
+Basic flow of `search(model, topo, global_batch, profile=...)`:
+  1. choices: for every stage size k hosts, every (data, model) factorisation of its
+     k × devices_per_host devices (model ≤ `max_model`), each layout rules set
+     (Mesh-TF granularity: logical axis → `model`, or replicated; batch → data)
+     and, on several hosts, both axis orders (which axis crosses hosts);
+  2. profiles: every distinct (layer signature, model size, rules, b ∈ {1, 2}) is
+     profiled once (`profile`, normally the compile subprocess through the cache);
+  3. cost: per (k, choice, microbatch count) and layer, `cost.layer_cost`;
+  4. solve: for each microbatch count m, stage count p and schedule, a dynamic
+     programme over (stage, first layer, first host) picks for each stage its
+     layers, its hosts and its best choice under the device-memory limit (with
+     the schedule's in-flight microbatches at that stage), minimising
+     Σ stage time + (m − 1) · max stage time (Alpa's stage DP: enumerate the
+     bottleneck bound, minimise the sum under it) plus stage-edge transfers;
+  5. the DP's three best plans per (m, p, schedule) — by its own estimate — are
+     replayed by the schedule simulator (`orchestrator.core.schedule.simulate`) with
+     their per-stage F/B/OPT costs and per-edge transfer times; candidates are ranked
+     by simulated step time. `SearchOptions.exhaustive` replays every legal plan
+     instead (small spaces; the tests compare the two).
+
+Stages take whole consecutive hosts (as `check_job` requires); with node groups
+(`hosts_per_group`), a stage stays inside one group or takes whole aligned groups.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Optional, Sequence
+
+import numpy as np
+
+from orchestrator.core.planner.cost import MeshChoice, fits_layer, layer_cost, layer_request, mesh_choices
+from orchestrator.core.planner.model import PlanModel
+from orchestrator.core.planner.profile import LayerProfile, ProfileRequest
+from orchestrator.core.planner.topology import Topology
+
+__all__ = ["SearchOptions", "StageChoice", "Candidate", "SearchResult", "PlanningError", "search",
+           "DEFAULT_RULESETS", "rulesets_for", "evaluate"]
+
+ProfileFn = Callable[[Sequence[ProfileRequest]], Mapping[ProfileRequest, LayerProfile]]
+
+# Candidate layout rules (logical axis → the `model` mesh axis); anything unnamed is replicated.
+DEFAULT_RULESETS: Mapping[str, tuple[str, ...]] = {
+    "megatron": ("heads", "mlp", "vocab"),   # attention heads, MLP hidden and vocabulary split
+    "heads+mlp": ("heads", "mlp"),           # the same, vocabulary replicated
+    "mlp": ("mlp",),                         # only the MLP hidden dim split
+    "embed": ("embed",),                     # the model dim split (Mesh-TF's "model" on d_model)
+}
+
+
+class PlanningError(ValueError):
+    """No plan satisfies the constraints; the message says which and by how much."""
+
+
+@dataclass(frozen=True)
+class SearchOptions:
+    """Bounds of the search space (None: defaults in `search`)."""
+
+    microbatches: Optional[tuple[int, ...]] = None
+    schedules: tuple[str, ...] = ("1f1b", "gpipe")
+    max_model: Optional[int] = None
+    rulesets: Optional[Mapping[str, tuple[str, ...]]] = None
+    optimizer_slots: int = 2
+    top: int = 5
+    target_step_s: Optional[float] = None
+    thresholds: int = 8
+    exhaustive: bool = False       # simulate every legal plan instead of the DP's (small spaces only)
+
+
+@dataclass(frozen=True)
+class StageChoice:
+    """One stage of a candidate: layers [start, stop), hosts [first, first + count), mesh/layout and costs."""
+
+    layers: tuple[int, int]
+    hosts: tuple[int, int]
+    choice: MeshChoice
+    fwd_s: float
+    bwd_s: float
+    opt_s: float
+    compute_s: float
+    tp_comm_s: float
+    dp_comm_s: float
+    memory_bytes: float
+    inflight: int
+    tp_bytes: float
+    dp_bytes: float
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A whole plan with its simulated step, bubble, memory and communication."""
+
+    stages: tuple[StageChoice, ...]
+    microbatches: int
+    schedule: str
+    step_s: float
+    bubble: float
+    edges: tuple[dict, ...]
+
+    @property
+    def memory_bytes(self) -> float:
+        return max(s.memory_bytes for s in self.stages)
+
+    def key(self) -> tuple:
+        return (self.schedule, self.microbatches,
+                tuple((s.layers, s.hosts, s.choice) for s in self.stages))
+
+
+@dataclass
+class SearchResult:
+    """Ranked candidates (best first) and what the search did."""
+
+    candidates: list[Candidate]
+    space: dict = field(default_factory=dict)
+    timings: dict = field(default_factory=dict)
+    topology: Optional[Topology] = None
+    ranked: list[Candidate] = field(default_factory=list)   # every plan evaluated, best first
+
+    @property
+    def best(self) -> Candidate:
+        return self.candidates[0]
+
+
+def rulesets_for(model: PlanModel, extra: Optional[Mapping[str, object]] = None,
+                 rulesets: Optional[Mapping[str, tuple[str, ...]]] = None) -> dict[str, tuple[tuple[str, str], ...]]:
+    """The rules sets that name at least one of the model's logical axes, deduplicated.
+
+    `extra` (e.g. the job's own layout) adds one more set: its non-batch rules, onto `model`.
+    """
+    names = model.logical_axes() - {"batch"}
+    out: dict[str, tuple[tuple[str, str], ...]] = {}
+    seen: set = set()
+    sets = dict(rulesets or DEFAULT_RULESETS)
+    if extra:
+        sets["job"] = tuple(k for k, v in extra.items() if k != "batch" and v)
+    for name, axes in sets.items():
+        rules = tuple(sorted((a, "model") for a in axes if a in names))
+        if rules and rules not in seen:
+            seen.add(rules)
+            out[name] = rules
+    return out
+
+
+@functools.lru_cache(maxsize=512)
+def _lowered(schedule: str, p: int, m: int):
+    from orchestrator.core.schedule import ScheduleError, generate, lower
+
+    try:
+        return lower(generate(schedule, p, m))
+    except ScheduleError:
+        return None
+
+
+def _inflight(schedule: str, p: int, m: int) -> Optional[list[int]]:
+    from orchestrator.core.schedule import simulate
+
+    low = _lowered(schedule, p, m)
+    return None if low is None else list(simulate(low, {"F": 1, "B": 2}).peak_inflight)
+
+
+def _aligned(h: int, k: int, hpg: int, hosts: int) -> bool:
+    if hpg <= 1 or hpg >= hosts:
+        return True
+    if k <= hpg:
+        return h % hpg + k <= hpg
+    return k % hpg == 0 and h % hpg == 0
+
+
+@dataclass
+class _Table:
+    """Per (k, choice, m): arrays over layers of F, B, OPT, memory parts (inf where impossible)."""
+
+    fwd: np.ndarray
+    bwd: np.ndarray
+    opt: np.ndarray
+    params: np.ndarray
+    resid: np.ndarray
+    temp: np.ndarray
+    parts: list
+
+
+def search(model: PlanModel, topo: Topology, global_batch: int, *, profile: ProfileFn,
+           options: SearchOptions = SearchOptions(), extra_rules: Optional[Mapping[str, object]] = None) -> SearchResult:
+    """Find the best plans (see the module docstring). Raises `PlanningError` when none fits."""
+    t0 = time.perf_counter()
+    if topo.hosts < 1 or topo.devices_per_host < 1:
+        raise PlanningError(f"the cluster has no devices (hosts = {topo.hosts}, devices_per_host = "
+                            f"{topo.devices_per_host}); nothing to plan on")
+    if model.num_layers < 1:
+        raise PlanningError(f"model {model.name!r} has no layers; nothing to plan")
+    L, H, dph = model.num_layers, topo.hosts, topo.devices_per_host
+    max_model = options.max_model or dph * max(1, min(topo.hosts_per_group, H))
+    rulesets = rulesets_for(model, extra_rules, options.rulesets)
+    ms = options.microbatches or tuple(m for m in (1, 2, 4, 8, 16, 32, 64) if global_batch % m == 0)
+    ms = tuple(m for m in ms if global_batch % m == 0)
+    if not ms:
+        raise PlanningError(f"no microbatch count divides data.global_batch = {global_batch} "
+                            f"(tried {list(options.microbatches or ())})")
+    choices = {k: mesh_choices(k * dph, max_model, rulesets, k > 1) for k in range(1, H + 1)}
+    # 2. profiles (one per distinct program; equal layers share)
+    reqs = []
+    reps = list({layer.signature: layer for layer in model.layers}.values())   # one layer per program
+    for k, cs in choices.items():
+        for c in cs:
+            for layer in reps:
+                if fits_layer(layer, c):          # a dim the rules shard must divide by the model axis
+                    reqs += [layer_request(layer, c, b) for b in (1, 2)]
+    reqs = list(dict.fromkeys(reqs))
+    t1 = time.perf_counter()
+    profiles = profile(reqs)
+    t2 = time.perf_counter()
+    # 3. cost tables
+    slots = options.optimizer_slots
+    tables: dict[tuple[int, int, int], _Table] = {}
+    memo: dict = {}
+    for k, cs in choices.items():
+        for ci, c in enumerate(cs):
+            for m in ms:
+                micro = global_batch // m
+                cols = []
+                for layer in model.layers:      # equal layers (same signature) cost the same
+                    key = (layer.signature, c, micro)
+                    if key not in memo:
+                        memo[key] = layer_cost(layer, c, micro, topo, 0, profiles)
+                    cols.append(memo[key])
+                inf = float("inf")
+                f = np.array([x.fwd_s if x else inf for x in cols])
+                b = np.array([x.bwd_s if x else inf for x in cols])
+                pb = np.array([x.param_bytes if x else inf for x in cols])
+                opt = pb * (3 + 2 * slots) / topo.memory_bandwidth
+                tables[(k, ci, m)] = _Table(f, b, opt, pb, np.array([x.residual_bytes if x else inf for x in cols]),
+                                            np.array([x.temp_bytes if x else inf for x in cols]), cols)
+    t3 = time.perf_counter()
+    # 4. solve
+    found: dict[tuple, Candidate] = {}
+    min_memory = float("inf")
+    space = {"layers": L, "hosts": H, "devices_per_host": dph, "microbatch_counts": list(ms),
+             "schedules": list(options.schedules), "rulesets": {k: [a for a, _ in v] for k, v in rulesets.items()},
+             "mesh_choices": sum(len(v) for v in choices.values()), "profiles": len(reqs)}
+    plans_considered = 0
+    stage_memo: dict = {}
+    for m in ms:
+        micro = global_batch // m
+        for p in range(1, min(H, L) + 1):
+            for sched in (options.schedules if p > 1 else options.schedules[:1]):  # one stage: no schedule choice
+                infl = _inflight(sched, p, m)
+                if infl is None:
+                    continue
+                stage_tab = _stage_tables(model, topo, choices, tables, m, sorted(set(infl)), slots, stage_memo)
+                edge = _edge_times(model, topo, micro)
+                if options.exhaustive:
+                    plans = _enumerate(choices, tables, m, L, H, topo, p)
+                    mem_need = _min_memory(stage_tab, infl, L, H, topo)
+                else:
+                    plans, mem_need = _solve(stage_tab, edge, infl, m, L, H, topo, options.thresholds)
+                min_memory = min(min_memory, mem_need)
+                for stages in plans:
+                    plans_considered += 1
+                    cand = evaluate(model, topo, choices, tables, stages, m, sched, infl, global_batch, slots)
+                    if cand.memory_bytes <= topo.memory_bytes:
+                        found.setdefault(cand.key(), cand)
+    t4 = time.perf_counter()
+    space["stage_options"] = sum(L * (L + 1) // 2 * len(cs) for cs in choices.values()) * len(ms)
+    space["plans_from_dp"] = plans_considered
+    space["plans_evaluated"] = len(found)
+    timings = {"compile_s": t2 - t1, "cost_s": t3 - t2, "solve_s": t4 - t3, "setup_s": t1 - t0}
+    if not found:
+        if math.isinf(min_memory):
+            raise PlanningError(f"no legal plan for model {model.name!r} on {H} hosts × {dph} devices with "
+                                f"global batch {global_batch}: no stage layout divides the batch and the "
+                                "sharded dims (try other data.global_batch or --max-model)")
+        raise PlanningError(f"model {model.name!r} does not fit: every plan needs more than the "
+                            f"{topo.memory_bytes / 1e9:.3g} GB per device the cluster offers; the smallest "
+                            f"needs {min_memory / 1e9:.3g} GB per device ({min_memory:,.0f} bytes) — raise "
+                            "device.memory_gb, add hosts, or shrink the model / global batch")
+    ranked = sorted(found.values(), key=lambda c: (c.step_s, c.memory_bytes))
+    if options.target_step_s is not None and ranked[0].step_s > options.target_step_s:
+        raise PlanningError(f"target step time {options.target_step_s:g} s is unreachable: the fastest "
+                            f"plan found is predicted at {ranked[0].step_s:.4g} s "
+                            f"({len(ranked[0].stages)} stages, m={ranked[0].microbatches}, {ranked[0].schedule})")
+    return SearchResult(ranked[: max(options.top, 1)] if options.top else ranked, space, timings, topo, ranked)
+
+
+def _stage_tables(model, topo, choices, tables, m, ns, slots, memo):
+    """Best (time, choice index, least memory) per (k, n) over stages [i, j) on k hosts, n microbatches in flight."""
+    L = model.num_layers
+    out = {}
+    for k, cs in choices.items():
+        if not cs:
+            continue
+        if (k, m) not in memo:
+            memo[(k, m)] = _stacked(tables, k, len(cs), m, L, slots)
+        T, MS, R, TM, bad = memo[(k, m)]
+        for n in ns:
+            if (k, m, n) not in memo:
+                with np.errstate(invalid="ignore"):
+                    mem = np.where(bad, np.inf, MS + n * R + TM)
+                Tn = np.where(mem <= topo.memory_bytes, T, np.inf)
+                best = Tn.argmin(axis=0)
+                memo[(k, m, n)] = (np.take_along_axis(Tn, best[None], 0)[0], best, mem.min(axis=0))
+            out[(k, n)] = memo[(k, m, n)]
+    return out
+
+
+def _stacked(tables, k, count, m, L, slots):
+    """Per choice, (i, j) arrays of stage time, static memory, residuals per microbatch, largest temp."""
+    fs, bs, mem_static, resid, tmax = [], [], [], [], []
+    for ci in range(count):
+        t = tables[(k, ci, m)]
+        pf, pb = np.concatenate([[0], np.cumsum(t.fwd)]), np.concatenate([[0], np.cumsum(t.bwd)])
+        pp = np.concatenate([[0], np.cumsum(t.params)])
+        pr = np.concatenate([[0], np.cumsum(t.resid)])
+        with np.errstate(invalid="ignore"):
+            fs.append(pf[None, :] - pf[:, None])
+            bs.append(pb[None, :] - pb[:, None])
+            mem_static.append((pp[None, :] - pp[:, None]) * (2 + slots))
+            resid.append(pr[None, :] - pr[:, None])
+        tm = np.full((L + 1, L + 1), np.inf)
+        for i in range(L):
+            tm[i, i + 1:] = np.maximum.accumulate(t.temp[i:])
+        tmax.append(tm)
+    T = np.stack(fs) + np.stack(bs)
+    bad = ~np.isfinite(T) | (np.triu(np.ones((L + 1, L + 1), bool), 1)[None] == 0)
+    return np.where(bad, np.inf, T), np.stack(mem_static), np.stack(resid), np.stack(tmax), bad
+
+
+def _edge_times(model, topo, micro):
+    """E[j, h]: seconds to move the activation leaving layer j-1, and its gradient back, from host h-1 to host h."""
+    L, H = model.num_layers, topo.hosts
+    times = np.zeros((L + 1, H + 1))
+    for h in range(1, H):
+        link = topo.links[topo.class_of_hosts([h - 1, h])]
+        for j in range(1, L):
+            times[j, h] = 2 * link.time(model.layers[j - 1].out_bytes(micro))
+    return times
+
+
+def _solve(stage_tab, edge, infl, m, L, H, topo, n_thresholds, keep=3):
+    """Plans (lists of (i, j, h, k, choice index)) from the bottleneck-bounded DP; and the least memory any plan needs."""
+    ks = sorted({k for k, _ in stage_tab})
+    finite = np.concatenate([stage_tab[(k, infl[0])][0][np.isfinite(stage_tab[(k, infl[0])][0])] for k in ks]
+                            + [np.zeros(0)])
+    if finite.size == 0:
+        return [], _min_memory(stage_tab, infl, L, H, topo)
+    # the least bottleneck any plan reaches, then bounds above it (Alpa enumerates every value; we sample)
+    t_star = _min_max(stage_tab, infl, L, H, topo, index=0)
+    if not np.isfinite(t_star):
+        return [], _min_memory(stage_tab, infl, L, H, topo)
+    above = finite[finite >= t_star]
+    qs = np.unique(np.quantile(above, np.linspace(0, 1, n_thresholds))) if above.size else np.zeros(0)
+    bounds = [t_star * (1 + 1e-9)] + list(qs) + [np.inf]
+    plans, seen = [], set()
+    for bound in bounds:
+        plan = _dp(stage_tab, edge, infl, L, H, topo, bound)
+        if plan is not None and tuple(plan) not in seen:
+            seen.add(tuple(plan))
+            plans.append(plan)
+    if not plans:
+        return [], _min_memory(stage_tab, infl, L, H, topo)
+
+    def objective(plan):     # the DP's estimate: Σ stage + (m − 1) · bottleneck + edges
+        ts = [stage_tab[(k, infl[s])][0][i, j] for s, (i, j, h, k, _) in enumerate(plan)]
+        edges = sum(edge[j, h + k] for i, j, h, k, _ in plan[:-1])
+        return sum(ts) + (m - 1) * max(ts) + edges
+
+    return sorted(plans, key=objective)[:keep], 0.0
+
+
+def _dp(stage_tab, edge, infl, L, H, topo, bound):
+    """The least Σ stage time plan with every stage ≤ bound: [(i, j, h, k, choice index)] per stage, or None."""
+    p = len(infl)
+    inf = np.inf
+    ks = sorted({k for k, _ in stage_tab})
+    # nxt[i, h]: least Σ time of stages s+1.. starting at layer i, host h (all fitting and ≤ bound)
+    nxt = np.full((L + 1, H + 1), inf)
+    nxt[L, :] = 0.0
+    back = []
+    for s in range(p - 1, -1, -1):
+        n = infl[s]
+        vals = np.full((len(ks), L + 1, H + 1), inf)
+        js = np.zeros((len(ks), L + 1, H + 1), dtype=np.int64)
+        for ki, k in enumerate(ks):
+            if (k, n) not in stage_tab:
+                continue
+            t = stage_tab[(k, n)][0]
+            t = np.where(t <= bound, t, inf)
+            hs = np.array([h for h in range(0, H - k + 1) if _aligned(h, k, topo.hosts_per_group, H)], dtype=np.int64)
+            if hs.size == 0:
+                continue
+            tail = nxt[:, hs + k] + (edge[:, hs + k] if s < p - 1 else 0.0)     # (j, h)
+            tot = t[:, :, None] + tail[None, :, :]                               # (i, j, h)
+            j = tot.argmin(axis=1)                                               # (i, h)
+            vals[ki][:, hs] = np.take_along_axis(tot, j[:, None, :], 1)[:, 0, :]
+            js[ki][:, hs] = j
+        kbest = vals.argmin(axis=0)
+        back.append((kbest, js))
+        nxt = np.take_along_axis(vals, kbest[None], 0)[0]
+    back.reverse()
+    if not np.isfinite(nxt[0, 0]):
+        return None
+    plan, i, h = [], 0, 0
+    for s in range(p):
+        kbest, js = back[s]
+        ki = int(kbest[i, h])
+        k, j = ks[ki], int(js[ki, i, h])
+        c = int(stage_tab[(k, infl[s])][1][i, j])
+        plan.append((i, j, h, k, c))
+        i, h = j, h + k
+    return plan
+
+
+def _enumerate(choices, tables, m, L, H, topo, p, limit=200_000):
+    """Every legal plan with p stages (cuts × host counts × one choice per stage), for `exhaustive`."""
+    import itertools
+
+    count = 0
+    for cuts in itertools.combinations(range(1, L), p - 1):
+        bounds = (0, *cuts, L)
+        for ks in itertools.product(range(1, H + 1), repeat=p):
+            if sum(ks) > H:
+                continue
+            starts = np.concatenate([[0], np.cumsum(ks)[:-1]]).astype(int)
+            if not all(_aligned(int(h), k, topo.hosts_per_group, H) for h, k in zip(starts, ks)):
+                continue
+            options = []
+            for s in range(p):
+                i, j, k = bounds[s], bounds[s + 1], ks[s]
+                options.append([ci for ci in range(len(choices[k]))
+                                if np.isfinite(tables[(k, ci, m)].fwd[i:j]).all()
+                                and np.isfinite(tables[(k, ci, m)].bwd[i:j]).all()])
+            for cis in itertools.product(*options):
+                count += 1
+                if count > limit:
+                    raise PlanningError(f"exhaustive search: more than {limit:,} plans; narrow the space")
+                yield [(bounds[s], bounds[s + 1], int(starts[s]), ks[s], cis[s]) for s in range(p)]
+
+
+def _min_max(stage_tab, infl, L, H, topo, index):
+    """The least max-over-stages of `stage_tab[..][index]` (0: time under the memory limit, 2: memory) of any plan."""
+    p = len(infl)
+    nxt = np.full((L + 1, H + 1), np.inf)
+    nxt[L, :] = 0.0
+    for s in range(p - 1, -1, -1):
+        cur = np.full((L + 1, H + 1), np.inf)
+        for k in sorted({k for k, _ in stage_tab}):
+            if (k, infl[s]) not in stage_tab:
+                continue
+            val = stage_tab[(k, infl[s])][index]
+            for h in range(0, H - k + 1):
+                if _aligned(h, k, topo.hosts_per_group, H):
+                    cur[:, h] = np.minimum(cur[:, h], np.maximum(val, nxt[None, :, h + k]).min(axis=1))
+        nxt = cur
+    return float(nxt[0, 0])
+
+
+def _min_memory(stage_tab, infl, L, H, topo):
+    """The least max-over-stages memory per device of any plan with this many stages (memory limit ignored)."""
+    return _min_max(stage_tab, infl, L, H, topo, index=2)
+
+
+def evaluate(model, topo, choices, tables, stages, m, sched, infl, global_batch, slots) -> Candidate:
+    """Replay one plan in the schedule simulator: per-stage F/B/OPT and per-edge transfer times."""
+    from orchestrator.core.schedule import simulate
+
+    micro = global_batch // m
+    out = []
+    for s, (i, j, h, k, ci) in enumerate(stages):
+        t = tables[(k, ci, m)]
+        cols = t.parts[i:j]
+        mem = sum(c.param_bytes for c in cols) * (2 + slots) + infl[s] * sum(c.residual_bytes for c in cols) \
+            + max(c.temp_bytes for c in cols)
+        out.append(StageChoice((i, j), (h, k), choices[k][ci], float(t.fwd[i:j].sum()), float(t.bwd[i:j].sum()),
+                               float(t.opt[i:j].sum()), sum(c.compute_s for c in cols),
+                               sum(c.tp_comm_s for c in cols), sum(c.dp_comm_s for c in cols), mem, infl[s],
+                               sum(c.tp_bytes for c in cols), sum(c.dp_bytes for c in cols)))
+    edges = []
+    for a, b in zip(out, out[1:]):
+        nbytes = model.layers[a.layers[1] - 1].out_bytes(micro)
+        cls = topo.class_of_hosts([a.hosts[0] + a.hosts[1] - 1, b.hosts[0]])
+        edges.append({"edge": [len(edges), len(edges) + 1], "bytes": nbytes, "link": cls,
+                      "time_s": topo.links[cls].time(nbytes)})
+    low = _lowered(sched, len(out), m)
+    costs = [{"F": st.fwd_s, "B": st.bwd_s, "OPT": st.opt_s} for st in out]
+    sim = simulate(low, costs, [e["time_s"] for e in edges] if edges else 0.0)
+    return Candidate(tuple(out), m, sched, float(sim.step_time), float(sim.bubble_fraction), tuple(edges))

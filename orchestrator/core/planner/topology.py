@@ -1,0 +1,142 @@
+"""The cluster as the planner sees it: hosts, link classes (α-β), device memory and speed. Pure.
+
+Three link classes, from the closest to the farthest:
+  host   devices of one host (NVLink, a TPU VM's ICI, shared memory for CPU devices);
+  group  hosts of one node group: `hosts_per_group` consecutive hosts (an ICI slice,
+         an NVLink domain; by default the whole cluster for TPU, each host alone otherwise);
+  dcn    hosts of different node groups (the data-centre network).
+A message of `n` bytes on a link costs `latency + n / bandwidth` (α-β). A collective
+over a group of devices is charged on the farthest class the group spans, with the
+ring formulas XLA's own auto-sharding uses per mesh dimension:
+
+  all-reduce      2 (k-1)/k · bytes / β + 2 (k-1) α
+  all-gather      (k-1)/k · bytes(result) / β + (k-1) α
+  reduce-scatter  (k-1)/k · bytes(operand) / β + (k-1) α
+  all-to-all      (k-1)/k · bytes / β + (k-1) α
+  permute         bytes / β + α
+
+Defaults (`DEFAULTS`) are nominal figures per platform, to be replaced by a cluster's
+`links:` / `device:` sections (or, later, by `meshpipe calibrate`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Iterable, Mapping
+
+__all__ = ["LinkClass", "Topology", "DEFAULTS", "CLASSES", "collective_time", "from_cluster"]
+
+CLASSES = ("host", "group", "dcn")   # nearest first
+
+
+@dataclass(frozen=True)
+class LinkClass:
+    """One class of link: per-message latency (s) and bandwidth (bytes/s)."""
+
+    name: str
+    latency_s: float
+    bandwidth: float
+
+    def time(self, nbytes: float) -> float:
+        return self.latency_s + nbytes / self.bandwidth
+
+
+# Nominal per-platform figures (bandwidth GB/s, latency µs; device memory GB, TFLOP/s, GB/s).
+DEFAULTS: Mapping[str, Mapping[str, object]] = {
+    "cpu": {"host": (10.0, 10.0), "group": (1.0, 50.0), "dcn": (1.0, 50.0),
+            "memory_gb": 2.0, "tflops": 0.02, "memory_bandwidth_gbps": 10.0},
+    "gpu": {"host": (150.0, 5.0), "group": (25.0, 10.0), "dcn": (25.0, 10.0),
+            "memory_gb": 40.0, "tflops": 100.0, "memory_bandwidth_gbps": 1500.0},
+    "tpu": {"host": (45.0, 5.0), "group": (45.0, 5.0), "dcn": (6.25, 100.0),
+            "memory_gb": 16.0, "tflops": 197.0, "memory_bandwidth_gbps": 819.0},
+}
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Hosts × devices and what links and devices can do.
+
+    Attributes:
+      hosts, devices_per_host: the cluster's shape (a stage takes whole consecutive hosts).
+      hosts_per_group: consecutive hosts that share the `group` link class.
+      links: one `LinkClass` per name in `CLASSES`.
+      memory_bytes, flops, memory_bandwidth: per device.
+    """
+
+    hosts: int
+    devices_per_host: int
+    hosts_per_group: int
+    links: Mapping[str, LinkClass]
+    memory_bytes: float
+    flops: float
+    memory_bandwidth: float
+    platform: str = "cpu"
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def num_devices(self) -> int:
+        return self.hosts * self.devices_per_host
+
+    def with_link(self, name: str, bandwidth_gbps: float, latency_us: float) -> "Topology":
+        """A copy with one link class replaced (for `--explain` and tests)."""
+        links = dict(self.links)
+        links[name] = LinkClass(name, latency_us * 1e-6, bandwidth_gbps * 1e9)
+        return replace(self, links=links)
+
+    def class_of_hosts(self, hosts: Iterable[int]) -> str:
+        """The farthest link class a set of cluster hosts spans."""
+        hs = set(hosts)
+        if len(hs) <= 1:
+            return "host"
+        groups = {h // self.hosts_per_group for h in hs}
+        return "group" if len(groups) == 1 else "dcn"
+
+    def class_of_devices(self, first_host: int, positions: Iterable[int]) -> str:
+        """The farthest class spanned by devices at these flat positions of a stage starting at `first_host`."""
+        return self.class_of_hosts(first_host + p // self.devices_per_host for p in positions)
+
+
+def collective_time(kind: str, nbytes: float, k: int, link: LinkClass) -> float:
+    """α-β ring time of one collective over k participants (see the module docstring)."""
+    if k <= 1 or nbytes <= 0:
+        return 0.0
+    a, b = link.latency_s, link.bandwidth
+    frac = (k - 1) / k
+    if kind == "all-reduce":
+        return 2 * frac * nbytes / b + 2 * (k - 1) * a
+    if kind in ("all-gather", "reduce-scatter", "all-to-all"):
+        return frac * nbytes / b + (k - 1) * a
+    if kind == "collective-permute":
+        return nbytes / b + a
+    raise ValueError(f"unknown collective kind {kind!r}")
+
+
+def from_cluster(cluster) -> Topology:
+    """The `Topology` of a `ClusterConfig`: its `links:` and `device:` sections over platform defaults."""
+    d = DEFAULTS[cluster.platform]
+    links = {}
+    given = getattr(cluster, "links", None)
+    notes = []
+    for name in CLASSES:
+        lc = getattr(given, name, None) if given is not None else None
+        bw, lat = (lc.bandwidth_gbps, lc.latency_us) if lc is not None else d[name]
+        if lc is None:
+            notes.append(f"links.{name}: platform default {bw:g} GB/s, {lat:g} µs")
+        links[name] = LinkClass(name, lat * 1e-6, bw * 1e9)
+    hpg = getattr(given, "hosts_per_group", None) if given is not None else None
+    if hpg is None:
+        if cluster.platform == "tpu" and cluster.tpu is not None:
+            hpg = max(1, cluster.hosts // cluster.tpu.slices)
+        else:
+            hpg = 1
+    dev = getattr(cluster, "device", None)
+
+    def pick(key: str) -> float:
+        v = getattr(dev, key, None) if dev is not None else None
+        if v is None:
+            notes.append(f"device.{key}: platform default {d[key]:g}")
+            return float(d[key])
+        return float(v)
+
+    mem, tf, bw = pick("memory_gb"), pick("tflops"), pick("memory_bandwidth_gbps")
+    return Topology(cluster.hosts, cluster.devices_per_host, hpg, links, mem * 1e9, tf * 1e12, bw * 1e9,
+                    cluster.platform, tuple(notes))

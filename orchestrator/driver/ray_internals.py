@@ -1,0 +1,159 @@
+"""Every use of a private Ray internal, in one module, each behind a guard.
+
+meshpipe needs four things Ray has no public API for:
+  - `single_machine_mode()`: Ray binds its core servers on the routable address unless
+    its macOS/Windows single-machine switch is off; the switch is the environment
+    variable RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER *and* the constant
+    `ray._private.ray_constants.ENABLE_RAY_CLUSTER`, read at import time.
+  - `auth_headers_from_ray()`: `ray._raylet.AuthenticationTokenLoader` finds the token
+    where Ray's CLI does.
+  - `available_resources()`: `ray._private.state.available_resources_per_node`.
+  - `dashboard_url()`: `ray._private.worker.get_dashboard_url`.
+Each is looked up defensively: if a Ray upgrade renames it, the caller gets None (or,
+for the loopback switch, a warning) and a safe fallback — never a crash and never a
+silent exposure, because `beyond_loopback` verifies after start what the embedded
+cluster actually binds, by listing its processes' listening sockets (psutil, which
+ray[default] installs). `tests/test_ray_internals.py` fails loudly when any of these
+internals disappears or changes its signature, naming it, so an upgrade is noticed in
+CI rather than in production. TESTED_RAY says which Ray they were checked against.
+"""
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import logging
+import os
+
+log = logging.getLogger("meshpipe")
+
+TESTED_RAY = "2.60"
+SINGLE_MACHINE_VAR = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+INTERNALS = {   # what this module reaches into: (module, attribute) -> what for
+    ("ray._private.ray_constants", "ENABLE_RAY_CLUSTER"): "embedded cluster bound to loopback",
+    ("ray._raylet", "AuthenticationTokenLoader"): "the Ray auth token for `meshpipe submit/status/logs`",
+    ("ray._private.state", "available_resources_per_node"): "free resources in placement pre-checks",
+    ("ray._private.worker", "get_dashboard_url"): "the dashboard URL shown at start",
+}
+
+
+def _internal(module: str, name: str):
+    """`module.name`, or None when this Ray lacks it (logged once per call site)."""
+    import importlib
+
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        log.debug("Ray %s has no %s.%s", _ray_version(), module, name)
+        return None
+
+
+def _ray_version() -> str:
+    try:
+        import ray
+
+        return ray.__version__
+    except ImportError:   # pragma: no cover
+        return "?"
+
+
+@contextlib.contextmanager
+def single_machine_mode():
+    """While starting an embedded Ray: make it bind and advertise 127.0.0.1 only. Restores
+    the environment and the constant afterwards. If the constant is gone, warns (the
+    environment variable still applies to the processes Ray spawns, and `beyond_loopback`
+    checks the result)."""
+    import importlib
+
+    try:
+        consts = importlib.import_module("ray._private.ray_constants")
+    except ImportError:
+        consts = None
+    had = consts is not None and hasattr(consts, "ENABLE_RAY_CLUSTER")
+    if not had:
+        log.warning("Ray %s has no ray._private.ray_constants.ENABLE_RAY_CLUSTER (meshpipe was checked "
+                    "against %s); the listening sockets are verified after start", _ray_version(), TESTED_RAY)
+    old_env = os.environ.get(SINGLE_MACHINE_VAR)
+    old_const = consts.ENABLE_RAY_CLUSTER if had else None
+    os.environ[SINGLE_MACHINE_VAR] = "0"
+    if had:
+        consts.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        if old_env is None:
+            os.environ.pop(SINGLE_MACHINE_VAR, None)
+        else:
+            os.environ[SINGLE_MACHINE_VAR] = old_env
+        if had:
+            consts.ENABLE_RAY_CLUSTER = old_const
+
+
+def auth_headers_from_ray() -> dict | None:
+    """Ray's own token header ({"authorization": "Bearer …"} or {}), or None when this Ray's
+    loader is missing or behaves differently (the caller then reads the token itself)."""
+    loader_cls = _internal("ray._raylet", "AuthenticationTokenLoader")
+    if loader_cls is None:
+        return None
+    try:
+        loader = loader_cls.instance()
+        loader.reset_cache()   # read the environment as it is now
+        return dict(loader.get_token_for_http_header(ignore_auth_mode=True))
+    except Exception as e:  # noqa: BLE001 - a private API that changed: fall back, say so at debug level
+        log.debug("Ray's AuthenticationTokenLoader failed (%s: %s); reading the token directly", type(e).__name__, e)
+        return None
+
+
+def available_resources() -> dict:
+    """Node id -> free resources now, or {} when this Ray cannot say."""
+    fn = _internal("ray._private.state", "available_resources_per_node")
+    try:
+        return dict(fn()) if fn is not None else {}
+    except Exception:  # noqa: BLE001 - totals stand in for what is free
+        return {}
+
+
+def dashboard_url() -> str | None:
+    fn = _internal("ray._private.worker", "get_dashboard_url")
+    try:
+        return fn() if fn is not None else None
+    except Exception:  # noqa: BLE001 - informational
+        return None
+
+
+# -- what actually listens -------------------------------------------------------
+def listening_sockets(root_pid: int | None = None) -> list[tuple[str, int, int, str]]:
+    """(ip, port, pid, process name) of every listening TCP socket of process `root_pid`
+    (default: this one) and all its descendants (an embedded Ray's GCS, raylet, agents,
+    dashboard and workers are)."""
+    import psutil
+
+    root = psutil.Process(root_pid or os.getpid())
+    procs = {root.pid: root}
+    for child in root.children(recursive=True):
+        procs[child.pid] = child
+    out = []
+    for c in psutil.net_connections(kind="inet"):
+        if c.status == psutil.CONN_LISTEN and c.pid in procs:
+            try:
+                name = procs[c.pid].name()
+            except psutil.Error:
+                name = "?"
+            out.append((c.laddr.ip, c.laddr.port, c.pid, name))
+    return sorted(set(out))
+
+
+def _is_loopback(ip: str) -> bool:
+    try:
+        addr = ipaddress.ip_address(ip.split("%")[0])
+    except ValueError:
+        return False
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        addr = addr.ipv4_mapped
+    return addr.is_loopback
+
+
+def beyond_loopback(allowed: set[str] = frozenset(), root_pid: int | None = None) -> list[str]:
+    """Listening sockets of this process tree bound beyond loopback, except on `allowed` IPs
+    (what the cluster YAML asked for, e.g. `dashboard_host`), as 'ip:port (process pid)'."""
+    return [f"{ip}:{port} ({name} {pid})" for ip, port, pid, name in listening_sockets(root_pid)
+            if not _is_loopback(ip) and ip not in allowed]

@@ -1,0 +1,112 @@
+"""The planner's profiling worker: compile one layer's stage programs ahead of time, report XLA's figures.
+
+Run as `python -m stages.aot_profile` by `orchestrator.core.planner.profile.Profiler`
+(in a subprocess whose environment already has
+`XLA_FLAGS=--xla_force_host_platform_device_count=N` and `JAX_PLATFORMS=cpu`).
+Reads one JSON request on stdin:
+    {"protocol": 1, "source": {"kind": "modelspec", "name", "args", "seq_len"},
+     "requests": [{"key", "layer", "model_size", "rules", "batch"}, ...]}
+and writes one JSON line per request, `{"key": ..., "profile": LayerProfile JSON}` (or
+`{"key": ..., "error": "..."}`), as soon as it is compiled (so a timeout keeps what was done).
+
+For each request it builds the layer as a one-layer `StageProgram` on a
+`(data=1, model=M)` mesh with layout `batch → data` plus the request's rules,
+lowers and compiles its forward and its backward+accumulate (nothing runs; inputs
+are `ShapeDtypeStruct`s), and reads `cost_analysis()`, `memory_analysis()` and
+the collectives of `as_text()`. `build_layer` is the one function that knows
+today's model front-end (ModelSpec + `stages.models` impls).
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+
+def build_layer(source: dict, layer: int, mesh, layout: dict):
+    """(program, spec) for one layer of the model described by `source`, on `mesh` with `layout`."""
+    import optax
+
+    from orchestrator.core.model.registry import build_spec
+    from stages.models.base import load_impl
+    from stages.program import StageProgram
+
+    if source.get("kind") != "modelspec":
+        raise ValueError(f"unknown model source kind {source.get('kind')!r}")
+    spec = build_spec(source["name"], source.get("args") or {}, seq_len=source.get("seq_len"))
+    prog = StageProgram(spec, load_impl(spec), layer, layer + 1, microbatches=1,
+                        optimizer=optax.sgd(0.1), mesh=mesh, layout=layout)
+    return prog, spec
+
+
+def _figures(compiled, n: int) -> dict:
+    from orchestrator.core.planner.profile import parse_collectives
+
+    cost = compiled.cost_analysis()
+    if isinstance(cost, list):  # older jax returned one dict per program
+        cost = cost[0] if cost else {}
+    mem = compiled.memory_analysis()
+    return {"flops": float(cost.get("flops", 0.0)), "bytes": float(cost.get("bytes accessed", 0.0)),
+            "out": float(getattr(mem, "output_size_in_bytes", 0)),
+            "temp": float(getattr(mem, "temp_size_in_bytes", 0)),
+            "colls": parse_collectives(compiled.as_text(), n)}
+
+
+def profile_one(source: dict, req: dict) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh
+
+    m = int(req["model_size"])
+    mesh = Mesh(np.array(jax.devices()[:m]).reshape(1, m), ("data", "model"))
+    layout = {"batch": "data", **{k: v for k, v in req["rules"]}}
+    t0 = time.perf_counter()
+    prog, spec = build_layer(source, int(req["layer"]), mesh, layout)
+    b = int(req["batch"])
+
+    def sds(shape, dtype, sh):
+        return jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype), sharding=sh)
+
+    params = [{n: sds(p.shape, "float32", prog._sh(p.axes)) for n, p in layer.params.items()}
+              for layer in prog.layers]
+    if prog.first:
+        x = sds((b, *spec.input_shape), spec.input_dtype, prog.input_sharding())
+    else:
+        prev = spec.layers[prog.start - 1]
+        x = sds((b, *prev.out_shape), "float32", prog.input_sharding())
+    args = [params, x]
+    if prog.last:
+        args.append(sds((b, *spec.label_shape), spec.label_dtype, prog.label_sharding()))
+    fwd = prog.fwd.lower(*args).compile()
+    y_info, res_info = fwd.out_info
+    dy = sds((), "float32", None) if prog.last else y_info
+    acc = [{n: sds(p.shape, "float32", prog._sh(p.axes)) for n, p in layer.params.items()}
+           for layer in prog.layers]
+    bwd = prog.bwd_acc.lower(params, res_info, dy, acc).compile()
+    f, g = _figures(fwd, m), _figures(bwd, m)
+    colls = [["fwd", k, by, [list(x) for x in gs]] for k, by, gs in f["colls"]]
+    colls += [["bwd", k, by, [list(x) for x in gs]] for k, by, gs in g["colls"]]
+    return {"flops": {"fwd": f["flops"], "bwd": g["flops"]},
+            "bytes_accessed": {"fwd": f["bytes"], "bwd": g["bytes"]},
+            "residual_bytes": f["out"], "temp_bytes": max(f["temp"], g["temp"]),
+            "collectives": colls, "compile_s": time.perf_counter() - t0}
+
+
+def main() -> int:
+    request = json.loads(sys.stdin.read())
+    if request.get("protocol") != 1:
+        print(f"aot_profile: unsupported protocol {request.get('protocol')!r}", file=sys.stderr)
+        return 2
+    for req in request["requests"]:
+        try:
+            line = {"key": req["key"], "profile": profile_one(request["source"], req)}
+        except Exception as e:  # noqa: BLE001 - report which program failed and go on with the others
+            line = {"key": req["key"], "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+        sys.stdout.write(json.dumps(line) + "\n")
+        sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""A full disk, for real: a small tmpfs mounted in a private mount namespace (`unshare`).
+
+The output-directory check compares free space with what the run will write and writes
+real bytes (an empty file can be created on a full disk); `write_private` and
+`append_private` turn ENOSPC into a `DiskFullError` that names the file and leave no
+temporary or partial file behind.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+
+SCRIPT = r"""
+import json, os, sys
+from pathlib import Path
+from orchestrator.core.config import ConfigError, check_output_dir, load_job
+from orchestrator.core.private_fs import DiskFullError, append_private, write_private
+
+d = Path(sys.argv[1])
+out = {}
+def refusal(steps):
+    try:
+        check_output_dir(load_job("examples/mlp.yaml", [f"run.output_dir={d}", f"run.steps={steps}"]))
+        return None
+    except ConfigError as e:
+        return str(e)
+out["small_run"] = refusal(10)
+out["long_run"] = refusal(100_000)                   # 8 MiB + 51 MB > a 16 MiB disk
+write_private(d / "summary.json", "old")
+try:
+    write_private(d / "summary.json", "x" * (32 << 20))
+    out["big_write"] = None
+except DiskFullError as e:
+    out["big_write"] = str(e)
+out["kept"] = (d / "summary.json").read_text()
+append_private(d / "metrics.jsonl", "{}\n")
+fd = os.open(d / "filler", os.O_WRONLY | os.O_CREAT)   # fill the disk to the last block
+try:
+    while True:
+        os.write(fd, b"\0" * 4096)
+except OSError:
+    pass
+os.close(fd)
+try:
+    append_private(d / "metrics.jsonl", "y" * (1 << 20))
+    out["append"] = None
+except DiskFullError as e:
+    out["append"] = str(e)
+out["metrics"] = (d / "metrics.jsonl").read_text()
+out["full_dir"] = refusal(1)
+out["files"] = sorted(p.name for p in d.iterdir())
+print(json.dumps(out))
+"""
+
+
+def _in_tiny_tmpfs(tmp_path, size: str = "16m") -> dict:
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    probe = ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", f"mount -t tmpfs -o size=1m tmpfs {mnt}"]
+    if shutil.which("unshare") is None or subprocess.run(probe, capture_output=True, timeout=30).returncode != 0:
+        pytest.skip("cannot mount a private tmpfs here (unshare --user --mount refused)")
+    cmd = ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c",
+           f'mount -t tmpfs -o size={size} tmpfs "$1" && exec "$2" -c "$3" "$1"', "sh", str(mnt), sys.executable,
+           SCRIPT]
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def test_a_full_disk_is_found_before_training_and_writes_fail_cleanly(tmp_path):
+    out = _in_tiny_tmpfs(tmp_path)
+    assert out["small_run"] is None
+    assert "run.output_dir" in out["long_run"] and "not enough free space" in out["long_run"]
+    assert "100,000 steps" in out["long_run"]
+    assert "no space left on the device writing" in out["big_write"] and "summary.json" in out["big_write"]
+    assert out["kept"] == "old"                          # the old summary survives, no partial file
+    assert "metrics.jsonl" in out["append"] and out["metrics"] == "{}\n"   # truncated back
+    assert "run.output_dir" in out["full_dir"] and ("not enough free space" in out["full_dir"]
+                                                     or "cannot write" in out["full_dir"])
+    assert out["files"] == ["filler", "metrics.jsonl", "summary.json"]   # no .tmp, no write-test file

@@ -1,0 +1,111 @@
+"""The auto-planner against real compiled programs: the profiling subprocess, its cache, `plan --auto`.
+
+Compiles layer programs ahead of time on simulated CPU devices (a few seconds each
+on this machine), so the module is marked `slow` (still part of CI).
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import yaml
+
+from orchestrator.core.config import check_job, load_cluster, load_job
+from orchestrator.core.model.registry import build_spec
+from orchestrator.core.plan import make_plan
+from orchestrator.core.planner.adapter import from_spec
+from orchestrator.core.planner.profile import Profiler, ProfileRequest, linear
+from tests.conftest import ROOT
+from tests.test_cli import meshpipe
+
+pytestmark = pytest.mark.slow
+
+MEGATRON = (("heads", "model"), ("mlp", "model"), ("vocab", "model"))
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("planner-cache")
+
+
+def test_profiles_come_from_compiled_programs_and_are_cached(cache):
+    spec = build_spec("gpt", {"blocks": 2}, seq_len=32)
+    model = from_spec(spec, "gpt", {"blocks": 2}, 32)
+    block = model.layers[1]
+    assert block.signature == model.layers[2].signature != model.layers[0].signature
+    reqs = [ProfileRequest(block.signature, 1, 2, MEGATRON, b) for b in (1, 2, 4)]
+    before = os.environ.get("XLA_FLAGS")
+    prof = Profiler("stages.aot_profile", cache)
+    twin = ProfileRequest(block.signature, 2, 2, MEGATRON, 1)          # block 2: the same program as block 1
+    assert twin == reqs[0]
+    got = prof.profile(model.source, reqs + [twin])
+    assert os.environ.get("XLA_FLAGS") == before                    # the caller's process is untouched
+    assert prof.stats.compiled == 3 and got[twin] is got[reqs[0]]
+    p1, p2, p4 = (got[r] for r in reqs)
+    # a GPT block's forward: 2·b·s·(4·d² + 2·d·h)/M matmul flops at least, per device (M = 2)
+    d, h, s = 64, 256, 32
+    assert p1.flops["fwd"] >= 2 * s * (4 * d * d + 2 * d * h) / 2
+    assert p1.flops["bwd"] > 1.5 * p1.flops["fwd"]
+    kinds = {(ph, k) for ph, k, _, _ in p1.collectives}
+    assert ("fwd", "all-reduce") in kinds and ("bwd", "all-reduce") in kinds   # Megatron: one per row-parallel matmul
+    assert all(g == ((0, 1),) for _, _, _, g in p1.collectives)
+    est = linear(p1, p2, 4)
+    for ph in ("fwd", "bwd"):
+        assert est.flops[ph] == pytest.approx(p4.flops[ph], rel=0.02)
+    assert est.residual_bytes == pytest.approx(p4.residual_bytes, rel=0.02)
+    assert sum(c[2] for c in est.collectives) == pytest.approx(sum(c[2] for c in p4.collectives), rel=0.02)
+    again = Profiler("stages.aot_profile", cache)
+    hit = again.profile(model.source, reqs)
+    assert again.stats.compiled == 0 and again.stats.cache_hits == 3
+    assert hit[reqs[0]].flops == p1.flops and hit[reqs[0]].cached
+    for f in cache.iterdir():                                         # JSON on disk, nothing else
+        json.loads(f.read_text())
+
+
+def test_plan_auto_writes_a_job_that_loads_checks_and_plans(cache, tmp_path):
+    out = tmp_path / "mlp.auto.yaml"
+    r = meshpipe("plan", "examples/mlp.yaml", "--auto", "--explain", "--max-model", "2", "--microbatches", "2,4",
+                 "--out", str(out), "--cache-dir", str(cache), timeout=900)
+    assert r.returncode == 0, r.stderr
+    assert "RAY_IMPORTED=False" in r.stderr
+    assert "step ms" in r.stdout and "winner:" in r.stdout and "loses by" in r.stdout
+    job = load_job(out)
+    checked = check_job(job, load_cluster(ROOT / "cluster_configs" / "local.yaml"))
+    make_plan(checked)
+    raw = yaml.safe_load(out.read_text())
+    assert raw["model"] == yaml.safe_load((ROOT / "examples" / "mlp.yaml").read_text())["model"]
+    assert raw["pipeline"]["microbatches"] in (2, 4)
+    r2 = meshpipe("plan", str(out))
+    assert r2.returncode == 0, r2.stderr
+    # warm cache: the same search compiles nothing
+    r3 = meshpipe("plan", "examples/mlp.yaml", "--auto", "--json", "--max-model", "2", "--microbatches", "2,4",
+                  "--out", str(tmp_path / "again.yaml"), "--cache-dir", str(cache), timeout=300)
+    assert r3.returncode == 0, r3.stderr
+    rep = json.loads(r3.stdout)
+    assert rep["profiles"]["compiled"] == 0 and rep["profiles"]["cache_hits"] > 0
+    assert rep["candidates"][0]["step_s"] > 0
+
+
+def test_plan_auto_model_that_cannot_fit_exits_2_naming_the_memory(cache, tmp_path):
+    cluster = tmp_path / "tiny.yaml"
+    cluster.write_text("hosts: 1\ndevices_per_host: 1\ncpus_per_host: 0.5\ndevice: {memory_gb: 0.000001}\n")
+    r = meshpipe("plan", "examples/mlp.yaml", "--auto", "--cluster", str(cluster), "--microbatches", "2",
+                 "--out", str(tmp_path / "x.yaml"), "--cache-dir", str(cache), timeout=600)
+    assert r.returncode == 2
+    assert "does not fit" in r.stderr and "the smallest needs" in r.stderr and "GB per device" in r.stderr
+    assert not (tmp_path / "x.yaml").exists()
+
+
+@pytest.mark.ray
+def test_plan_auto_measure_runs_the_top_candidate_on_ray(cache, tmp_path):
+    r = meshpipe("plan", "examples/mlp.yaml", "--auto", "--json", "--measure", "1", "--max-model", "2",
+                 "--microbatches", "2,4", "--out", str(tmp_path / "m.yaml"), "--cache-dir", str(cache),
+                 "--set", f"run.output_dir={tmp_path / 'runs'}", timeout=900)
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(r.stdout)
+    (row,) = rep["measured"]
+    assert row["predicted_s"] == rep["candidates"][0]["step_s"] and row["measured_s"] > 0
+    assert row["steps_timed"] == 4
+    summary = json.loads((tmp_path / "runs" / "mlp-tiny-auto0" / "summary.json").read_text())
+    assert len(summary["step_times_s"]) == 8

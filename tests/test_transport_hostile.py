@@ -1,0 +1,253 @@
+"""The socket transport against a hostile client (pure sockets and real listeners, no Ray).
+
+What a connector that does not hold the run key can do: open connections, send part of a
+handshake, garbage, a huge length prefix, or replay a handshake it recorded. What an
+authenticated peer can do: send frames that do not match the receiver's plan. Neither may
+pin a thread, allocate what a header asks for, or end the run; both lose their connection.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from stages.frames import (
+    CHALLENGE,
+    FRAME,
+    FRAME_MAGIC,
+    GRANT,
+    GRANT_MAGIC,
+    HELLO,
+    HELLO_MAGIC,
+    MAX_GRANT,
+    PROOF,
+    FrameError,
+    HandshakeRefused,
+    PeerError,
+    encode_frame,
+    frame_header,
+    read_grant,
+)
+from stages.mailbox import Mailbox
+from stages.socket_transport import Listener, _Conn
+
+KEY = b"k" * 32
+
+
+def recv_exactly(sock: socket.socket, n: int) -> bytes:
+    out = b""
+    while len(out) < n:
+        got = sock.recv(n - len(out))
+        if not got:
+            break
+        out += got
+    return out
+
+
+def closed_by_peer(sock: socket.socket, within: float) -> bool:
+    """True when the other end closes `sock` (EOF or reset) within `within` seconds."""
+    sock.settimeout(within)
+    try:
+        while sock.recv(4096):
+            pass
+        return True
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+@pytest.fixture
+def listener():
+    box, errors = Mailbox("hostile"), []
+    lst = Listener("127.0.0.1", KEY, lambda frame, conn: box.put(frame.key, frame.arrays), errors.append,
+                   io_timeout=5, name="hostile", max_pending=8, handshake_s=1.0)
+    lst.box, lst.errors = box, errors
+    yield lst
+    lst.close()
+
+
+def test_the_key_never_crosses_the_wire_and_both_sides_prove_it(listener):
+    """A connector sends only a nonce and an HMAC; a listener that cannot prove it holds the key
+    is found out by the connector itself (mutual), and a connector without it by the listener."""
+    from stages.frames import CHALLENGE_MAGIC, client_handshake
+
+    seen = bytearray()
+    a, b = socket.socketpair()
+    with a, b:
+        a.settimeout(2)
+
+        def impostor():                  # records what a connector sends, answers without the key
+            seen.extend(recv_exactly(b, HELLO.size))
+            b.sendall(CHALLENGE.pack(CHALLENGE_MAGIC, os.urandom(32), os.urandom(32)))
+        t = threading.Thread(target=impostor)
+        t.start()
+        with pytest.raises(HandshakeRefused, match="prove"):
+            client_handshake(a, KEY, timeout=2)
+        t.join(2)
+    assert len(seen) == HELLO.size and seen[:4] == HELLO_MAGIC and KEY not in bytes(seen)
+    with pytest.raises(HandshakeRefused):
+        _Conn(listener.address, b"x" * 32, io_timeout=5)
+    assert not listener.errors
+
+
+def test_a_replayed_handshake_is_refused(listener):
+    """Record a real connector's handshake through a relay, then replay its bytes: the listener's
+    fresh nonce makes the recorded proof wrong, so no ACK comes and nothing is delivered."""
+    relay_client, relay_inner = socket.socketpair()
+    upstream = socket.create_connection(listener.address, timeout=5)
+    recorded = []
+
+    def relay():
+        hello = recv_exactly(relay_inner, HELLO.size)
+        upstream.sendall(hello)
+        relay_inner.sendall(recv_exactly(upstream, CHALLENGE.size))
+        proof = recv_exactly(relay_inner, PROOF)
+        upstream.sendall(proof)
+        relay_inner.sendall(recv_exactly(upstream, 1))
+        recorded.extend([hello, proof])
+    t = threading.Thread(target=relay)
+    t.start()
+    from stages.frames import client_handshake
+    relay_client.settimeout(5)
+    client_handshake(relay_client, KEY, timeout=5)      # the genuine handshake succeeds through the relay
+    t.join(5)
+    upstream.sendall(b"".join(encode_frame((1, "genuine"), [np.arange(3, dtype=np.int32)])))
+    np.testing.assert_array_equal(listener.box.take((1, "genuine"), timeout=5)[0], np.arange(3))
+
+    replay = socket.create_connection(listener.address, timeout=5)
+    with replay, upstream, relay_client, relay_inner:
+        replay.sendall(recorded[0])
+        challenge = recv_exactly(replay, CHALLENGE.size)
+        assert len(challenge) == CHALLENGE.size
+        replay.sendall(recorded[1])                      # the proof over the OLD listener nonce
+        replay.settimeout(5)
+        assert replay.recv(1) == b""                     # dropped, no ACK
+        try:
+            replay.sendall(b"".join(encode_frame((2, "injected"), [np.zeros(3, np.int32)])))
+        except OSError:
+            pass
+    with pytest.raises(TimeoutError):
+        listener.box.take((2, "injected"), timeout=0.5)
+    assert listener.refused >= 1 and not listener.errors
+
+
+def test_pre_auth_connections_cost_no_thread_and_are_capped_and_timed_out(listener):
+    """More idle connections than the pending cap (8), half-HELLOs, random bytes and a frame with a
+    2 GiB length prefix: the listener keeps exactly one thread, evicts the oldest pending
+    handshakes at once, drops the rest within its handshake deadline (1 s here), and a genuine
+    connector still gets through during the flood."""
+    rng = np.random.default_rng(0)
+    idle = [socket.create_connection(listener.address, timeout=5) for _ in range(24)]
+    half = []
+    for _ in range(8):
+        s = socket.create_connection(listener.address, timeout=5)
+        s.sendall(HELLO_MAGIC + b"\0" * 10)
+        half.append(s)
+    junk = []
+    for payload in (rng.bytes(HELLO.size + PROOF), FRAME.pack(FRAME_MAGIC, 16, 2 << 30) + b"x" * 16,
+                    struct.pack("!4sH", b"MPH1", 65535) + b"\xff" * 1000):
+        s = socket.create_connection(listener.address, timeout=5)
+        s.sendall(payload)
+        junk.append(s)
+    conn = _Conn(listener.address, KEY, io_timeout=5)          # genuine, in the middle of the flood
+    conn.send(encode_frame((3, "during flood"), [np.ones(4, np.float32)]))
+    np.testing.assert_array_equal(listener.box.take((3, "during flood"), timeout=5)[0], np.ones(4))
+    assert listener.threads() == 2                              # the selector + the genuine peer's reader
+    evicted = sum(closed_by_peer(s, 0.05) for s in idle[:8])
+    assert evicted == 8, "the oldest pending handshakes were not evicted when the cap was reached"
+    t0 = time.monotonic()
+    assert all(closed_by_peer(s, 3.0) for s in idle + half + junk)
+    assert time.monotonic() - t0 < 3.0
+    assert listener.refused >= len(idle) + len(half) + len(junk)
+    assert len(listener._pending) == 0 and listener.threads() == 2 and not listener.errors
+    for s in idle + half + junk:
+        s.close()
+    conn.close()
+
+
+def test_wrong_key_is_found_by_the_connector_without_retrying(listener):
+    t0 = time.monotonic()
+    with pytest.raises(HandshakeRefused):
+        _Conn(listener.address, b"x" * 32, io_timeout=30)
+    assert time.monotonic() - t0 < 2
+
+
+def test_a_peer_breaking_the_protocol_after_authenticating_loses_only_its_connection(listener):
+    """Garbage, a header asking for 1 TiB, an oversized header: the reader closes that connection,
+    counts and logs it (no allocation, no `on_error`), and other peers go on."""
+    for bad in (b"garbage garbage garbage",
+                frame_header({"key": [1], "arrays": [["<f4", [1 << 38]]]}, 1 << 40),
+                frame_header({"key": [1], "arrays": [["|O", [4]]]}, 32),
+                frame_header({"key": [[1]], "arrays": []}, 0),
+                FRAME.pack(FRAME_MAGIC, 1 << 30, 0)):
+        conn = _Conn(listener.address, KEY, io_timeout=5)
+        conn.sock.sendall(bad)
+        assert closed_by_peer(conn.sock, 5), bad[:40]
+        conn.close()
+    assert listener.rejected == 5 and not listener.errors
+    good = _Conn(listener.address, KEY, io_timeout=5)
+    good.send(encode_frame((4, "after"), [np.arange(2, dtype=np.int64)]))
+    np.testing.assert_array_equal(listener.box.take((4, "after"), timeout=5)[0], np.arange(2))
+    good.close()
+
+
+def test_read_grant_is_bounded_in_time_and_size():
+    a, b = socket.socketpair()
+    with a, b:
+        a.settimeout(0.2)
+        t0 = time.monotonic()
+        b.sendall(GRANT.pack(GRANT_MAGIC, 10)[:5])                 # a grant that stalls after 5 bytes
+        with pytest.raises((FrameError, TimeoutError)):
+            read_grant(a, timeout=0.5)
+        assert time.monotonic() - t0 < 2
+    a, b = socket.socketpair()
+    with a, b:
+        a.settimeout(1)
+        b.sendall(GRANT.pack(GRANT_MAGIC, MAX_GRANT + 1))
+        with pytest.raises(PeerError, match="bad grant header"):
+            read_grant(a, timeout=1)
+
+
+def test_tensor_frames_are_checked_against_the_receivers_own_plan():
+    """An authenticated peer sends a tensor the receiver does not expect (other shape, other
+    dtype, unknown stage), a "done" for an unknown key, a plain array frame, a stream whose length
+    disagrees with the plan: each closes only that connection (counted, logged), the receiver's
+    mailbox stays open, and the expected tensor still arrives intact afterwards."""
+    import jax
+
+    from stages.transport import Edge
+    from tests.test_socket_transport import TOKEN, _pair
+
+    (a, b), geoms, sharding = _pair(shared_memory=False)
+    try:
+        axes = ("batch", "embed")
+        x = np.arange(8 * 4, dtype=np.float32).reshape(8, 4)
+        b.expect(Edge(0, geoms[0], axes), x.shape, np.float32)
+        tensor = {"stage": 0, "axes": list(axes), "shape": [8, 4], "dtype": "<f4"}
+        bad = [frame_header({"key": [0, "F", 0, 0, 0], "arrays": [], "tensor": {**tensor, "shape": [1 << 20, 1 << 10]}}, 1 << 32),
+               frame_header({"key": [0, "F", 0, 0, 0], "arrays": [], "tensor": {**tensor, "dtype": "<f8"}}, 256),
+               frame_header({"key": [0, "F", 0, 0, 0], "arrays": [], "tensor": {**tensor, "stage": 7}}, 128),
+               frame_header({"key": [9, "F", 9, 9, 0], "arrays": [], "shm": "done"}, 0),
+               frame_header({"key": [0, "F", 0, 0, 0], "arrays": [["<f4", [4]]]}, 16) + b"\0" * 16,
+               frame_header({"key": [0, "F", 0, 0, 0], "arrays": [], "tensor": tensor}, 64),
+               frame_header({"key": [0, "F", 0, 0, 5], "arrays": [], "tensor": tensor}, 128)]
+        for frame in bad:
+            conn = _Conn(b.address, TOKEN, io_timeout=5)
+            conn.sock.sendall(frame)
+            assert closed_by_peer(conn.sock, 5), frame[:80]
+            conn.close()
+        assert b.listener.rejected == len(bad) and b._error is None and b.inbox.closed is None
+        for t in (a, b):
+            t.connect([[a.address], [b.address]])
+        a.send((0, "F", 0, 0), jax.device_put(x, sharding), Edge(1, geoms[1], axes))
+        got = b.recv((0, "F", 0, 0), x.shape, np.float32, sharding, Edge(0, geoms[0], axes), timeout=5)
+        np.testing.assert_array_equal(np.asarray(got), x)
+    finally:
+        a.close()
+        b.close()
