@@ -178,6 +178,7 @@ class StageWorker:
 
     def _plan_edges(self) -> None:
         """Per chunk: where its input comes from and its output goes (virtual stage c·p + s ± 1)."""
+        from orchestrator.core.edges import WIRE_DTYPE   # what `meshpipe plan` shows per edge
         from stages.transport import Edge
 
         cfg, p = self.cfg, self.cfg.num_stages
@@ -194,9 +195,9 @@ class StageWorker:
             self.in_shape.append((mbs, *cfg.spec.layers[start - 1].out_shape) if start > 0 else None)
             self.out_shape.append((mbs, *cfg.spec.layers[stop - 1].out_shape))
             if self.edge_in[c] is not None:       # what may arrive: activations in, gradients back
-                self.transport.expect(self.edge_in[c], self.in_shape[c], np.float32)
+                self.transport.expect(self.edge_in[c], self.in_shape[c], WIRE_DTYPE)
             if self.edge_out[c] is not None:
-                self.transport.expect(self.edge_out[c], self.out_shape[c], np.float32)
+                self.transport.expect(self.edge_out[c], self.out_shape[c], WIRE_DTYPE)
 
     def _open_data(self) -> None:
         """Loaders for this host's rows: inputs on the first stage, labels on the last (else none)."""

@@ -75,8 +75,11 @@ def test_plan_shows_the_edges_the_stage_workers_plan(sets):
     outs, ins = set(), set()
     for stage in checked.stages:
         cfg = ex.worker_config(stage, 0)
-        w = SimpleNamespace(cfg=cfg, progs=[None] * len(cfg.layer_chunks))
+        expected = []      # what the worker tells its transport to expect: (edge, shape, dtype)
+        w = SimpleNamespace(cfg=cfg, progs=[None] * len(cfg.layer_chunks),
+                            transport=SimpleNamespace(expect=lambda *a: expected.append(a)))
         StageWorker._plan_edges(w)
+        assert expected and {str(d) for _, _, d in expected} == {"float32"}
         for c, (start, stop) in enumerate(cfg.layer_chunks):
             if w.edge_out[c] is not None and w.edge_out[c].stage != stage.index:
                 outs.add((stage.index, w.edge_out[c].stage, stop))
