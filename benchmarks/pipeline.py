@@ -170,20 +170,18 @@ def plain_jax(size: Size, m: int, steps: int) -> dict:
 
     from orchestrator.core.data.plan import synthetic_plan
     from stages.data import microbatch, synthetic_batch
-    from orchestrator.core.model.registry import build_spec
-    from stages.models.base import init_layer, layer_key, load_impl
+    from orchestrator.core.model.registry import build_model, build_spec
 
     spec = build_spec("gpt", size.model_args(), size.seq)
-    impl = load_impl(spec)
-    params = [jax.jit(lambda k, layer=layer: init_layer(layer, k))(layer_key(0, i))
-              for i, layer in enumerate(spec.layers)]
+    model = build_model(spec.factory, spec.args)
+    params = [jax.jit(part.init)(jax.random.key(0)) for part in model.parts]
     tx = optax.adam(LEARNING_RATE)
     opt_state = tx.init(params)
 
     def loss_fn(p, x, y):
-        for layer, lp in zip(spec.layers, p):
-            x = impl.apply(layer, lp, x)
-        return impl.loss(x, y)
+        for part, lp in zip(model.parts, p):
+            x = part.apply(lp, x)
+        return model.loss(x, y)
 
     grad_fn = jax.value_and_grad(loss_fn)
 
@@ -249,21 +247,21 @@ def residual_bytes(size: Size) -> list[dict]:
     import jax
     import jax.numpy as jnp
 
-    from orchestrator.core.model.registry import build_spec
-    from stages.models.base import load_impl
+    from orchestrator.core.model.registry import build_model, build_spec
     from stages.program import StageProgram, make_optimizer
 
     spec = build_spec("gpt", size.model_args(), size.seq)
+    model = build_model(spec.factory, spec.args)
     def nbytes(tree) -> int:
         return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(tree))
 
     out = []
     for start, stop in ((0, size.cut()), (size.cut(), size.num_layers())):
-        prog = StageProgram(spec, load_impl(spec), start, stop, microbatches=1,
+        prog = StageProgram(spec, model, start, stop, microbatches=1,
                             optimizer=make_optimizer("adam", {"learning_rate": LEARNING_RATE}))
         params = jax.eval_shape(prog.init_params, 0)
-        x = (jax.ShapeDtypeStruct((size.mbs, size.seq), jnp.int32) if start == 0
-             else jax.ShapeDtypeStruct((size.mbs, size.seq, size.d_model), jnp.float32))
+        x = [jax.ShapeDtypeStruct((size.mbs, size.seq), jnp.int32) if start == 0
+             else jax.ShapeDtypeStruct((size.mbs, size.seq, size.d_model), jnp.float32)]
         labels = jax.ShapeDtypeStruct((size.mbs, size.seq), jnp.int32) if prog.last else None
         y, res = jax.eval_shape(prog.fwd, params, x, labels)
         out.append({"layers": [start, stop], "residual_bytes": nbytes(res), "output_bytes": nbytes(y),

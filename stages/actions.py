@@ -23,7 +23,6 @@ from typing import Any
 
 import numpy as np
 
-from orchestrator.core.edges import WIRE_DTYPE   # what `meshpipe plan` shows per edge
 from orchestrator.core.schedule import Kind
 
 
@@ -105,10 +104,10 @@ def _operands(w, st: StepState, a, prog):
     cfg = w.cfg
     mbs = cfg.data.global_batch // cfg.microbatches
     if prog.first:
-        x = w.host_operand(st.batch.xs[a.microbatch], w.rows_in, (mbs, *cfg.spec.input_shape),
-                            prog.input_sharding())
+        x = [w.host_operand(st.batch.xs[a.microbatch], w.rows_in, (mbs, *cfg.spec.input_shape),
+                            prog.input_sharding())]
     else:
-        x = st.inputs.pop((a.microbatch, a.chunk))
+        x = st.inputs.pop((a.microbatch, a.chunk))     # the activation's leaves
     labels = None
     if prog.last:
         labels = w.host_operand(st.batch.ys[a.microbatch], w.rows_lab, (mbs, *cfg.spec.label_shape),
@@ -120,7 +119,7 @@ def _forward_output(w, st: StepState, a, prog, y) -> None:
     c = a.chunk
     if prog.last:
         st.losses[a.microbatch] = y
-    elif w.edge_out[c].stage == w.cfg.stage:      # next chunk lives here (p = 1)
+    elif w.edge_out[c][0][0].stage == w.cfg.stage:      # next chunk lives here (p = 1)
         st.inputs[(a.microbatch, c + 1)] = y
     else:
         st.outputs[(a.microbatch, c)] = y
@@ -132,7 +131,8 @@ def forward(w, st: StepState, a) -> None:
 
     c, key, prog = a.chunk, (a.microbatch, a.chunk), w.progs[a.chunk]
     x, labels = _operands(w, st, a, prog)
-    y, st.residuals[key] = prog.fwd(w.params[c], x, labels)
+    ids = np.array([w.cfg.seed, st.step, a.microbatch], np.int32)     # the parts' RNG keys derive from these
+    y, st.residuals[key] = prog.fwd(w.params[c], x, labels, ids)
     jax.block_until_ready(y)
     st.stash.add(("r", key), st.residuals[key])
     _forward_output(w, st, a, prog, y)
@@ -156,7 +156,7 @@ def _input_grad(w, st: StepState, a, dx) -> None:
         return
     jax.block_until_ready(dx)
     c = a.chunk
-    if w.edge_in[c].stage == w.cfg.stage:       # previous chunk lives here (p = 1)
+    if w.edge_in[c][0][0].stage == w.cfg.stage:       # previous chunk lives here (p = 1)
         st.dys[(a.microbatch, c - 1)] = dx
     else:
         st.dxs[(a.microbatch, c)] = dx
@@ -195,39 +195,53 @@ def backward_weight(w, st: StepState, a) -> None:
 
 
 def recv_forward(w, st: StepState, a) -> None:
-    """RECV_F: this chunk's forward input from the previous virtual stage (bounded wait)."""
+    """RECV_F: this chunk's forward input from the previous virtual stage (bounded wait), leaf by
+    leaf (key ... + (leaf index,)), each with its own shape, dtype and sharding."""
     c, key = a.chunk, (a.microbatch, a.chunk)
-    st.inputs[key] = w.transport.recv_operand((st.step, st.tag) + key, w.in_shape[c], WIRE_DTYPE,
-                                              w.progs[c].input_sharding(), w.edge_in[c], st.timeout)
+    shardings = w.progs[c].input_shardings()
+    st.inputs[key] = [w.transport.recv_operand((st.step, st.tag) + key + (j,), shape, dtype, shardings[j], edge,
+                                               st.timeout)
+                      for j, (edge, shape, dtype) in enumerate(w.edge_in[c])]
 
 
 def recv_backward(w, st: StepState, a) -> None:
-    """RECV_B: this chunk's output gradient from the next virtual stage (bounded wait)."""
+    """RECV_B: this chunk's output gradient from the next virtual stage (bounded wait): one per
+    floating output leaf."""
     c, key = a.chunk, (a.microbatch, a.chunk)
-    st.dys[key] = w.transport.recv_operand((st.step, "B") + key, w.out_shape[c], WIRE_DTYPE,
-                                           w.progs[c].output_sharding(), w.edge_out[c], st.timeout)
+    prog, shardings = w.progs[c], w.progs[c].output_shardings()
+    st.dys[key] = [w.transport.recv_operand((st.step, "B") + key + (j,), w.edge_out[c][j][1], w.edge_out[c][j][2],
+                                            shardings[j], w.edge_out[c][j][0], st.timeout)
+                   for j in prog.out_diff]
 
 
 def send_forward(w, st: StepState, a) -> None:
-    """SEND_F: F's output to the next virtual stage (never blocks)."""
-    c, edge = a.chunk, w.edge_out[a.chunk]
-    peer_chunk = c + (1 if edge.stage < w.cfg.stage else 0)
-    w.transport.send((st.step, st.tag, a.microbatch, peer_chunk), st.outputs.pop((a.microbatch, c)), edge)
+    """SEND_F: F's output leaves to the next virtual stage (never blocks)."""
+    c, edges = a.chunk, w.edge_out[a.chunk]
+    peer_chunk = c + (1 if edges[0][0].stage < w.cfg.stage else 0)
+    for j, leaf in enumerate(st.outputs.pop((a.microbatch, c))):
+        w.transport.send((st.step, st.tag, a.microbatch, peer_chunk, j), leaf, edges[j][0])
 
 
 def send_backward(w, st: StepState, a) -> None:
-    """SEND_B: B/I's input gradient to the previous virtual stage (never blocks)."""
-    c, edge = a.chunk, w.edge_in[a.chunk]
-    peer_chunk = c - (1 if edge.stage > w.cfg.stage else 0)
-    w.transport.send((st.step, "B", a.microbatch, peer_chunk), st.dxs.pop((a.microbatch, c)), edge)
+    """SEND_B: B/I's input gradients (floating input leaves) to the previous virtual stage."""
+    c, edges = a.chunk, w.edge_in[a.chunk]
+    peer_chunk = c - (1 if edges[0][0].stage > w.cfg.stage else 0)
+    for j, leaf in zip(w.progs[c].in_diff, st.dxs.pop((a.microbatch, c))):
+        w.transport.send((st.step, "B", a.microbatch, peer_chunk, j), leaf, edges[j][0])
 
 
 def optimizer_step(w, st: StepState, a) -> None:
-    """OPT: every chunk's optimizer update from its accumulated gradients."""
+    """OPT: every chunk's optimizer update from its accumulated gradients. When the chain clips by
+    the global norm, the stages first exchange their squared norms (`sum_over_stages`), so every
+    stage clips with the whole model's norm before any stage updates."""
     import jax
 
+    gnorm = np.float32(0.0)
+    if w.progs[0].clip is not None:
+        local = sum(float(p.sq_norm(g)) for p, g in zip(w.progs, w.grads))
+        gnorm = np.float32(np.sqrt(w.sum_over_stages(st.step, local, st.timeout)))
     for i, p in enumerate(w.progs):
-        w.params[i], w.opt_state[i], w.grads[i] = p.update(w.params[i], w.opt_state[i], w.grads[i])
+        w.params[i], w.opt_state[i], w.grads[i] = p.update(w.params[i], w.opt_state[i], w.grads[i], gnorm)
     jax.block_until_ready(w.params)
 
 

@@ -14,7 +14,7 @@ For each request it builds the layer as a one-layer `StageProgram` on a
 lowers and compiles its forward and its backward+accumulate (nothing runs; inputs
 are `ShapeDtypeStruct`s), and reads `cost_analysis()`, `memory_analysis()` and
 the collectives of `as_text()`. `build_layer` is the one function that knows
-today's model front-end (ModelSpec + `stages.models` impls).
+the model front-end (`ModelSpec` + the factory's `PipelineModel`).
 """
 from __future__ import annotations
 
@@ -27,14 +27,13 @@ def build_layer(source: dict, layer: int, mesh, layout: dict):
     """(program, spec) for one layer of the model described by `source`, on `mesh` with `layout`."""
     import optax
 
-    from orchestrator.core.model.registry import build_spec
-    from stages.models.base import load_impl
+    from orchestrator.core.model.registry import build_model, build_spec
     from stages.program import StageProgram
 
     if source.get("kind") != "modelspec":
         raise ValueError(f"unknown model source kind {source.get('kind')!r}")
     spec = build_spec(source["name"], source.get("args") or {}, seq_len=source.get("seq_len"))
-    prog = StageProgram(spec, load_impl(spec), layer, layer + 1, microbatches=1,
+    prog = StageProgram(spec, build_model(spec.factory, spec.args), layer, layer + 1, microbatches=1,
                         optimizer=optax.sgd(0.1), mesh=mesh, layout=layout)
     return prog, spec
 
@@ -68,22 +67,19 @@ def profile_one(source: dict, req: dict) -> dict:
     def sds(shape, dtype, sh):
         return jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype), sharding=sh)
 
-    params = [{n: sds(p.shape, "float32", prog._sh(p.axes)) for n, p in layer.params.items()}
-              for layer in prog.layers]
-    if prog.first:
-        x = sds((b, *spec.input_shape), spec.input_dtype, prog.input_sharding())
-    else:
-        prev = spec.layers[prog.start - 1]
-        x = sds((b, *prev.out_shape), "float32", prog.input_sharding())
-    args = [params, x]
+    def param_structs():
+        return [jax.tree.map(lambda s, sh: sds(s.shape, s.dtype, sh), tree, shard)
+                for tree, shard in zip(prog.param_trees(), prog.param_shardings())]
+
+    params = param_structs()
+    xs = [sds(leaf.batched(b), leaf.dtype, sh) for leaf, sh in zip(prog.in_leaves, prog.input_shardings())]
+    args = [params, xs]
     if prog.last:
-        args.append(sds((b, *spec.label_shape), spec.label_dtype, prog.label_sharding()))
-    fwd = prog.fwd.lower(*args).compile()
+        args.append(sds(spec.label.batched(b), spec.label.dtype, prog.label_sharding()))
+    fwd = prog.jitted_fwd().lower(*args).compile()
     y_info, res_info = fwd.out_info
-    dy = sds((), "float32", None) if prog.last else y_info
-    acc = [{n: sds(p.shape, "float32", prog._sh(p.axes)) for n, p in layer.params.items()}
-           for layer in prog.layers]
-    bwd = prog.bwd_acc.lower(params, res_info, dy, acc).compile()
+    dy = sds((), "float32", None) if prog.last else [y_info[i] for i in prog.out_diff]
+    bwd = prog.bwd_acc.lower(params, res_info, dy, param_structs()).compile()
     f, g = _figures(fwd, m), _figures(bwd, m)
     colls = [["fwd", k, by, [list(x) for x in gs]] for k, by, gs in f["colls"]]
     colls += [["bwd", k, by, [list(x) for x in gs]] for k, by, gs in g["colls"]]

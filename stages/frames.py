@@ -111,6 +111,28 @@ def runs(a: np.ndarray, min_run: int = MIN_RUN) -> list[memoryview] | None:
     return [mv[o:o + run] for o in offsets.tolist()]
 
 
+def dtype_tag(dt) -> str:
+    """A dtype as text that `dtype_of` reads back: numpy's `str` (e.g. '<f4'), or the name of an
+    ml_dtypes type (bfloat16, float8_*), whose `str` is an opaque '<V2'."""
+    dt = np.dtype(dt)
+    return dt.name if dt.kind == "V" else dt.str
+
+
+def dtype_of(tag: str) -> np.dtype:
+    """The dtype of a `dtype_tag`; ml_dtypes names resolve through ml_dtypes (jax's own). Raw
+    void ('<V2') and anything else that is not a plain numeric dtype is refused."""
+    import ml_dtypes
+
+    kind = getattr(ml_dtypes, str(tag), None) if str(tag).isidentifier() else None
+    try:
+        dt = np.dtype(kind if kind is not None else tag)
+    except TypeError:
+        raise FrameError(f"refusing dtype {tag}") from None
+    if dt.kind == "V" and kind is None:
+        raise FrameError(f"refusing dtype {tag}")
+    return dt
+
+
 def encode_frame(key: tuple, arrays) -> list:
     """The buffers of one frame: [fixed header + JSON header, runs of array bytes...].
 
@@ -122,7 +144,7 @@ def encode_frame(key: tuple, arrays) -> list:
         a = np.asarray(a)
         if a.dtype.hasobject or a.dtype.fields is not None:
             raise TypeError(f"cannot frame dtype {a.dtype} (plain numeric dtypes only)")
-        metas.append([a.dtype.str, list(a.shape)])
+        metas.append([dtype_tag(a.dtype), list(a.shape)])
         pieces = runs(a)
         if pieces is None:
             pieces = runs(a.copy(order="C"))   # (np.ascontiguousarray would turn a 0-d array into 1-d)
@@ -223,8 +245,8 @@ def _header_arrays(header: dict, total: int, max_bytes: int) -> list[tuple[np.dt
                 and all(type(n) is int and n >= 0 for n in meta[1])):
             raise PeerError(f"bad array entry {str(meta)[:80]!r} in a frame header")
         try:
-            dt = np.dtype(meta[0])
-        except TypeError:
+            dt = dtype_of(meta[0])
+        except (TypeError, FrameError):
             raise PeerError(f"unknown dtype {meta[0][:40]!r}") from None
         if dt.hasobject or dt.fields is not None or dt.itemsize == 0:
             raise PeerError(f"refusing dtype {meta[0][:40]!r}")

@@ -1,11 +1,16 @@
 """A stage's compiled programs: forward, backward (B, or I and W), accumulate, update.
 
-Basic flow for one microbatch on one stage:
-    y, res = fwd(params, x[, labels])       # res: residuals kept until the backward
-    dx, grads = bwd_acc(params, res, dy, grads)   # or bwd_i -> dx, later bwd_w_acc -> grads
-                                                  # (= bwd, then accumulate: the reference's way)
-and once per step: params, opt_state, grads = update(params, opt_state, grads).
-Evaluation runs `fwd_eval(params, x[, labels])`: the forward alone (the last stage's loss).
+A stage runs parts [start, stop) of a `PipelineModel` (`orchestrator.core.model.pipeline`).
+Activations between stages are pytrees; the programs take and return them as flat
+lists of leaves (jax's flatten order, as in `LayerSpec.outputs`), which is what the
+transport moves. Basic flow for one microbatch on one stage:
+    ys, res = fwd(params, xs[, labels])          # res: residuals kept until the backward
+    dxs, grads = bwd_acc(params, res, dys, grads)   # or bwd_i -> dxs, later bwd_w_acc -> grads
+and once per step: params, opt_state, grads = update(params, opt_state, grads, gnorm), where
+gnorm is the global gradient norm over every stage when the chain clips by it (the worker
+exchanges one squared norm per stage, `sq_norm`, before any stage updates).
+Evaluation runs `fwd_eval(params, xs[, labels])`: the forward alone, train=False (the last
+stage's loss).
 
 Invariants:
   - No recompute: the forward returns the VJP residuals. Residuals that are the
@@ -13,44 +18,92 @@ Invariants:
     from the live params in the backward, so a forward never copies weights
     (a jitted `jax.vjp` returning its pullback would carry the parameters as
     outputs: XLA copies every weight per forward).
+  - Gradients cross only for the inexact (floating) leaves of an activation: `dys`
+    lists the cotangents of this stage's floating output leaves, `dxs` those of its
+    floating input leaves; integer leaves (positions, masks) get none.
   - The last stage's forward returns the microbatch loss; its backward seeds the
     cotangent 1/m, so accumulated gradients are those of the mean loss over the
-    m microbatches, in microbatch order — exactly what the reference does.
-  - The first stage takes no gradient with respect to its input (tokens).
-  - `mesh=None` gives the unsharded programs the single-process reference uses.
+    m microbatches, in microbatch order.
+  - The first stage takes no gradient with respect to its input (the data).
+  - Every part's output is constrained to its logical axes on the stage's mesh.
+  - Precision (`spec.compute_dtype`, `orchestrator.core.model.policy`): parameters,
+    gradients and optimizer state are float32; each part sees its floating params and
+    inputs cast to the compute dtype and its floating outputs leave in it; the loss
+    takes float32 outputs. Remat (`remat`): each part under `jax.checkpoint` with the
+    named policy, so the residuals kept until the backward are what the policy saves.
+  - RNG: `fwd(..., ids=[seed, step, microbatch])` gives part i the key
+    fold_in(microbatch_key(seed, step, microbatch), i) with train=True (dropout is
+    deterministic in (seed, step, microbatch, part), the same on any layout); without
+    `ids` parts get rng=None.
+  - `mesh=None` gives the unsharded programs (the `--reference` run uses them).
 """
 from __future__ import annotations
 
 import warnings
-from typing import Any, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from stages import sharding
 from stages.residuals import forwarded_params
-from stages.models.base import ModelImpl, init_layer, layer_key
-from orchestrator.core.model.spec import LayerSpec, ModelSpec
+from orchestrator.core.model.optim import build as build_optimizer
+from orchestrator.core.model.pipeline import PipelineModel, key_path
+from orchestrator.core.model.policy import remat_policy
+from orchestrator.core.model.spec import LeafSpec, ModelSpec
 
 
 def make_optimizer(name: str, args: dict[str, Any]) -> optax.GradientTransformation:
+    """One optax optimizer by name (a job's optimizer section goes to StageProgram as is)."""
     return getattr(optax, name)(**args)
 
 
-class StageProgram:
-    """The jitted programs of layers [start, stop) of `spec` on one mesh."""
+def model_key(seed: int) -> jax.Array:
+    """The key every part's init gets (so the parts hold the whole model's own init)."""
+    return jax.random.key(seed)
 
-    def __init__(self, spec: ModelSpec, impl: ModelImpl, start: int, stop: int, *,
+
+def microbatch_key(seed, step, microbatch) -> jax.Array:
+    """The RNG key of one microbatch's forward; part i gets fold_in(this, i) (dropout etc.)."""
+    return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), step), microbatch)
+
+
+def _inexact(leaf: LeafSpec) -> bool:
+    return jnp.issubdtype(np.dtype(leaf.dtype), jnp.inexact)
+
+
+class StageProgram:
+    """The jitted programs of parts [start, stop) of `model` (described by `spec`) on one mesh."""
+
+    def __init__(self, spec: ModelSpec, model: PipelineModel, start: int, stop: int, *,
                  microbatches: int, optimizer: optax.GradientTransformation,
-                 mesh=None, layout: dict | None = None, recompute: bool = False):
-        self.spec, self.impl = spec, impl
+                 mesh=None, layout: dict | None = None, remat: str = "none", recompute: bool = False):
+        """`optimizer`: an optax GradientTransformation, or the job's optimizer section (a chain
+        with schedules, masks over "<part>/<leaf path>" names and global-norm clipping,
+        `orchestrator.core.model.optim`). `recompute`: keep only the stage inputs and rerun the
+        forward in the backward (the fallback `stages.residuals` switches to)."""
+        self.spec, self.model = spec, model
         self.start, self.stop = start, stop
-        self.layers: Sequence[LayerSpec] = spec.layers[start:stop]
+        self.parts = model.parts[start:stop]
+        self.layers = spec.layers[start:stop]
         self.first, self.last = start == 0, stop == spec.num_layers
         self.mesh, self.layout = mesh, dict(layout or {})
         self.m = microbatches
-        self.tx = optimizer
+        if isinstance(optimizer, optax.GradientTransformation):
+            self.tx, self.clip = optimizer, None
+        else:
+            built = build_optimizer(optimizer, names=self.param_names)
+            self.tx, self.clip = built.tx, built.clip
+        self.compute = jnp.dtype(spec.compute_dtype)
+        self.remat, self.remat_policy = remat_policy(remat)
+        # the activation entering / leaving this stage, as leaves
+        self.in_leaves = (spec.input,) if self.first else spec.layers[start - 1].outputs
+        self.in_tree = None if self.first else jax.tree.structure(spec.layers[start - 1].out_tree)
+        self.out_leaves = self.layers[-1].outputs
+        self.in_diff = tuple(i for i, leaf in enumerate(self.in_leaves) if _inexact(leaf))
+        self.out_diff = tuple(i for i, leaf in enumerate(self.out_leaves) if _inexact(leaf))
         self._vjp_meta: dict[str, Any] = {"recompute": recompute}   # see stages.residuals
         self._build()
 
@@ -58,113 +111,173 @@ class StageProgram:
     def _sh(self, axes):
         return None if self.mesh is None else sharding.named(self.mesh, self.layout, axes)
 
+    def param_trees(self):
+        """Per part: the parameter pytree of shape structs (from its init, by shape evaluation)."""
+        if not hasattr(self, "_ptrees"):
+            key = jax.eval_shape(lambda: model_key(0))
+            self._ptrees = [jax.eval_shape(part.init, key) for part in self.parts]
+        return self._ptrees
+
     def param_shardings(self):
-        return [{n: self._sh(p.axes) for n, p in layer.params.items()} for layer in self.layers]
+        out = []
+        for tree, layer in zip(self.param_trees(), self.layers):
+            treedef = jax.tree.structure(tree)
+            out.append(jax.tree.unflatten(treedef, [self._sh(p.axes) for p in layer.params.values()]))
+        return out
+
+    def input_shardings(self) -> list:
+        """One sharding per input leaf (the model input on the first stage)."""
+        return [self._sh(leaf.axes) for leaf in self.in_leaves]
+
+    def output_shardings(self) -> list:
+        return [self._sh(leaf.axes) for leaf in self.out_leaves]
 
     def input_sharding(self):
-        axes = self.spec.input_axes if self.first else self.spec.layers[self.start - 1].out_axes
-        return self._sh(axes)
-
-    def output_sharding(self):
-        return None if self.last else self._sh(self.layers[-1].out_axes)
+        return self.input_shardings()[0] if self.first else self.input_shardings()
 
     def label_sharding(self):
-        return self._sh(("batch",) + (None,) * len(self.spec.label_shape))
+        return self._sh(self.spec.label.axes)
 
     # -- programs ----------------------------------------------------------
-    def _apply(self, params, x):
+    def _cast(self, tree, dtype):
+        """Floating leaves of `tree` in `dtype` (integer leaves as they are)."""
+        return jax.tree.map(lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
+
+    def _part_fn(self, part, layer, train: bool):
+        """One part as the stage runs it: compute-dtype params and inputs, outputs in the compute
+        dtype and constrained to their logical axes; under jax.checkpoint when remat is on."""
+        def run(p, x, rng):
+            y = part.apply(self._cast(p, self.compute), self._cast(x, self.compute), rng=rng, train=train)
+            leaves, treedef = jax.tree.flatten(self._cast(y, self.compute))
+            leaves = [sharding.constrain(leaf, spec.axes) for leaf, spec in zip(leaves, layer.outputs)]
+            return jax.tree.unflatten(treedef, leaves)
+
+        return jax.checkpoint(run, policy=self.remat_policy) if self.remat else run
+
+    def _apply(self, params, xs, key=None, train: bool = True):
+        x = xs[0] if self.first else jax.tree.unflatten(self.in_tree, xs)
         with sharding.use(self.mesh, self.layout):
-            for layer, p in zip(self.layers, params):
-                x = self.impl.apply(layer, p, x)
+            for j, (part, layer, p) in enumerate(zip(self.parts, self.layers, params)):
+                rng = None if key is None else jax.random.fold_in(key, self.start + j)
+                x = self._part_fn(part, layer, train)(p, x, rng)
             return x
 
     def _build(self):
         meta = self._vjp_meta
+        in_diff, out_diff = self.in_diff, self.out_diff
 
-        def fwd(params, x, labels=None):
-            if self.last:
-                def f(p, *xs):
+        def objective(xs, labels, ids):
+            """The stage as a function of (params, floating inputs) for jax.vjp, and its primals."""
+            xs = list(xs)
+            key = None if ids is None else microbatch_key(ids[0], ids[1], ids[2])
+
+            def f(p, *dx):
+                full = list(xs)
+                for i, v in zip(in_diff, dx):
+                    full[i] = v
+                y = self._apply(p, full, key)
+                if self.last:
                     with sharding.use(self.mesh, self.layout):
-                        return self.impl.loss(self._apply(p, xs[0] if xs else x), labels)
+                        return self.model.loss(self._cast(y, jnp.float32), labels).astype(jnp.float32)
+                leaves = jax.tree.leaves(y)
+                return [leaves[i] for i in out_diff], [leaf for i, leaf in enumerate(leaves) if i not in out_diff]
+
+            return f, [xs[i] for i in in_diff]
+
+        def fwd(params, xs, labels=None, ids=None):
+            f, dx = objective(xs, labels, ids)
+            primals = (params,) if self.first else (params, *dx)
+            if meta["recompute"]:      # fallback (stages.residuals): keep the inputs, rerun in the backward
+                out = f(*primals)
+                outs = out if self.last else _merge(out[0], out[1], out_diff, len(self.out_leaves))
+                meta["has_ids"] = ids is not None
+                return outs, list(xs) + ([labels] if self.last else []) + ([ids] if ids is not None else [])
+            if self.last:
+                outs, vjp = jax.vjp(f, *primals)
             else:
-                def f(p, *xs):
-                    return self._apply(p, xs[0] if xs else x)
-            primals = (params,) if self.first else (params, x)
-            if meta["recompute"]:      # the backward recomputes the forward: keep its inputs only
-                return f(*primals), [x] + ([labels] if self.last else [])
-            y, vjp = jax.vjp(f, *primals)
+                diff, vjp, rest = jax.vjp(f, *primals, has_aux=True)
+                outs = _merge(diff, rest, out_diff, len(self.out_leaves))
             leaves, treedef = jax.tree.flatten(vjp)
             where = {id(leaf): i for i, leaf in enumerate(jax.tree.leaves(params))}
             slots = tuple(where.get(id(leaf)) for leaf in leaves)
             meta["treedef"], meta["slots"] = treedef, slots
-            return y, [leaf for leaf, s in zip(leaves, slots) if s is None]
+            return outs, [leaf for leaf, s in zip(leaves, slots) if s is None]
 
-        def pullback(params, res, dy):
+        def pullback(params, res, dys):
             if meta["recompute"]:
-                x, labels = res[0], (res[1] if self.last else None)
-                f = (lambda p, *xs: self.impl.loss(self._apply(p, xs[0] if xs else x), labels)) if self.last \
-                    else (lambda p, *xs: self._apply(p, xs[0] if xs else x))
-                with sharding.use(self.mesh, self.layout):
-                    _, vjp = jax.vjp(f, *((params,) if self.first else (params, x)))
-                    grads = vjp(dy)
-                return (None if self.first else grads[1]), grads[0]
-            plist, it = jax.tree.leaves(params), iter(res)
-            leaves = [plist[s] if s is not None else next(it) for s in meta["slots"]]
-            grads = jax.tree.unflatten(meta["treedef"], leaves)(dy)
+                n = len(self.in_leaves)
+                xs, rest = list(res[:n]), list(res[n:])
+                labels = rest.pop(0) if self.last else None
+                ids = rest.pop(0) if meta.get("has_ids") else None
+                f, dx = objective(xs, labels, ids)
+                primals = (params,) if self.first else (params, *dx)
+                vjp = jax.vjp(f, *primals)[1] if self.last else jax.vjp(f, *primals, has_aux=True)[1]
+                grads = vjp(dys)
+            else:
+                plist, it = jax.tree.leaves(params), iter(res)
+                leaves = [plist[s] if s is not None else next(it) for s in meta["slots"]]
+                grads = jax.tree.unflatten(meta["treedef"], leaves)(dys)
             dparams = grads[0]
-            dx = None if self.first else grads[1]
-            return dx, dparams
+            dxs = None if self.first else list(grads[1:])
+            return dxs, dparams
 
-        def seed(dy):
-            return jnp.float32(1.0 / self.m) if self.last else dy
+        def seed(dys):
+            return jnp.float32(1.0 / self.m) if self.last else list(dys)
 
-        def fwd_eval(params, x, labels=None):     # evaluation: no VJP, nothing kept
-            y = self._apply(params, x)
+        def fwd_eval(params, xs, labels=None):     # evaluation: no VJP, nothing kept, train=False
+            y = self._apply(params, list(xs), None, train=False)
             if self.last:
                 with sharding.use(self.mesh, self.layout):
-                    return self.impl.loss(y, labels)
-            return y
+                    return self.model.loss(self._cast(y, jnp.float32), labels).astype(jnp.float32)
+            return jax.tree.leaves(y)
 
         self.fwd_eval = jax.jit(fwd_eval) if self.mesh is None or self.last else jax.jit(
-            fwd_eval, out_shardings=self.output_sharding())
+            fwd_eval, out_shardings=self.output_shardings())
 
         psh = self.param_shardings() if self.mesh is not None else None
-        out_sh = None if self.mesh is None else (self.output_sharding(), None)
-        jit_fwd = jax.jit(fwd, out_shardings=out_sh) if self.mesh is not None else jax.jit(fwd)
+        out_sh = (None if self.last else self.output_shardings(), None)
 
-        def checked_fwd(params, *args):
+        def jit_fwd():
+            return jax.jit(fwd, out_shardings=out_sh) if self.mesh is not None else jax.jit(fwd)
+
+        compiled = jit_fwd()
+
+        def checked_fwd(params, *args, **kw):
             """The first call verifies that no parameter comes back as a residual (stages.residuals)."""
+            nonlocal compiled
             if "checked" not in meta:
                 meta["checked"] = True
-                if not meta["recompute"] and forwarded_params(fwd, params, *args):
-                    warnings.warn(f"layers [{self.start}, {self.stop}): this JAX ({jax.__version__}) returns "
+                if not meta["recompute"] and forwarded_params(lambda p, *a: fwd(p, *a, **kw), params, *args):
+                    warnings.warn(f"parts [{self.start}, {self.stop}): this JAX ({jax.__version__}) returns "
                                   "parameters as VJP residuals, so each forward would copy the weights; "
                                   "recomputing the forward in the backward instead", RuntimeWarning, stacklevel=2)
                     meta["recompute"] = True
-                    meta["jit"] = jax.jit(fwd, out_shardings=out_sh) if self.mesh is not None else jax.jit(fwd)
-            return meta.get("jit", jit_fwd)(params, *args)
+                    compiled = jit_fwd()
+            return compiled(params, *args, **kw)
 
         self.fwd = checked_fwd
-        xsh = None if (self.mesh is None or self.first) else self.input_sharding()
+        self.jitted_fwd = lambda: compiled     # the jitted forward itself (for AOT lowering)
+        xsh = None
+        if self.mesh is not None and not self.first:
+            ins = self.input_shardings()
+            xsh = [ins[i] for i in in_diff]
 
-        def bwd(params, res, dy):
+        def bwd(params, res, dys):
             with sharding.use(self.mesh, self.layout):
-                return pullback(params, res, seed(dy))
+                return pullback(params, res, seed(dys))
 
-        def bwd_i(params, res, dy):
-            with sharding.use(self.mesh, self.layout):
-                return pullback(params, res, seed(dy))[0]
+        def bwd_i(params, res, dys):
+            return bwd(params, res, dys)[0]
 
-        def bwd_w(params, res, dy):
-            with sharding.use(self.mesh, self.layout):
-                return pullback(params, res, seed(dy))[1]
+        def bwd_w(params, res, dys):
+            return bwd(params, res, dys)[1]
 
-        def bwd_acc(params, res, dy, acc):
-            dx, dparams = bwd(params, res, dy)
-            return dx, jax.tree.map(jnp.add, acc, dparams)
+        def bwd_acc(params, res, dys, acc):
+            dxs, dparams = bwd(params, res, dys)
+            return dxs, jax.tree.map(jnp.add, acc, dparams)
 
-        def bwd_w_acc(params, res, dy, acc):
-            return jax.tree.map(jnp.add, acc, bwd_w(params, res, dy))
+        def bwd_w_acc(params, res, dys, acc):
+            return jax.tree.map(jnp.add, acc, bwd_w(params, res, dys))
 
         if self.mesh is None:
             self.bwd, self.bwd_i, self.bwd_w = jax.jit(bwd), jax.jit(bwd_i), jax.jit(bwd_w)
@@ -183,25 +296,44 @@ class StageProgram:
         def accumulate(acc, g):
             return jax.tree.map(jnp.add, acc, g)
 
-        def update(params, opt_state, grads):
+        def update(params, opt_state, grads, gnorm=None):
+            if self.clip is not None:     # optax.clip_by_global_norm's own arithmetic, with the global norm
+                trigger = gnorm < self.clip
+                grads = jax.tree.map(
+                    lambda t: jax.lax.select(trigger, t, (t / gnorm.astype(t.dtype)) * self.clip), grads)
             updates, opt_state = self.tx.update(grads, opt_state, params)
             params = optax.apply_updates(params, updates)
             return params, opt_state, jax.tree.map(jnp.zeros_like, grads)
 
+        def sq_norm(grads):
+            return sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads))
+
+        self.sq_norm = jax.jit(sq_norm)
         self.accumulate = jax.jit(accumulate, donate_argnums=0)
         self.update = jax.jit(update, donate_argnums=(0, 1, 2))
 
+    def param_names(self, params):
+        """The params pytree (a list per part) with each leaf's name "<part name>/<leaf path>"."""
+        return [jax.tree_util.tree_map_with_path(lambda path, _, part=part: f"{part.name}/{key_path(path)}", tree)
+                for part, tree in zip(self.parts, params)]
+
     # -- state -------------------------------------------------------------
     def init_params(self, seed: int):
-        """Parameters of this stage's layers, created directly with their shardings."""
+        """Parameters of this stage's parts, created directly with their shardings."""
         params = []
-        for i, (layer, shard) in enumerate(zip(self.layers, self.param_shardings()), start=self.start):
-            make = lambda key, layer=layer: init_layer(layer, key)  # noqa: E731
-            fn = jax.jit(make, out_shardings=shard) if self.mesh is not None else jax.jit(make)
-            params.append(fn(layer_key(seed, i)))
+        for part, shard in zip(self.parts, self.param_shardings()):
+            fn = jax.jit(part.init, out_shardings=shard) if self.mesh is not None else jax.jit(part.init)
+            params.append(fn(model_key(seed)))
         return params
 
     def init_state(self, params):
         opt_state = jax.jit(self.tx.init)(params)
         zeros = jax.jit(lambda p: jax.tree.map(jnp.zeros_like, p))(params)
         return opt_state, zeros
+
+
+def _merge(diff: list, rest: list, diff_index: tuple, n: int) -> list:
+    out, d, r = [], iter(diff), iter(rest)
+    for i in range(n):
+        out.append(next(d) if i in diff_index else next(r))
+    return out

@@ -57,6 +57,7 @@ from stages.frames import (
     PeerError,
     ServerHandshake,
     client_handshake,
+    dtype_tag,
     frame_header,
     read_frame,
     read_grant,
@@ -404,7 +405,7 @@ class SocketTransport(TiledTransport):
         """Accept tensors of `shape`/`dtype` from `edge.stage` along `edge` (call before the
         peers send). A tensor frame that matches no expected tensor closes its connection:
         a receiver allocates only what its own plan says."""
-        memo = (edge.stage, tuple(edge.axes), tuple(int(n) for n in shape), np.dtype(dtype).str)
+        memo = (edge.stage, tuple(edge.axes), tuple(int(n) for n in shape), dtype_tag(dtype))
         self._incoming[memo] = self._plan(edge, False, memo[2], np.dtype(dtype))
 
     # -- receiving (reader threads) ---------------------------------------------------
@@ -544,7 +545,7 @@ class SocketTransport(TiledTransport):
         address = self._addresses[edge.stage][edge.geom.hosts.index(dst_host)]
         header = {"key": [*key, self.me], "arrays": [],
                   "tensor": {"stage": self.stage, "axes": list(edge.axes), "shape": list(plan.shape),
-                             "dtype": plan.dtype.str}}
+                             "dtype": dtype_tag(plan.dtype)}}
         try:
             conn = self._conn(address)
             with conn.lock:

@@ -58,7 +58,7 @@ class WorkerConfig:
     spec: ModelSpec
     data: Any                 # orchestrator.core.data.DataPlan: each host opens its own reader
     microbatches: int
-    optimizer: tuple[str, dict]
+    optimizer: dict                 # the job's optimizer section (JobConfig.optimizer.spec())
     seed: int
     actions: tuple[str, ...]
     num_stages: int
@@ -71,6 +71,7 @@ class WorkerConfig:
     hooks: tuple = ()               # stages.hooks.WorkerHook objects, called at setup and each step's start
     transport: str = "ray"          # "ray" (actor calls) or "socket" (stages.socket_transport)
     transport_token: bytes | None = field(default=None, repr=False)   # per-run secret for "socket"
+    remat: str = "none"             # rematerialisation of this stage's parts (orchestrator.core.model.policy)
     eval_actions: tuple[str, ...] = ()   # this stage's forward-only eval list (data.eval), else ()
     eval_every: int | None = None        # evaluate after every k-th step ...
     total_steps: int = 0                 # ... and after the last one
@@ -136,8 +137,8 @@ class StageWorker:
                      who=cfg.who)
         from jax.sharding import Mesh
 
-        from stages.models.base import load_impl
-        from stages.program import StageProgram, make_optimizer
+        from orchestrator.core.model.registry import build_model
+        from stages.program import StageProgram
 
         devices = np.array(jax.devices())
         n = int(np.prod(list(cfg.mesh.values())))
@@ -148,9 +149,10 @@ class StageWorker:
             raise RuntimeError(f"{cfg.who}: jax device order {owners} is not host-major with "
                                f"{cfg.devices_per_host} devices per host")
         self.mesh = Mesh(devices.reshape(tuple(cfg.mesh.values())), tuple(cfg.mesh))
-        impl, tx = load_impl(cfg.spec), make_optimizer(*cfg.optimizer)
-        self.progs = [StageProgram(cfg.spec, impl, start, stop, microbatches=cfg.microbatches, optimizer=tx,
-                                   mesh=self.mesh, layout=cfg.layout) for start, stop in cfg.layer_chunks]
+        model, tx = build_model(cfg.spec.factory, cfg.spec.args), cfg.optimizer
+        self.progs = [StageProgram(cfg.spec, model, start, stop, microbatches=cfg.microbatches, optimizer=tx,
+                                   mesh=self.mesh, layout=cfg.layout, remat=cfg.remat)
+                      for start, stop in cfg.layer_chunks]
         self.params = [prog.init_params(cfg.seed) for prog in self.progs]
         states = [prog.init_state(p) for prog, p in zip(self.progs, self.params)]
         self.opt_state = [st[0] for st in states]
@@ -177,27 +179,29 @@ class StageWorker:
                 "transport": type(self.transport).__name__, "setup_s": time.perf_counter() - t0}
 
     def _plan_edges(self) -> None:
-        """Per chunk: where its input comes from and its output goes (virtual stage c·p + s ± 1)."""
-        from orchestrator.core.edges import WIRE_DTYPE   # what `meshpipe plan` shows per edge
+        """Per chunk: where its input comes from and its output goes (virtual stage c·p + s ± 1), one
+        (Edge, global shape, dtype) per leaf of the activation that crosses."""
+        from orchestrator.core.edges import leaf_dtype
         from stages.transport import Edge
 
         cfg, p = self.cfg, self.cfg.num_stages
         v = len(self.progs)
         mbs = cfg.data.global_batch // cfg.microbatches
-        self.edge_in, self.edge_out, self.in_shape, self.out_shape = [], [], [], []
+
+        def leaves(layer: int, peer: int):
+            geom = cfg.geoms[peer % p]
+            return [(Edge(peer % p, geom, tuple(leaf.axes)), leaf.batched(mbs), leaf_dtype(leaf.dtype))
+                    for leaf in cfg.spec.layers[layer].outputs]
+
+        self.edge_in, self.edge_out = [], []
         for c, (start, stop) in enumerate(cfg.layer_chunks):
             virtual = c * p + cfg.stage
             before, after = virtual - 1, virtual + 1
-            self.edge_in.append(None if before < 0 else Edge(
-                before % p, cfg.geoms[before % p], tuple(cfg.spec.layers[start - 1].out_axes)))
-            self.edge_out.append(None if after >= p * v else Edge(
-                after % p, cfg.geoms[after % p], tuple(cfg.spec.layers[stop - 1].out_axes)))
-            self.in_shape.append((mbs, *cfg.spec.layers[start - 1].out_shape) if start > 0 else None)
-            self.out_shape.append((mbs, *cfg.spec.layers[stop - 1].out_shape))
-            if self.edge_in[c] is not None:       # what may arrive: activations in, gradients back
-                self.transport.expect(self.edge_in[c], self.in_shape[c], WIRE_DTYPE)
-            if self.edge_out[c] is not None:
-                self.transport.expect(self.edge_out[c], self.out_shape[c], WIRE_DTYPE)
+            self.edge_in.append(None if before < 0 else leaves(start - 1, before))
+            self.edge_out.append(None if after >= p * v else leaves(stop - 1, after))
+            # what may arrive (the transport refuses anything else): activations in, gradients back
+            for edge, shape, dtype in (self.edge_in[c] or []) + (self.edge_out[c] or []):
+                self.transport.expect(edge, shape, dtype)
 
     def _open_data(self) -> None:
         """Loaders for this host's rows: inputs on the first stage, labels on the last (else none)."""
@@ -339,6 +343,27 @@ class StageWorker:
         st.spans.append((text, t0, time.time()))
         st.done += 1
 
+    def sum_over_stages(self, step: int, local: float, timeout: float) -> float:
+        """`local` summed over every stage (the global gradient norm's square): host 0 of each stage
+        sends its scalar to every host of the other stages, each host adds what the others sent.
+        Every stage's hosts hold the same value (their arrays are global), so one sender suffices."""
+        cfg = self.cfg
+        if cfg.num_stages == 1:
+            return local
+        refs = []
+        if cfg.host == 0:
+            for s, row in enumerate(self.actors):
+                if s != cfg.stage:
+                    refs += [a.deliver.options(concurrency_group="io").remote((step, "NORM", cfg.stage), local)
+                             for a in row]
+        total = local + sum(float(self.inbox.take((step, "NORM", s), timeout))
+                            for s in range(cfg.num_stages) if s != cfg.stage)
+        if refs:
+            import ray
+
+            ray.get(refs, timeout=timeout)
+        return total
+
     def _finish(self, st: StepState) -> dict:
         cfg = self.cfg
         self.transport.flush(st.timeout)
@@ -384,12 +409,23 @@ class StageWorker:
 
     def param_norms(self) -> dict[str, float]:
         """L2 norm of every parameter leaf of this stage (global, across hosts)."""
+        return {name: float(np.linalg.norm(np.asarray(full, dtype=np.float64)))
+                for name, full in self._gathered().items()}
+
+    def param_arrays(self) -> dict[str, np.ndarray]:
+        """Every parameter leaf of this stage as a whole numpy array (gathered across hosts)."""
+        return self._gathered()
+
+    def _gathered(self) -> dict[str, np.ndarray]:
+        import jax
         from jax.experimental import multihost_utils
 
-        norms = {}
+        from orchestrator.core.model.pipeline import key_path
+
+        out = {}
         for prog, params in zip(self.progs, self.params):
             for i, (layer, p) in enumerate(zip(prog.layers, params), start=prog.start):
-                for name in sorted(p):
-                    full = np.asarray(multihost_utils.process_allgather(p[name], tiled=True), dtype=np.float64)
-                    norms[param_name(i, layer, name)] = float(np.linalg.norm(full))
-        return norms
+                for path, leaf in jax.tree_util.tree_flatten_with_path(p)[0]:
+                    full = multihost_utils.process_allgather(leaf, tiled=True)
+                    out[param_name(i, layer, key_path(path))] = np.asarray(full)
+        return out

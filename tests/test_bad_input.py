@@ -424,7 +424,7 @@ def test_cli_refuses_bad_input_before_ray_is_imported(tmp_path):
         (run + ["--set", "pipeline.stages.1.layers=[3, 4]"], ["pipeline.stages[1].layers", "[3, 4]", "gap"]),
         (run + ["--set", "layout.heads=modle"], ["layout.heads", "'modle'", "did you mean 'model'"]),
         (run + ["--set", "model.args.heads=3", "--set", "model.args.d_model=66"],
-         ["layout.heads", "not divisible", "02.block1/wq"]),
+         ["layout.heads", "not divisible", "02.block1/wk"]),
         (run + ["--set", "steps=3"], ["steps", "unknown key", "'steps' is a key of run"]),
         (run + ["--set", "run.steps=[1,"], ["run.steps", "not valid safe YAML"]),
         (run + ["--set", "run.name=../escape"], ["run.name", "'../escape'", "path separator"]),

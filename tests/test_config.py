@@ -260,7 +260,7 @@ CHECK_CASES = [
     (["pipeline.stages.0.layout.bach=data"], ["pipeline.stages[0].layout.bach", "'data'",
                                               "unknown logical axis", "did you mean 'batch'"]),
     (["model.args.heads=3", "model.args.d_model=66"],
-     ["layout.heads", "'model'", "not divisible", "02.block1/wq", "(66, 3, 22)", "'heads'", "model"]),
+     ["layout.heads", "'model'", "not divisible", "02.block1/wk", "(66, 3, 22)", "'heads'", "model"]),
     (["model.args.d_mlp=255"], ["layout.mlp", "'model'", "not divisible", "02.block1/w1", "255"]),
     (["pipeline.stages.1.layout.mlp=null", "pipeline.stages.1.layout.embed=model", "model.args.d_model=63",
       "model.args.heads=3"], ["pipeline.stages[1].layout.embed", "'model'", "not divisible", "'embed'", "63"]),

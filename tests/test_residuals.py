@@ -10,8 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from orchestrator.core.model.registry import build_spec
-from stages.models.base import load_impl
+from orchestrator.core.model.registry import build_model, build_spec
 from stages.program import StageProgram, make_optimizer
 from stages.residuals import forwarded_params
 
@@ -22,19 +21,18 @@ MLP = ("mlp", {"d_in": 6, "d_model": 8, "d_mlp": 16, "d_out": 3, "blocks": 2}, N
 
 def _batch(spec, n=4, seed=0):
     rng = np.random.default_rng(seed)
-    if spec.input_dtype.startswith("int"):
-        x = rng.integers(0, spec.args["vocab"], size=(n, *spec.input_shape)).astype(np.int32)
-        y = rng.integers(0, spec.args["vocab"], size=(n, *spec.label_shape)).astype(np.int32)
-    else:
-        x = rng.standard_normal((n, *spec.input_shape)).astype(np.float32)
-        y = rng.standard_normal((n, *spec.label_shape)).astype(np.float32)
-    return jnp.asarray(x), jnp.asarray(y)
+    def draw(leaf):
+        shape = leaf.batched(n)
+        if np.issubdtype(np.dtype(leaf.dtype), np.integer):
+            return jnp.asarray(rng.integers(0, spec.args["vocab"], size=shape).astype(leaf.dtype))
+        return jnp.asarray(rng.standard_normal(shape).astype(np.float32))
+    return draw(spec.input), draw(spec.label)
 
 
 def _stages(spec, **kw):
-    impl, tx = load_impl(spec), make_optimizer("sgd", {"learning_rate": 0.1})
+    model, tx = build_model(spec.factory, spec.args), make_optimizer("sgd", {"learning_rate": 0.1})
     cut = spec.num_layers // 2
-    return [StageProgram(spec, impl, a, b, microbatches=1, optimizer=tx, **kw)
+    return [StageProgram(spec, model, a, b, microbatches=1, optimizer=tx, **kw)
             for a, b in ((0, cut), (cut, spec.num_layers))]
 
 
@@ -50,7 +48,7 @@ def test_no_stage_forward_returns_a_parameter(model):
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")          # the fallback's warning would be an error here
-        h, _ = jax.eval_shape(first.fwd, p0, x)
+        h, _ = jax.eval_shape(first.fwd, p0, [x])
         jax.eval_shape(last.fwd, p1, h, y)
     assert first._vjp_meta["recompute"] is False and last._vjp_meta["recompute"] is False
     assert first._vjp_meta["checked"] and last._vjp_meta["checked"]
@@ -63,21 +61,22 @@ def test_no_stage_forward_returns_a_parameter(model):
 def test_recompute_fallback_matches_the_oracle(model):
     name, args, seq = model
     spec = build_spec(name, args, seq_len=seq)
-    impl = load_impl(spec)
+    model = build_model(spec.factory, spec.args)
     x, y = _batch(spec)
     first, last = _stages(spec, recompute=True)
     p0, p1 = first.init_params(0), last.init_params(0)
-    h, res0 = first.fwd(p0, x)
+    h, res0 = first.fwd(p0, [x])
     loss, res1 = last.fwd(p1, h, y)
-    assert all(r.shape in (x.shape, h.shape, y.shape) for r in [*res0, *res1])   # inputs only, no weights
+    shapes = {x.shape, y.shape, *(a.shape for a in h)}
+    assert all(r.shape in shapes for r in [*res0, *res1])   # inputs only, no weights
     dh, g1 = last.bwd(p1, res1, None)
     _, g0 = first.bwd(p0, res0, dh)
 
-    def whole(params):
+    def whole(params):      # the model's own parts composed plainly: no stage program
         z = x
-        for layer, p in zip(spec.layers, params):
-            z = impl.apply(layer, p, z)
-        return impl.loss(z, y)
+        for part, p in zip(model.parts, params):
+            z = part.apply(p, z, rng=None, train=True)
+        return model.loss(z, y)
     want_loss, want = jax.value_and_grad(whole)([*p0, *p1])
     np.testing.assert_allclose(float(loss), float(want_loss), rtol=RTOL, atol=ATOL)
     for got, ref in zip(jax.tree.leaves([*g0, *g1]), jax.tree.leaves(want)):

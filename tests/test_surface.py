@@ -81,10 +81,12 @@ def test_plan_shows_the_edges_the_stage_workers_plan(sets):
         StageWorker._plan_edges(w)
         assert expected and {str(d) for _, _, d in expected} == {"float32"}
         for c, (start, stop) in enumerate(cfg.layer_chunks):
-            if w.edge_out[c] is not None and w.edge_out[c].stage != stage.index:
-                outs.add((stage.index, w.edge_out[c].stage, stop))
-            if w.edge_in[c] is not None and w.edge_in[c].stage != stage.index:
-                ins.add((w.edge_in[c].stage, stage.index, start))
+            out_edge = w.edge_out[c][0][0] if w.edge_out[c] else None     # (Edge, shape, dtype) per leaf
+            in_edge = w.edge_in[c][0][0] if w.edge_in[c] else None
+            if out_edge is not None and out_edge.stage != stage.index:
+                outs.add((stage.index, out_edge.stage, stop))
+            if in_edge is not None and in_edge.stage != stage.index:
+                ins.add((in_edge.stage, stage.index, start))
     planned = {(e.src, e.dst, e.boundary) for e in planned_edges(checked)}
     assert planned == outs == ins and len(planned) == len(planned_edges(checked))
     assert [(e["edge"][0], e["edge"][1], e["boundary"]) for e in plan_json(plan)["edges"]] == \
@@ -145,7 +147,7 @@ from orchestrator.core.model.spec import LayerSpec, ModelSpec
 import dataclasses
 
 
-def spec(args, seq_len=None):
+def spec(seq_len=None, **args):
     """The built-in MLP, but its jax side comes from this module (the actors must import it)."""
     return dataclasses.replace(mlp.spec(args, seq_len=seq_len), name="mine", impl="mymodel:impl")
 
@@ -155,7 +157,7 @@ def impl(s):
     return builtin(s)
 
 
-def broken(args, seq_len=None):
+def broken(seq_len=None, **args):
     return dataclasses.replace(mlp.spec(args, seq_len=seq_len), name="broken", impl="mymodel:broken_impl")
 
 
@@ -172,7 +174,7 @@ def broken_impl(s):
     return ModelImpl(apply=apply, loss=base.loss)
 
 
-def empty(args, seq_len=None):
+def empty(seq_len=None, **args):
     layers = tuple(LayerSpec(f"id{i}", "identity", {}, ("batch", "embed"), (8,)) for i in range(2))
     return ModelSpec("empty", layers, "mymodel:impl", (8,), "float32", ("batch", "embed"), (8,), "float32")
 '''

@@ -5,9 +5,11 @@ A stage's devices are numbered by their flat position in the stage's mesh
 devices per host — the worker checks that jax's device order agrees. Hosts are
 named by their cluster host index, so two stages never share a host id.
 
-`edge_plan(src_geom, dst_geom, axes, shape, dtype)` is the (cached) plan for a
-tensor with logical `axes` leaving one stage and entering another; the same
+`edge_plan(src_geom, dst_geom, axes, shape, dtype)` is the (cached) plan for one
+array leaf with logical `axes` leaving one stage and entering another; the same
 function serves activations (forward) and gradients (backward, roles swapped).
+An activation is a pytree: each of its leaves crosses with its own plan, shape
+and dtype (`edge_leaves`).
 """
 from __future__ import annotations
 
@@ -52,14 +54,13 @@ def stage_geoms(checked) -> list[StageGeom]:
     return [StageGeom.of(s.mesh, s.hosts, s.devices_per_host, s.layout) for s in checked.stages]
 
 
-def activation_shape(checked, boundary: int) -> tuple[int, ...]:
-    """Global shape of the activation leaving layer `boundary - 1` (one microbatch)."""
-    return (checked.microbatch_size, *checked.model.layers[boundary - 1].out_shape)
+def edge_leaves(checked, boundary: int) -> list[tuple]:
+    """(leaf, global shape) of each leaf of the activation leaving layer `boundary - 1` (one microbatch)."""
+    return [(leaf, leaf.batched(checked.microbatch_size)) for leaf in checked.model.layers[boundary - 1].outputs]
 
 
-# The wire dtype of activations and their gradients: stages/worker.py receives every
-# stage edge as float32 (the built-in models compute in float32).
-WIRE_DTYPE = np.dtype(np.float32)
+def _inexact(dtype: str) -> bool:
+    return np.issubdtype(np.dtype(dtype), np.inexact) or dtype in ("bfloat16", "float8_e4m3fn", "float8_e5m2")
 
 
 @dataclass(frozen=True)
@@ -101,22 +102,44 @@ def planned_edges(checked) -> list[PlannedEdge]:
 
 
 def edges_json(checked) -> list[dict]:
-    """Per stage edge: reshard bytes vs lower bound, forward and backward (for `meshpipe plan`).
-
-    Lists the same edges the executor plans (`planned_edges`), with their wire dtype.
-    """
+    """Per stage edge: reshard bytes vs lower bound, forward and backward, summed over the
+    activation's leaves (each with its own dtype; gradients only for floating leaves), and
+    per leaf (for `meshpipe plan`). Lists the same edges the executor plans (`planned_edges`),
+    the wrap-around edge of interleaved schedules included."""
     geoms = stage_geoms(checked)
     out = []
-    for e in planned_edges(checked):
-        axes = checked.model.layers[e.boundary - 1].out_axes
-        shape = activation_shape(checked, e.boundary)
-        fwd = edge_plan(geoms[e.src], geoms[e.dst], axes, shape, WIRE_DTYPE)
-        bwd = edge_plan(geoms[e.dst], geoms[e.src], axes, shape, WIRE_DTYPE)
-        out.append({"edge": [e.src, e.dst], "virtual": [e.virtual, e.virtual + 1], "boundary": e.boundary,
-                    "wraps": e.wraps, "dtype": WIRE_DTYPE.name, "shape": list(shape), "axes": list(axes),
-                    "src_spec": repr(fwd.src.spec), "dst_spec": repr(fwd.dst.spec),
-                    "forward": {"cross_host_bytes": fwd.cross_host_bytes,
-                                "lower_bound_bytes": fwd.lower_bound_bytes, "tiles": len(fwd.tiles)},
-                    "backward": {"cross_host_bytes": bwd.cross_host_bytes,
-                                 "lower_bound_bytes": bwd.lower_bound_bytes, "tiles": len(bwd.tiles)}})
+    for e in planned_edges(checked):      # the same edges the executor plans
+        s, d, boundary = e.src, e.dst, e.boundary
+        leaves, total = [], {"forward": [0, 0, 0], "backward": [0, 0, 0]}
+        for leaf, shape in edge_leaves(checked, boundary):
+            dtype = leaf_dtype(leaf.dtype)
+            fwd = edge_plan(geoms[s], geoms[d], leaf.axes, shape, dtype)
+            row = {"path": leaf.path, "shape": list(shape), "dtype": leaf.dtype, "axes": list(leaf.axes),
+                   "src_spec": repr(fwd.src.spec), "dst_spec": repr(fwd.dst.spec)}
+            plans = {"forward": fwd}
+            if _inexact(leaf.dtype):
+                plans["backward"] = edge_plan(geoms[d], geoms[s], leaf.axes, shape, dtype)
+            for way, plan in plans.items():
+                row[way] = {"cross_host_bytes": plan.cross_host_bytes,
+                            "lower_bound_bytes": plan.lower_bound_bytes, "tiles": len(plan.tiles)}
+                for k, v in enumerate((plan.cross_host_bytes, plan.lower_bound_bytes, len(plan.tiles))):
+                    total[way][k] += v
+            leaves.append(row)
+        first = leaves[0]
+        out.append({"edge": [s, d], "virtual": [e.virtual, e.virtual + 1], "boundary": boundary,
+                    "wraps": e.wraps, "dtype": first["dtype"], "shape": first["shape"], "axes": first["axes"],
+                    "src_spec": first["src_spec"], "dst_spec": first["dst_spec"],
+                    **{way: {"cross_host_bytes": t[0], "lower_bound_bytes": t[1], "tiles": t[2]}
+                       for way, t in total.items()},
+                    "leaves": leaves})
     return out
+
+
+def leaf_dtype(name: str):
+    """numpy dtype of a leaf's dtype name (bfloat16 and friends come from ml_dtypes, jax's own)."""
+    try:
+        return np.dtype(name)
+    except TypeError:
+        import ml_dtypes
+
+        return np.dtype(getattr(ml_dtypes, name))

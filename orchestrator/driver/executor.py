@@ -68,13 +68,13 @@ class PipelineExecutor:
             cluster_host=stage.hosts[host], layers=tuple(stage.layers), mesh=dict(stage.mesh),
             layout=dict(stage.layout), spec=self.checked.model, data=self.data,
             microbatches=job.pipeline.microbatches,
-            optimizer=(job.optimizer.name, dict(job.optimizer.args)), seed=job.run.seed,
+            optimizer=job.optimizer.spec(), seed=job.run.seed,
             actions=tuple(str(a) for a in grid if a is not None), num_stages=len(self.checked.stages),
             timeouts=dict(self.timeouts), pin_cpus=self.checked.cluster.pin_cpus,
             hooks=self.hooks,
             hosts=tuple(stage.hosts), devices_per_host=stage.devices_per_host,
             geoms=tuple(geoms), chunks=tuple(tuple(c) for c in stage.chunks),
-            transport=self.checked.cluster.transport, transport_token=self.token,
+            transport=self.checked.cluster.transport, transport_token=self.token, remat=stage.remat,
             eval_actions=() if self.eval_schedule is None else tuple(
                 str(a) for a in self.eval_schedule.actions[stage.index] if a is not None),
             eval_every=job.run.eval_every, total_steps=job.run.steps)
@@ -178,11 +178,18 @@ class PipelineExecutor:
                              eval_loss=None if ev is None else sum(ev) / len(ev))
 
     def param_norms(self) -> dict[str, float]:
+        return self._per_param("param_norms", "param norms")
+
+    def param_arrays(self) -> dict:
+        """Every parameter leaf as a whole numpy array (every host joins the gather; any host's copy)."""
+        return self._per_param("param_arrays", "param arrays")
+
+    def _per_param(self, method: str, what: str) -> dict:
         refs, labels = [], []
         for row, names in zip(self.actors, self.labels):
-            refs += [a.param_norms.remote() for a in row]
+            refs += [getattr(a, method).remote() for a in row]
             labels += names
-        norms: dict[str, float] = {}
-        for part in wait_all(refs, self.timeouts["step_s"], "param norms", labels):
-            norms.update(part)
-        return dict(sorted(norms.items()))
+        out: dict = {}
+        for part in wait_all(refs, self.timeouts["step_s"], what, labels):
+            out.update(part)
+        return dict(sorted(out.items()))

@@ -1,4 +1,4 @@
-"""The numerical oracle: the same model trained in one process with plain JAX.
+"""`meshpipe run --reference`: the same model trained in one process, unpipelined.
 
 Same parameters (seed, layer index), same data (seed, step), same optimizer and
 the same microbatch accumulation order (microbatch 0, 1, …, m−1; gradients of
@@ -17,9 +17,10 @@ from orchestrator.core.model.spec import ModelSpec, param_name
 
 
 def train_reference(spec: ModelSpec, source, *, steps: int, seed: int, microbatches: int,
-                    optimizer: tuple[str, dict], on_step: Callable[[dict], None] | None = None,
+                    optimizer: dict, on_step: Callable[[dict], None] | None = None,
                     eval_every: int | None = None) -> dict:
-    """Train for `steps`; return {"losses", "step_times_s", "param_norms", "eval_losses"}.
+    """Train for `steps`; return {"losses", "step_times_s", "param_norms", "params",
+    "eval_losses"} (params: name -> final array).
 
     With `source.eval` (data.eval), after every `eval_every`-th step and the last one the
     whole model's plain forward (`eval_loss`, not meshpipe's stage programs) is evaluated on
@@ -28,11 +29,12 @@ def train_reference(spec: ModelSpec, source, *, steps: int, seed: int, microbatc
     import jax
     import jax.numpy as jnp
 
-    from stages.models.base import load_impl
-    from stages.program import StageProgram, make_optimizer
+    from orchestrator.core.model.pipeline import key_path
+    from orchestrator.core.model.registry import build_model
+    from stages.program import StageProgram
 
-    prog = StageProgram(spec, load_impl(spec), 0, spec.num_layers, microbatches=microbatches,
-                        optimizer=make_optimizer(*optimizer))
+    prog = StageProgram(spec, build_model(spec.factory, spec.args), 0, spec.num_layers,
+                        microbatches=microbatches, optimizer=optimizer)
     params = prog.init_params(seed)
     opt_state, grads = prog.init_state(params)
     losses, times, evals = [], [], []
@@ -43,12 +45,13 @@ def train_reference(spec: ModelSpec, source, *, steps: int, seed: int, microbatc
         x, y = global_batch(reader, source, step)
         mb_losses = []
         for i in range(microbatches):
-            loss, res = prog.fwd(params, jnp.asarray(microbatch(x, i, microbatches)),
-                                 jnp.asarray(microbatch(y, i, microbatches)))
+            loss, res = prog.fwd(params, [jnp.asarray(microbatch(x, i, microbatches))],
+                                 jnp.asarray(microbatch(y, i, microbatches)), np.array([seed, step, i], np.int32))
             _, g = prog.bwd(params, res, None)
             grads = prog.accumulate(grads, g)
             mb_losses.append(loss)
-        params, opt_state, grads = prog.update(params, opt_state, grads)
+        gnorm = np.float32(np.sqrt(float(prog.sq_norm(grads))))
+        params, opt_state, grads = prog.update(params, opt_state, grads, gnorm)
         loss = float(np.mean([float(v) for v in mb_losses]))
         jax.block_until_ready(params)
         losses.append(loss)
@@ -59,11 +62,13 @@ def train_reference(spec: ModelSpec, source, *, steps: int, seed: int, microbatc
             evals.append([step, rec["eval_loss"]])
         if on_step:
             on_step(rec)
-    norms = {}
+    arrays = {}
     for i, (layer, p) in enumerate(zip(spec.layers, params)):
-        for name in sorted(p):
-            norms[param_name(i, layer, name)] = float(np.linalg.norm(np.asarray(p[name], dtype=np.float64)))
-    return {"losses": losses, "step_times_s": times, "param_norms": norms, "eval_losses": evals}
+        for path, leaf in jax.tree_util.tree_flatten_with_path(p)[0]:
+            arrays[param_name(i, layer, key_path(path))] = np.asarray(leaf)
+    norms = {k: float(np.linalg.norm(np.asarray(v, dtype=np.float64))) for k, v in arrays.items()}
+    return {"losses": losses, "step_times_s": times, "param_norms": norms, "params": arrays,
+            "eval_losses": evals}
 
 
 def eval_loss(spec: ModelSpec, params, reader, plan, batches: int, microbatches: int) -> float:
@@ -71,15 +76,15 @@ def eval_loss(spec: ModelSpec, params, reader, plan, batches: int, microbatches:
     import jax
     import jax.numpy as jnp
 
-    from stages.models.base import load_impl
+    from orchestrator.core.model.registry import build_model
 
-    impl = load_impl(spec)
+    model = build_model(spec.factory, spec.args)
 
     @jax.jit
     def loss(ps, x, y):
-        for layer, p in zip(spec.layers, ps):
-            x = impl.apply(layer, p, x)
-        return impl.loss(x, y)
+        for part, p in zip(model.parts, ps):
+            x = part.apply(p, x, rng=None, train=False)
+        return model.loss(x, y)
 
     per_batch = []
     for b in range(batches):

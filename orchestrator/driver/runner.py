@@ -62,9 +62,10 @@ def step_line(rec: dict, samples: int) -> str:
 
 
 def run_job(checked, *, reference: bool = False, echo: Callable[[str], None] = print,
-            tty: bool = False, hooks: Sequence = ()) -> dict:
+            tty: bool = False, hooks: Sequence = (), keep_params: bool = False) -> dict:
     """Train the checked job; `tty`: draw a progress bar on stdout instead of one line per step;
-    `hooks`: `stages.hooks.WorkerHook` objects every stage worker calls (pipeline runs only)."""
+    `hooks`: `stages.hooks.WorkerHook` objects every stage worker calls (pipeline runs only);
+    `keep_params`: the returned summary also holds "params" (name -> final numpy array; not written)."""
     from orchestrator.driver.telemetry import Progress, summary_block
 
     job = checked.job
@@ -89,11 +90,11 @@ def run_job(checked, *, reference: bool = False, echo: Callable[[str], None] = p
 
                 result = train_reference(checked.model, source, steps=job.run.steps, seed=job.run.seed,
                                          microbatches=job.pipeline.microbatches,
-                                         optimizer=(job.optimizer.name, dict(job.optimizer.args)),
-                                         on_step=on_step, eval_every=job.run.eval_every)
+                                         optimizer=job.optimizer.spec(), on_step=on_step,
+                                         eval_every=job.run.eval_every)
                 extra = {"mode": "reference"}
             else:
-                result, extra = _run_pipeline(checked, plan, source, on_step, out, echo, hooks)
+                result, extra = _run_pipeline(checked, plan, source, on_step, out, echo, hooks, keep_params)
         finally:
             progress.close()   # end the bar's line before anything else is printed
     except BaseException as e:
@@ -114,6 +115,8 @@ def run_job(checked, *, reference: bool = False, echo: Callable[[str], None] = p
     echo(f"wrote {path}")
     if not reference:
         echo(summary_block(summary, out))
+    if keep_params:
+        summary["params"] = result["params"]
     return summary
 
 
@@ -144,7 +147,8 @@ def _record_stop(e: BaseException, checked, plan, done: list[dict], out: Path, p
         e.steps_done, e.total_steps, e.record = len(done), checked.job.run.steps, str(path)
 
 
-def _run_pipeline(checked, plan, source, on_step, out: Path, echo, hooks: Sequence = ()) -> tuple[dict, dict]:
+def _run_pipeline(checked, plan, source, on_step, out: Path, echo, hooks: Sequence = (),
+                  keep_params: bool = False) -> tuple[dict, dict]:
     from orchestrator.driver import placement
     from orchestrator.driver.executor import PipelineExecutor
     from orchestrator.driver.telemetry import RunTelemetry
@@ -179,6 +183,7 @@ def _run_pipeline(checked, plan, source, on_step, out: Path, echo, hooks: Sequen
                 evals.append([step, r.eval_loss])
             on_step({"step": step, "loss": r.loss, "step_time_s": r.wall_s, "eval_loss": r.eval_loss})
         norms = ex.param_norms()
+        arrays = ex.param_arrays() if keep_params else None
         ok = True
     except KeyboardInterrupt:
         interrupted = True
@@ -200,7 +205,8 @@ def _run_pipeline(checked, plan, source, on_step, out: Path, echo, hooks: Sequen
     extra = {"mode": "pipeline", "startup_s": startup, "workers": ex.info, "executor": ex.dispatch_info,
              "last_step_spans": [list(s) for s in spans[-1]] if spans else [],
              "telemetry": tel.summary(), "ray": ray_info}
-    return {"losses": losses, "step_times_s": times, "param_norms": norms, "eval_losses": evals}, extra
+    return {"losses": losses, "step_times_s": times, "param_norms": norms, "params": arrays,
+            "eval_losses": evals}, extra
 
 
 def _ray_info(run: str, echo) -> dict:

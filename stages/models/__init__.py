@@ -1,3 +1,3 @@
-"""jax implementations of the built-in models (`ModelImpl`), resolved on the actors
-from `ModelSpec.impl`; their pure descriptions live in `orchestrator.core.model`.
+"""The built-in models' jax code: plain-JAX `PipelineModel` factories (`gpt_impl:model`,
+`mlp_impl:model`), named by `orchestrator.core.model.registry.BUILTIN`.
 """

@@ -1,6 +1,7 @@
 """Cross-checks of a job against its model and cluster: `check_job(job, cluster) -> Checked`.
 
-Basic flow: build the model's `ModelSpec` (pure, no jax) → check data, optimizer
+Basic flow: build the model's `ModelSpec` (the factory is called and the model
+described by `jax.eval_shape`: no devices, no arrays) → check data, optimizer
 (optax is imported to look the function up and call it with the args), the
 stages' layer ranges, hosts and meshes, the schedule (through
 `orchestrator.core.schedule.check_params`), the layout (names, mesh axes, and that
@@ -21,7 +22,6 @@ import importlib
 import json
 import math
 import os
-import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +34,9 @@ from orchestrator.core.config.schema import ClusterConfig, JobConfig, Rule
 from orchestrator.core.private_fs import free_bytes, private_dir
 from orchestrator.core.redact import redact
 from orchestrator.core.model.layout import partition_spec, rule_axes, shard_count, stage_layout
-from orchestrator.core.model.registry import BUILTIN, build_spec
+from orchestrator.core.model.optim import OptimError, build as build_optimizer
+from orchestrator.core.model.policy import remat_names, with_compute_dtype
+from orchestrator.core.model.registry import BUILTIN, ModelError, build_spec
 from orchestrator.core.model.spec import ModelSpec, param_name
 from orchestrator.core.schedule import SCHEDULES, ScheduleError, check_params
 
@@ -54,6 +56,7 @@ class StagePlan:
       hosts: cluster host indices assigned to the stage (consecutive).
       devices_per_host: devices each of those hosts contributes.
       layout: the effective logical -> mesh axis layout on this stage's mesh.
+      remat: the stage's rematerialisation (none | full | a jax.checkpoint_policies name).
     """
 
     index: int
@@ -63,6 +66,7 @@ class StagePlan:
     devices_per_host: int
     layout: dict[str, Rule]
     chunks: tuple[tuple[int, int], ...] = ()
+    remat: str = "none"
 
     @property
     def num_devices(self) -> int:
@@ -83,7 +87,7 @@ class StagePlan:
         return {"index": self.index, "layers": list(self.layers),
                 "chunks": [list(c) for c in self.chunks], "mesh": dict(self.mesh),
                 "hosts": list(self.hosts), "devices_per_host": self.devices_per_host,
-                "devices": self.num_devices, "layout": _json_layout(self.layout)}
+                "devices": self.num_devices, "layout": _json_layout(self.layout), "remat": self.remat}
 
 
 @dataclass(frozen=True)
@@ -119,7 +123,7 @@ class Checked:
         return redact({
             "job": self.job.to_dict(),
             "cluster": self.cluster.to_dict(),
-            "model": {"name": m.name, "impl": m.impl, "num_layers": m.num_layers,
+            "model": {"name": m.name, "factory": m.factory, "num_layers": m.num_layers,
                       "layers": [layer.name for layer in m.layers], "params": m.param_count(),
                       "args": json.loads(json.dumps(dict(m.args), default=repr))},
             "microbatch_size": self.microbatch_size,
@@ -154,9 +158,11 @@ def _model_layers(model: ModelSpec) -> str:
 
 
 def _build_model(job: JobConfig) -> ModelSpec:
-    name, args, seq_len = job.model.name, job.model.args, job.data.seq_len
+    """Call the model factory and describe the model by shape evaluation (jax inside, no devices)."""
+    name, args, seq_len = job.model.ref, job.model.args, job.data.seq_len
+    key = "model.factory" if job.model.factory else "model.name"
     builtin = BUILTIN.get(name)
-    defaults = getattr(sys.modules.get(builtin.__module__), "DEFAULTS", None) if builtin else None
+    defaults = builtin.defaults if builtin else None
     probs = _Problems()
     if defaults is not None:
         for k, v in args.items():
@@ -171,23 +177,49 @@ def _build_model(job: JobConfig) -> ModelSpec:
             raise ConfigError(probs)
     try:
         return build_spec(name, args, seq_len=seq_len)
+    except ModelError as e:
+        raise ConfigError(problem(key, name, f"the model cannot be pipelined: {e}")) from None
     except KeyError as e:
-        key = e.args[0] if e.args else "?"
+        k = e.args[0] if e.args else "?"
         if name not in BUILTIN and ":" not in name:
-            raise ConfigError(problem("model.name", name, f"unknown model; built-in models are "
+            raise ConfigError(problem(key, name, f"unknown model; built-in models are "
                                       f"{', '.join(sorted(BUILTIN))}{suggest(name, BUILTIN)}")) from None
+        if builtin is None:
+            raise ConfigError(problem(key, name, f"the model factory failed: KeyError: {e}")) from None
         valid = f" (valid: {', '.join(sorted(defaults))})" if defaults else ""
-        raise ConfigError(problem(f"model.args.{key}", args.get(key), f"unknown argument of model "
-                                  f"{name!r}{valid}{suggest(key, defaults or ())}")) from None
+        raise ConfigError(problem(f"model.args.{k}", args.get(k), f"unknown argument of model "
+                                  f"{name!r}{valid}{suggest(k, defaults or ())}")) from None
     except (ImportError, AttributeError) as e:
-        raise ConfigError(problem("model.name", name, f"cannot import the model factory: {e}")) from None
-    except (ValueError, TypeError) as e:
+        if builtin is None and isinstance(e, AttributeError) and _importable(name):
+            raise ConfigError(problem(key, name, f"the model factory failed: AttributeError: {e}")) from None
+        raise ConfigError(problem(key, name, f"cannot import the model factory: {e}")) from None
+    except Exception as e:  # noqa: BLE001 - a user factory may raise anything; report it with the key
         if seq_len is None and "seq_len" in str(e):
             raise ConfigError(problem("data.seq_len", None, f"required by model {name!r} ({e})")) from None
         if builtin is None:
-            raise ConfigError(problem("model.name", name, f"the model factory failed: "
+            raise ConfigError(problem(key, name, f"the model factory failed: "
                                       f"{type(e).__name__}: {e}")) from None
         raise ConfigError(problem("model.args", dict(args), f"invalid model arguments: {e}")) from None
+
+
+def _importable(path: str) -> bool:
+    """Whether `module:attr` names an attribute that exists (so an AttributeError came from calling it)."""
+    module, _, attr = path.partition(":")
+    try:
+        return hasattr(importlib.import_module(module), attr)
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _check_remat(job: JobConfig, probs: _Problems) -> None:
+    names = remat_names()
+    wanted = [("pipeline.remat", job.pipeline.remat)]
+    wanted += [(f"pipeline.stages[{i}].remat", st.remat) for i, st in enumerate(job.pipeline.stages)
+               if st.remat is not None]
+    for key, value in wanted:
+        if value not in names:
+            probs.add(key, value, f"unknown remat policy{suggest(value, names)}; valid: none, full, or a "
+                      f"jax.checkpoint_policies name ({', '.join(names[2:])})")
 
 
 def _check_data(job: JobConfig, model: ModelSpec, probs: _Problems):
@@ -211,6 +243,12 @@ def _check_data(job: JobConfig, model: ModelSpec, probs: _Problems):
 def _check_optimizer(job: JobConfig, probs: _Problems) -> None:
     import optax  # builds a GradientTransformation (closures): no arrays, no device state
 
+    if job.optimizer.chain is not None:
+        try:
+            build_optimizer(job.optimizer.spec())
+        except OptimError as e:
+            probs.add(e.key, e.value, e.rule)
+        return
     name, args = job.optimizer.name, job.optimizer.args
     fn = getattr(optax, name, None)
     if fn is None or not callable(fn) or isinstance(fn, type):
@@ -400,22 +438,7 @@ def _check_batch(job: JobConfig, layouts: Optional[list], probs: _Problems) -> i
     return mb
 
 
-def _axis_sizes(model: ModelSpec, mb: int, seq_len: Optional[int]) -> dict[str, int]:
-    seen: dict[str, set[int]] = {}
-    for layer in model.layers:
-        for pdef in layer.params.values():
-            for name, size in zip(pdef.axes, pdef.shape):
-                if name:
-                    seen.setdefault(name, set()).add(size)
-    sizes = {k: next(iter(v)) for k, v in seen.items() if len(v) == 1}
-    sizes["batch"] = mb
-    if seq_len is not None:
-        sizes["seq"] = seq_len
-    return sizes
-
-
 def _check_divisibility(job: JobConfig, model: ModelSpec, layouts: list, mb: int, probs: _Problems) -> None:
-    sizes = _axis_sizes(model, mb, job.data.seq_len)
     reported: dict[tuple, int] = {}
     for i, (st, layout) in enumerate(zip(job.pipeline.stages, layouts)):
         tensors: list[tuple[str, tuple, tuple]] = []  # (what, axes, shape)
@@ -423,15 +446,17 @@ def _check_divisibility(job: JobConfig, model: ModelSpec, layouts: list, mb: int
             if a == 0:
                 tensors.append(("the model input", model.input_axes, (mb, *model.input_shape)))
             else:
-                prev = model.layers[a - 1]
-                tensors.append((f"the activation entering layer {a} ({model.layers[a].name})",
-                                prev.out_axes, tuple(sizes.get(x) for x in prev.out_axes)))
+                for leaf in model.layers[a - 1].outputs:
+                    what = f"the activation{' leaf ' + leaf.path if leaf.path else ''}"
+                    tensors.append((f"{what} entering layer {a} ({model.layers[a].name})", leaf.axes,
+                                    leaf.batched(mb)))
             for li in range(a, b):
                 layer = model.layers[li]
                 for pname, pdef in layer.params.items():
                     tensors.append((f"parameter {param_name(li, layer, pname)}", pdef.axes, pdef.shape))
-                tensors.append((f"the output of layer {li:02d}.{layer.name}", layer.out_axes,
-                                tuple(sizes.get(x) for x in layer.out_axes)))
+                for leaf in layer.outputs:
+                    tensors.append((f"the output {leaf.path + ' ' if leaf.path else ''}of layer {li:02d}.{layer.name}",
+                                    leaf.axes, leaf.batched(mb)))
         for what, axes, shape in tensors:
             for d, (name, entry) in enumerate(zip(axes, partition_spec(axes, layout))):
                 size = shape[d] if d < len(shape) else None
@@ -464,11 +489,12 @@ def check_job(job: JobConfig, cluster: ClusterConfig) -> Checked:
         >>> [s.hosts for s in checked.stages], checked.microbatch_size
         ([(0,), (1,), (2,)], 8)
     """
-    model = _build_model(job)
+    model = with_compute_dtype(_build_model(job), job.precision.compute)
     probs = _Problems()
     if model.param_count() == 0:
         probs.add("model.name", job.model.name, f"the model has no parameters ({_model_layers(model)}): "
                   "there is nothing to train; give its layers ParamDefs")
+    _check_remat(job, probs)
     data = _check_data(job, model, probs)
     data_path = data.files[0] if data is not None and data.source == "text" else None
     _check_optimizer(job, probs)
@@ -485,7 +511,7 @@ def check_job(job: JobConfig, cluster: ClusterConfig) -> Checked:
         raise ConfigError(probs)
     stages = tuple(StagePlan(index=i, layers=st.chunks[0], mesh=dict(st.mesh), hosts=hosts[i],
                              devices_per_host=cluster.devices_per_host, layout=layouts[i],
-                             chunks=tuple(st.chunks))
+                             chunks=tuple(st.chunks), remat=st.remat or job.pipeline.remat)
                    for i, st in enumerate(job.pipeline.stages))
     return Checked(job=job, cluster=cluster, model=model, stages=stages, microbatch_size=mb,
                    data_path=data_path, data=data)

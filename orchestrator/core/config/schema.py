@@ -25,6 +25,7 @@ from orchestrator.core.model.registry import BUILTIN
 
 __all__ = [
     "RunConfig", "ModelConfig", "DataConfig", "EvalConfig", "OptimizerConfig", "StageConfig", "PipelineConfig",
+    "PrecisionConfig", "ChainEntry",
     "JobConfig", "TimeoutsConfig", "ClusterConfig", "GpuConfig", "TpuConfig", "LinkClassConfig",
     "LinksConfig", "DeviceConfig", "parse_job", "parse_cluster", "field_kind",
     "NAME_RE", "Rule", "key_homes", "unknown_key_hint",
@@ -126,18 +127,43 @@ class RunConfig(_Frozen):
 
 
 class ModelConfig(_Frozen):
-    """`model:` — a built-in model name or a `package.module:factory` path, and its arguments."""
+    """`model:` — a built-in model `name` or a `factory` ('package.module:function' returning a
+    PipelineModel, see `orchestrator.core.model.adapters`), and its keyword arguments.
 
-    name: str
+    `name: 'package.module:function'` is accepted too (the older spelling of `factory`).
+    """
+
+    name: Optional[str] = None
+    factory: Optional[str] = None
     args: dict[str, Any] = Field(default_factory=dict)
 
     @field_validator("name")
     @classmethod
-    def _name(cls, v: str) -> str:
-        if v in BUILTIN or _FACTORY_RE.match(v):
+    def _name(cls, v: Optional[str]) -> Optional[str]:
+        if v is None or v in BUILTIN or _FACTORY_RE.match(v):
             return v
         raise Problem(f"unknown model; built-in models are {', '.join(sorted(BUILTIN))}, or give a "
                       f"factory as 'package.module:function'{suggest(v, BUILTIN)}")
+
+    @field_validator("factory")
+    @classmethod
+    def _factory(cls, v: Optional[str]) -> Optional[str]:
+        if v is None or _FACTORY_RE.match(v):
+            return v
+        raise Problem("must be an import path 'package.module:function' (a function returning a "
+                      "PipelineModel)")
+
+    @model_validator(mode="after")
+    def _one_of(self) -> "ModelConfig":
+        if (self.name is None) == (self.factory is None):
+            raise Problem(f"give exactly one of model.name (built-in: {', '.join(sorted(BUILTIN))}) "
+                          "and model.factory ('package.module:function')", ("name",), self.name)
+        return self
+
+    @property
+    def ref(self) -> str:
+        """The built-in name or the factory path."""
+        return self.factory or self.name  # type: ignore[return-value]
 
 
 class EvalConfig(_Frozen):
@@ -227,8 +253,8 @@ class DataConfig(_Frozen):
         return self
 
 
-class OptimizerConfig(_Frozen):
-    """`optimizer:` — an optax optimizer function name and its keyword arguments."""
+class ChainEntry(_Frozen):
+    """One element of `optimizer.chain`: an optax function name and its keyword arguments."""
 
     name: str
     args: dict[str, Any] = Field(default_factory=dict)
@@ -237,8 +263,48 @@ class OptimizerConfig(_Frozen):
     @classmethod
     def _name(cls, v: str) -> str:
         if not _IDENT_RE.match(v) or v.startswith("_"):
+            raise Problem("must be the name of an optax function, e.g. 'clip_by_global_norm', 'adamw'")
+        return v
+
+
+class OptimizerConfig(_Frozen):
+    """`optimizer:` — an optax optimizer function `name` and its keyword arguments, or a `chain`
+    of optax functions (schedules, weight-decay masks, global-norm clipping across stages:
+    `orchestrator.core.model.optim`)."""
+
+    name: Optional[str] = None
+    args: dict[str, Any] = Field(default_factory=dict)
+    chain: Optional[tuple[ChainEntry, ...]] = None
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: Optional[str]) -> Optional[str]:
+        if v is not None and (not _IDENT_RE.match(v) or v.startswith("_")):
             raise Problem("must be the name of an optax optimizer function, e.g. 'adam', 'sgd', 'adamw'")
         return v
+
+    @field_validator("chain", mode="before")
+    @classmethod
+    def _chain(cls, v: Any) -> Any:
+        if isinstance(v, (list, tuple)) and not v:
+            raise Problem("must list at least one optax function")
+        return tuple(v) if isinstance(v, list) else v
+
+    @model_validator(mode="after")
+    def _one_of(self) -> "OptimizerConfig":
+        if (self.name is None) == (self.chain is None):
+            raise Problem("give exactly one of optimizer.name (with optimizer.args) and optimizer.chain",
+                          ("name",), self.name)
+        if self.chain is not None and self.args:
+            raise Problem("with optimizer.chain, give each function's args in its chain entry",
+                          ("args",), self.args)
+        return self
+
+    def spec(self) -> dict[str, Any]:
+        """Plain data the stages build the optax chain from (`orchestrator.core.model.optim.build`)."""
+        if self.chain is not None:
+            return {"chain": [{"name": e.name, "args": dict(e.args)} for e in self.chain]}
+        return {"name": self.name, "args": dict(self.args)}
 
 
 class StageConfig(_Frozen):
@@ -253,6 +319,7 @@ class StageConfig(_Frozen):
     mesh: Annotated[dict[str, PosInt], Field(min_length=1)]
     hosts: PosInt = 1
     layout: Optional[dict[str, Any]] = None
+    remat: Optional[str] = None     # this stage's rematerialisation (null: pipeline.remat)
 
     @field_validator("layers", mode="before")
     @classmethod
@@ -298,6 +365,7 @@ class PipelineConfig(_Frozen):
     microbatches: PosInt
     virtual_stages: PosInt = 1
     stages: tuple[StageConfig, ...]
+    remat: str = "none"   # none | full | a jax.checkpoint_policies name (e.g. dots_saveable); per stage: stages[i].remat
 
     @field_validator("stages", mode="before")
     @classmethod
@@ -305,6 +373,14 @@ class PipelineConfig(_Frozen):
         if isinstance(v, (list, tuple)) and not v:
             raise Problem("must list at least one stage")
         return tuple(v) if isinstance(v, list) else v
+
+
+class PrecisionConfig(_Frozen):
+    """`precision:` — mixed precision policy. Parameters, gradients and optimizer state stay
+    float32; `compute` is the dtype the parts compute in and activations (and their
+    gradients) cross stages in; the loss is computed in float32."""
+
+    compute: Literal["float32", "bfloat16"] = "float32"
 
 
 class JobConfig(_Frozen):
@@ -316,6 +392,7 @@ class JobConfig(_Frozen):
     optimizer: OptimizerConfig
     pipeline: PipelineConfig
     layout: dict[str, Any] = Field(default_factory=dict)
+    precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
 
     @field_validator("layout", mode="before")
     @classmethod

@@ -82,7 +82,7 @@ def synthetic_plan(model, global_batch: int, seed: int) -> DataPlan:
     """The synthetic data plan of `model` (benchmarks and tests that need no files)."""
     return DataPlan(source="synthetic", model=model.name, global_batch=global_batch, seed=seed,
                     input_shape=tuple(model.input_shape), label_shape=tuple(model.label_shape),
-                    vocab=int(model.args.get("vocab", 0) or 0))
+                    vocab=int(model.vocab))
 
 
 def hf_format(files: tuple[str, ...], fmt: str | None) -> str:
@@ -106,7 +106,7 @@ def load_factory(path: str):
 def plan_data(d, model, seed: int) -> DataPlan:
     """Check `d` (a `DataConfig`) against `model` (a `ModelSpec`); see the module docstring."""
     probs: list[tuple[str, Any, str]] = []
-    vocab = int(model.args.get("vocab", 0) or 0)
+    vocab = int(model.vocab)
     base = DataPlan(source=d.source, model=model.name, global_batch=d.global_batch, seed=seed,
                     input_shape=tuple(model.input_shape), label_shape=tuple(model.label_shape), vocab=vocab,
                     seq_len=d.seq_len, prefetch=d.prefetch)

@@ -1,4 +1,5 @@
-"""Model descriptions (pure): `spec` (layers and parameters), `layout` (logical axes →
-mesh axes), the built-in models `gpt` and `mlp`, and the `registry` that resolves a
-job's `model.name`. Their jax implementations run on the actors (`stages.models`).
+"""Model front end (pure): `pipeline` (the PipelineModel interface and its shape-only
+description), `adapters` (plain JAX, flax.nnx), `spec` (the planner's description),
+`layout` (logical axes → mesh axes), `registry` (built-in names and factory paths).
+jax is imported inside functions only; nothing here needs a device.
 """

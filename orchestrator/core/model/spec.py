@@ -1,14 +1,15 @@
-"""Pure model descriptions: layers, parameter shapes and their logical axis names.
+"""Pure model descriptions: parts (pipeline layers), their parameter leaves and outputs.
 
-A model is a list of layers. Each layer declares its parameters as `ParamDef`s
-(shape, logical axis names, initialiser) and names the logical axes of the
-activation it produces. Nothing here imports jax: the driver validates a job
-(layer ranges, layout divisibility) and plans from these descriptions alone.
-The jax code that applies a layer lives beside each model (`stages/models/`)
-and is found through `ModelSpec.impl`, an import path resolved on the workers.
+A `ModelSpec` is what the planner knows about a model without running it: the
+sequence of pipeline-able parts (`LayerSpec`; a stage takes a contiguous range of
+them), each part's parameter leaves (path, shape, dtype, one logical axis name or
+None per dimension) and each part's output leaves (the activation pytree that
+crosses a stage edge: per-example shape, dtype, logical axes with `batch` first).
+It is built from a `PipelineModel` (`orchestrator.core.model.pipeline`) by shape
+evaluation only (`jax.eval_shape`), so `meshpipe plan` needs neither Ray nor
+devices; the workers rebuild the model itself from `factory` and `args`.
 
-Logical axis names used by the built-in models:
-  batch, seq, embed, heads, head_dim, mlp, vocab, in, out.
+Nothing here imports jax.
 """
 from __future__ import annotations
 
@@ -18,15 +19,11 @@ from typing import Any, Mapping
 
 @dataclass(frozen=True)
 class ParamDef:
-    """One parameter: its shape, one logical name (or None) per dimension, its init.
-
-    init is "normal" (scaled by `scale`), "zeros" or "ones".
-    """
+    """One parameter leaf: its shape, one logical name (or None) per dimension, its dtype."""
 
     shape: tuple[int, ...]
     axes: tuple[str | None, ...]
-    init: str = "normal"
-    scale: float = 0.02
+    dtype: str = "float32"
 
     def __post_init__(self):
         if len(self.shape) != len(self.axes):
@@ -34,18 +31,58 @@ class ParamDef:
 
 
 @dataclass(frozen=True)
-class LayerSpec:
-    """A layer: a name, a kind its model's implementation knows, its parameters.
+class LeafSpec:
+    """One array leaf of an activation (or the model input / labels).
 
-    `out_axes` names the output activation's dims (batch first); `out_shape` is
-    its per-example shape (everything after the batch dim).
+    `path` is its place in the pytree (jax's key path, e.g. ``['h']`` or ``[0]``; "" for a
+    bare array), `shape` the per-example shape (no batch dim), `axes` its logical axes
+    including `batch` first.
+    """
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    axes: tuple[str | None, ...]
+
+    def __post_init__(self):
+        if len(self.axes) != len(self.shape) + 1:
+            raise ValueError(f"leaf {self.path or '(array)'}: axes {self.axes} must name the batch "
+                             f"dim and each of the {len(self.shape)} dims of shape {self.shape}")
+
+    def batched(self, batch: int) -> tuple[int, ...]:
+        return (batch, *self.shape)
+
+    def nbytes(self, batch: int) -> int:
+        import numpy as np
+
+        return int(np.prod(self.batched(batch), dtype=np.int64)) * np.dtype(self.dtype).itemsize
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """A pipeline part: its name, its parameter leaves by path, its output leaves.
+
+    `outputs` lists the output pytree's leaves in jax's flatten order; `out_tree` is
+    that pytree with `LeafSpec`s as leaves (workers unflatten received leaves with it).
     """
 
     name: str
-    kind: str
     params: Mapping[str, ParamDef]
-    out_axes: tuple[str | None, ...]
-    out_shape: tuple[int, ...] = ()
+    outputs: tuple[LeafSpec, ...]
+    out_tree: Any = None
+
+    @property
+    def out_axes(self) -> tuple[str | None, ...]:
+        """The output's axes when it is a single array (the common case; errors otherwise)."""
+        if len(self.outputs) != 1:
+            raise ValueError(f"part {self.name!r} outputs {len(self.outputs)} leaves, not one array")
+        return self.outputs[0].axes
+
+    @property
+    def out_shape(self) -> tuple[int, ...]:
+        if len(self.outputs) != 1:
+            raise ValueError(f"part {self.name!r} outputs {len(self.outputs)} leaves, not one array")
+        return self.outputs[0].shape
 
 
 @dataclass(frozen=True)
@@ -54,34 +91,59 @@ class ModelSpec:
 
     Attributes:
       name: model name (`mlp`, `gpt`, or the factory's import path).
-      layers: the layers in order; pipeline stages take contiguous ranges.
-      impl: "package.module:function" returning the jax implementation
-        (`stages.models.base.ModelImpl`) for this spec; imported on workers only.
-      input_shape / input_dtype / input_axes: one example's input (no batch dim
-        in the shape; axes include `batch` first).
-      label_shape / label_dtype: one example's label.
-      args: the resolved model arguments (sizes).
+      layers: the parts in order; pipeline stages take contiguous ranges.
+      factory: "package.module:function" that builds the `PipelineModel` from `args`;
+        the workers call it again to get the jax functions.
+      input / label: one example's input and label (single arrays).
+      vocab: for token inputs, the vocabulary size the data source draws ids below (0: none).
+      args: the factory's keyword arguments.
+      compute_dtype: the dtype parts compute in and floating activations cross in
+        (`orchestrator.core.model.policy`); parameters stay float32.
     """
 
     name: str
     layers: tuple[LayerSpec, ...]
-    impl: str
-    input_shape: tuple[int, ...]
-    input_dtype: str
-    input_axes: tuple[str | None, ...]
-    label_shape: tuple[int, ...]
-    label_dtype: str
+    factory: str
+    input: LeafSpec
+    label: LeafSpec
+    vocab: int = 0
     args: Mapping[str, Any] = field(default_factory=dict)
+    compute_dtype: str = "float32"
 
     @property
     def num_layers(self) -> int:
         return len(self.layers)
 
+    @property
+    def impl(self) -> str:
+        return self.factory
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        return self.input.shape
+
+    @property
+    def input_dtype(self) -> str:
+        return self.input.dtype
+
+    @property
+    def input_axes(self) -> tuple[str | None, ...]:
+        return self.input.axes
+
+    @property
+    def label_shape(self) -> tuple[int, ...]:
+        return self.label.shape
+
+    @property
+    def label_dtype(self) -> str:
+        return self.label.dtype
+
     def logical_axes(self) -> set[str]:
         """Every logical axis name used by a parameter or an activation."""
-        names: set[str] = {a for a in self.input_axes if a}
+        names: set[str] = {a for a in self.input.axes if a}
         for layer in self.layers:
-            names.update(a for a in layer.out_axes if a)
+            for leaf in layer.outputs:
+                names.update(a for a in leaf.axes if a)
             for p in layer.params.values():
                 names.update(a for a in p.axes if a)
         return names

@@ -8,6 +8,7 @@ first layer (takes tokens, no input gradient) or the last (computes the loss).
 """
 from __future__ import annotations
 
+import re
 from typing import Any, Mapping, Optional
 
 from orchestrator.core.model.registry import build_spec
@@ -26,7 +27,8 @@ def from_spec(spec: ModelSpec, model_name: str, model_args: Mapping[str, Any],
         params = tuple(ParamInfo(name, tuple(p.shape), tuple(p.axes)) for name, p in sorted(layer.params.items()))
         in_shape = spec.input_shape if i == 0 else spec.layers[i - 1].out_shape
         in_axes = spec.input_axes if i == 0 else spec.layers[i - 1].out_axes
-        sig = signature_of({"model": spec.name, "impl": spec.impl, "kind": layer.kind,
+        kind = re.sub(r"\d+", "#", layer.name)   # block0, block1, ...: one program when shapes agree
+        sig = signature_of({"model": spec.name, "factory": spec.factory, "kind": kind,
                             "params": [(p.name, p.shape, p.axes) for p in params],
                             "in": (tuple(in_shape), tuple(in_axes)), "out": (tuple(layer.out_shape), layer.out_axes),
                             "first": i == 0, "last": i == n - 1, "label": tuple(spec.label_shape)})

@@ -1,0 +1,306 @@
+"""Adapters: a framework's model, unchanged, as a `PipelineModel`.
+
+Each adapter asks for what the framework does not already say: how the model
+splits into a pipeline sequence, and the loss. Logical axes come from the
+framework's own metadata where it has some (flax.nnx `nnx.with_partitioning`),
+else from path patterns (`by_path`).
+
+  plain(init, parts, ...)       plain JAX: `init(key) -> {part name: params}` and one
+                                `apply(params, x)` per part; axes by path pattern.
+  nnx_model(make, parts, ...)   flax.nnx: `make(rngs) -> nnx.Module`; parts name
+                                submodules by attribute path ("embed", "blocks.0", or
+                                ("head", ("norm", "lm_head"), call)); axes from each
+                                nnx.Param's partitioning metadata.
+  linen_model(module, parts)    flax.linen: parts own top-level `params` entries and call
+                                a method; axes from `nn.with_logical_partitioning`.
+  eqx_model(make, parts, ...)   equinox: `make(key) -> eqx.Module`; parts by attribute
+                                path (applied per example, vmapped); axes by path pattern.
+
+Parts are initialised from one model key, so the pipelined parameters are those
+of the whole model's own init (`make(nnx.Rngs(key))`, `init(key)`). jax and flax
+are imported inside functions only.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Sequence, Union
+
+from orchestrator.core.model.pipeline import (ArraySpec, AxesFn, ModelError, Part, PipelineModel, batch_first,
+                                              by_path, key_path, replicated)
+
+__all__ = ["plain", "nnx_model", "linen_model", "eqx_model", "as_spec"]
+
+
+def as_spec(value: Union[ArraySpec, Sequence, Mapping]) -> ArraySpec:
+    """An ArraySpec from an ArraySpec, a (shape, dtype[, axes]) tuple or a mapping of those names."""
+    if isinstance(value, ArraySpec):
+        return value
+    if isinstance(value, Mapping):
+        return ArraySpec(tuple(value["shape"]), str(value["dtype"]), tuple(value.get("axes", ())))
+    shape, dtype, *rest = value
+    return ArraySpec(tuple(shape), str(dtype), tuple(rest[0]) if rest else ())
+
+
+def _rules(axes) -> AxesFn:
+    if axes is None:
+        return replicated
+    return axes if callable(axes) else by_path(axes)
+
+
+def _out_rules(out_axes) -> AxesFn:
+    if out_axes is None:
+        return batch_first
+    return out_axes if callable(out_axes) else by_path(out_axes, default=batch_first)
+
+
+# ----------------------------------------------------------------------------- plain JAX
+
+def plain(init: Callable[[Any], Mapping[str, Any]], parts: Sequence[tuple[str, Callable]], *,
+          loss: Callable, input, label, axes=None, out_axes=None, vocab: int = 0) -> PipelineModel:
+    """A plain-JAX model: one init for the whole model and one apply per part.
+
+    Args:
+      init: key -> {part name: that part's parameter pytree}.
+      parts: (name, apply) in pipeline order; apply(params, x) -> y, or
+        apply(params, x, *, rng, train) when it takes those keywords.
+      loss: (y, labels) -> scalar.
+      input, label: one example's input / label (`ArraySpec` or (shape, dtype[, axes])).
+      axes: parameter axes, a callable (path, shape) -> axes or path rules for `by_path`,
+        matched against "part name/leaf path" (e.g. ``("block*/w1", ("embed", "mlp"))``).
+      out_axes: output axes, the same way ("part name/leaf path"; default `batch` first).
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> m = plain(lambda k: {"lin": {"w": jnp.ones((3, 2))}}, [("lin", lambda p, x: x @ p["w"])],
+        ...           loss=lambda y, t: jnp.mean((y - t) ** 2), input=((3,), "float32"), label=((2,), "float32"),
+        ...           axes=[("lin/w", ("in", "out"))])
+        >>> m.parts[0].axes("w", (3, 2))
+        ('in', 'out')
+    """
+    import inspect
+
+    rules, outs = _rules(axes), _out_rules(out_axes)
+    built = []
+    for name, fn in parts:
+        try:
+            kw = set(inspect.signature(fn).parameters)
+        except (TypeError, ValueError):
+            kw = set()
+        takes = {"rng", "train"} & kw
+
+        def apply(p, x, *, rng=None, train=True, fn=fn, takes=takes):
+            extra = {k: v for k, v in (("rng", rng), ("train", train)) if k in takes}
+            return fn(p, x, **extra)
+
+        def part_init(key, name=name):
+            whole = init(key)
+            if name not in whole:
+                raise ModelError(f"init returned no parameters for part {name!r} (it has {sorted(whole)})")
+            return whole[name]
+
+        built.append(Part(name, part_init, apply,
+                          axes=lambda path, shape, name=name: rules(f"{name}/{path}", shape),
+                          out_axes=lambda path, shape, name=name: outs(f"{name}/{path}", shape)))
+    return PipelineModel(tuple(built), loss, as_spec(input), as_spec(label), vocab)
+
+
+# ----------------------------------------------------------------------------- flax.nnx
+
+def _walk(root, path: str, what: str):
+    """The submodule at attribute path `path` ("blocks.0.attn"); ModelError naming what is missing."""
+    node = root
+    done = []
+    for step in filter(None, path.split(".")):
+        try:
+            node = node[int(step)] if step.isdigit() else getattr(node, step)
+        except (AttributeError, IndexError, KeyError, TypeError):
+            have = "" if step.isdigit() else ", ".join(sorted(k for k in vars(node) if not k.startswith("_")))
+            raise ModelError(f"split point {path!r} does not exist: {type(node).__name__} at "
+                             f"{'.'.join(done) or what} has no {'index' if step.isdigit() else 'attribute'} "
+                             f"{step!r}{f' (it has: {have})' if have else ''}") from None
+        done.append(step)
+    return node
+
+
+def _nnx_axes(state) -> dict[str, tuple]:
+    """Logical axes per leaf path from nnx partitioning metadata (`nnx.with_partitioning`)."""
+    import jax
+    from flax import nnx
+
+    out = {}
+    flat = jax.tree_util.tree_flatten_with_path(state, is_leaf=lambda v: isinstance(v, nnx.Variable))[0]
+    for path, var in flat:
+        meta = var.get_metadata() if hasattr(var, "get_metadata") else {}
+        names = meta.get("out_sharding") or meta.get("sharding_names") or meta.get("sharding")
+        if names is not None and not isinstance(names, (tuple, list)):
+            names = tuple(names)     # a PartitionSpec
+        out[key_path(path)] = None if names is None else tuple(names)
+    return out
+
+
+def nnx_model(make: Callable, parts: Sequence[Union[str, tuple]], *, loss: Callable, input, label,
+              out_axes=None, vocab: int = 0) -> PipelineModel:
+    """A flax.nnx model, unchanged, split at submodules named by attribute path.
+
+    Args:
+      make: rngs -> the whole nnx.Module (e.g. ``lambda rngs: Llama(cfg, rngs=rngs)``).
+      parts: in pipeline order; each a path ("embed", "blocks.3": the submodule is called
+        on x) or (name, paths, call) with call(*submodules, x) -> y, e.g.
+        ``("head", ("norm", "lm_head"), lambda norm, head, x: head(norm(x)))``.
+      loss, input, label, out_axes, vocab: as for `plain`.
+
+    Only `nnx.Param` variables are supported (no BatchStat / RNG state yet). Parameters are
+    named "<part>/<attribute path>/<leaf path>"; their logical axes are the names given to
+    `nnx.with_partitioning` (unannotated leaves are replicated).
+    """
+    import jax
+    from flax import nnx
+
+    with nnx.use_eager_sharding(False):
+        abstract = nnx.eval_shape(lambda: make(nnx.Rngs(0)))
+    outs = _out_rules(out_axes)
+    built = []
+    for entry in parts:
+        if isinstance(entry, str):
+            name, paths, call = entry, (entry,), None
+        else:
+            name, paths, call = entry
+            paths = (paths,) if isinstance(paths, str) else tuple(paths)
+        subs = {}
+        axes: dict[str, tuple] = {}
+        for path in paths:
+            sub = _walk(abstract, path, type(abstract).__name__)
+            if not isinstance(sub, nnx.Module):
+                raise ModelError(f"split point {path!r} is a {type(sub).__name__}, not an nnx.Module")
+            graph, state, rest = nnx.split(sub, nnx.Param, ...)
+            if jax.tree.leaves(rest):
+                raise ModelError(f"split point {path!r} holds nnx variables other than nnx.Param "
+                                 f"({sorted({type(v).__name__ for v in jax.tree.leaves(rest, is_leaf=lambda v: isinstance(v, nnx.Variable))})}); "
+                                 "not supported yet")
+            subs[path] = (graph, jax.tree.structure(state))
+            axes.update({f"{path}/{k}": v for k, v in _nnx_axes(state).items()})
+
+        def part_init(key, paths=paths):
+            with nnx.use_eager_sharding(False):
+                whole = make(nnx.Rngs(key))
+            return {p: nnx.to_pure_dict(nnx.state(_walk(whole, p, "model"), nnx.Param)) for p in paths}
+
+        def apply(params, x, *, rng=None, train=True, subs=subs, call=call, paths=paths):
+            mods = [nnx.merge(subs[p][0], jax.tree.unflatten(subs[p][1], jax.tree.leaves(params[p])))
+                    for p in paths]
+            return mods[0](x) if call is None else call(*mods, x)
+
+        built.append(Part(name, part_init, apply,
+                          axes=lambda path, shape, axes=axes: axes.get(path) or (None,) * len(shape),
+                          out_axes=lambda path, shape, name=name: outs(f"{name}/{path}", shape)))
+    return PipelineModel(tuple(built), loss, as_spec(input), as_spec(label), vocab)
+
+
+# ----------------------------------------------------------------------------- flax.linen
+
+def _padded(names, shape) -> tuple:
+    names = tuple(names or ())
+    return names + (None,) * (len(shape) - len(names)) if len(names) <= len(shape) else names
+
+
+def linen_model(module, parts: Sequence[tuple], *, loss: Callable, input, label, out_axes=None,
+                vocab: int = 0) -> PipelineModel:
+    """A flax.linen model, unchanged, split by top-level parameter collections.
+
+    Args:
+      module: the linen Module (its `init(key, x)` gives the whole model's variables).
+      parts: in pipeline order, each (name, keys, method): `keys` the top-level entries of
+        `params` this part owns (e.g. ("blocks_0",)), `method(module, x)` what it computes,
+        e.g. ``("block0", ("blocks_0",), lambda m, x: m.blocks[0](x))`` (submodules defined in
+        `setup`, so the method can call one alone).
+      loss, input, label, out_axes, vocab: as for `plain`.
+
+    Logical axes come from `nn.with_logical_partitioning` metadata (`nn.get_partition_spec`).
+    Parameters are named "<part>/<key>/<leaf path>". Only the `params` collection is supported.
+    """
+    import jax
+    import flax.linen as nn
+    import numpy as np
+
+    spec_in = as_spec(input)
+    example = jax.ShapeDtypeStruct((2, *spec_in.shape), np.dtype(spec_in.dtype))
+    abstract = jax.eval_shape(lambda x: module.init(jax.random.key(0), x), example)
+    extra = sorted(set(abstract) - {"params"})
+    if extra:
+        raise ModelError(f"linen variable collections other than 'params' are not supported yet: {extra}")
+    names = nn.get_partition_spec(abstract)["params"]
+    have = sorted(abstract["params"])
+    outs = _out_rules(out_axes)
+    built = []
+    for name, keys, method in parts:
+        keys = (keys,) if isinstance(keys, str) else tuple(keys)
+        missing = [k for k in keys if k not in abstract["params"]]
+        if missing:
+            raise ModelError(f"split point {missing[0]!r} does not exist: the model's params are {have}")
+        axes = {}
+        for k in keys:
+            flat = jax.tree_util.tree_flatten_with_path(names[k], is_leaf=lambda v: isinstance(
+                v, jax.sharding.PartitionSpec))[0]
+            axes.update({f"{k}/{key_path(p)}": tuple(v) for p, v in flat})
+
+        def part_init(key, keys=keys):
+            whole = nn.unbox(module.init(key, jax.numpy.zeros(example.shape, example.dtype)))["params"]
+            return {k: whole[k] for k in keys}
+
+        def apply(params, x, *, rng=None, train=True, method=method):
+            return module.apply({"params": dict(params)}, x, method=method)
+
+        built.append(Part(name, part_init, apply,
+                          axes=lambda path, shape, axes=axes: _padded(axes.get(path), shape),
+                          out_axes=lambda path, shape, name=name: outs(f"{name}/{path}", shape)))
+    return PipelineModel(tuple(built), loss, spec_in, as_spec(label), vocab)
+
+
+# ----------------------------------------------------------------------------- equinox
+
+def eqx_model(make: Callable, parts: Sequence[Union[str, tuple]], *, loss: Callable, input, label,
+              axes=None, out_axes=None, vocab: int = 0) -> PipelineModel:
+    """An equinox model, unchanged, split at submodules named by attribute path.
+
+    Args:
+      make: key -> the whole eqx.Module.
+      parts: in pipeline order; each a path ("embed", "blocks.0"; the submodule is applied
+        per example, `jax.vmap(sub)(x)`, equinox's convention) or (name, paths, call) with
+        call(*submodules, x) -> y over the batch.
+      axes: path rules (`by_path`) matched against "<attribute path>/<leaf path>", e.g.
+        ``("blocks.*/weight", ("mlp", "embed"))``; unmatched leaves are replicated.
+      loss, input, label, out_axes, vocab: as for `plain`.
+
+    The part's parameters are its submodules' array leaves (`eqx.partition(sub, eqx.is_array)`);
+    everything else is static. Parameters are named "<part>/<attribute path>/<leaf path>".
+    """
+    import jax
+    import equinox as eqx
+
+    def is_param(v):
+        return eqx.is_array(v) or isinstance(v, jax.ShapeDtypeStruct)
+
+    abstract = eqx.filter_eval_shape(make, jax.random.key(0))
+    rules, outs = _rules(axes), _out_rules(out_axes)
+    built = []
+    for entry in parts:
+        if isinstance(entry, str):
+            name, paths, call = entry, (entry,), None
+        else:
+            name, paths, call = entry
+            paths = (paths,) if isinstance(paths, str) else tuple(paths)
+        statics = {}
+        for path in paths:
+            sub = _walk(abstract, path, type(abstract).__name__)
+            statics[path] = eqx.partition(sub, is_param)[1]
+
+        def part_init(key, paths=paths):
+            whole = make(key)
+            return {p: eqx.filter(_walk(whole, p, "model"), eqx.is_array) for p in paths}
+
+        def apply(params, x, *, rng=None, train=True, paths=paths, call=call, statics=statics):
+            mods = [eqx.combine(params[p], statics[p]) for p in paths]
+            return jax.vmap(mods[0])(x) if call is None else call(*mods, x)
+
+        built.append(Part(name, part_init, apply, axes=rules,
+                          out_axes=lambda path, shape, name=name: outs(f"{name}/{path}", shape)))
+    return PipelineModel(tuple(built), loss, as_spec(input), as_spec(label), vocab)

@@ -1,0 +1,215 @@
+"""The pipeline-model interface every model front end produces, and its shape-only description.
+
+A `PipelineModel` is a sequence of pipeline-able `Part`s (for a decoder: the
+embedding, each block, the head) and a loss. Each part is a pure pair, as optax's
+`GradientTransformation` is:
+
+    params = part.init(key)                       # key: the run's model key, the same for every part
+    y      = part.apply(params, x, rng=rng, train=True)   # x, y: pytrees of arrays, batch first
+
+plus the logical axes of each parameter leaf (`part.axes(path, shape)`) and of each
+output leaf (`part.out_axes(path, shape)`, `batch` first). Every part is initialised
+from the same model key, so the parts together hold exactly the parameters the
+user's own whole-model init gives (a part's init may build the whole model under
+jit and keep its piece: XLA drops the rest).
+
+Adapters build one from a framework's model without changing it
+(`orchestrator.core.model.adapters`: plain JAX, flax.nnx); a job names the factory
+that does (`model: {factory: "pkg.module:fn", args: {...}}`).
+
+`describe(model, ...)` turns a PipelineModel into the pure `ModelSpec` the planner
+uses, by `jax.eval_shape` only (no devices, no arrays): each part's parameter leaves,
+each part's output leaves fed to the next part (a mismatch is reported here, at plan
+time), and the loss (a scalar). jax is imported inside functions only.
+"""
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping, Sequence, Union
+
+from orchestrator.core.model.spec import LayerSpec, LeafSpec, ModelSpec, ParamDef
+
+Axes = tuple  # tuple[str | None, ...]
+AxesFn = Callable[[str, tuple], Union[Axes, None]]
+
+__all__ = ["ArraySpec", "ModelError", "Part", "PipelineModel", "by_path", "batch_first", "describe",
+           "key_path", "DESCRIBE_BATCH"]
+
+DESCRIBE_BATCH = 2     # the batch size shapes are evaluated at (outputs must carry it first)
+
+
+class ModelError(ValueError):
+    """A model that meshpipe cannot pipeline; the message names the part and the rule."""
+
+
+@dataclass(frozen=True)
+class ArraySpec:
+    """One example's model input or label: shape (no batch dim), dtype, logical axes (batch first)."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    axes: tuple[str | None, ...] = ()
+
+    def leaf(self) -> LeafSpec:
+        axes = tuple(self.axes) or ("batch",) + (None,) * len(self.shape)
+        return LeafSpec("", tuple(self.shape), str(self.dtype), axes)
+
+
+def batch_first(path: str, shape: tuple) -> Axes:
+    """Default output axes: `batch` on the first dim, the rest unnamed (replicated)."""
+    return ("batch",) + (None,) * (len(shape) - 1)
+
+
+def replicated(path: str, shape: tuple) -> Axes:
+    return (None,) * len(shape)
+
+
+@dataclass(frozen=True)
+class Part:
+    """One pipeline-able piece of a model (see the module docstring).
+
+    Attributes:
+      name: shown in plans and parameter names (`01.blocks.0/...`).
+      init: key -> parameter pytree of this part.
+      apply: (params, x, *, rng, train) -> y.
+      axes: (leaf path, shape) -> logical axes of a parameter leaf (None: replicated).
+      out_axes: (leaf path, batched shape) -> logical axes of an output leaf.
+    """
+
+    name: str
+    init: Callable[[Any], Any]
+    apply: Callable[..., Any]
+    axes: AxesFn = replicated
+    out_axes: AxesFn = batch_first
+
+
+@dataclass(frozen=True)
+class PipelineModel:
+    """A model as meshpipe pipelines it: parts in order, a loss, one example's input and label.
+
+    `loss(y, labels)` takes the last part's output and returns the scalar mean loss of the
+    microbatch (computed in float32). `vocab`: for token inputs, the data source draws ids
+    below it.
+    """
+
+    parts: tuple[Part, ...]
+    loss: Callable[[Any, Any], Any]
+    input: ArraySpec
+    label: ArraySpec
+    vocab: int = 0
+    meta: Mapping[str, Any] = field(default_factory=dict)
+
+
+def by_path(rules: Union[Mapping[str, Axes], Iterable[tuple[str, Axes]]], default: AxesFn = replicated) -> AxesFn:
+    """Logical axes by path pattern (fnmatch, first match wins), for equinox / plain-JAX models.
+
+    Example:
+        >>> axes = by_path([("*/w1", ("embed", "mlp")), ("*/w2", ("mlp", "embed"))])
+        >>> axes("block0/w1", (4, 8)), axes("block0/b", (8,))
+        (('embed', 'mlp'), (None,))
+    """
+    items = list(rules.items()) if isinstance(rules, Mapping) else [tuple(r) for r in rules]
+
+    def axes(path: str, shape: tuple) -> Axes:
+        for pattern, names in items:
+            if fnmatch.fnmatchcase(path, pattern):
+                return None if names is None else tuple(names)
+        return default(path, shape)
+
+    return axes
+
+
+def key_path(path: Sequence[Any]) -> str:
+    """A jax key path as `a/b/0` (dict keys, attribute names and sequence indices joined by '/')."""
+    parts = []
+    for k in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(k, attr):
+                parts.append(str(getattr(k, attr)))
+                break
+        else:
+            parts.append(str(k))
+    return "/".join(parts)
+
+
+def _struct(tree) -> str:
+    import jax
+
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return "{" + ", ".join(f"{key_path(p) or '(array)'}: {getattr(v, 'dtype', '?')}{list(getattr(v, 'shape', ()))}"
+                           for p, v in leaves) + "}"
+
+
+def _axes_ok(what: str, axes, shape) -> Axes:
+    if axes is None:
+        return (None,) * len(shape)
+    axes = tuple(axes)
+    if len(axes) != len(shape) or not all(a is None or isinstance(a, str) for a in axes):
+        raise ModelError(f"{what}: logical axes {axes!r} must name each of its {len(shape)} dims "
+                         f"(shape {tuple(shape)}) with a string or None")
+    return axes
+
+
+def describe(model: Any, *, name: str, factory: str, args: Mapping[str, Any]) -> ModelSpec:
+    """The `ModelSpec` of a PipelineModel, by shape evaluation only.
+
+    Raises ModelError naming the part when a part fails to initialise, cannot take the
+    previous part's output, outputs a leaf without the batch dim first, or the loss is
+    not a scalar.
+    """
+    import jax
+    import numpy as np
+
+    if not isinstance(model, PipelineModel):
+        raise ModelError(f"the model factory returned {type(model).__name__}, not a PipelineModel "
+                         "(build one with orchestrator.core.model.adapters)")
+    if not model.parts:
+        raise ModelError("the model has no parts")
+    b = DESCRIBE_BATCH
+    inp, lab = model.input.leaf(), model.label.leaf()
+    x = jax.ShapeDtypeStruct(inp.batched(b), np.dtype(inp.dtype))
+    came_from = f"the model input {_struct(x)}"
+    layers = []
+    for i, part in enumerate(model.parts):
+        what = f"part {i} ({part.name})"
+        try:
+            params = jax.eval_shape(lambda: part.init(jax.random.key(0)))
+        except Exception as e:  # noqa: BLE001 - the user's code: report, do not guess
+            raise ModelError(f"{what}: init failed: {type(e).__name__}: {e}") from None
+        pdefs = {}
+        for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+            p = key_path(path)
+            pdefs[p] = ParamDef(tuple(leaf.shape), _axes_ok(f"{what} parameter {p}", part.axes(p, tuple(leaf.shape)),
+                                                             leaf.shape), str(leaf.dtype))
+        try:
+            y = jax.eval_shape(lambda p, x: part.apply(p, x, rng=jax.random.key(0), train=True), params, x)
+        except Exception as e:  # noqa: BLE001
+            raise ModelError(f"{what} cannot take {came_from}: {type(e).__name__}: {e}") from None
+        outs = []
+
+        def leaf_spec(path, leaf, what=what, outs=outs, part=part):
+            p = key_path(path)
+            shape = tuple(getattr(leaf, "shape", ()))
+            if not shape or shape[0] != b:
+                raise ModelError(f"{what}: output leaf {p or '(array)'} has shape {shape}; every output "
+                                 f"leaf must have the batch dim first (evaluated at batch {b})")
+            spec = LeafSpec(p, shape[1:], str(leaf.dtype), _axes_ok(f"{what} output {p or '(array)'}",
+                                                                   part.out_axes(p, shape), shape))
+            outs.append(spec)
+            return spec
+
+        out_tree = jax.tree_util.tree_map_with_path(leaf_spec, y)
+        if not outs:
+            raise ModelError(f"{what}: outputs no arrays")
+        layers.append(LayerSpec(part.name, pdefs, tuple(outs), out_tree))
+        x, came_from = y, f"the output of part {i} ({part.name}) {_struct(y)}"
+    labels = jax.ShapeDtypeStruct(lab.batched(b), np.dtype(lab.dtype))
+    try:
+        loss = jax.eval_shape(model.loss, x, labels)
+    except Exception as e:  # noqa: BLE001
+        raise ModelError(f"the loss cannot take {came_from} and labels {_struct(labels)}: "
+                         f"{type(e).__name__}: {e}") from None
+    if getattr(loss, "shape", None) != ():
+        raise ModelError(f"the loss must return a scalar, got {_struct(loss)}")
+    return ModelSpec(name, tuple(layers), factory, inp, lab, int(model.vocab), dict(args))
