@@ -78,6 +78,11 @@ def test_cli_run_on_embedded_ray_writes_summary(tmp_path, example, run_name):
     assert out.stdout.count("loss") >= 2
     summary = json.loads((tmp_path / run_name / "summary.json").read_text())
     assert len(summary["losses"]) == 2 and summary["mode"] == "pipeline"
+    assert summary["status"] == "completed" and summary["steps_done"] == 2 and "error" not in summary
+    records = [json.loads(line) for line in (tmp_path / run_name / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1]
+    assert [r["loss"] for r in records] == summary["losses"]
+    assert [r["step_time_s"] for r in records] == summary["step_times_s"]
 
 
 @pytest.mark.ray
@@ -92,15 +97,31 @@ def test_failed_setup_names_stage_and_leaves_nothing(tmp_path, no_leaks):
 @pytest.mark.parametrize("executor", ["step_calls", "compiled_graph", "action_calls"])
 def test_failed_step_fails_fast_everywhere_and_leaves_nothing(tmp_path, no_leaks, executor):
     """Stage 1 raises at the start of step 2; stage 0, waiting for its tensors, is told at once
-    (`abort_step`), so the run ends long before the 120 s step deadline, naming the cause."""
+    (`abort_step`), so the run ends long before the 120 s step deadline, naming the cause. The
+    run's record survives: metrics.jsonl has the steps the driver learnt of — 0 and 1 (step calls
+    at 2 steps per call: the failing call is the second; one call per action), none with the
+    compiled graph at its default 4 steps per call (steps 0-1 ran inside the failing call) —
+    and summary.json says failed, why, and the losses so far."""
     import time
 
     checked = check_job(parse_job(_mlp_job(tmp_path, f"fails-{executor}", 6, data=1)), parse_cluster(
-        {"hosts": 2, "devices_per_host": 1, "executor": executor, "timeouts": {"step_s": 120}}))
+        {"hosts": 2, "devices_per_host": 1, "executor": executor, "timeouts": {"step_s": 120},
+         **({"steps_per_call": 2} if executor == "step_calls" else {})}))
     t0 = time.monotonic()
     with pytest.raises(StageFailure, match="stage 1 host 0: injected step failure at step 2"):
         run_job(checked, echo=lambda s: None, hooks=[FailStep(stage=1, host=0, step=2)])
     assert time.monotonic() - t0 < 60
+    run_dir = tmp_path / f"fails-{executor}"
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    done = [] if executor == "compiled_graph" else [0, 1]
+    assert [r["step"] for r in records] == done
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["steps_done"] == len(done)
+    assert "StageFailure" in summary["error"] and "injected step failure" in summary["error"]
+    assert summary["losses"] == [r["loss"] for r in records] and len(summary["losses"]) == len(done)
+    assert summary["param_norms"] == {} and summary["mode"] == "pipeline"
+    assert summary["telemetry"].get("measured_bubble_per_step", []) == [r["measured_bubble"] for r in records]
+    assert not [p.name for p in run_dir.iterdir() if "tmp" in p.name]   # no temp file left behind
 
 
 def _mlp_job(tmp_path, name: str, steps: int, data: int) -> dict:

@@ -142,41 +142,39 @@ def test_cluster_keys_are_overridable_with_set():
 
 # -- bring your own model --------------------------------------------------------------------
 FACTORY = '''
-from orchestrator.core.model import mlp
-from orchestrator.core.model.spec import LayerSpec, ModelSpec
+"""Models a user writes beside the job file (the driver and every actor import this module)."""
 import dataclasses
 
+import jax.numpy as jnp
 
-def spec(seq_len=None, **args):
-    """The built-in MLP, but its jax side comes from this module (the actors must import it)."""
-    return dataclasses.replace(mlp.spec(args, seq_len=seq_len), name="mine", impl="mymodel:impl")
-
-
-def impl(s):
-    from stages.models.mlp_impl import impl as builtin
-    return builtin(s)
+from orchestrator.core.model.adapters import plain
+from stages.models.mlp_impl import model as builtin_mlp
 
 
-def broken(seq_len=None, **args):
-    return dataclasses.replace(mlp.spec(args, seq_len=seq_len), name="broken", impl="mymodel:broken_impl")
+def spec(**args):
+    """The built-in MLP, built by this module's factory (the actors must import it)."""
+    return builtin_mlp(**args)
 
 
-def broken_impl(s):
-    """A bug inside stage 1's model code (block2), as a user would write one."""
-    from stages.models.base import ModelImpl
-    from stages.models.mlp_impl import impl as builtin
-    base = builtin(s)
+def broken(**args):
+    """The built-in MLP with a bug inside stage 1's model code (block2), as a user would write one."""
+    m = builtin_mlp(**args)
+    part = next(p for p in m.parts if p.name == "block2")
 
-    def apply(layer, p, x):
-        if layer.name == "block2":
+    def apply(p, x, *, rng=None, train=True):
+        if x.shape[0] > 2:     # plan time evaluates shapes at batch 2: only the actors reach this
             return x.shape[5]
-        return base.apply(layer, p, x)
-    return ModelImpl(apply=apply, loss=base.loss)
+        return part.apply(p, x, rng=rng, train=train)
+    return dataclasses.replace(m, parts=tuple(dataclasses.replace(q, apply=apply) if q is part else q
+                                              for q in m.parts))
 
 
-def empty(seq_len=None, **args):
-    layers = tuple(LayerSpec(f"id{i}", "identity", {}, ("batch", "embed"), (8,)) for i in range(2))
-    return ModelSpec("empty", layers, "mymodel:impl", (8,), "float32", ("batch", "embed"), (8,), "float32")
+def empty(**args):
+    """Two identity parts: nothing to train."""
+    def ident(p, x):
+        return x
+    return plain(lambda key: {"id0": {}, "id1": {}}, [("id0", ident), ("id1", ident)],
+                 loss=lambda y, t: jnp.mean(jnp.square(y - t)), input=((8,), "float32"), label=((8,), "float32"))
 '''
 
 
@@ -201,7 +199,7 @@ def test_a_model_with_no_parameters_is_refused_at_plan_time(tmp_path):
 def test_a_factory_beside_the_job_file_plans_without_pythonpath(tmp_path):
     out = cli("plan", str(_own_model_job(tmp_path)), "--json", cwd=tmp_path)
     assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout)["model"] == "mine"
+    assert json.loads(out.stdout)["model"] == "mymodel:spec"
 
 
 # -- progress bar in a terminal of 80 columns --------------------------------------------------
@@ -289,7 +287,7 @@ def test_a_factory_beside_the_job_file_trains_on_the_actors_without_pythonpath(t
     out = cli("run", str(job), cwd=tmp_path, timeout=300)      # PYTHONPATH holds only the repository
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
     summary = json.loads((tmp_path / "runs" / "mine" / "summary.json").read_text())
-    assert summary["status"] == "succeeded" and len(summary["losses"]) == 1
+    assert summary["status"] == "completed" and len(summary["losses"]) == 1
 
 
 # -- stopping ------------------------------------------------------------------------------

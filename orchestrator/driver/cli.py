@@ -34,7 +34,10 @@ from pathlib import Path
 
 import click
 
-DEFAULT_CLUSTER = Path(__file__).resolve().parents[2] / "cluster_configs" / "local.yaml"
+# The embedded local cluster used without --cluster. It ships inside the package (package data,
+# see pyproject), so a non-editable install finds it from any directory; cluster_configs/local.yaml
+# in the repository is the documented copy of the same file (tests/test_packaging.py keeps them equal).
+DEFAULT_CLUSTER = Path(__file__).resolve().with_name("local_cluster.yaml")
 
 
 CLUSTER_PREFIX = "cluster."
@@ -81,7 +84,7 @@ def _checked(job_path: str, cluster_path: str | None, overrides: tuple[str, ...]
 
 job_arg = click.argument("job", type=click.Path(exists=True, dir_okay=False))
 cluster_opt = click.option("--cluster", type=click.Path(exists=True, dir_okay=False), default=None,
-                           help="cluster YAML (default: cluster_configs/local.yaml, an embedded local Ray)")
+                           help="cluster YAML (default: the packaged copy of cluster_configs/local.yaml, an embedded local Ray)")
 set_opt = click.option("--set", "overrides", multiple=True, metavar="KEY.PATH=VALUE",
                        help="override one job key, e.g. --set run.steps=3, or a cluster key with a "
                             "'cluster.' prefix, e.g. --set cluster.timeouts.step_s=60 (repeatable)")

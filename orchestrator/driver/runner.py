@@ -8,11 +8,17 @@ Basic flow of `run_job`:
   (`orchestrator.driver.interrupt`): the actors are told to abandon their step
   first, so stopping takes seconds, not a step deadline.
 
-A run that stops early (a stage failed, or a signal) still writes summary.json,
-with `status` "failed"/"interrupted", the steps done and the error; a stage's
+Records survive a failure: each completed step is appended to `metrics.jsonl`
+as it arrives (`telemetry.StepLog`), and `summary.json` is written on every
+exit (one path, `_record_stop` for early ones) — status completed, failed or
+interrupted, with the error, the steps done and the losses so far; a stage's
 full (redacted) traceback goes to `error.txt` beside it. `existing_record` is
 what `meshpipe run` checks so that a second run of the same job never replaces
-the first one's record silently (`--overwrite`).
+the first one's record silently (`--overwrite`). With batched dispatch (`cluster.steps_per_call` k) the
+driver learns steps k at a time, so the steps completed inside a call that
+fails are not recorded. The driver keeps a bounded amount per step: the loss
+and the step time (summary.json's lists) and the step's scalar telemetry; spans only
+for the steps trace.json shows.
 
 Telemetry (`orchestrator.driver.telemetry`, `orchestrator.driver.metrics`): every step's
 spans and per-actor stats feed the progress display (a bar on a terminal, one
@@ -26,11 +32,11 @@ import json
 import logging
 import time
 from pathlib import Path
-from collections.abc import Callable, Sequence
+from typing import Callable, Sequence
 
 from orchestrator.core.plan import make_plan, plan_json
 from orchestrator.core.private_fs import private_dir, write_private
-from orchestrator.core.redact import redact
+from orchestrator.core.redact import redact, redact_text
 
 log = logging.getLogger("meshpipe")
 
@@ -41,13 +47,14 @@ def output_dir(checked) -> Path:
     return private_dir(Path(job.run.output_dir) / job.run.name)
 
 
-RECORD_FILES = ("summary.json", "trace.json", "error.txt")
+RECORD_FILES = ("summary.json", "metrics.jsonl", "trace.json", "timeline.png", "error.txt")
+REFERENCE_RECORD_FILES = ("summary.reference.json", "metrics.reference.jsonl")
 
 
 def existing_record(checked, reference: bool = False) -> Path | None:
     """The file of an earlier run that this run would replace (in its run directory), if any."""
     run_dir = Path(checked.job.run.output_dir) / checked.job.run.name
-    for name in (("summary.reference.json",) if reference else RECORD_FILES):
+    for name in (REFERENCE_RECORD_FILES if reference else RECORD_FILES):
         if (run_dir / name).exists():
             return run_dir / name
     return None
@@ -65,65 +72,89 @@ def run_job(checked, *, reference: bool = False, echo: Callable[[str], None] = p
             tty: bool = False, hooks: Sequence = (), keep_params: bool = False) -> dict:
     """Train the checked job; `tty`: draw a progress bar on stdout instead of one line per step;
     `hooks`: `stages.hooks.WorkerHook` objects every stage worker calls (pipeline runs only);
-    `keep_params`: the returned summary also holds "params" (name -> final numpy array; not written)."""
-    from orchestrator.driver.telemetry import Progress, summary_block
+    `keep_params`: the returned summary also holds "params" (name -> final numpy array; not written).
+
+    Writes `metrics.jsonl` (one record per step, as it completes) and `summary.json` into the
+    run directory (`metrics.reference.jsonl` / `summary.reference.json` with `reference`). The
+    summary is written also when the run fails or is interrupted — `status` "failed" or
+    "interrupted", `error`, `steps_done` and the losses so far — and the error is re-raised.
+    """
+    from orchestrator.driver.telemetry import Progress, StepLog, summary_block
 
     job = checked.job
     plan = make_plan(checked)
     out = output_dir(checked)
     source = checked.data     # a DataPlan: each host that needs data opens its own reader
     samples = job.data.global_batch
+    suffix = ".reference" if reference else ""
+    for stale in (REFERENCE_RECORD_FILES if reference else RECORD_FILES):   # (an --overwrite: never mix two runs)
+        (out / stale).unlink(missing_ok=True)
     progress = Progress(job.run.steps, tty=tty, echo=echo, line=lambda rec: step_line(rec, samples))
-    done: list[dict] = []
+    records = StepLog(out / f"metrics{suffix}.jsonl")
+    losses: list[float] = []
+    times: list[float] = []
+    evals: list[list] = []     # [step, mean eval loss] (data.eval)
+    extra: dict = {"mode": "reference" if reference else "pipeline"}
 
     def on_step(rec):
-        done.append(rec)
-        progress.update({**rec, "samples_per_s": samples / rec["step_time_s"] if rec["step_time_s"] else 0.0})
+        rec = {**rec, "samples_per_s": samples / rec["step_time_s"] if rec["step_time_s"] else 0.0}
+        losses.append(rec["loss"])
+        times.append(rec["step_time_s"])
+        if rec.get("eval_loss") is not None:
+            evals.append([rec["step"], rec["eval_loss"]])
+        records.append({**rec, "time": time.time()})
+        progress.update(rec)
 
-    path = out / ("summary.reference.json" if reference else "summary.json")
-    for stale in ((path.name,) if reference else RECORD_FILES):   # (an --overwrite: never mix two runs)
-        (out / stale).unlink(missing_ok=True)
+    def summary(status: str, param_norms: dict, error: str | None = None) -> dict:
+        return {
+            "run": job.run.name,
+            "status": status,               # completed | failed | interrupted
+            **({"error": error} if error is not None else {}),
+            "steps_done": len(losses),
+            "losses": losses,
+            "step_times_s": times,
+            "param_norms": param_norms,
+            "eval_losses": evals,
+            "plan": plan_json(plan),
+            "config": json.dumps(redact(checked.to_dict()), indent=2),  # secrets never reach disk
+            **extra,
+        }
+
+    path = out / f"summary{suffix}.json"
     try:
-        try:
-            if reference:
-                from orchestrator.driver.reference import train_reference
+        if reference:
+            from orchestrator.driver.reference import train_reference
 
-                result = train_reference(checked.model, source, steps=job.run.steps, seed=job.run.seed,
-                                         microbatches=job.pipeline.microbatches,
-                                         optimizer=job.optimizer.spec(), on_step=on_step,
-                                         eval_every=job.run.eval_every)
-                extra = {"mode": "reference"}
-            else:
-                result, extra = _run_pipeline(checked, plan, source, on_step, out, echo, hooks, keep_params)
-        finally:
-            progress.close()   # end the bar's line before anything else is printed
+            result = train_reference(checked.model, source, steps=job.run.steps, seed=job.run.seed,
+                                     microbatches=job.pipeline.microbatches,
+                                     optimizer=job.optimizer.spec(), on_step=on_step,
+                                     eval_every=job.run.eval_every)
+            norms, arrays = result["param_norms"], result.get("params")
+        else:
+            norms, arrays = _run_pipeline(checked, plan, source, on_step, out, echo, extra, hooks, keep_params)
     except BaseException as e:
-        _record_stop(e, checked, plan, done, out, path, reference)
+        progress.close()
+        _record_stop(e, summary, out, path, job.run.steps, echo)
         raise
-    summary = {
-        "run": job.run.name,
-        "status": "succeeded",
-        "losses": result["losses"],
-        "step_times_s": result["step_times_s"],
-        "param_norms": result["param_norms"],
-        "eval_losses": result.get("eval_losses", []),      # [step, mean eval loss] (data.eval)
-        "plan": plan_json(plan),
-        "config": json.dumps(redact(checked.to_dict()), indent=2),  # secrets never reach disk
-        **extra,
-    }
-    write_private(path, json.dumps(summary, indent=1))  # 0o600, atomic
+    finally:
+        progress.close()   # end the bar's line before anything else is printed
+        records.close()
+    done = summary("completed", norms)
+    write_private(path, json.dumps(done, indent=1))  # 0o600, atomic
     echo(f"wrote {path}")
     if not reference:
-        echo(summary_block(summary, out))
+        echo(summary_block(done, out))
     if keep_params:
-        summary["params"] = result["params"]
-    return summary
+        done["params"] = arrays
+    return done
 
 
-def _record_stop(e: BaseException, checked, plan, done: list[dict], out: Path, path: Path,
-                 reference: bool) -> None:
-    """The record of a run that stopped early; the path (and the steps done) go onto `e`."""
-    from orchestrator.core.redact import redact_text
+def _record_stop(e: BaseException, summary: Callable[..., dict], out: Path, path: Path, total: int,
+                 echo) -> None:
+    """The record of a run that stopped early: summary.json with status "failed" or
+    "interrupted" (`summary` is run_job's, the one record-writing path), a stage's full
+    traceback in error.txt; the record's path and the steps done go onto `e` for the CLI
+    (`interrupt.stopped_message`, the stage-failure report)."""
     from orchestrator.driver.waiting import StageFailure
 
     status = "interrupted" if isinstance(e, KeyboardInterrupt) else "failed"
@@ -132,56 +163,50 @@ def _record_stop(e: BaseException, checked, plan, done: list[dict], out: Path, p
             err = out / "error.txt"
             write_private(err, f"{e.message}\nwhere: {e.where}\n\n{e.detail}\n")
             e.error_file = str(err)
-        summary = {
-            "run": checked.job.run.name, "status": status, "mode": "reference" if reference else "pipeline",
-            "error": redact_text(f"{type(e).__name__}: {getattr(e, 'message', None) or e}"),
-            "steps_done": len(done), "steps": checked.job.run.steps,
-            "losses": [r["loss"] for r in done], "step_times_s": [r["step_time_s"] for r in done],
-            "plan": plan_json(plan), "config": json.dumps(redact(checked.to_dict()), indent=2),
-        }
-        write_private(path, json.dumps(summary, indent=1))
+        rec = summary(status, {}, redact_text(f"{type(e).__name__}: {getattr(e, 'message', None) or e}"))
+        write_private(path, json.dumps(rec, indent=1))
+        echo(f"wrote {path} ({status} after {rec['steps_done']} of {total} steps)")
     except Exception as w:  # noqa: BLE001 - the record must not hide the run's own error
         log.warning("could not write %s: %s", path, w)
         return
-    if isinstance(e, KeyboardInterrupt):   # what the CLI prints (interrupt.stopped_message)
-        e.steps_done, e.total_steps, e.record = len(done), checked.job.run.steps, str(path)
+    if isinstance(e, KeyboardInterrupt):
+        e.steps_done, e.total_steps, e.record = rec["steps_done"], total, str(path)
 
 
-def _run_pipeline(checked, plan, source, on_step, out: Path, echo, hooks: Sequence = (),
-                  keep_params: bool = False) -> tuple[dict, dict]:
+def _run_pipeline(checked, plan, source, on_step, out: Path, echo, extra: dict, hooks: Sequence = (),
+                  keep_params: bool = False) -> tuple[dict, dict | None]:
+    """Run the pipeline; returns the final parameter norms (and arrays with `keep_params`). Fills `extra` (summary.json's
+    pipeline fields) as it goes, so a failed run's summary has what was known. On Ctrl-C/SIGTERM the actors
+    are told to abandon their step before they are shut down."""
     from orchestrator.driver import placement
     from orchestrator.driver.executor import PipelineExecutor
+    from orchestrator.driver.interrupt import reinstall
+    from orchestrator.driver.quiet import filter_worker_logs
     from orchestrator.driver.telemetry import RunTelemetry
 
     job = checked.job
     run = job.run.name
     started = placement.connect(checked.cluster, namespace=f"meshpipe-{run}")
-    from orchestrator.driver.interrupt import reinstall
-    from orchestrator.driver.quiet import filter_worker_logs
-
     reinstall()            # ray.init put absl's signal handler in place of ours (stack dump, abort)
     filter_worker_logs()
-    ray_info = _ray_info(run, echo)
-    ex = PipelineExecutor(checked, plan.schedule, source, run, plan.eval_schedule, hooks=hooks)
-    tel = RunTelemetry(run, plan.schedule, plan.sim.bubble_fraction, job.data.global_batch)
-    metrics = _metrics(run, plan.sim.bubble_fraction)
-    losses, times, spans, evals = [], [], [], []
+    ex = tel = metrics = None
+    last_spans: list = []
     ok = interrupted = False
     try:
+        extra["ray"] = _ray_info(run, echo)
+        ex = PipelineExecutor(checked, plan.schedule, source, run, plan.eval_schedule, hooks=hooks)
+        tel = RunTelemetry(run, plan.schedule, plan.sim.bubble_fraction, job.data.global_batch)
+        metrics = _metrics(run, plan.sim.bubble_fraction)
         t0 = time.perf_counter()
         ex.start()
-        startup = time.perf_counter() - t0
+        extra["startup_s"] = time.perf_counter() - t0
         for r in ex.steps(job.run.steps):
-            step = r.step
-            losses.append(r.loss)
-            times.append(r.wall_s)
-            spans = [r.spans]     # only the last step's spans are kept (driver memory per step bounded)
-            st = tel.add(step, r.wall_s, r.loss, r.spans, r.stats)
+            last_spans = r.spans     # only the last step's spans are kept (trace.json: telemetry's own)
+            st = tel.add(r.step, r.wall_s, r.loss, r.spans, r.stats)
             if metrics is not None:
                 metrics.record(st, eval_loss=r.eval_loss)
-            if r.eval_loss is not None:
-                evals.append([step, r.eval_loss])
-            on_step({"step": step, "loss": r.loss, "step_time_s": r.wall_s, "eval_loss": r.eval_loss})
+            on_step({"step": r.step, "loss": r.loss, "step_time_s": r.wall_s, "eval_loss": r.eval_loss,
+                     "span_s": st.span_s, "measured_bubble": st.measured_bubble})
         norms = ex.param_norms()
         arrays = ex.param_arrays() if keep_params else None
         ok = True
@@ -189,24 +214,24 @@ def _run_pipeline(checked, plan, source, on_step, out: Path, echo, hooks: Sequen
         interrupted = True
         raise
     finally:
-        if interrupted:   # (a failed step has told every actor already: worker._fail)
-            ex.abort("the driver stopped the run")   # a step still running ends now, not at its deadline
-        ex.shutdown()
-        try:
-            tel.write(out)
-        except Exception as e:  # noqa: BLE001 - pictures must not hide the run's own error
-            log.warning("could not write trace.json/timeline.png: %s", e)
+        if ex is not None:
+            if interrupted:   # (a failed step has told every actor already: worker._fail)
+                ex.abort("the driver stopped the run")   # a step still running ends now, not at its deadline
+            extra.update(workers=ex.info, executor=ex.dispatch_info)
+            ex.shutdown()
+        if tel is not None:
+            try:
+                tel.write(out)
+            except Exception as e:  # noqa: BLE001 - pictures must not hide the run's own error
+                log.warning("could not write trace.json/timeline.png: %s", e)
+            extra.update(last_step_spans=[list(s) for s in last_spans], telemetry=tel.summary())
         if ok and metrics is not None and checked.cluster.address is not None:
             metrics.flush()   # a long-lived cluster: let the last values reach its metrics agent
         if started:
             import ray
 
             ray.shutdown()
-    extra = {"mode": "pipeline", "startup_s": startup, "workers": ex.info, "executor": ex.dispatch_info,
-             "last_step_spans": [list(s) for s in spans[-1]] if spans else [],
-             "telemetry": tel.summary(), "ray": ray_info}
-    return {"losses": losses, "step_times_s": times, "param_norms": norms, "params": arrays,
-            "eval_losses": evals}, extra
+    return norms, arrays
 
 
 def _ray_info(run: str, echo) -> dict:

@@ -4,6 +4,7 @@ Basic flow (driver side, `orchestrator.driver.runner`):
   tel = RunTelemetry(run, schedule, simulated_bubble, global_batch)
   per step:  stats = tel.add(step, wall_s, loss, spans, host_stats)   # StepStats
   at the end: tel.write(run_dir) → trace.json + timeline.png; tel.summary() → dict
+  per-step records: `StepLog` appends one JSON line per step to metrics.jsonl as it happens.
 Actor side: `stages.telemetry` (compile time, memory, bytes sent per edge).
 
 A span is (stage, host, action_text, start, end): one per executed action of the
@@ -251,6 +252,44 @@ class RunTelemetry:
             "hosts_last": hosts,
             **self.paths,
         }
+
+
+class StepLog:
+    """Per-step records appended to a JSON-lines file (`metrics.jsonl`) as the steps complete.
+
+    One JSON object per line (step, loss, step_time_s, samples_per_s, time, …). The file is
+    created owner-only (0o600) and truncated when the run starts. Each record is written
+    whole by `os.write` on an O_APPEND descriptor (looping only on a short write), so a run
+    that dies keeps every record written before it; nothing is buffered in the process. A
+    temp file + rename per record would keep the same promise at O(steps²) bytes written.
+
+    Example:
+      >>> import tempfile, pathlib
+      >>> log = StepLog(pathlib.Path(tempfile.mkdtemp()) / "metrics.jsonl")
+      >>> log.append({"step": 0, "loss": 1.5}); log.append({"step": 1, "loss": 1.25}); log.close()
+      >>> [json.loads(line)["loss"] for line in log.path.read_text().splitlines()]
+      [1.5, 1.25]
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND | getattr(os, "O_NOFOLLOW", 0)
+        self._fd = os.open(self.path, flags, FILE_MODE)
+        os.fchmod(self._fd, FILE_MODE)   # the mode given to open() is masked by the umask
+        self.count = 0
+
+    def append(self, record: dict) -> None:
+        """Write one record as one line."""
+        data = memoryview((json.dumps(record) + "\n").encode())
+        while data:
+            data = data[os.write(self._fd, data):]
+        self.count += 1
+
+    def close(self) -> None:
+        """Close the file (idempotent)."""
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)
 
 
 def summary_block(summary: dict, run_dir: str | os.PathLike) -> str:
