@@ -12,6 +12,7 @@ import re
 import time
 
 SHORT_FRAMES_LINES = 16     # traceback lines kept in the short form (the ones nearest the error)
+ROOT_CAUSE_GRACE_S = 5.0    # how long a peer's "told to stop" failure waits for the failing actor's own
 
 
 class StageFailure(RuntimeError):
@@ -70,7 +71,11 @@ def _tail(detail: str) -> str:
 def wait_all(refs: list, timeout: float, what: str, labels: list[str] | None = None) -> list:
     """ray.get all refs, failing fast on the first error and raising TimeoutError at the deadline.
 
-    Errors name the label (e.g. "stage 1 host 0") of the call that failed or is stuck.
+    Errors name the label (e.g. "stage 1 host 0") of the call that failed or is stuck. An actor
+    that failed only because it was told to stop (`stages.mailbox.MailboxClosed`: a peer failed
+    first and aborted it) often answers before the peer that failed by itself, whose error
+    carries its whole traceback; then the other calls get up to `ROOT_CAUSE_GRACE_S` (within the
+    deadline) and the first failure of their own is the one raised.
     """
     import ray
 
@@ -89,8 +94,32 @@ def wait_all(refs: list, timeout: float, what: str, labels: list[str] | None = N
             try:
                 results[index[r]] = ray.get(r, timeout=max(1.0, deadline - time.monotonic()))  # ready
             except Exception as e:  # noqa: BLE001 - re-raised with the stage named
+                cause = _own_failure(pending, deadline) if _told_to_stop(e) else None
+                r, e = cause or (r, e)
                 raise stage_failure(what, labels[index[r]], e) from e
     return results
+
+
+def _told_to_stop(e: BaseException) -> bool:
+    from stages.mailbox import MailboxClosed
+
+    return isinstance(e, MailboxClosed) or isinstance(getattr(e, "cause", None), MailboxClosed)
+
+
+def _own_failure(pending: list, deadline: float):
+    """(ref, error) of the first of `pending` to fail by itself within the grace, else None."""
+    import ray
+
+    end = min(deadline, time.monotonic() + ROOT_CAUSE_GRACE_S)
+    while pending and time.monotonic() < end:
+        ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, end - time.monotonic()))
+        for r in ready:
+            try:
+                ray.get(r, timeout=1.0)
+            except Exception as e:  # noqa: BLE001 - the candidate cause
+                if not _told_to_stop(e):
+                    return r, e
+    return None
 
 
 def short_error(e: Exception) -> str:
