@@ -75,6 +75,7 @@ class WorkerConfig:
     eval_actions: tuple[str, ...] = ()   # this stage's forward-only eval list (data.eval), else ()
     eval_every: int | None = None        # evaluate after every k-th step ...
     total_steps: int = 0                 # ... and after the last one
+    checkpoint: dict | None = None  # {root, every, total, async[, restore]} (stages.checkpoint); None: off
 
     @property
     def layer_chunks(self) -> tuple[tuple[int, int], ...]:
@@ -91,6 +92,7 @@ class StageWorker:
         self.inbox = Mailbox(cfg.who)
         self.actors: list[list] = []    # every stage's actor handles, set by connect()
         self._step_state = None         # the step run_action is in
+        self.ckpt = None                # stages.checkpoint.StageCheckpointer when checkpointing
         from orchestrator.core.schedule import Action
 
         self.actions = [Action.parse(text) for text in cfg.actions]
@@ -157,6 +159,7 @@ class StageWorker:
         states = [prog.init_state(p) for prog, p in zip(self.progs, self.params)]
         self.opt_state = [st[0] for st in states]
         self.grads = [st[1] for st in states]
+        restore_s = self._setup_checkpoint()
         args = {"me": cfg.hosts[cfg.host], "geom": cfg.geoms[cfg.stage], "mesh": self.mesh,
                 "inbox": self.inbox, "peers": lambda stage: self.actors[stage]}
         if cfg.transport == "socket":
@@ -176,7 +179,29 @@ class StageWorker:
         return {"stage": cfg.stage, "host": cfg.host, "pid": os.getpid(),
                 "node_id": ray.get_runtime_context().get_node_id(),
                 "devices": int(devices.size), "local_devices": len(jax.local_devices()),
-                "transport": type(self.transport).__name__, "setup_s": time.perf_counter() - t0}
+                "transport": type(self.transport).__name__, "setup_s": time.perf_counter() - t0,
+                "restore_s": restore_s}
+
+    def _setup_checkpoint(self) -> float | None:
+        """The stage's checkpointer (`cfg.checkpoint`); restores the saved state first when asked.
+        Returns the restore's seconds (None: nothing restored)."""
+        ck, self.ckpt = self.cfg.checkpoint, None
+        if not ck:
+            return None
+        from stages.checkpoint import StageCheckpointer, restore
+
+        took = None
+        if ck.get("restore"):
+            t0 = time.perf_counter()
+            restore(self, ck["restore"])
+            took = time.perf_counter() - t0
+        self.ckpt = StageCheckpointer(ck["root"], ck["every"], ck["total"], ck["async"], self.cfg.stage,
+                                      self.cfg.host, timeout=self.cfg.timeouts.get("step_s", 600.0))
+        return took
+
+    def checkpoint_flush(self) -> list[dict]:
+        """Wait (bounded) for this host's save in flight; the reports not yet handed back."""
+        return [] if getattr(self, "ckpt", None) is None else self.ckpt.flush()
 
     def _plan_edges(self) -> None:
         """Per chunk: where its input comes from and its output goes (virtual stage c·p + s ± 1), one
@@ -244,6 +269,8 @@ class StageWorker:
 
     def shutdown(self) -> None:
         self.inbox.close("shutdown")
+        if getattr(self, "ckpt", None) is not None:
+            self.ckpt.close()
         if getattr(self, "loader", None) is not None:
             self.loader.close()
         if getattr(self, "transport", None) is not None:
@@ -377,6 +404,10 @@ class StageWorker:
                          "data_rows": len(self.loader.rows) if self.loader is not None else 0}}
         if self.progs[-1].last:
             out["losses"] = [float(st.losses[i]) for i in range(cfg.microbatches)]
+        if self.ckpt is not None:       # between steps: the state after this step's OPT
+            if self.ckpt.due(st.step + 1):
+                out["stats"]["checkpoint_blocking_s"] = self.ckpt.save(st.step + 1, self)
+            out["checkpoints"] = self.ckpt.reports()
         return out
 
     # -- evaluation (forward-only schedule) -------------------------------

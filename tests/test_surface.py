@@ -409,6 +409,26 @@ def test_existing_record_is_what_a_second_run_would_replace(tmp_path):
     assert existing_record(checked) == tmp_path / "mlp-tiny" / "error.txt"
 
 
+def test_a_resumed_run_continues_its_own_record_without_overwrite(tmp_path):
+    """--resume is not refused as an overwrite of the run's own record: it gets past that check to
+    the checkpoint's (here: nothing committed yet, exit 2 naming checkpoint.dir); without --resume
+    the same run directory is refused. Both before Ray starts."""
+    from tests.test_checkpoint import gpt_job
+
+    path = tmp_path / "job.json"      # JSON is YAML
+    path.write_text(json.dumps(gpt_job(tmp_path, "again", tmp_path / "ck")))
+    run_dir = tmp_path / "runs" / "again"
+    run_dir.mkdir(parents=True)
+    (run_dir / "summary.json").write_text('{"status": "interrupted"}')
+    fresh = cli("run", str(path))
+    assert fresh.returncode == 2 and "--overwrite" in fresh.stderr, fresh.stderr
+    resumed = cli("run", str(path), "--resume")
+    assert resumed.returncode == 2, resumed.stderr
+    assert "no committed checkpoint" in resumed.stderr and str(tmp_path / "ck") in resumed.stderr, resumed.stderr
+    assert "--overwrite" not in resumed.stderr
+    assert (run_dir / "summary.json").read_text() == '{"status": "interrupted"}'    # untouched
+
+
 def test_quick_option_leaves_out_every_test_that_starts_ray():
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--quick", "--co",
                           "tests/test_surface.py"], cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)

@@ -2,7 +2,9 @@
 
     meshpipe [--version] [-v] COMMAND ...
     meshpipe run JOB.yaml [--cluster CLUSTER.yaml] [--address ADDR] [--set key.path=value ...]
-                          [--reference] [--overwrite]
+                          [--reference] [--overwrite] [--resume [STEP]]
+    meshpipe checkpoints JOB.yaml [--set ...]
+    meshpipe export CKPT --to DIR
     meshpipe plan JOB.yaml [--cluster CLUSTER.yaml] [--set ...] [--json] [--png PATH]
     meshpipe plan JOB.yaml --auto [--cluster C.yaml] [--out PATH] [--explain] [--top K] [--max-model M] [--measure K]
     meshpipe submit JOB.yaml [--cluster CLUSTER.yaml] --address http://HOST:8265 [--set ...]
@@ -133,19 +135,28 @@ def main(verbose):
               help="connect to this running Ray ('auto', host:port) instead of the cluster file's address "
                    "(what `meshpipe submit` uses inside the job)")
 @click.option("--overwrite", is_flag=True, help="replace the record of an earlier run with the same run.name")
-def run(job, cluster, overrides, reference, address, overwrite):
+@click.option("--resume", default=None, is_flag=False, flag_value="latest", metavar="[STEP]",
+              help="continue from the newest committed checkpoint in checkpoint.dir, or from STEP "
+                   "(the run continues its own record: no --overwrite needed)")
+def run(job, cluster, overrides, reference, address, overwrite, resume):
     """Train JOB on the cluster (or, with --reference, in this process)."""
-    from orchestrator.core.config import ConfigError
+    from orchestrator.core.checkpoint import CheckpointError
+    from orchestrator.core.config import ConfigError, check_checkpoint_dir
     from orchestrator.driver.runner import existing_record, run_job
 
+    if resume is not None and resume != "latest" and not (resume.isdigit() and int(resume) > 0):
+        click.echo(f"meshpipe: --resume {resume!r}: must be a step number (a positive integer) or absent "
+                   "(the newest committed step)", err=True)
+        sys.exit(2)
     checked, check_output_dir = _checked(job, cluster, overrides, address)
     try:
         check_output_dir(checked.job)
+        check_checkpoint_dir(checked.job)
     except ConfigError as e:
         click.echo(f"meshpipe: invalid configuration:\n{e}", err=True)
         sys.exit(2)
     found = existing_record(checked, reference)
-    if found and not overwrite:
+    if found and not overwrite and resume is None:   # a resumed run continues its own record
         r = checked.job.run
         click.echo(f"meshpipe: run.name = {r.name!r} (run.output_dir = {r.output_dir!r}): {found} exists "
                    f"from an earlier run; pass --overwrite to replace it, or choose another name "
@@ -158,7 +169,11 @@ def run(job, cluster, overrides, reference, address, overwrite):
 
     with stop_on_signals() as stop:
         try:
-            run_job(checked, reference=reference, echo=lambda s: click.echo(s), tty=sys.stdout.isatty())
+            run_job(checked, reference=reference, echo=lambda s: click.echo(s), tty=sys.stdout.isatty(),
+                    resume=resume)
+        except CheckpointError as e:     # raised before anything started
+            click.echo(f"meshpipe: checkpoint: {e}", err=True)
+            sys.exit(2)
         except (PlacementError, StageFailure, TimeoutError, DiskFullError) as e:
             # the run was torn down already (runner's finally); say what failed, without a driver traceback
             click.echo(f"meshpipe: run failed: {e}", err=True)
@@ -217,6 +232,47 @@ def plan(job, cluster, overrides, as_json, png, auto, out, explain_, top, max_mo
         click.echo(json.dumps(plan_json(p), indent=1))
     else:
         click.echo(plan_text(p))
+
+
+@main.command()
+@job_arg
+@set_opt
+def checkpoints(job, overrides):
+    """List JOB's committed checkpoints (step, time, size, layout)."""
+    from orchestrator.core.checkpoint import CheckpointError
+    from orchestrator.core.config import ConfigError, load_job
+    from orchestrator.driver.checkpoint import listing
+
+    try:
+        cfg = load_job(job, overrides=list(overrides))
+    except ConfigError as e:
+        click.echo(f"meshpipe: invalid configuration:\n{e}", err=True)
+        sys.exit(2)
+    if cfg.checkpoint is None:
+        click.echo("meshpipe: the job has no `checkpoint:` section", err=True)
+        sys.exit(2)
+    try:
+        lines = listing(cfg.checkpoint.dir)
+    except CheckpointError as e:
+        click.echo(f"meshpipe: checkpoint: {e}", err=True)
+        sys.exit(2)
+    click.echo("\n".join(lines) if lines else f"no committed checkpoint in {cfg.checkpoint.dir}")
+
+
+@main.command()
+@click.argument("ckpt", type=click.Path(exists=True, file_okay=False))
+@click.option("--to", "to", required=True, type=click.Path(), help="new directory for the consolidated checkpoint")
+def export(ckpt, to):
+    """Write committed checkpoint CKPT (a step_<N> directory) as one plain JAX/orbax checkpoint in DIR."""
+    from orchestrator.core.checkpoint import CheckpointError
+    from orchestrator.driver.checkpoint import export as export_ckpt
+
+    try:
+        info = export_ckpt(ckpt, to)
+    except CheckpointError as e:
+        click.echo(f"meshpipe: checkpoint: {e}", err=True)
+        sys.exit(2)
+    click.echo(f"exported step {info['step']} of {info['model']} ({len(info['names'])} parameters) to {to}")
 
 
 def _auto(job, cluster, overrides, out, explain_, top, max_model, microbatches, target_step_ms, cache_dir, as_json,

@@ -17,7 +17,7 @@ in how the driver tells the actors to go and gets their results back:
                   the loop (each actor gets its next action when it returned the
                   previous one). Slow by design; kept to measure against.
 
-`steps(count)` yields (step, outs, wall_s) in step order: outs is every actor's
+`steps(count, start)` yields (step, outs, wall_s) for steps start .. start+count-1 in order: outs is every actor's
 result dict (`flat` order). wall_s is the step's period — for the batched
 dispatchers, the largest over actors of the time between that actor's
 consecutive step ends on its own clock (so also right across machines); for the
@@ -62,9 +62,9 @@ class _Batched:
         """Every actor's list of n step results."""
         raise NotImplementedError
 
-    def steps(self, count: int):
+    def steps(self, count: int, start: int = 0):
         queued: deque = deque()
-        nxt = 0
+        nxt, count = start, start + count
 
         def submit() -> None:
             nonlocal nxt
@@ -72,7 +72,7 @@ class _Batched:
             queued.append((nxt, n, self._submit(nxt, n)))
             nxt += n
 
-        start = time.perf_counter()
+        t_start = time.perf_counter()
         ends: list | None = None           # each actor's clock when its previous step ended
         while nxt < count and len(queued) < 1 + self.ahead:
             submit()
@@ -85,7 +85,7 @@ class _Batched:
                 step_outs = [o[j] for o in outs]
                 stamps = [o["end"] for o in step_outs]
                 if ends is None:
-                    wall = time.perf_counter() - start
+                    wall = time.perf_counter() - t_start
                 else:
                     wall = max(e - e0 for e, e0 in zip(stamps, ends))
                 ends = stamps
@@ -174,11 +174,11 @@ class ActionCalls:
     def __init__(self, actors, labels, step_s: float, action_counts: list[int]):
         self.actors, self.labels, self.step_s, self.counts = actors, labels, step_s, action_counts
 
-    def steps(self, count: int):
+    def steps(self, count: int, start: int = 0):
         import ray
 
         last = time.perf_counter()
-        for i in range(count):
+        for i in range(start, start + count):
             deadline = time.monotonic() + self.step_s
             nxt = [0] * len(self.actors)
             outs: list = [None] * len(self.actors)

@@ -36,15 +36,17 @@ class StepResult:
     wall_s: float
     spans: list          # (stage, host, action, start, end)
     stats: list = field(default_factory=list)   # per actor: {stage, host, **telemetry.stage_stats}
+    checkpoints: list = field(default_factory=list)   # save reports handed back with this step (stages.checkpoint)
     eval_loss: float | None = None   # mean loss over the eval batches, when the step evaluated
 
 
 class PipelineExecutor:
     def __init__(self, checked, lowered, data_source, run: str, eval_schedule=None,
-                 hooks: Sequence[WorkerHook] = ()):
+                 hooks: Sequence[WorkerHook] = (), checkpoint: dict | None = None):
         self.checked, self.lowered, self.data, self.run = checked, lowered, data_source, run
         self.eval_schedule = eval_schedule
         self.hooks = tuple(hooks)       # stages.hooks.WorkerHook objects, passed to every actor
+        self.checkpoint = checkpoint     # WorkerConfig.checkpoint (orchestrator.driver.checkpoint.prepare)
         t = checked.cluster.timeouts
         self.timeouts = {"init_s": t.init_s, "step_s": t.step_s, "shutdown_s": t.shutdown_s,
                          "jax_distributed_init_s": t.jax_distributed_init_s}
@@ -77,7 +79,7 @@ class PipelineExecutor:
             transport=self.checked.cluster.transport, transport_token=self.token, remat=stage.remat,
             eval_actions=() if self.eval_schedule is None else tuple(
                 str(a) for a in self.eval_schedule.actions[stage.index] if a is not None),
-            eval_every=job.run.eval_every, total_steps=job.run.steps)
+            eval_every=job.run.eval_every, total_steps=job.run.steps, checkpoint=self.checkpoint)
 
     def start(self) -> None:
         import ray
@@ -155,8 +157,8 @@ class PipelineExecutor:
             self.pg = None
 
     # -- running -----------------------------------------------------------
-    def steps(self, count: int):
-        """Run `count` steps, yielding a StepResult as each completes (orchestrator.driver.dispatch:
+    def steps(self, count: int, start: int = 0):
+        """Run `count` steps from step `start`, yielding a StepResult as each completes (orchestrator.driver.dispatch:
         how the actors are told to go is `cluster.executor`; wall = time between completions)."""
         from orchestrator.driver import dispatch
 
@@ -169,13 +171,23 @@ class PipelineExecutor:
                                             self.checked.cluster.calls_of_steps)
         self.dispatch_info = {"dispatcher": type(self.dispatcher).__name__,
                               "steps_per_call": getattr(self.dispatcher, "per_call", 1)}
-        for i, outs, wall in self.dispatcher.steps(count):
+        for i, outs, wall in self.dispatcher.steps(count, start):
             losses = next(o["losses"] for o in outs if "losses" in o)
             spans = [(o["stage"], o["host"], *span) for o in outs for span in o["spans"]]
             stats = [{"stage": o["stage"], "host": o["host"], **o.get("stats", {})} for o in outs]
             ev = next((o["eval_losses"] for o in outs if "eval_losses" in o), None)
+            saved = [rec for o in outs for rec in o.get("checkpoints", ())]
             yield StepResult(step=i, loss=sum(losses) / len(losses), wall_s=wall, spans=spans, stats=stats,
-                             eval_loss=None if ev is None else sum(ev) / len(ev))
+                             eval_loss=None if ev is None else sum(ev) / len(ev), checkpoints=saved)
+
+    def checkpoint_flush(self) -> list[dict]:
+        """Every actor's save in flight, finished (bounded); the reports not yet handed back."""
+        refs, labels = [], []
+        for row, names in zip(self.actors, self.labels):
+            refs += [a.checkpoint_flush.remote() for a in row]
+            labels += names
+        return [rec for part in wait_all(refs, self.timeouts["step_s"], "finishing checkpoint saves", labels)
+                for rec in part]
 
     def param_norms(self) -> dict[str, float]:
         return self._per_param("param_norms", "param norms")

@@ -69,29 +69,37 @@ def step_line(rec: dict, samples: int) -> str:
 
 
 def run_job(checked, *, reference: bool = False, echo: Callable[[str], None] = print,
-            tty: bool = False, hooks: Sequence = (), keep_params: bool = False) -> dict:
+            tty: bool = False, hooks: Sequence = (), keep_params: bool = False, resume=None) -> dict:
     """Train the checked job; `tty`: draw a progress bar on stdout instead of one line per step;
     `hooks`: `stages.hooks.WorkerHook` objects every stage worker calls (pipeline runs only);
-    `keep_params`: the returned summary also holds "params" (name -> final numpy array; not written).
+    `keep_params`: the returned summary also holds "params" (name -> final numpy array; not written);
+    `resume`: None, "latest" or a step — continue from that committed checkpoint
+    (`orchestrator.driver.checkpoint`; its checks raise CheckpointError before anything starts).
 
     Writes `metrics.jsonl` (one record per step, as it completes) and `summary.json` into the
     run directory (`metrics.reference.jsonl` / `summary.reference.json` with `reference`). The
     summary is written also when the run fails or is interrupted — `status` "failed" or
     "interrupted", `error`, `steps_done` and the losses so far — and the error is re-raised.
     """
+    from orchestrator.driver.checkpoint import CheckpointError, prepare
     from orchestrator.driver.telemetry import Progress, StepLog, summary_block
 
     job = checked.job
+    if reference and resume is not None:    # the reference run saves nothing (checkpoint: is for the pipeline)
+        raise CheckpointError("--resume applies to pipeline runs, not --reference")
+    ckpt = None if reference else prepare(checked, resume)
     plan = make_plan(checked)
     out = output_dir(checked)
     source = checked.data     # a DataPlan: each host that needs data opens its own reader
     samples = job.data.global_batch
     suffix = ".reference" if reference else ""
-    for stale in (REFERENCE_RECORD_FILES if reference else RECORD_FILES):   # (an --overwrite: never mix two runs)
+    # From here the run directory's record files are this run's (after --overwrite: never two runs mixed;
+    # after --resume: the summary carries the committed steps' losses, metrics.jsonl the steps run now).
+    for stale in (REFERENCE_RECORD_FILES if reference else RECORD_FILES):
         (out / stale).unlink(missing_ok=True)
     progress = Progress(job.run.steps, tty=tty, echo=echo, line=lambda rec: step_line(rec, samples))
     records = StepLog(out / f"metrics{suffix}.jsonl")
-    losses: list[float] = []
+    losses: list[float] = list(ckpt.losses) if ckpt else []    # a resumed run: the committed steps' losses
     times: list[float] = []
     evals: list[list] = []     # [step, mean eval loss] (data.eval)
     extra: dict = {"mode": "reference" if reference else "pipeline"}
@@ -131,7 +139,8 @@ def run_job(checked, *, reference: bool = False, echo: Callable[[str], None] = p
                                      eval_every=job.run.eval_every)
             norms, arrays = result["param_norms"], result.get("params")
         else:
-            norms, arrays = _run_pipeline(checked, plan, source, on_step, out, echo, extra, hooks, keep_params)
+            norms, arrays = _run_pipeline(checked, plan, source, on_step, out, echo, extra, hooks, keep_params,
+                                          ckpt, losses)
     except BaseException as e:
         progress.close()
         _record_stop(e, summary, out, path, job.run.steps, echo)
@@ -174,11 +183,14 @@ def _record_stop(e: BaseException, summary: Callable[..., dict], out: Path, path
 
 
 def _run_pipeline(checked, plan, source, on_step, out: Path, echo, extra: dict, hooks: Sequence = (),
-                  keep_params: bool = False) -> tuple[dict, dict | None]:
-    """Run the pipeline; returns the final parameter norms (and arrays with `keep_params`). Fills `extra` (summary.json's
-    pipeline fields) as it goes, so a failed run's summary has what was known. On Ctrl-C/SIGTERM the actors
-    are told to abandon their step before they are shut down."""
+                  keep_params: bool = False, ckpt=None, losses: list | None = None) -> tuple[dict, dict | None]:
+    """Run the pipeline; returns the final parameter norms (and arrays with `keep_params`). Fills
+    `extra` (summary.json's pipeline fields) as it goes, so a failed run's summary has what was
+    known. `ckpt`: the checkpoint plan (`checkpoint.prepare`); `losses`: the run's loss list,
+    which the commit markers record. On Ctrl-C/SIGTERM the actors are told to abandon
+    their step before they are shut down."""
     from orchestrator.driver import placement
+    from orchestrator.driver.checkpoint import Committer
     from orchestrator.driver.executor import PipelineExecutor
     from orchestrator.driver.interrupt import reinstall
     from orchestrator.driver.quiet import filter_worker_logs
@@ -191,22 +203,35 @@ def _run_pipeline(checked, plan, source, on_step, out: Path, echo, extra: dict, 
     filter_worker_logs()
     ex = tel = metrics = None
     last_spans: list = []
+    first = ckpt.start if ckpt else 0
+    committer = Committer(checked, job.pipeline.schedule, sum(len(s.hosts) for s in checked.stages),
+                          losses if losses is not None else []) if ckpt else None
+    if first:
+        echo(f"resuming from checkpoint step {first} in {job.checkpoint.dir}")
     ok = interrupted = False
     try:
         extra["ray"] = _ray_info(run, echo)
-        ex = PipelineExecutor(checked, plan.schedule, source, run, plan.eval_schedule, hooks=hooks)
+        ex = PipelineExecutor(checked, plan.schedule, source, run, plan.eval_schedule, hooks=hooks,
+                              checkpoint=ckpt.worker if ckpt else None)
         tel = RunTelemetry(run, plan.schedule, plan.sim.bubble_fraction, job.data.global_batch)
         metrics = _metrics(run, plan.sim.bubble_fraction)
         t0 = time.perf_counter()
         ex.start()
         extra["startup_s"] = time.perf_counter() - t0
-        for r in ex.steps(job.run.steps):
+        for r in ex.steps(job.run.steps - first, first):
             last_spans = r.spans     # only the last step's spans are kept (trace.json: telemetry's own)
             st = tel.add(r.step, r.wall_s, r.loss, r.spans, r.stats)
             if metrics is not None:
                 metrics.record(st, eval_loss=r.eval_loss)
             on_step({"step": r.step, "loss": r.loss, "step_time_s": r.wall_s, "eval_loss": r.eval_loss,
                      "span_s": st.span_s, "measured_bubble": st.measured_bubble})
+            if committer is not None:     # after on_step: the marker records the losses so far
+                for done in committer.add(r.checkpoints):
+                    log.info("checkpoint step %d committed", done)
+        if committer is not None:
+            committer.add(ex.checkpoint_flush())
+            if committer.incomplete():
+                raise RuntimeError(f"checkpoint steps {committer.incomplete()} were not reported by every host")
         norms = ex.param_norms()
         arrays = ex.param_arrays() if keep_params else None
         ok = True
@@ -218,6 +243,10 @@ def _run_pipeline(checked, plan, source, on_step, out: Path, echo, extra: dict, 
             if interrupted:   # (a failed step has told every actor already: worker._fail)
                 ex.abort("the driver stopped the run")   # a step still running ends now, not at its deadline
             extra.update(workers=ex.info, executor=ex.dispatch_info)
+            if ckpt is not None:
+                extra["checkpoint"] = {"dir": job.checkpoint.dir, "resumed_from": first or None,
+                                       "commits": committer.commits,
+                                       "restore_s": max((w.get("restore_s") or 0.0 for w in ex.info), default=0.0)}
             ex.shutdown()
         if tel is not None:
             try:

@@ -4,7 +4,7 @@ Basic flow:
     job = load_job("examples/gpt.yaml", overrides=["run.steps=3"])   # safe YAML → JobConfig
     cluster = load_cluster("cluster_configs/local.yaml")              # → ClusterConfig
     checked = check_job(job, cluster)   # cross-checks (pure) → Checked with StagePlans
-    run_dir = check_output_dir(job)     # the one check that touches the disk
+    run_dir = check_output_dir(job)     # the checks that touch the disk (and check_checkpoint_dir)
 
 Every problem raises `ConfigError` (a ValueError) whose lines read
 `key.path = value: rule`, e.g.
@@ -23,7 +23,7 @@ Decisions:
     ranges; chunk j of stage i is virtual stage j * num_stages + i.
   - Integers are strict: `"3"`, `3.0` and `true` are rejected where an int is due.
 """
-from orchestrator.core.config.check import Checked, StagePlan, check_job, check_output_dir
+from orchestrator.core.config.check import Checked, StagePlan, check_checkpoint_dir, check_job, check_output_dir
 from orchestrator.core.config.errors import ConfigError
 from orchestrator.core.config.load import load_cluster, load_job, load_raw
 from orchestrator.core.config.overrides import apply_overrides, parse_key_path
@@ -34,6 +34,6 @@ from orchestrator.core.config.schema import (ClusterConfig, DataConfig, JobConfi
 __all__ = [
     "ConfigError", "JobConfig", "ClusterConfig", "load_job", "load_cluster", "load_raw",
     "parse_job", "parse_cluster", "apply_overrides", "parse_key_path", "check_job",
-    "check_output_dir", "Checked", "StagePlan", "RunConfig", "ModelConfig", "DataConfig",
+    "check_output_dir", "check_checkpoint_dir", "Checked", "StagePlan", "RunConfig", "ModelConfig", "DataConfig",
     "OptimizerConfig", "StageConfig", "PipelineConfig", "TimeoutsConfig",
 ]

@@ -40,7 +40,7 @@ from orchestrator.core.model.registry import BUILTIN, ModelError, build_spec
 from orchestrator.core.model.spec import ModelSpec, param_name
 from orchestrator.core.schedule import SCHEDULES, ScheduleError, check_params
 
-__all__ = ["Checked", "StagePlan", "check_job", "check_output_dir"]
+__all__ = ["Checked", "StagePlan", "check_job", "check_output_dir", "check_checkpoint_dir"]
 
 
 @dataclass(frozen=True)
@@ -568,3 +568,28 @@ WRITE_PROBE_BYTES = 64 << 10
 def run_output_bytes(job: JobConfig) -> int:
     """About how many bytes a run writes into its run directory (an upper estimate)."""
     return RUN_FIXED_BYTES + RUN_STEP_BYTES * job.run.steps
+
+
+def check_checkpoint_dir(job: JobConfig) -> Optional[Path]:
+    """Make sure `checkpoint.dir` exists (created owner-only if needed) and is writable.
+
+    Returns the directory, or None when the job has no `checkpoint:` section. Touches the
+    disk, so the runner calls it beside `check_output_dir`, before anything starts.
+
+    Raises:
+      ConfigError: the directory cannot be created, is a file, or is not writable.
+    """
+    if job.checkpoint is None:
+        return None
+    root = Path(job.checkpoint.dir)
+    if root.exists() and not root.is_dir():
+        raise ConfigError(problem("checkpoint.dir", job.checkpoint.dir, "exists and is not a directory"))
+    try:
+        private_dir(root, tighten=False)
+        fd, tmp = tempfile.mkstemp(prefix=".meshpipe-write-test-", dir=root)
+        os.close(fd)
+        os.unlink(tmp)
+    except OSError as e:
+        raise ConfigError(problem("checkpoint.dir", job.checkpoint.dir,
+                                  f"not writable: cannot create a file in {root}: {e.strerror or e}")) from None
+    return root

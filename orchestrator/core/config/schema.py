@@ -383,6 +383,28 @@ class PrecisionConfig(_Frozen):
     compute: Literal["float32", "bfloat16"] = "float32"
 
 
+class CheckpointConfig(_Frozen):
+    """`checkpoint:` — save the training state every `every_steps` steps (and after the last) under
+    `dir` (one directory per step, a commit marker last; `orchestrator.core.checkpoint`), keep the
+    newest `keep` committed ones; `async`: the step loop continues while the bytes are written."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True, populate_by_name=True)
+
+    dir: str
+    every_steps: PosInt
+    keep: PosInt = 2
+    async_: bool = Field(True, alias="async")
+
+    @field_validator("dir")
+    @classmethod
+    def _dir(cls, v: str) -> str:
+        if not v.strip():
+            raise Problem("must not be empty")
+        if "\x00" in v:
+            raise Problem("must not contain a NUL byte")
+        return v
+
+
 class JobConfig(_Frozen):
     """A whole job (`job.yaml`). Load with `load_job`, check against a cluster with `check_job`."""
 
@@ -393,6 +415,7 @@ class JobConfig(_Frozen):
     pipeline: PipelineConfig
     layout: dict[str, Any] = Field(default_factory=dict)
     precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
+    checkpoint: Optional[CheckpointConfig] = None
 
     @field_validator("layout", mode="before")
     @classmethod
@@ -401,7 +424,7 @@ class JobConfig(_Frozen):
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able dict; `parse_job(job.to_dict()) == job`."""
-        return self.model_dump(mode="json")
+        return self.model_dump(mode="json", by_alias=True)
 
 
 class TimeoutsConfig(_Frozen):

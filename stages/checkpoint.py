@@ -1,0 +1,224 @@
+"""The stage half of checkpoints: save this stage's own shards with orbax, restore into the current shardings.
+
+Basic flow (the worker calls it; `orchestrator.core.checkpoint` is the on-disk layout and
+`orchestrator.driver.checkpoint` the commit protocol above it):
+  - after a step, `due(steps_done)` → `save(steps_done, worker)`: the stage's state as one
+    pytree — {"arrays": params and optimizer state, one leaf per model-wide name
+    (`named_state`), "step", "data": {"next_step"}, "rng": {"seed"}} — goes to an orbax
+    `AsyncCheckpointer` (PyTree handler). The call blocks only for the device→host copy; the
+    bytes are written on orbax's thread while the next steps run. A thread of ours waits for
+    orbax to finish and then (host 0) lists the directory's files with size and sha256: the
+    host's report for the driver (`reports()`, handed back with the step results).
+  - one save in flight: the next `save` first waits (bounded) for the previous one.
+  - multi-host stage: every host of the stage calls `save` on the same directory; orbax writes
+    only each host's own shards (its addressable data) and host 0 finalises (orbax's
+    primary host, barriers over the stage's own jax.distributed world).
+  - `restore(worker, plan)`: for each stage directory of the checkpoint that holds names this
+    stage needs, one partial orbax restore straight into the current shardings
+    (`jax.ShapeDtypeStruct(..., sharding=...)` targets); the arrays are then put back into the
+    params / optimizer-state pytrees by name, so another layout restores the same names.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from orchestrator.core.checkpoint import file_table, opt_name, stage_dir, step_dir
+from orchestrator.core.model.pipeline import key_path
+from orchestrator.core.model.spec import param_name
+
+
+def _keys(path) -> tuple[str, ...]:
+    return tuple(key_path([k]) for k in path)
+
+
+def named_state(progs, params, opt_state) -> list[tuple[Any, list[str], Any, list[str]]]:
+    """Per chunk: (params treedef, a name per params leaf, opt-state treedef, a name per opt leaf).
+
+    A params leaf is named `param_name(layer, part, path)`; an optimizer-state leaf whose path ends
+    with a params leaf's path (adam's mu/nu follow the params) is named after it with the rest of
+    its path as prefix (`opt:0/mu|03.block2/wq`); any other (a shared `count`) `opt:<path>|*`.
+    """
+    import jax
+
+    out = []
+    for prog, p, o in zip(progs, params, opt_state):
+        pleaves, ptree = jax.tree_util.tree_flatten_with_path(p)
+        by_path: dict[tuple[str, ...], str] = {}
+        pnames = []
+        for path, _ in pleaves:
+            keys = _keys(path)
+            j = int(keys[0])                       # the part's index within the chunk's list
+            name = param_name(prog.start + j, prog.layers[j], "/".join(keys[1:]))
+            by_path[keys] = name
+            pnames.append(name)
+        oleaves, otree = jax.tree_util.tree_flatten_with_path(o)
+        onames = []
+        for path, _ in oleaves:
+            keys = _keys(path)
+            hit = max((k for k in by_path if len(k) <= len(keys) and keys[len(keys) - len(k):] == k),
+                      key=len, default=None)
+            prefix = keys[:len(keys) - len(hit)] if hit else keys
+            onames.append(opt_name("/".join(prefix), by_path[hit] if hit else None))
+        out.append((ptree, pnames, otree, onames))
+    return out
+
+
+class StageCheckpointer:
+    """Saves and restores one stage host's state (see the module docstring).
+
+    Args:
+      root: the job's `checkpoint.dir`.
+      every: save after every `every` steps done, and after the last (`total`).
+      asynchronous: False waits for each save to finish before the step loop goes on.
+      stage, host: who this is (host 0 lists the files).
+      timeout: bound on waiting for a previous save.
+    """
+
+    def __init__(self, root: str, every: int, total: int, asynchronous: bool, stage: int, host: int,
+                 timeout: float = 600.0):
+        import orbax.checkpoint as ocp
+
+        self.root, self.every, self.total = Path(root), every, total
+        self.asynchronous, self.stage, self.host, self.timeout = asynchronous, stage, host, timeout
+        self._ckptr = ocp.AsyncCheckpointer(ocp.PyTreeCheckpointHandler())
+        self._thread: threading.Thread | None = None
+        self._done: list[dict] = []
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+        self.last_blocking_s = 0.0
+
+    def due(self, steps_done: int) -> bool:
+        return steps_done % self.every == 0 or steps_done == self.total
+
+    def save(self, steps_done: int, worker) -> float:
+        """Start saving the state after `steps_done` steps; returns the blocking seconds."""
+        import jax
+        import orbax.checkpoint as ocp
+
+        self._wait_previous()
+        t0 = time.perf_counter()
+        tree, names, seen = {}, {}, set()
+        for (_, pn, _, on), p, o in zip(named_state(worker.progs, worker.params, worker.opt_state),
+                                        worker.params, worker.opt_state):
+            for name, leaf in zip(pn + on, jax.tree.leaves(p) + jax.tree.leaves(o)):
+                if name in seen:
+                    continue                  # a shared leaf (count) of a second chunk
+                key = f"a{len(tree):05d}"
+                tree[key], names[key] = leaf, name
+                seen.add(name)
+        state = {"arrays": tree, "step": np.int64(steps_done), "data": {"next_step": np.int64(steps_done)},
+                 "rng": {"seed": np.int64(worker.cfg.seed)}}
+        directory = stage_dir(self.root, steps_done, self.stage)
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        self._ckptr.save(directory, args=ocp.args.PyTreeSave(state))
+        blocking = self.last_blocking_s = time.perf_counter() - t0
+        meta = {name: {"shape": list(leaf.shape), "dtype": str(leaf.dtype), "key": key}
+                for key, (name, leaf) in ((k, (names[k], tree[k])) for k in tree)}
+        nbytes = int(sum(int(np.prod(leaf.shape, dtype=np.int64)) * leaf.dtype.itemsize for leaf in tree.values()))
+        self._thread = threading.Thread(target=self._finish, args=(steps_done, directory, meta, nbytes, blocking),
+                                        name=f"meshpipe checkpoint {steps_done}", daemon=True)
+        self._thread.start()
+        if not self.asynchronous:
+            self._wait_previous()
+        return blocking
+
+    def _finish(self, steps_done: int, directory: Path, meta: dict, nbytes: int, blocking: float) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._ckptr.wait_until_finished()
+            files = file_table(directory) if self.host == 0 else {}
+            rec = {"step": steps_done, "stage": self.stage, "host": self.host, "path": directory.name,
+                   "files": files, "arrays": meta if self.host == 0 else {}, "bytes": nbytes,
+                   "blocking_s": blocking, "write_s": time.perf_counter() - t0}
+            with self._lock:
+                self._done.append(rec)
+        except BaseException as e:  # noqa: BLE001 - raised on the step thread by the next call
+            self._error = e
+
+    def _wait_previous(self) -> None:
+        thread = self._thread
+        if thread is not None:
+            thread.join(self.timeout)
+            if thread.is_alive():
+                raise TimeoutError(f"checkpoint save of stage {self.stage} host {self.host} did not finish "
+                                   f"within {self.timeout:.0f} s")
+            self._thread = None
+        if self._error is not None:
+            e, self._error = self._error, None
+            raise RuntimeError(f"checkpoint save failed on stage {self.stage} host {self.host}: "
+                               f"{type(e).__name__}: {e}") from e
+
+    def reports(self) -> list[dict]:
+        """Saves finished since the last call (this host's reports for the driver)."""
+        if self._error is not None:
+            self._wait_previous()
+        with self._lock:
+            out, self._done = self._done, []
+        return out
+
+    def flush(self) -> list[dict]:
+        """Wait (bounded) for the save in flight; every report not handed out yet."""
+        self._wait_previous()
+        return self.reports()
+
+    def close(self) -> None:
+        try:
+            self._wait_previous()
+        finally:
+            self._ckptr.close()
+
+
+def restore(worker, plan: dict) -> None:
+    """Replace `worker.params` / `worker.opt_state` by the checkpoint's arrays, by name, in place.
+
+    `plan`: {"root", "step", "stages": [{"path", "arrays": {name: {"shape", "dtype", "key"}}}]} (the
+    commit marker's records, `orchestrator.driver.checkpoint.restore_plan`). Each array lands
+    directly in the sharding the current state has for it.
+    """
+    import jax
+    import orbax.checkpoint as ocp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    replicated = NamedSharding(worker.mesh, PartitionSpec())
+
+    def target(leaf):
+        """The leaf's own sharding; a leaf jit left uncommitted on one device (adam's count) is
+        restored replicated over the stage mesh, so programs see one device set."""
+        sh = leaf.sharding if isinstance(leaf.sharding, NamedSharding) else replicated
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sh)
+
+    where = {}       # name -> (stage record index, key)
+    for i, rec in enumerate(plan["stages"]):
+        for name, meta in rec["arrays"].items():
+            where.setdefault(name, (i, meta["key"]))
+    named = named_state(worker.progs, worker.params, worker.opt_state)
+    want: dict[int, dict] = {}
+    for (_, pn, _, on), p, o in zip(named, worker.params, worker.opt_state):
+        for name, leaf in zip(pn + on, jax.tree.leaves(p) + jax.tree.leaves(o)):
+            if name not in where:
+                raise RuntimeError(f"{worker.cfg.who}: checkpoint step {plan['step']} has no array {name!r}")
+            i, key = where[name]
+            want.setdefault(i, {})[key] = (name, target(leaf))
+    got: dict[str, Any] = {}
+    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as ckptr:
+        for i, targets in sorted(want.items()):
+            item = {"arrays": {k: s for k, (_, s) in targets.items()}}
+            args = {"arrays": {k: ocp.ArrayRestoreArgs(sharding=s.sharding) for k, (_, s) in targets.items()}}
+            directory = step_dir(plan["root"], plan["step"]) / plan["stages"][i]["path"]
+            try:
+                out = ckptr.restore(directory, args=ocp.args.PyTreeRestore(item, restore_args=args,
+                                                                           partial_restore=True))
+            except Exception as e:
+                raise RuntimeError(f"{worker.cfg.who}: restoring {directory} failed: {type(e).__name__}: "
+                                   f"{str(e)[:400]}") from e
+            for key, (name, _) in targets.items():
+                got[name] = out["arrays"][key]
+    for c, (ptree, pn, otree, on) in enumerate(named):
+        worker.params[c] = jax.tree_util.tree_unflatten(ptree, [got[n] for n in pn])
+        worker.opt_state[c] = jax.tree_util.tree_unflatten(otree, [got[n] for n in on])
+    jax.block_until_ready((worker.params, worker.opt_state))
