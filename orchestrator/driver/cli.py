@@ -219,8 +219,9 @@ def plan(job, cluster, overrides, as_json, png, auto, out, explain_, top, max_mo
               measure)
         return
     checked, _ = _checked(job, cluster, overrides)
-    if ":" in checked.job.model.name:
-        click.echo(f"meshpipe: note: model.name {checked.job.model.name!r} was imported and called to "
+    user_code = checked.job.model.factory or (checked.job.model.name if ":" in (checked.job.model.name or "") else None)
+    if user_code:
+        click.echo(f"meshpipe: note: the model factory {user_code!r} was imported and called to "
                    "describe the model (job code ran; no Ray was started)", err=True)
     p = make_plan(checked)
     if png:

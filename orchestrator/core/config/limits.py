@@ -24,6 +24,7 @@ import os
 from typing import Any, Optional
 
 from orchestrator.core.config.errors import problem
+from orchestrator.core.edges import leaf_dtype
 from orchestrator.core.model.layout import partition_spec, shard_count
 
 __all__ = ["optimizer_problems", "memory_problems", "MAX_LEARNING_RATE", "MAX_DEVICE_BYTES", "MAX_HOST_BYTES"]
@@ -114,7 +115,7 @@ def memory_problems(job, cluster, model, layouts: list, mb: int) -> list[str]:
                         if entry is not None:
                             pieces *= shard_count(entry, st.mesh)
                     params += _nbytes(pdef.shape) // max(1, pieces)
-                acts += _nbytes((mb, *layer.out_shape))
+                acts += sum(_nbytes(leaf.batched(mb), leaf_dtype(leaf.dtype).itemsize) for leaf in layer.outputs)
         devices = math.prod(st.mesh.values())
         per_device = 2 * params + acts // devices      # parameters + gradients + one microbatch's outputs
         total += per_device * devices
@@ -123,7 +124,7 @@ def memory_problems(job, cluster, model, layouts: list, mb: int) -> list[str]:
                                f"cannot fit: each device needs at least {_gib(per_device)} (parameters "
                                f"{_gib(params)} + gradients + one microbatch of activations), more than "
                                f"{where}; shard the stage over more devices or use a smaller model"))
-    per_example = _nbytes(model.input_shape, 4) + _nbytes(model.label_shape, 4)
+    per_example = sum(_nbytes(leaf.shape, leaf_dtype(leaf.dtype).itemsize) for leaf in (model.input, model.label))
     batch = per_example * job.data.global_batch
     if batch > host_cap:
         out.append(problem("data.global_batch", job.data.global_batch, f"cannot fit: every host builds the "

@@ -30,6 +30,14 @@ from orchestrator.core.model.pipeline import (ArraySpec, AxesFn, ModelError, Par
 __all__ = ["plain", "nnx_model", "linen_model", "eqx_model", "as_spec"]
 
 
+
+def _entry(entry) -> tuple[str, tuple[str, ...], Any]:
+    """A `parts` entry as (name, attribute paths, call): a path alone, or (name, path(s), call)."""
+    if isinstance(entry, str):
+        return entry, (entry,), None
+    name, paths, call = entry
+    return name, ((paths,) if isinstance(paths, str) else tuple(paths)), call
+
 def as_spec(value: Union[ArraySpec, Sequence, Mapping]) -> ArraySpec:
     """An ArraySpec from an ArraySpec, a (shape, dtype[, axes]) tuple or a mapping of those names."""
     if isinstance(value, ArraySpec):
@@ -160,11 +168,7 @@ def nnx_model(make: Callable, parts: Sequence[Union[str, tuple]], *, loss: Calla
     outs = _out_rules(out_axes)
     built = []
     for entry in parts:
-        if isinstance(entry, str):
-            name, paths, call = entry, (entry,), None
-        else:
-            name, paths, call = entry
-            paths = (paths,) if isinstance(paths, str) else tuple(paths)
+        name, paths, call = _entry(entry)
         subs = {}
         axes: dict[str, tuple] = {}
         for path in paths:
@@ -283,11 +287,7 @@ def eqx_model(make: Callable, parts: Sequence[Union[str, tuple]], *, loss: Calla
     rules, outs = _rules(axes), _out_rules(out_axes)
     built = []
     for entry in parts:
-        if isinstance(entry, str):
-            name, paths, call = entry, (entry,), None
-        else:
-            name, paths, call = entry
-            paths = (paths,) if isinstance(paths, str) else tuple(paths)
+        name, paths, call = _entry(entry)
         statics = {}
         for path in paths:
             sub = _walk(abstract, path, type(abstract).__name__)
