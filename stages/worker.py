@@ -173,6 +173,9 @@ class StageWorker:
             self.transport = RayTransport(**args)
         self._plan_edges()
         self._open_data()
+        restored = (cfg.checkpoint or {}).get("restore") or {}
+        if "source" in restored.get("data", {}):
+            self.load_data_state(restored["data"])     # checks seed and source, then the position
         jax.block_until_ready(self.params)
         import ray
 
