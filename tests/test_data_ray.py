@@ -84,3 +84,22 @@ def test_three_stages_with_a_two_host_stage_read_only_their_rows(ray_local, tmp_
     assert hosts["stage1/host0"]["data_windows_read"] == 0     # a middle stage reads no data
     lab = hosts["stage2/host0"]["data_windows_read"]       # the labels: one host, all 16 rows a step
     assert lab % 16 == 0 and steps <= lab // 16 <= steps + 3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("source", ["hf", "grain"])
+def test_hf_and_grain_sources_train_through_ray_as_the_reference(ray_local, tmp_path, shards, no_leaks, source):
+    """The optional readers on the actors: a JSONL file tokenized there (hf) and a user's grain
+    pipeline imported there by path; pipeline losses = the reference's on the same batches."""
+    from tests.data_helpers import write_docs
+
+    if source == "hf":
+        jsonl, _, _ = write_docs(tmp_path, shards)
+        data = {"source": "hf", "path": str(jsonl), "tokenizer": str(shards / "tokenizer.json")}
+    else:
+        shard = sorted(shards.glob("*.bin"))[0]
+        data = {"source": "grain", "factory": "tests.data_helpers:grain_windows",
+                "args": {"path": str(shard), "seq_len": 16}}
+    pipe, ref = run_both(gpt_job(tmp_path, data, steps=3, name=f"gpt-{source}"))
+    np.testing.assert_allclose(pipe["losses"], ref["losses"], rtol=RTOL, atol=ATOL)
+    assert len(pipe["losses"]) == 3 and pipe["telemetry"]["hosts_last"]["stage0/host0"]["data_rows"] == 4
