@@ -41,7 +41,7 @@ import numpy as np
 
 from stages.actions import EVAL_HANDLERS, StepState, handler_for
 from stages.data import HostLoader, rows_array, rows_of
-from stages.mailbox import Mailbox
+from stages.mailbox import Mailbox, MailboxClosed
 from orchestrator.core.model.spec import ModelSpec, param_name
 
 
@@ -179,6 +179,9 @@ class StageWorker:
             self.transport = RayTransport(**args)
         self._plan_edges()
         self._open_data()
+        restored = (cfg.checkpoint or {}).get("restore") or {}
+        if "source" in restored.get("data", {}):
+            self.load_data_state(restored["data"])     # checks seed and source, then the position
         jax.block_until_ready(self.params)
         import ray
 
@@ -358,7 +361,7 @@ class StageWorker:
 
     def _begin(self, step: int) -> StepState:
         if self.inbox.closed:
-            raise RuntimeError(f"{self.cfg.who}: not starting step {step}: {self.inbox.closed}")
+            raise MailboxClosed(f"{self.cfg.who}: not starting step {step}: {self.inbox.closed}")
         for hook in self.cfg.hooks:
             hook.on_step(self.cfg, step)
         self._pin_thread()

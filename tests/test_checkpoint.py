@@ -205,6 +205,17 @@ def test_committer_commits_only_when_every_host_reported_and_gcs_after(tmp_path)
     assert committer.add(second[1:]) == [4]
     assert sorted(p.name for p in root.iterdir()) == ["step_00000004"]
     assert [c["step"] for c in committer.commits] == [2, 4]
+    # the loading hosts' loader states go into the marker; hosts that disagree are refused
+    third = reports(6)
+    third[0]["data"] = {"next_step": 6, "source": "synthetic", "seed": 0, "samples": 48}
+    third[1]["data"] = None                               # a stage that loads nothing
+    committer.losses.extend([0.4, 0.3])
+    assert committer.add(third) == [6] and ck.select(root)["data"]["samples"] == 48
+    fourth = reports(8)
+    fourth[0]["data"], fourth[1]["data"] = ({"next_step": 8, "seed": 0}, {"next_step": 7, "seed": 0})
+    committer.losses.extend([0.2, 0.1])
+    with pytest.raises(ck.CheckpointError, match="step 8: the loading hosts disagree"):
+        committer.add(fourth)
 
 
 # ----------------------------------------------------------------------------- on Ray
@@ -257,6 +268,10 @@ def _resume_equals_uninterrupted(tmp_path: Path, schedule: str, make_job=gpt_job
     m_full, m_res = ck.select(full_dir), ck.select(part_dir)
     assert m_res["step"] == 4 and m_res["losses"] == m_full["losses"] == full["losses"]
     assert m_res["arrays"] == m_full["arrays"]
+    # the loaders' own position, as the loading hosts reported it with their saves
+    batch = make_job(tmp_path, "x", full_dir, schedule)["data"]["global_batch"]
+    assert m_full["data"] == {"next_step": 4, "source": "synthetic", "seed": 0, "samples": 4 * batch}
+    assert ck.select(full_dir, 2)["data"]["next_step"] == 2
     return full_dir, full
 
 
@@ -312,6 +327,10 @@ def test_resume_is_bit_exact_1f1b_and_bad_checkpoints_refused(tmp_path, no_leaks
         prepare(checked_of(more), "latest")
     assert str(shard) in str(ei.value)
     assert ck.select(full_dir) == marker          # checks never touch a committed checkpoint
+    path = ck.step_dir(full_dir, 4) / ck.MARKER             # as if step 4 had been trained on tokens
+    path.write_text(json.dumps({**marker, "data": {**marker["data"], "source": "tokens"}}))
+    with pytest.raises(ck.CheckpointError, match="data.source = 'tokens', this job has 'synthetic'"):
+        prepare(checked_of(more), "latest")
 
 
 def bf16_job(tmp_path, name, ckpt_dir, schedule="1f1b"):
@@ -351,13 +370,11 @@ def test_driver_killed_during_a_save_leaves_the_last_commit(tmp_path, no_leaks):
         # results); step 4's save starts in that call, so both hold from then until step 4 commits
         wait_until(lambda: ((ck.step_dir(root, 2) / ck.MARKER).exists() and ck.step_dir(root, 4).exists())
                    or proc.poll() is not None, 900, "step 2 committed and step 4's save started", every=0.01)
+        tree = _descendants(proc.pid)              # taken before the kill: orphans lose their parent
         os.kill(proc.pid, signal.SIGKILL)          # the driver, mid-save
         proc.wait(60)
     finally:
-        try:                                       # what the driver started (its embedded Ray), by its group id
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        _kill_all(proc.pid, locals().get("tree", []))
     assert proc.returncode == -signal.SIGKILL
     assert not (ck.step_dir(root, 4) / ck.MARKER).exists(), "killed too late: step 4 had committed"
     assert [m["step"] for m in ck.committed(root)] == [2]
@@ -366,6 +383,39 @@ def test_driver_killed_during_a_save_leaves_the_last_commit(tmp_path, no_leaks):
     assert resumed["checkpoint"]["resumed_from"] == 2
     assert [m["step"] for m in ck.committed(root)] == [2, 4, 6]
     assert resumed["losses"][:2] == ck.select(root, 2)["losses"] and len(resumed["losses"]) == 6
+
+
+def _descendants(pid: int) -> list:
+    import psutil
+
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _kill_all(pid: int, tree: list) -> None:
+    """SIGKILL what the killed driver started (its embedded Ray: GCS, raylet, agents, the stage
+    workers) and wait until every one is gone, so no writer of the dead run is left when the
+    resumed run saves into the same directory. Ray starts some of them in sessions of their own,
+    so the process group alone does not reach them all."""
+    import os
+    import signal
+
+    import psutil
+
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    procs = tree + [p for p in _descendants(pid) if p not in tree]
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=60)
+    assert not alive, f"processes of the killed run still alive: {[p.pid for p in alive]}"
 
 
 @pytest.mark.ray

@@ -92,10 +92,14 @@ def prepare(checked, resume) -> Optional[Prepared]:
     if marker["seed"] != job.run.seed:
         raise CheckpointError(f"--resume: checkpoint step {step} was trained with run.seed = {marker['seed']}, "
                               f"this job has {job.run.seed} (the data and init would differ)")
+    source = marker["data"].get("source")
+    if source is not None and source != job.data.source:
+        raise CheckpointError(f"--resume: checkpoint step {step} was trained on data.source = {source!r}, "
+                              f"this job has {job.data.source!r} (the batches would differ)")
     check_model(marker, model_arrays(checked.model))
     verify_files(root, marker)
     _remove(stale_dirs(root, ()))
-    worker["restore"] = {"root": str(root), "step": step,
+    worker["restore"] = {"root": str(root), "step": step, "data": dict(marker["data"]),
                          "stages": [{"path": r["path"], "arrays": r["arrays"]} for r in marker["stages"]]}
     return Prepared(worker, step, list(marker["losses"]), marker)
 
@@ -152,7 +156,7 @@ class Committer:
                    "array_bytes": r["bytes"]} for r in primaries]
         size = sum(f[0] for r in primaries for f in r["files"].values())
         marker = {**self.base, "step": step, "time": time.time(), "stages": stages, "arrays": arrays,
-                  "losses": [float(x) for x in self.losses[:step]], "data": {"next_step": step},
+                  "losses": [float(x) for x in self.losses[:step]], "data": _data_state(step, recs),
                   "bytes": int(size), "array_bytes": int(sum(r["bytes"] for r in primaries))}
         write_marker(self.root, marker)
         flying = list(self.pending)
@@ -163,6 +167,18 @@ class Committer:
 
     def incomplete(self) -> list[int]:
         return sorted(self.pending)
+
+
+def _data_state(step: int, recs: list[dict]) -> dict:
+    """The data position a marker records: the loading hosts' loader state (source, seed,
+    next_step, samples), which every loading host must agree on, and which is step N's."""
+    states = [r["data"] for r in recs if r.get("data") is not None]
+    if any(s != states[0] for s in states[1:]):
+        raise CheckpointError(f"step {step}: the loading hosts disagree on the data position: {states}")
+    state = {"next_step": step, **(states[0] if states else {})}
+    if state["next_step"] != step:
+        raise CheckpointError(f"step {step}: the loaders were at step {state['next_step']} when it was saved")
+    return state
 
 
 def describe_layout(layout: list[dict]) -> str:
