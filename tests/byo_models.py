@@ -191,3 +191,112 @@ def dropout_mlp(d=16, blocks=2):
              + [("out", lambda p, x: x @ p["w"])])
     return plain(lambda key: dropout_init(key, d, blocks), parts, loss=mse, input=((D_IN,), "float32"),
                  label=((D_OUT,), "float32"), out_axes=[("out/*", ("batch", None)), ("*", ("batch", "embed"))])
+
+
+# ----------------------------------------------------------------------------- flax.nnx with dropout (RNG state)
+
+NNX_DROP = 0.25
+
+
+def _nnx_dropout_class():
+    from flax import nnx
+
+    class DropBlock(nnx.Module):
+        def __init__(self, d, rngs):
+            init = nnx.initializers.lecun_normal()
+            self.up = nnx.Linear(d, 2 * d, kernel_init=nnx.with_partitioning(init, ("embed", "mlp")), rngs=rngs)
+            self.down = nnx.Linear(2 * d, d, kernel_init=nnx.with_partitioning(init, ("mlp", "embed")), rngs=rngs)
+            self.drop = nnx.Dropout(NNX_DROP, rngs=rngs)      # holds an RNG stream (nnx.RngState)
+
+        def __call__(self, x):
+            return x + self.drop(self.down(jnp.tanh(self.up(x))))
+
+    class DropMLP(nnx.Module):
+        def __init__(self, d, blocks, rngs):
+            self.inp = nnx.Linear(D_IN, d, rngs=rngs)
+            self.blocks = nnx.List([DropBlock(d, rngs) for _ in range(blocks)])
+            self.out = nnx.Linear(d, D_OUT, rngs=rngs)
+
+        def __call__(self, x):
+            h = self.inp(x)
+            for b in self.blocks:
+                h = b(h)
+            return self.out(h)
+
+    return DropMLP
+
+
+def nnx_dropout_make(d=16, blocks=2):
+    cls = _nnx_dropout_class()
+    return lambda rngs: cls(d, blocks, rngs)
+
+
+def nnx_dropout_mlp(d=16, blocks=2):
+    from orchestrator.core.model.adapters import nnx_model
+
+    return nnx_model(nnx_dropout_make(d, blocks), ["inp", *[f"blocks.{i}" for i in range(blocks)], "out"],
+                     loss=mse, input=((D_IN,), "float32"), label=((D_OUT,), "float32"), out_axes=OUT_AXES)
+
+
+def nnx_batchnorm():
+    """An nnx model with BatchNorm (BatchStat state): refused at plan time."""
+    from flax import nnx
+    from orchestrator.core.model.adapters import nnx_model
+
+    class BN(nnx.Module):
+        def __init__(self, rngs):
+            self.lin = nnx.Linear(D_IN, D_OUT, rngs=rngs)
+            self.bn = nnx.BatchNorm(D_OUT, rngs=rngs)
+
+        def __call__(self, x):
+            return self.bn(self.lin(x))
+
+    return nnx_model(BN, ["lin", "bn"], loss=mse, input=((D_IN,), "float32"), label=((D_OUT,), "float32"))
+
+
+# ----------------------------------------------------------------------------- flax.linen with dropout
+
+def _linen_dropout_class():
+    import flax.linen as nn
+
+    class LinenDropBlock(nn.Module):
+        d: int
+
+        @nn.compact
+        def __call__(self, x, train=False):
+            w = self.param("w", nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", "mlp")),
+                           (self.d, 2 * self.d))
+            v = self.param("v", nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("mlp", "embed")),
+                           (2 * self.d, self.d))
+            return x + nn.Dropout(NNX_DROP, deterministic=not train)(jnp.tanh(x @ w) @ v)
+
+    class LinenDropMLP(nn.Module):
+        d: int = 16
+        blocks: int = 2
+
+        def setup(self):
+            self.inp = nn.Dense(self.d)
+            self.body = [LinenDropBlock(self.d) for _ in range(self.blocks)]
+            self.out = nn.Dense(D_OUT)
+
+        def __call__(self, x, train=False):
+            h = self.inp(x)
+            for b in self.body:
+                h = b(h, train=train)
+            return self.out(h)
+
+    return LinenDropMLP
+
+
+def linen_dropout_module(d=16, blocks=2):
+    return _linen_dropout_class()(d=d, blocks=blocks)
+
+
+def linen_dropout_mlp(d=16, blocks=2):
+    from orchestrator.core.model.adapters import linen_model
+
+    parts = ([("in", ("inp",), lambda m, x: m.inp(x))]
+             + [(f"block{i}", (f"body_{i}",), lambda m, x, train, i=i: m.body[i](x, train=train)) for i in range(blocks)]
+             + [("out", ("out",), lambda m, x: m.out(x))])
+    return linen_model(linen_dropout_module(d, blocks), parts, loss=mse, input=((D_IN,), "float32"),
+                       label=((D_OUT,), "float32"), out_axes=OUT_AXES, rngs=("dropout",))

@@ -156,9 +156,13 @@ def nnx_model(make: Callable, parts: Sequence[Union[str, tuple]], *, loss: Calla
         ``("head", ("norm", "lm_head"), lambda norm, head, x: head(norm(x)))``.
       loss, input, label, out_axes, vocab: as for `plain`.
 
-    Only `nnx.Param` variables are supported (no BatchStat / RNG state yet). Parameters are
-    named "<part>/<attribute path>/<leaf path>"; their logical axes are the names given to
-    `nnx.with_partitioning` (unannotated leaves are replicated).
+    Parameters are the `nnx.Param` variables, named "<part>/<attribute path>/<leaf path>";
+    their logical axes are the names given to `nnx.with_partitioning` (unannotated leaves are
+    replicated). RNG state (`nnx.Dropout(..., rngs=rngs)`'s stream) is not trained or carried:
+    on every call each stream a part holds is reseeded (`nnx.reseed`) with fold_in(rng, j), j
+    the stream's index among the part's stream names sorted, rng meshpipe's key for (seed,
+    step, microbatch, part); and the part is put in `train()` / `eval()` mode. Other variable
+    kinds (BatchNorm's `BatchStat`) are refused at plan time.
     """
     import jax
     from flax import nnx
@@ -175,12 +179,15 @@ def nnx_model(make: Callable, parts: Sequence[Union[str, tuple]], *, loss: Calla
             sub = _walk(abstract, path, type(abstract).__name__)
             if not isinstance(sub, nnx.Module):
                 raise ModelError(f"split point {path!r} is a {type(sub).__name__}, not an nnx.Module")
-            graph, state, rest = nnx.split(sub, nnx.Param, ...)
+            graph, state, rngs, rest = nnx.split(sub, nnx.Param, nnx.RngState, ...)
             if jax.tree.leaves(rest):
-                raise ModelError(f"split point {path!r} holds nnx variables other than nnx.Param "
-                                 f"({sorted({type(v).__name__ for v in jax.tree.leaves(rest, is_leaf=lambda v: isinstance(v, nnx.Variable))})}); "
-                                 "not supported yet")
-            subs[path] = (graph, jax.tree.structure(state))
+                kinds = sorted({type(v).__name__ for v in jax.tree.leaves(
+                    rest, is_leaf=lambda v: isinstance(v, nnx.Variable))})
+                raise ModelError(f"split point {path!r} holds nnx variables other than nnx.Param and RNG "
+                                 f"state ({kinds}); mutable state such as BatchNorm's BatchStat is not "
+                                 "supported yet")
+            streams = sorted({v.tag for v in jax.tree.leaves(rngs, is_leaf=lambda v: isinstance(v, nnx.Variable))})
+            subs[path] = (graph, jax.tree.structure(state), rngs, streams)
             axes.update({f"{path}/{k}": v for k, v in _nnx_axes(state).items()})
 
         def part_init(key, paths=paths):
@@ -189,14 +196,46 @@ def nnx_model(make: Callable, parts: Sequence[Union[str, tuple]], *, loss: Calla
             return {p: nnx.to_pure_dict(nnx.state(_walk(whole, p, "model"), nnx.Param)) for p in paths}
 
         def apply(params, x, *, rng=None, train=True, subs=subs, call=call, paths=paths):
-            mods = [nnx.merge(subs[p][0], jax.tree.unflatten(subs[p][1], jax.tree.leaves(params[p])))
-                    for p in paths]
+            mods = []
+            for p in paths:
+                graph, treedef, rngs, streams = subs[p]
+                state = jax.tree.unflatten(treedef, jax.tree.leaves(params[p]))
+                if not streams:
+                    mods.append(nnx.merge(graph, state))
+                    continue
+                mod = nnx.merge(graph, state, _rng_values(rngs))
+                if rng is not None:
+                    nnx.reseed(mod, **{name: jax.random.fold_in(rng, j) for j, name in enumerate(streams)})
+                mod.train() if train else mod.eval()
+                mods.append(mod)
             return mods[0](x) if call is None else call(*mods, x)
 
         built.append(Part(name, part_init, apply,
                           axes=lambda path, shape, axes=axes: axes.get(path) or (None,) * len(shape),
                           out_axes=lambda path, shape, name=name: outs(f"{name}/{path}", shape), paths=paths))
     return PipelineModel(tuple(built), loss, as_spec(input), as_spec(label), vocab)
+
+
+def _keywords(fn) -> set:
+    import inspect
+
+    try:
+        return set(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
+def _rng_values(abstract):
+    """Placeholder values for an nnx RNG state of shape structs (reseeded before any use)."""
+    import jax
+    import jax.numpy as jnp
+
+    def value(s):
+        if jax.dtypes.issubdtype(s.dtype, jax.dtypes.prng_key):
+            return jax.random.split(jax.random.key(0), s.shape) if s.shape else jax.random.key(0)
+        return jnp.zeros(s.shape, s.dtype)
+
+    return jax.tree.map(value, abstract)
 
 
 # ----------------------------------------------------------------------------- flax.linen
@@ -207,7 +246,7 @@ def _padded(names, shape) -> tuple:
 
 
 def linen_model(module, parts: Sequence[tuple], *, loss: Callable, input, label, out_axes=None,
-                vocab: int = 0) -> PipelineModel:
+                vocab: int = 0, rngs: Sequence[str] = ()) -> PipelineModel:
     """A flax.linen model, unchanged, split by top-level parameter collections.
 
     Args:
@@ -217,9 +256,14 @@ def linen_model(module, parts: Sequence[tuple], *, loss: Callable, input, label,
         e.g. ``("block0", ("blocks_0",), lambda m, x: m.blocks[0](x))`` (submodules defined in
         `setup`, so the method can call one alone).
       loss, input, label, out_axes, vocab: as for `plain`.
+      rngs: the RNG collections the model draws from (e.g. ("dropout",)): on each call collection
+        j gets fold_in(rng, j), rng meshpipe's key for (seed, step, microbatch, part); a method
+        that takes a `train` keyword (``lambda m, x, train: m.block(x, deterministic=not train)``)
+        gets the mode.
 
     Logical axes come from `nn.with_logical_partitioning` metadata (`nn.get_partition_spec`).
-    Parameters are named "<part>/<key>/<leaf path>". Only the `params` collection is supported.
+    Parameters are named "<part>/<key>/<leaf path>". Only the `params` collection is supported
+    (no mutable collections such as `batch_stats`).
     """
     import jax
     import flax.linen as nn
@@ -250,8 +294,12 @@ def linen_model(module, parts: Sequence[tuple], *, loss: Callable, input, label,
             whole = nn.unbox(module.init(key, jax.numpy.zeros(example.shape, example.dtype)))["params"]
             return {k: whole[k] for k in keys}
 
-        def apply(params, x, *, rng=None, train=True, method=method):
-            return module.apply({"params": dict(params)}, x, method=method)
+        takes_train = "train" in _keywords(method)
+
+        def apply(params, x, *, rng=None, train=True, method=method, takes_train=takes_train):
+            keys = None if rng is None or not rngs else {c: jax.random.fold_in(rng, j) for j, c in enumerate(rngs)}
+            kw = {"train": train} if takes_train else {}
+            return module.apply({"params": dict(params)}, x, method=method, rngs=keys, **kw)
 
         built.append(Part(name, part_init, apply,
                           axes=lambda path, shape, axes=axes: _padded(axes.get(path), shape),
