@@ -40,7 +40,8 @@ class StepState:
       inputs: forward inputs waiting for their F (received, or from the chunk before here).
       residuals: what F kept for its backward.
       outputs: F outputs waiting for their SEND_F.
-      dys: output gradients waiting for their B/I (and, zero-bubble, for W).
+      dys: output gradients waiting for their B/I.
+      held: zero-bubble: what W reads, kept from its I (`stages.zb_split.Held`).
       dxs: input gradients waiting for their SEND_B.
       losses: the last stage's loss per microbatch.
       spans: (action text, start, end) of each executed action.
@@ -52,14 +53,16 @@ class StepState:
         self.batch = None
         self.data_wait_s = 0.0
         self.inputs, self.residuals, self.outputs, self.dys, self.dxs = {}, {}, {}, {}, {}
+        self.held: dict = {}
         self.losses: dict[int, Any] = {}
         self.spans: list = []
         self.stash = Stash()
 
 
 class Stash:
-    """Bytes per device of what a step keeps between actions (forward residuals, and for
-    zero-bubble schedules the output gradients kept from I to W), and their peak.
+    """Bytes per device of what a step keeps between actions (forward residuals "r", and for
+    zero-bubble schedules what W reads, "w", kept from I to W), and their peak; `peak_items`
+    is the most microbatches held at once (an "r" or a "w" entry each).
 
     Measured from the arrays themselves: each leaf counts its per-device shard size.
     """
@@ -75,7 +78,7 @@ class Stash:
         self.now += n - self.held.get(key, 0)
         self.held[key] = n
         self.peak = max(self.peak, self.now)
-        self.peak_items = max(self.peak_items, sum(1 for k in self.held if k[0] == "r"))
+        self.peak_items = max(self.peak_items, sum(1 for k in self.held if k[0] in ("r", "w")))
 
     def drop(self, key) -> None:
         self.now -= self.held.pop(key, 0)
@@ -175,23 +178,25 @@ def backward(w, st: StepState, a) -> None:
 
 
 def backward_input(w, st: StepState, a) -> None:
-    """I (zero-bubble): input gradient only; residuals and the output gradient are kept for W."""
+    """I (zero-bubble): the input gradient; keeps only what W reads (`stages.zb_split`: per layer
+    the residuals and output cotangents its weight gradients need) and releases the rest."""
+    import jax
+
     c, key = a.chunk, (a.microbatch, a.chunk)
-    dy = st.dys.get(key)
-    dx = w.progs[c].bwd_i(w.params[c], st.residuals[key], dy)
-    st.stash.add(("dy", key), dy)      # kept until W
+    dx, st.held[key] = w.progs[c].bwd_i(w.params[c], st.residuals.pop(key), st.dys.pop(key, None))
+    jax.block_until_ready(st.held[key])
+    st.stash.drop(("r", key))
+    st.stash.add(("w", key), st.held[key])      # kept until W
     _input_grad(w, st, a, dx)
 
 
 def backward_weight(w, st: StepState, a) -> None:
-    """W (zero-bubble): weight gradient only, from what I kept; releases both."""
+    """W (zero-bubble): the weight gradients only, from what I kept; releases it."""
     import jax
 
     c, key = a.chunk, (a.microbatch, a.chunk)
-    w.grads[c] = jax.block_until_ready(
-        w.progs[c].bwd_w_acc(w.params[c], st.residuals.pop(key), st.dys.pop(key, None), w.grads[c]))
-    st.stash.drop(("r", key))
-    st.stash.drop(("dy", key))
+    w.grads[c] = jax.block_until_ready(w.progs[c].bwd_w_acc(w.params[c], st.held.pop(key), w.grads[c]))
+    st.stash.drop(("w", key))
 
 
 def recv_forward(w, st: StepState, a) -> None:
