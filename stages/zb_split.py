@@ -224,6 +224,8 @@ class ZeroBubble:
                              param_sharding)
 
     def i(self, params, res, dys):
+        if not self.split.i_eqns and not self.split.n_dx:     # first stage: no input gradient, nothing to run
+            return None, Held(self.split.held(res, dys, []), self)
         dxs, carried = self.jit_i(params, res, dys)
         return dxs, Held(self.split.held(res, dys, carried), self)
 

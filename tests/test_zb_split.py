@@ -124,3 +124,12 @@ def test_split_runs_every_equation_once():
     np.testing.assert_allclose(dx, want_dx, rtol=RTOL, atol=ATOL)
     for k in want_g:
         np.testing.assert_allclose(g[k], want_g[k], rtol=RTOL, atol=ATOL)
+
+
+def test_module_examples_hold():
+    import doctest
+
+    from stages import zb_split
+
+    result = doctest.testmod(zb_split)
+    assert result.attempted >= 8 and result.failed == 0
