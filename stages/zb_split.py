@@ -24,6 +24,9 @@ Invariants:
     fusion choices (the pipeline tests compare them with the single-process oracle).
   - W never reads a value I does not hold for it; the parameters W reads are the live
     ones (they do not change within a step).
+  - Control flow stays whole: a layer loop written as `lax.scan` (or a `while`, `cond`,
+    `shard_map`) is one equation whose outputs feed both sides, so its backward runs in I
+    and W gets only what follows it — correct, but no split inside the loop.
   - Inlining a jit drops its own in/out shardings (the stage's sharding constraints,
     which are equations, stay); that changes layouts GSPMD may choose, never values.
 """

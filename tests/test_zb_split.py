@@ -133,3 +133,22 @@ def test_module_examples_hold():
 
     result = doctest.testmod(zb_split)
     assert result.attempted >= 8 and result.failed == 0
+
+
+def test_the_stash_counts_what_w_reads_from_i_to_w():
+    """The worker's I handler swaps a microbatch's residuals for its Held in the stash: the bytes
+    counted are those of W's inputs, and the microbatch still counts as one in flight (the
+    simulator's peak_inflight counts it from F until W)."""
+    from stages.actions import Stash
+
+    _, _, _, (_, last), (_, p1), (_, res1), _, _ = _run(MLP, "none")
+    _, held = last.bwd_i(p1, res1, None)
+    stash = Stash()
+    stash.add(("r", (0, 0)), res1)
+    stash.add(("r", (1, 0)), res1)
+    stash.drop(("r", (0, 0)))                 # I of microbatch 0
+    stash.add(("w", (0, 0)), held)
+    assert stash.now == sum(a.nbytes for a in res1) + sum(a.nbytes for a in held.leaves)
+    assert stash.peak_items == 2
+    stash.drop(("w", (0, 0)))                 # W of microbatch 0
+    assert stash.now == sum(a.nbytes for a in res1)
