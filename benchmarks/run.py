@@ -496,7 +496,13 @@ def _render_efficiency(raw, der) -> list[str]:
                      fmt(d["ideal_s"] * 1e3, 1), f"**{d['efficiency']:.3f}**", fmt(d["ideal_spans_s"] * 1e3, 1),
                      _affinity([{**o, "host": 0} for o in r.get("observed", [])]), fmt(r["step_spread"]), "ok"])
     rows.sort(key=lambda x: (list(SIZES).index(x[0]), x[1]))
-    return ["## 1. Pipeline efficiency", "",
+    split = {}
+    for r in recs:      # the zero-bubble split's work, standalone: (I + W) ÷ B per stage (target ≤ 1.1)
+        if r.get("status") == "ok" and r["size"] not in split:
+            split[r["size"]] = " / ".join(fmt((c["I"] + c["W"]) / c["B"]) for c in r["standalone"]["stages"])
+    zb = ("Zero-bubble split, standalone (I + W) ÷ B per stage (stage 0 / stage 1; target ≤ 1.1): "
+          + "; ".join(f"`{k}` {v}" for k, v in split.items()) + ".") if split else ""
+    return ["## 1. Pipeline efficiency", "", *([zb, ""] if zb else []),
             ("Target ≥ 0.95 at `large`. F = standalone forward per stage (stage 0 / stage 1); *ideal* from the "
              "standalone costs (≤ step by construction; a run above 1 fails instead of appearing here); *in-run "
              "ideal* = the same simulation from the in-run spans (a cross-check); *affinity* = each stage's "

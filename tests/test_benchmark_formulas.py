@@ -109,7 +109,7 @@ def _record(step_s: float, ideal_s: float, schedule: str = "1f1b") -> dict:
 
 def _plain(cores: int, step_s: float) -> dict:
     return {"status": "ok", "size": "large", "m": 8, "cores": cores, "step_s": step_s, "fused_mb_s": 0.05,
-            "update_s": 0.01, "losses": [5.0, 4.9]}
+            "update_s": 0.01, "losses": [5.0, 4.9], "step_spread": 0.1}
 
 
 def test_derive_publishes_a_plausible_run_with_the_honest_bound(monkeypatch):
@@ -178,3 +178,37 @@ def test_kept_sections_from_before_standalone_costs_are_dropped_not_rendered():
            "torch": {"pipe": [{"status": "ok"}]}, "jax": {"records": []}}
     assert run.drop_stale(raw) == ["pipeline", "torch"]
     assert set(raw) == {"overhead", "jax"}
+
+
+def test_the_report_renders_every_section_from_plausible_records(monkeypatch):
+    """A full run ends in `render`; a crash there would lose an hour of measuring."""
+    from benchmarks import run
+
+    monkeypatch.setattr(run.os, "cpu_count", lambda: 2)
+
+    def rec(size, sched, m=8):
+        r = _record(1.0, 0.9, sched)
+        stages = [{"F": 0.01, "B": 0.02, "I": 0.011, "W": 0.01, "OPT": 0.001}] * 2
+        r.update(size=size, m=m, ideal_spans_s=0.95, step_spread=0.1, standalone={"stages": stages, "observed":
+                 {"affinity": [1], "os_threads": 9}}, stash_peak_bytes=[100, 50], stash_peak_items=[2, 1],
+                 example_spans=[[0, 0, "0SEND_F0", 0.0, 0.001]])
+        return r
+
+    torch_rec = {"size": "large", "schedule": "1f1b", "m": 8, "status": "ok", "step_s": 0.4, "step_spread": 0.1,
+                 "costs": [{"F": 0.011, "B": 0.021, "OPT": 0.0}] * 2,
+                 "standalone": [{"F": 0.01, "B": 0.02, "OPT": 0.0}] * 2,
+                 "observed": [{"affinity": [0], "threads": 1}, {"affinity": [1], "threads": 1}]}
+    raw = {"machine": {"when": "now", "cpu": "cpu", "nproc": 2, "mem_gib": 1.0, "python": "3", "jax": "j",
+                       "jaxlib": "j", "ray": "r", "optax": "o", "torch": "t", "load_start": [0.1, 0.1, 0.1]},
+           "pinned": True,
+           "pipeline": {"records": [rec("large", "1f1b"), rec("large", "zb-h1")]},
+           "overhead": {"records": [rec("tiny", "1f1b")]},
+           "jax": {"records": [_plain(2, 1.2), _plain(1, 1.6)]},
+           "torch": {"status": "ok", "pipe": [torch_rec], "plain": [{**_plain(1, 0.5), "threads": 1}]},
+           "memory": {"records": [{"size": "large", "m": 8, "schedule": "1f1b", "stage": 0, "peak_inflight": 2,
+                                   "residual_bytes": 50, "peak_activation_bytes": 100, "param_bytes": 10}]}}
+    md = run.render(raw, run.derive(raw), "full", [])
+    for text in ("of honest bound", "vs plain, all cores", "meshpipe stage 1 on {1}", "torch rank 0 on {0} with 1",
+                 "standalone timings on {1}", "(I + W) ÷ B per stage", "**0.900**"):
+        assert text in md, text
+    assert "of bound |" not in md and "with mean spans" not in md
