@@ -41,7 +41,7 @@ import numpy as np
 
 from stages.actions import EVAL_HANDLERS, StepState, handler_for
 from stages.data import HostLoader, rows_array, rows_of
-from stages.mailbox import Mailbox
+from stages.mailbox import Mailbox, MailboxClosed
 from orchestrator.core.model.spec import ModelSpec, param_name
 
 
@@ -352,7 +352,7 @@ class StageWorker:
 
     def _begin(self, step: int) -> StepState:
         if self.inbox.closed:
-            raise RuntimeError(f"{self.cfg.who}: not starting step {step}: {self.inbox.closed}")
+            raise MailboxClosed(f"{self.cfg.who}: not starting step {step}: {self.inbox.closed}")
         for hook in self.cfg.hooks:
             hook.on_step(self.cfg, step)
         self._pin_thread()

@@ -124,6 +124,14 @@ class PipelineExecutor:
             refs = [a.connect.remote(self.actors, addresses) for row in self.actors for a in row]
         wait_all(refs, self.timeouts["init_s"], "connecting stages", labels)
 
+    def abort(self, reason: str) -> None:
+        """Tell every actor to abandon its step now (fire and forget; `abort_step` runs beside it)."""
+        for a in (a for row in self.actors for a in row):
+            try:
+                a.abort_step.options(concurrency_group="io").remote(reason)
+            except Exception:  # noqa: BLE001 - best effort; shutdown kills them anyway
+                pass
+
     def shutdown(self) -> None:
         import ray
         from ray.util.placement_group import remove_placement_group
