@@ -104,12 +104,21 @@ def standalone_costs(size: Size, schedule: str, m: int, reps: int, core: int | N
 
     Returns {"stages": [{F, B, I, W, OPT}], "observed": the child's affinity and threads, "when", "load"}.
     F, B, I, W: the mean over the stage's chunks (as `simulate` takes one cost per stage and kind);
-    OPT: the sum (one OPT updates every chunk). Measured once per (size, chunk layout) per process.
+    OPT: the sum (one OPT updates every chunk). A chunk the worker fuses (`stages.actions.fused_chunks`)
+    costs F = its one-program F+B, B = 0. Measured once per (size, chunk layout, fusion) per process.
     """
     from benchmarks.common import run_child
 
+    from orchestrator.core.schedule import generate, lower
+    from stages.actions import fused_chunks
+
     chunks = stage_chunks(size, schedule)
-    key = (size.name, m, tuple(map(tuple, chunks)))
+    low = lower(generate(schedule, len(chunks), m, **({"v": len(chunks[0])} if len(chunks[0]) > 1 else {})))
+    n = size.num_layers()
+    fused = [fused_chunks([a for a in row if a is not None],
+                          next((c for c, (_, b) in enumerate(cs) if b == n), None))
+             for row, cs in zip(low.actions, chunks)]
+    key = (size.name, m, tuple(map(tuple, chunks)), tuple(map(tuple, fused)))
     if key not in _STANDALONE:
         ranges = sorted(c for cs in chunks for c in cs)
         core = (os.cpu_count() or 1) - 1 if core is None else core
@@ -118,8 +127,10 @@ def standalone_costs(size: Size, schedule: str, m: int, reps: int, core: int | N
                          *(f"{a}:{b}" for a, b in ranges)], timeout=600, cpus=[core])
         by_range = {tuple(c["layers"]): c for c in got["chunks"]}
         stages = []
-        for cs in chunks:
-            rs = [by_range[c] for c in cs]
+        for cs, fs in zip(chunks, fused):
+            # a fused chunk (the loss chunk's F and B back to back) runs F+B as one program: F = FB, B = 0
+            rs = [{**by_range[c], "F": by_range[c]["FB"], "B": 0.0} if i in fs else by_range[c]
+                  for i, c in enumerate(cs)]
             d = {k: sum(r[k] for r in rs) / len(rs) for k in ("F", "B", "I", "W")}
             d["OPT"] = sum(r["OPT"] for r in rs)
             stages.append(d)
@@ -130,7 +141,8 @@ def standalone_costs(size: Size, schedule: str, m: int, reps: int, core: int | N
 def standalone(size: Size, m: int, reps: int, ranges: list[tuple[int, int]], warm: int = 2) -> dict:
     """Child: the stage programs of `ranges` (consecutive layer ranges, in order) timed one at a
     time on this process's CPUs, with the operands the worker gives them on a one-device stage
-    (host numpy inputs, mesh {data: 1}); median seconds of F, B, I, W (accumulating) and OPT."""
+    (host numpy inputs, mesh {data: 1}); median seconds of F, B, I, W (accumulating) and OPT, and on the
+    loss chunk FB (F and B as one program, `StageProgram.fwd_bwd_acc`)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -175,8 +187,16 @@ def standalone(size: Size, m: int, reps: int, ranges: list[tuple[int, int]], war
         def opt():
             state[:] = prog.update(*state)
             return state[0]
+        one = {}
+        if prog.last:           # F and B as one program (the worker fuses them where they are back to back)
+            acc = [prog.init_state(params)[1]]
+
+            def fb():
+                loss, _, acc[0] = prog.fwd_bwd_acc(params, xs, lab, ids, acc[0])
+                return acc[0]
+            one["FB"], _ = timed(fb)
         o, _ = timed(opt)
-        chunks.append({"layers": [a, b], "F": f, "B": bw, "I": i_s, "W": w_s, "OPT": o})
+        chunks.append({"layers": [a, b], "F": f, "B": bw, "I": i_s, "W": w_s, "OPT": o, **one})
         if not prog.last:
             xs = [np.asarray(leaf) for leaf in y]
     return {"size": size.name, "m": m, "chunks": chunks, "observed": conditions()}

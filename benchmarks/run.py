@@ -75,7 +75,8 @@ All times are medians; a run's first `warmup` steps (compilation) are dropped. p
   programs: meshpipe: each stage's jitted programs timed one at a time in a child process pinned to
   one core, with the operands the worker gives them, before the run's actors start
   (`benchmarks/pipeline.py` `standalone`; interleaved: F, B, I, W the mean over the stage's chunks, OPT
-  their sum); torch: the stage module's forward (+ loss), backward and adam step timed outside the
+  their sum; where the worker runs the loss chunk's F and B as one program — 1F1B and eager-1F1B's last
+  stage — F is that program and B is 0); torch: the stage module's forward (+ loss), backward and adam step timed outside the
   pipeline on both ranks. The in-run spans (meshpipe: `StepResult.spans`; torch: wrappers of
   `forward_one_chunk` / `backward_one_chunk`) are kept as a cross-check (*in-run ideal*).
 - **ideal** — `orchestrator.core.schedule.simulate` of the lowered schedule with the standalone costs, OPT
@@ -498,7 +499,7 @@ def _render_efficiency(raw, der) -> list[str]:
     rows.sort(key=lambda x: (list(SIZES).index(x[0]), x[1]))
     split = {}
     for r in recs:      # the zero-bubble split's work, standalone: (I + W) ÷ B per stage (target ≤ 1.1)
-        if r.get("status") == "ok" and r["size"] not in split:
+        if r.get("status") == "ok" and r["schedule"] == "zb-h1" and r["size"] not in split:
             split[r["size"]] = " / ".join(fmt((c["I"] + c["W"]) / c["B"]) for c in r["standalone"]["stages"])
     zb = ("Zero-bubble split, standalone (I + W) ÷ B per stage (stage 0 / stage 1; target ≤ 1.1): "
           + "; ".join(f"`{k}` {v}" for k, v in split.items()) + ".") if split else ""

@@ -42,6 +42,7 @@ class StepState:
       outputs: F outputs waiting for their SEND_F.
       dys: output gradients waiting for their B/I.
       held: zero-bubble: what W reads, kept from its I (`stages.zb_split.Held`).
+      fused: input gradients a fused F computed, waiting for their B (`forward_backward`).
       dxs: input gradients waiting for their SEND_B.
       losses: the last stage's loss per microbatch.
       spans: (action text, start, end) of each executed action.
@@ -54,6 +55,7 @@ class StepState:
         self.data_wait_s = 0.0
         self.inputs, self.residuals, self.outputs, self.dys, self.dxs = {}, {}, {}, {}, {}
         self.held: dict = {}
+        self.fused: dict = {}
         self.losses: dict[int, Any] = {}
         self.spans: list = []
         self.stash = Stash()
@@ -199,6 +201,45 @@ def backward_weight(w, st: StepState, a) -> None:
     st.stash.drop(("w", key))
 
 
+def forward_backward(w, st: StepState, a) -> None:
+    """F of the loss chunk when its B comes right after it (`fused_chunks`): forward and backward as
+    one program (`StageProgram.fwd_bwd_acc`), nothing kept but the input gradient for that B."""
+    import jax
+
+    c, key, prog = a.chunk, (a.microbatch, a.chunk), w.progs[a.chunk]
+    x, labels = _operands(w, st, a, prog)
+    ids = np.array([w.cfg.seed, st.step, a.microbatch], np.int32)
+    loss, dx, w.grads[c] = prog.fwd_bwd_acc(w.params[c], x, labels, ids, w.grads[c])
+    jax.block_until_ready(w.grads[c])
+    st.losses[a.microbatch] = loss
+    st.fused[key] = dx
+
+
+def fused_backward(w, st: StepState, a) -> None:
+    """B whose work its F already did (`forward_backward`): hands the input gradient on."""
+    _input_grad(w, st, a, st.fused.pop((a.microbatch, a.chunk)))
+
+
+def fused_chunks(actions, loss_chunk: int | None) -> frozenset:
+    """The chunks whose F and B `program_of` runs as one program: the loss chunk (`loss_chunk`, None
+    when this stage has none), when every one of its F is directly followed in `actions` by the
+    B of the same microbatch (1F1B and eager-1F1B's last stage; not GPipe's, not zero-bubble's).
+
+    Example:
+        >>> from orchestrator.core.schedule import Action
+        >>> row = [Action.parse(t) for t in ("1RECV_F0", "1F0", "1B0", "1SEND_B0", "1F1", "1B1", "1OPT")]
+        >>> sorted(fused_chunks(row, 0)), sorted(fused_chunks(row[:5] + row[6:], 0)), sorted(fused_chunks(row, None))
+        ([0], [], [])
+    """
+    if loss_chunk is None:
+        return frozenset()
+    fs = [i for i, a in enumerate(actions) if a.kind is Kind.F and a.chunk == loss_chunk]
+    ok = bool(fs) and all(i + 1 < len(actions) and actions[i + 1].kind is Kind.B
+                          and actions[i + 1].chunk == loss_chunk
+                          and actions[i + 1].microbatch == actions[i].microbatch for i in fs)
+    return frozenset({loss_chunk}) if ok else frozenset()
+
+
 def recv_forward(w, st: StepState, a) -> None:
     """RECV_F: this chunk's forward input from the previous virtual stage (bounded wait), leaf by
     leaf (key ... + (leaf index,)), each with its own shape, dtype and sharding."""
@@ -271,6 +312,19 @@ EVAL_HANDLERS: dict[Kind, Handler] = {
     Kind.RECV_F: recv_forward,
     Kind.SEND_F: send_forward,
 }
+
+
+def program_of(actions, who: str, loss_chunk: int | None) -> list[tuple[Any, str, Handler]]:
+    """A step's program: `(action, text, handler)` per action, in the schedule's order; F and B of
+    a fused chunk (`fused_chunks`) get the one-program pair."""
+    fused = fused_chunks(actions, loss_chunk)
+    out = []
+    for a in actions:
+        handler = handler_for(a, who)
+        if a.chunk in fused and a.kind in (Kind.F, Kind.B):
+            handler = forward_backward if a.kind is Kind.F else fused_backward
+        out.append((a, str(a), handler))
+    return out
 
 
 def handler_for(action, who: str, table: dict[Kind, Handler] = HANDLERS) -> Handler:

@@ -7,6 +7,7 @@ transport moves. Basic flow for one microbatch on one stage:
     ys, res = fwd(params, xs[, labels])          # res: residuals kept until the backward
     dxs, grads = bwd_acc(params, res, dys, grads)   # or, zero-bubble:
     dxs, held = bwd_i(params, res, dys)   ...   grads = bwd_w_acc(params, held, grads)
+    loss, dxs, grads = fwd_bwd_acc(params, xs, labels, ids, grads)   # last stage, F and B back to back
 and once per step: params, opt_state, grads = update(params, opt_state, grads, gnorm), where
 gnorm is the global gradient norm over every stage when the chain clips by it (the worker
 exchanges one squared norm per stage, `sq_norm`, before any stage updates).
@@ -299,6 +300,23 @@ class StageProgram:
         self.zero_bubble = zero_bubble
         self.bwd_i = bwd_i
 
+        def fwd_bwd_acc(params, xs, labels, ids, acc):
+            """The loss stage's F and B as one program (schedules that run them back to back)."""
+            f, dx = objective(list(xs), labels, ids)
+            primals = (params,) if self.first else (params, *dx)
+            with sharding.use(self.mesh, self.layout):
+                loss, vjp = jax.vjp(f, *primals)
+                grads = vjp(seed(None))
+            return loss, None if self.first else list(grads[1:]), jax.tree.map(jnp.add, acc, grads[0])
+
+        if self.last:
+            # the accumulator is donated where its layout is the parameters' by construction (no mesh or
+            # one device: `init_state` makes it with the parameter shardings); with a multi-device mesh
+            # GSPMD may lay it out otherwise and XLA refuses the alias (see bwd_acc above)
+            donate = (4,) if self.mesh is None or self.mesh.size == 1 else ()
+            self.fwd_bwd_acc = jax.jit(fwd_bwd_acc, donate_argnums=donate) if self.mesh is None else jax.jit(
+                fwd_bwd_acc, out_shardings=(None, xsh, psh), donate_argnums=donate)
+
         def accumulate(acc, g):
             return jax.tree.map(jnp.add, acc, g)
 
@@ -342,7 +360,8 @@ class StageProgram:
 
     def init_state(self, params):
         opt_state = jax.jit(self.tx.init)(params)
-        zeros = jax.jit(lambda p: jax.tree.map(jnp.zeros_like, p))(params)
+        zero = (lambda p: jax.tree.map(jnp.zeros_like, p))
+        zeros = (jax.jit(zero) if self.mesh is None else jax.jit(zero, out_shardings=self.param_shardings()))(params)
         return opt_state, zeros
 
 

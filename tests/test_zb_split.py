@@ -152,3 +152,44 @@ def test_the_stash_counts_what_w_reads_from_i_to_w():
     assert stash.peak_items == 2
     stash.drop(("w", (0, 0)))                 # W of microbatch 0
     assert stash.now == sum(a.nbytes for a in res1)
+
+
+@pytest.mark.parametrize("model", [GPT, MLP], ids=["gpt", "mlp"])
+def test_fused_forward_backward_equals_the_oracle_and_donates(model):
+    """The loss stage's F+B in one program (1F1B's last stage): the same loss and gradients as the
+    oracle, accumulated into the donated accumulator."""
+    spec, x, y, (first, last), (p0, p1), (res0, res1), h, loss = _run(model, "none")
+    acc = last.init_state(p1)[1]
+    ids = None
+    loss2, dh, acc2 = last.fwd_bwd_acc(p1, h, y, ids, acc)
+    assert all(a.is_deleted() for a in jax.tree.leaves(acc))          # donated: XLA reused it
+    _, g0 = first.bwd(p0, res0, dh)
+    parts = build_model(spec.factory, spec.args)
+
+    def whole(params):
+        z = x
+        for part, p in zip(parts.parts, params):
+            z = part.apply(p, z, rng=None, train=True)
+        return parts.loss(z, y)
+
+    want_loss, want = jax.value_and_grad(whole)([*p0, *p1])
+    np.testing.assert_allclose(float(loss2), float(want_loss), rtol=RTOL, atol=ATOL)
+    for a, b in zip(jax.tree.leaves([*g0, *acc2]), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=RTOL, atol=ATOL)
+
+
+def test_only_back_to_back_loss_chunks_fuse():
+    from orchestrator.core.schedule import generate, lower
+    from stages.actions import forward_backward, fused_backward, fused_chunks, program_of
+
+    def row(name, s, v=1):
+        low = lower(generate(name, 2, 4, **({"v": v} if v > 1 else {})))
+        return [a for a in low.actions[s] if a is not None]
+
+    assert fused_chunks(row("1f1b", 1), 0) == {0} and fused_chunks(row("eager-1f1b", 1), 0) == {0}
+    assert fused_chunks(row("gpipe", 1), 0) == set() and fused_chunks(row("zb-h1", 1), 0) == set()
+    assert fused_chunks(row("1f1b", 0), None) == set()
+    assert fused_chunks(row("interleaved-1f1b", 1, v=2), 1) == {1}     # the loss chunk only
+    prog = program_of(row("1f1b", 1), "stage1", 0)
+    kinds = {a.kind.value: h for a, _, h in prog if a.kind.value in ("F", "B")}
+    assert kinds == {"F": forward_backward, "B": fused_backward}
