@@ -864,6 +864,9 @@ def main(argv=None) -> None:
         if not json_path.exists():
             ap.error(f"--render: no {json_path} to render; measure first")
         raw = json.loads(json_path.read_text())["raw"]
+        for sec in drop_stale(raw):
+            print(f"not rendering section {sec} of {json_path.name}: measured before standalone costs and "
+                  f"read-back affinity (rerun it)", flush=True)
     else:
         raw = json.loads(json_path.read_text()).get("raw", {}) if args.only and json_path.exists() else {}
         for sec in [s for s in drop_stale(raw) if s not in only]:
