@@ -144,7 +144,6 @@ def standalone(size: Size, m: int, reps: int, ranges: list[tuple[int, int]], war
     (host numpy inputs, mesh {data: 1}); median seconds of F, B, I, W (accumulating) and OPT, and on the
     loss chunk FB (F and B as one program, `StageProgram.fwd_bwd_acc`)."""
     import jax
-    import jax.numpy as jnp
     import numpy as np
     from jax.sharding import Mesh
 

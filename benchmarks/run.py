@@ -19,7 +19,7 @@ Sections (all in one run, on one machine, so the RATIOS are comparable):
             plain torch; skipped with a note when torch is not installed
   memory    predicted peak activation memory per stage (shapes only); the measured
             peak comes with the pipeline section's records
-Derived tables (efficiency, overhead, breakdown, ratios) are computed from
+Derived tables (efficiency, overhead, breakdown, ratios; `benchmarks/derive.py`) are computed from
 whichever sections are present; the definitions are written into the markdown
 (`DEFINITIONS`). Every Ray run shuts its actors down (`PipelineExecutor.shutdown`
 in `finally`), the Ray session is shut down at the end, every remote wait has
@@ -36,15 +36,17 @@ import time
 from pathlib import Path
 
 from benchmarks import common, formulas
+from benchmarks.common import RESULTS, SCHEDULES, SIZES, fmt, md_table, run_child
+from benchmarks.derive import P, derive, drop_stale
+from benchmarks.derive import find as _find
 from benchmarks.formulas import fb as _fb
-from benchmarks.common import RESULTS, SCHEDULES, SIZES, fmt, md_table, run_child, sim_costs
+from benchmarks.plots import BREAKDOWN_KEYS, make_plots
 
 SECTIONS = ("pipeline", "overhead", "executors", "jax", "torch", "memory")
 # OpenMP's default spin-waiting makes 2-thread plain torch 10-20x slower as soon as anything else runs on
 # this 2-core machine (measured: 2.6 s vs 0.14 s per step at load 6); passive waiting removes that.
 TORCH_PLAIN_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
 RAY_WORKER_NICENESS = 0    # see _ray_session
-P = 2
 
 MODES = {
     "full": {"sizes": ["small", "large"], "ms": [4, 8], "schedules": list(SCHEDULES), "steps": 10, "warmup": 3,
@@ -286,129 +288,7 @@ def measure_section(sec: str, cfg: dict, pin: bool, echo) -> dict:
     return {"records": measure_memory(cfg)}
 
 
-# ----------------------------------------------------------------------------- deriving
-
-def _jax(raw: dict, size: str, m: int | None, cores: int) -> dict | None:
-    for r in raw.get("jax", {}).get("records", []):
-        if r.get("status") == "ok" and r["size"] == size and r["cores"] == cores and (m is None or r["m"] == m):
-            return r
-    return None
-
-
-def _plain_on(records: list[dict], size: str, m: int, cores: int | None) -> dict | None:
-    """The plain run of this size and m on one core (`cores=1`) or on all cores (`None`)."""
-    n = cores or (os.cpu_count() or 1)
-    return next((r for r in records if r.get("status") == "ok" and r["size"] == size and r["m"] == m
-                 and r["cores"] == n), None)
-
-
-def _against_plain(d: dict, records: list[dict], size: str, m: int, step: float) -> None:
-    """The honest bound (perfect pipeline of the 1-core plain program) and vs plain on all cores."""
-    one, full = _plain_on(records, size, m, 1), _plain_on(records, size, m, None)
-    if one:
-        d["plain1_s"] = one["step_s"]
-        d["honest_bound_s"] = formulas.honest_bound_s(one["step_s"], m, P)
-        d["of_honest_bound"] = formulas.of_honest_bound(one["step_s"], m, P, step)
-    if full and full is not one:
-        d["plain_all_s"], d["plain_all_cores"] = full["step_s"], full["cores"]
-        d["vs_plain_all"] = formulas.vs_plain(full["step_s"], step)
-
-
-def _in_run_vs_standalone(in_run: list[dict], alone: list[dict]) -> list[dict]:
-    """Per stage and kind, in-run median span ÷ standalone cost (a cross-check; > 1: slower in the run)."""
-    return [{k: a[k] / b[k] for k in a if k in b and b[k] > 0} for a, b in zip(in_run, alone)]
-
-
-def derive_meshpipe(rec: dict, raw: dict) -> dict:
-    """Efficiency, overhead, ratios and the loss breakdown of one pipelined run.
-
-    Raises:
-      formulas.ImplausibleMeasurement: efficiency above 1 / negative overhead (not published).
-    """
-    step, ideal, m = rec["step_s"], rec["ideal_s"], rec["m"]
-    what = f"meshpipe {rec['size']} {rec['schedule']} m={m}"
-    d = {"efficiency": formulas.checked_efficiency(ideal, step, what),
-         "overhead_ms": formulas.checked_overhead_ms(step, ideal, rec["compute_actions_per_stage"], what),
-         "overhead_cp_ms": formulas.checked_overhead_ms(step, ideal, rec["critical_path_actions"], what),
-         "bound": formulas.bound(m, P)}
-    costs = rec["standalone"]["stages"]
-    d["in_run_vs_standalone"] = _in_run_vs_standalone(rec["costs"], costs)
-    plains = raw.get("jax", {}).get("records", [])
-    _against_plain(d, plains, rec["size"], m, step)
-    ref = _plain_on(plains, rec["size"], m, 1) or _plain_on(plains, rec["size"], m, None)
-    if ref:
-        n = min(len(ref["losses"]), len(rec["losses"]))
-        d["loss_rel_diff"] = max(abs(a - b) / abs(b) for a, b in zip(rec["losses"][:n], ref["losses"][:n]))
-    kinds = ("I", "W") if rec["schedule"].startswith("zb") else ("B",)
-    fbs = [c["F"] + sum(c[k] for k in kinds) for c in costs]
-    busy = [m * x for x in fbs]
-    one = _jax(raw, rec["size"], None, 1)
-    f1 = one["fused_mb_s"] if one else None
-    fb_sum = sum(fbs)
-    idle = [ideal - b - c.get("OPT", 0.0) for b, c in zip(busy, costs)]
-    comm = [sum(v for k, v in t.items() if k.startswith(("SEND", "RECV"))) for t in rec["totals"]]
-    excess = sum(c - i for c, i in zip(comm, idle)) / len(comm)
-    transfers = min(max(0.0, excess), step - ideal)
-    parts = {
-        "useful": m * f1 / P if f1 else None,
-        "split": m * (fb_sum - f1) / P if f1 else None,
-        "compute": m * fb_sum / P,
-        "imbalance": max(busy) - sum(busy) / len(busy),
-        "bubble": rec["ideal_no_opt_s"] - max(busy),
-        "optimizer": ideal - rec["ideal_no_opt_s"],
-        "transfers": transfers,
-        "orchestration": step - ideal - transfers,
-    }
-    d["breakdown_s"] = parts
-    d["breakdown_share"] = {k: (v / step if v is not None else None) for k, v in parts.items()}
-    d["fused_mb_1core_s"], d["split_fb_sum_s"] = f1, fb_sum
-    return d
-
-
-def derive_torch(rec: dict, raw: dict) -> dict:
-    """Torch's figures the same way: the ideal from its standalone F, B, OPT per rank.
-
-    Raises:
-      formulas.ImplausibleMeasurement: efficiency above 1 / negative overhead (not published).
-    """
-    from orchestrator.core.schedule import generate, lower, simulate
-
-    low = lower(generate(rec["schedule"], P, rec["m"]))
-    sim = simulate(low, sim_costs(rec["standalone"]))
-    step = rec["step_s"]
-    what = f"torch {rec['size']} {rec['schedule']} m={rec['m']}"
-    n = common.compute_actions_per_stage(low)
-    d = {"ideal_s": sim.step_time, "efficiency": formulas.checked_efficiency(sim.step_time, step, what),
-         "overhead_ms": formulas.checked_overhead_ms(step, sim.step_time, n, what),
-         "overhead_cp_ms": formulas.checked_overhead_ms(step, sim.step_time,
-                                                        common.critical_path_actions(sim, low), what),
-         "ideal_spans_s": simulate(low, sim_costs(rec["costs"])).step_time,
-         "in_run_vs_standalone": _in_run_vs_standalone(rec["costs"], rec["standalone"]),
-         "bound": formulas.bound(rec["m"], P)}
-    _against_plain(d, raw.get("torch", {}).get("plain", []), rec["size"], rec["m"], step)
-    return d
-
-
-def derive(raw: dict) -> dict:
-    out: dict = {"pipeline": [], "overhead": [], "torch": []}
-    for sec in ("pipeline", "overhead"):
-        for r in raw.get(sec, {}).get("records", []):
-            if r.get("status") == "ok":
-                out[sec].append({"key": [r["size"], r["schedule"], r["m"]], **derive_meshpipe(r, raw)})
-    for r in raw.get("torch", {}).get("pipe", []):
-        if r.get("status") == "ok":
-            out["torch"].append({"key": [r["size"], r["schedule"], r["m"]], **derive_torch(r, raw)})
-    from benchmarks import executors
-
-    out["executors"] = executors.derive(raw.get("executors", {}).get("records", []))
-    return out
-
-
 # ----------------------------------------------------------------------------- rendering
-
-def _find(items, size, sched, m):
-    return next((x for x in items if x["key"] == [size, sched, m]), None)
-
 
 def render(raw: dict, der: dict, mode: str, plots: list[str]) -> str:
     mi = raw["machine"]
@@ -566,9 +446,6 @@ def _render_overhead(raw, der) -> list[str]:
                       "F/B ms (stage 0 \\| 1)", "SEND ms", "spread"], rows), ""]
 
 
-BREAKDOWN_KEYS = ("useful", "split", "imbalance", "bubble", "optimizer", "transfers", "orchestration")
-
-
 def _render_breakdown(raw, der) -> list[str]:
     rows = []
     for d in der["pipeline"]:
@@ -705,98 +582,6 @@ def _render_memory(raw) -> list[str]:
                      rows, "lrlrrrrrrrr"), ""]
 
 
-# ----------------------------------------------------------------------------- plots
-
-def make_plots(raw: dict, der: dict, suffix: str) -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    files = []
-    if der["pipeline"] or der["torch"]:
-        groups = sorted({(d["key"][0], d["key"][2]) for d in der["pipeline"] + der["torch"] if d["key"][0] != "tiny"},
-                        key=lambda g: (list(SIZES).index(g[0]), g[1]))
-        series = [("meshpipe " + s, der["pipeline"], s) for s in SCHEDULES] + \
-                 [("torch " + s, der["torch"], s) for s in ("1f1b", "gpipe")]
-        series = [x for x in series if any(d["key"][1] == x[2] for d in x[1])]
-        fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(groups) * max(1, len(series)) / 3), 4))
-        w = 0.8 / max(1, len(series))
-        for j, (label, items, sched) in enumerate(series):
-            xs, ys = [], []
-            for i, (size, m) in enumerate(groups):
-                d = _find(items, size, sched, m)
-                if d:
-                    xs.append(i + j * w)
-                    ys.append(d["efficiency"])
-            ax.bar(xs, ys, w, label=label, hatch="//" if label.startswith("torch") else None)
-        ax.axhline(0.95, color="k", ls="--", lw=1, label="target 0.95")
-        ax.set_xticks([i + 0.4 - w / 2 for i in range(len(groups))], [f"{s}, m={m}" for s, m in groups])
-        ax.set_ylabel("efficiency = ideal / measured step")
-        ax.set_ylim(0, 1.1)
-        ax.legend(fontsize=7, ncol=2)
-        ax.set_title("Pipeline efficiency (2 stages)")
-        fig.tight_layout()
-        files.append(_save(fig, f"pipeline_efficiency{suffix}.png"))
-    rows = [d for d in der["pipeline"] if d["key"][1] == "1f1b"]
-    if rows:
-        fig, ax = plt.subplots(figsize=(8.5, 0.5 * len(rows) + 1.8))
-        keys = [k for k in BREAKDOWN_KEYS if any(d["breakdown_share"].get(k) is not None for d in rows)]
-        if "useful" not in keys:
-            keys = ["compute"] + keys
-        left = [0.0] * len(rows)
-        for k in keys:
-            vals = [max(0.0, d["breakdown_share"].get(k) or 0.0) for d in rows]
-            ax.barh(range(len(rows)), vals, left=left, label=k)
-            left = [a + b for a, b in zip(left, vals)]
-        ax.set_yticks(range(len(rows)), [f"{d['key'][0]} m={d['key'][2]}" for d in rows])
-        ax.set_xlabel("share of the measured 1F1B step")
-        ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
-        ax.set_title("Where a pipelined step goes")
-        fig.tight_layout()
-        files.append(_save(fig, f"pipeline_breakdown{suffix}.png"))
-    ok = [r for r in raw.get("pipeline", {}).get("records", []) if r.get("status") == "ok" and r["schedule"] == "1f1b"]
-    if ok:
-        r = max(ok, key=lambda x: (list(SIZES).index(x["size"]), x["m"]))
-        files.append(_timeline(plt, r, f"pipeline_timeline{suffix}.png"))
-    return files
-
-
-COLORS = {"F": "tab:blue", "B": "tab:orange", "I": "tab:orange", "W": "tab:olive", "OPT": "tab:red",
-          "SEND_F": "tab:gray", "SEND_B": "tab:gray", "RECV_F": "lightgray", "RECV_B": "lightgray"}
-
-
-def _timeline(plt, rec: dict, name: str) -> str:
-    spans = rec["example_spans"]
-    t0 = min(s[3] for s in spans)
-    fig, ax = plt.subplots(figsize=(10, 2.6))
-    for stage, _host, text, start, end in spans:
-        k = common.kind_of(text)
-        ax.barh(2 * stage + 1, (end - start) * 1e3, left=(start - t0) * 1e3, color=COLORS.get(k, "k"),
-                edgecolor="white", lw=0.3)
-    for stage, text, start, end in rec["ideal_spans"]:
-        k = common.kind_of(text)
-        if end > start:
-            ax.barh(2 * stage, (end - start) * 1e3, left=start * 1e3, color=COLORS.get(k, "k"),
-                    edgecolor="white", lw=0.3, alpha=0.6)
-    ax.set_yticks(range(4), ["stage 0 ideal", "stage 0 measured", "stage 1 ideal", "stage 1 measured"])
-    ax.invert_yaxis()
-    ax.set_xlabel("ms (blue F, orange B, red OPT, grey send/recv)")
-    ax.set_title(f"One measured step vs the ideal: {rec['size']}, 1F1B, m={rec['m']} "
-                 f"(step {rec['step_s'] * 1e3:.0f} ms, ideal {rec['ideal_s'] * 1e3:.0f} ms)")
-    fig.tight_layout()
-    return _save(fig, name)
-
-
-def _save(fig, name: str) -> str:
-    import matplotlib.pyplot as plt
-
-    path = RESULTS / name
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return str(path)
-
-
 # ----------------------------------------------------------------------------- main
 
 def measure(raw: dict, only: list[str], cfg: dict, pin: bool) -> None:
@@ -827,18 +612,6 @@ def measure(raw: dict, only: list[str], cfg: dict, pin: bool) -> None:
             ray.shutdown()
     raw["load_end"] = os.getloadavg()
     raw["elapsed_s"] = time.perf_counter() - t0
-
-
-def drop_stale(raw: dict) -> list[str]:
-    """Remove (and name) the kept sections whose records predate standalone costs and read-back
-    affinity: their ideal came from in-run spans, which this benchmark no longer publishes."""
-    stale = [sec for sec in ("pipeline", "overhead", "executors")
-             if any(r.get("status") == "ok" and "standalone" not in r for r in raw.get(sec, {}).get("records", []))]
-    if any(r.get("status") == "ok" and "observed" not in r for r in raw.get("torch", {}).get("pipe", [])):
-        stale.append("torch")
-    for sec in stale:
-        del raw[sec]
-    return stale
 
 
 def main(argv=None) -> None:

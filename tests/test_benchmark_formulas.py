@@ -1,5 +1,5 @@
 """The benchmark's derived quantities (benchmarks/formulas.py) and the checks that refuse to publish
-impossible ones (benchmarks/run.py derive, benchmarks/pipeline.py check_pinning), pure: worked
+impossible ones (benchmarks/derive.py, benchmarks/pipeline.py check_pinning), pure: worked
 examples by hand, nothing timed."""
 from __future__ import annotations
 
@@ -113,9 +113,9 @@ def _plain(cores: int, step_s: float) -> dict:
 
 
 def test_derive_publishes_a_plausible_run_with_the_honest_bound(monkeypatch):
-    from benchmarks import run
+    from benchmarks import derive, run
 
-    monkeypatch.setattr(run.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(derive.os, "cpu_count", lambda: 2)
     raw = {"pipeline": {"records": [_record(step_s=1.0, ideal_s=0.9)]},
            "jax": {"records": [_plain(2, 1.2), _plain(1, 1.6)]}}
     d = run.derive(raw)["pipeline"][0]
@@ -182,9 +182,9 @@ def test_kept_sections_from_before_standalone_costs_are_dropped_not_rendered():
 
 def test_the_report_renders_every_section_from_plausible_records(monkeypatch):
     """A full run ends in `render`; a crash there would lose an hour of measuring."""
-    from benchmarks import run
+    from benchmarks import derive, run
 
-    monkeypatch.setattr(run.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(derive.os, "cpu_count", lambda: 2)
 
     def rec(size, sched, m=8):
         r = _record(1.0, 0.9, sched)
