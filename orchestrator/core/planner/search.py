@@ -88,6 +88,7 @@ class StageChoice:
     inflight: int
     tp_bytes: float
     dp_bytes: float
+    overhead_s: float = 0.0     # the runtime's fixed cost per action, included in fwd_s, bwd_s and opt_s
 
 
 @dataclass(frozen=True)
@@ -299,7 +300,8 @@ def _stage_tables(model, topo, choices, tables, m, ns, slots, memo):
             if (k, m, n) not in memo:
                 with np.errstate(invalid="ignore"):
                     mem = np.where(bad, np.inf, MS + n * R + TM)
-                Tn = np.where(mem <= topo.memory_bytes, T, np.inf)
+                # each microbatch's F and B each pay the runtime's fixed per-action cost
+                Tn = np.where(mem <= topo.memory_bytes, T + 2 * topo.action_overhead_s, np.inf)
                 best = Tn.argmin(axis=0)
                 memo[(k, m, n)] = (np.take_along_axis(Tn, best[None], 0)[0], best, mem.min(axis=0))
             out[(k, n)] = memo[(k, m, n)]
@@ -463,20 +465,26 @@ def _min_memory(stage_tab, infl, L, H, topo):
 
 
 def evaluate(model, topo, choices, tables, stages, m, sched, infl, global_batch, slots) -> Candidate:
-    """Replay one plan in the schedule simulator: per-stage F/B/OPT and per-edge transfer times."""
+    """Replay one plan in the schedule simulator: per-stage F/B/OPT and per-edge transfer times.
+
+    Every F, B and OPT action of every stage costs `topo.action_overhead_s` on top of its
+    device time (the runtime's fixed cost per action, `meshpipe calibrate`).
+    """
     from orchestrator.core.schedule import simulate
 
     micro = global_batch // m
+    over = topo.action_overhead_s
     out = []
     for s, (i, j, h, k, ci) in enumerate(stages):
         t = tables[(k, ci, m)]
         cols = t.parts[i:j]
         mem = sum(c.param_bytes for c in cols) * (2 + slots) + infl[s] * sum(c.residual_bytes for c in cols) \
             + max(c.temp_bytes for c in cols)
-        out.append(StageChoice((i, j), (h, k), choices[k][ci], float(t.fwd[i:j].sum()), float(t.bwd[i:j].sum()),
-                               float(t.opt[i:j].sum()), sum(c.compute_s for c in cols),
+        out.append(StageChoice((i, j), (h, k), choices[k][ci], float(t.fwd[i:j].sum()) + over,
+                               float(t.bwd[i:j].sum()) + over, float(t.opt[i:j].sum()) + over,
+                               sum(c.compute_s for c in cols),
                                sum(c.tp_comm_s for c in cols), sum(c.dp_comm_s for c in cols), mem, infl[s],
-                               sum(c.tp_bytes for c in cols), sum(c.dp_bytes for c in cols)))
+                               sum(c.tp_bytes for c in cols), sum(c.dp_bytes for c in cols), over))
     edges = []
     for a, b in zip(out, out[1:]):
         nbytes = model.layers[a.layers[1] - 1].out_bytes(micro)

@@ -16,7 +16,9 @@ ring formulas XLA's own auto-sharding uses per mesh dimension:
   permute         bytes / β + α
 
 Defaults (`DEFAULTS`) are nominal figures per platform, to be replaced by a cluster's
-`links:` / `device:` sections (or, later, by `meshpipe calibrate`).
+`links:` / `device:` sections (`meshpipe calibrate` measures them and writes both).
+`device.action_overhead_us` (default 0) is the runtime's fixed cost of one action
+(F, B, OPT) on a stage; the cost model adds it to each action of each stage.
 """
 from __future__ import annotations
 
@@ -60,6 +62,7 @@ class Topology:
       hosts_per_group: consecutive hosts that share the `group` link class.
       links: one `LinkClass` per name in `CLASSES`.
       memory_bytes, flops, memory_bandwidth: per device.
+      action_overhead_s: the runtime's fixed cost of one action on a stage (seconds).
     """
 
     hosts: int
@@ -71,6 +74,7 @@ class Topology:
     memory_bandwidth: float
     platform: str = "cpu"
     notes: tuple[str, ...] = field(default=())
+    action_overhead_s: float = 0.0
 
     @property
     def num_devices(self) -> int:
@@ -138,5 +142,8 @@ def from_cluster(cluster) -> Topology:
         return float(v)
 
     mem, tf, bw = pick("memory_gb"), pick("tflops"), pick("memory_bandwidth_gbps")
+    over = getattr(dev, "action_overhead_us", None) if dev is not None else None
+    if over is None:
+        notes.append("device.action_overhead_us: not set, 0 (meshpipe calibrate measures it)")
     return Topology(cluster.hosts, cluster.devices_per_host, hpg, links, mem * 1e9, tf * 1e12, bw * 1e9,
-                    cluster.platform, tuple(notes))
+                    cluster.platform, tuple(notes), float(over or 0.0) * 1e-6)
