@@ -266,3 +266,14 @@ def test_meshpipe_calibrate_on_the_local_cluster(tmp_path):
                         capture_output=True, text=True, timeout=120, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert r2.returncode == 2 and "exists" in r2.stderr and "--force" in r2.stderr
     print(f"calibrate wall {wall:.1f} s, load {os.getloadavg()[0]:.1f}, flops ratio {ratio:.2f}")
+
+
+def test_measured_table_reports_the_median_relative_error():
+    from orchestrator.driver.autoplan import measured_table, median_abs_error
+
+    rows = [{"candidate": i, "predicted_s": p, "measured_s": m, "error": (p - m) / m}
+            for i, (p, m) in enumerate([(1.0, 1.25), (2.0, 1.6), (3.0, 3.0)])]
+    assert median_abs_error(rows) == pytest.approx(0.2)
+    text = measured_table(rows)
+    assert "median |error| 20.0% over 3 candidate(s)" in text and "-20.0%" in text and "25.0%" in text
+    assert np.isnan(median_abs_error([]))
