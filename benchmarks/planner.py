@@ -83,6 +83,10 @@ def prediction_error(k: int, hosts: int, dph: int, job: str) -> int:
         written = yaml.safe_load(Path(cal["written"]).read_text())
     info["load_end"] = os.getloadavg()
     rows = rep["measured"]
+    for r in rows:
+        c = rep["candidates"][r["candidate"]]
+        r["plan"] = (f"{len(c['stages'])} stage(s), m={c['microbatches']} {c['schedule']}: "
+                     + " | ".join(f"{s['layers']} {s['mesh']}" for s in c["stages"]))
     out = {"case": {"job": job, "hosts": hosts, "devices_per_host": dph, "measure": k, "max_model": 2,
                     "microbatches": [2, 4], "steps": 8}, "machine": info,
            "calibrated": {"device": written["device"], "links": written["links"],
@@ -97,9 +101,9 @@ def prediction_error(k: int, hosts: int, dph: int, job: str) -> int:
           f"machine: {info['cpu']}, {info['affinity']} cores usable, load {info['load_start']} → {info['load_end']} "
           "(shared machine: other agents' work runs at the same time)", "",
           f"calibrated: device {written['device']}, links {written['links']}", "",
-          "| # | predicted ms | measured ms | error |", "|---:|---:|---:|---:|"]
-    md += [f"| {r['candidate']} | {r['predicted_s'] * 1e3:.2f} | {r['measured_s'] * 1e3:.2f} | {r['error'] * 100:+.1f}% |"
-           for r in rows]
+          "| # | plan | predicted ms | measured ms | error |", "|---:|---|---:|---:|---:|"]
+    md += [f"| {r['candidate']} | {r['plan']} | {r['predicted_s'] * 1e3:.2f} | {r['measured_s'] * 1e3:.2f} | "
+           f"{r['error'] * 100:+.1f}% |" for r in rows]
     md += ["", f"median |error| {rep['median_abs_error'] * 100:.1f}% over {len(rows)} candidates "
            f"(target ≤ 15 %); calibrate {t1 - t0:.0f} s, plan + measure {t2 - t1:.0f} s wall"]
     (RESULTS / "planner_error.md").write_text("\n".join(md) + "\n")

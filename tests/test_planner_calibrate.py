@@ -117,10 +117,17 @@ def test_cost_model_adds_the_overhead_to_each_action_of_each_stage():
                        [e["time_s"] for e in c.edges] or 0.0)
         assert c.step_s == pytest.approx(sim.step_time)
         assert all(s.overhead_s == o for s in c.stages)
-    # a large overhead makes fewer, longer stages win (each stage pays it per action)
-    big = dataclasses.replace(t0, action_overhead_s=1.0)
-    nb = search(model, big, 16, profile=FakeProfiles(model, costs), options=opts2).best
-    assert len(nb.stages) == 1
+    # a large per-action overhead favours fewer microbatches; a large per-transfer one, one stage
+    many = SearchOptions(microbatches=(2, 8), schedules=("1f1b",), top=0, max_model=1)
+    assert search(model, dataclasses.replace(t0, action_overhead_s=1.0), 16, profile=FakeProfiles(model, costs),
+                  options=many).best.microbatches == 2
+    e = 0.5
+    tr = search(model, dataclasses.replace(t0, transfer_overhead_s=e), 16, profile=FakeProfiles(model, costs),
+                options=opts2)
+    assert len(tr.best.stages) == 1
+    for c in tr.ranked:
+        for edge in c.edges:
+            assert edge["time_s"] == pytest.approx(t0.links[edge["link"]].time(edge["bytes"]) + e)
 
 
 def test_action_overhead_key_is_validated_and_read():
@@ -128,9 +135,13 @@ def test_action_overhead_key_is_validated_and_read():
     assert from_cluster(c).action_overhead_s == pytest.approx(250e-6)
     assert from_cluster(parse_cluster({"hosts": 1, "devices_per_host": 1})).action_overhead_s == 0.0
     assert any("action_overhead_us" in n for n in from_cluster(parse_cluster({"hosts": 1, "devices_per_host": 1})).notes)
-    for bad in (-1, "250", float("nan")):
-        with pytest.raises(ConfigError, match="device.action_overhead_us"):
-            parse_cluster({"hosts": 1, "devices_per_host": 1, "device": {"action_overhead_us": bad}})
+    c2 = parse_cluster({"hosts": 1, "devices_per_host": 1, "device": {"transfer_overhead_us": 40}})
+    assert from_cluster(c2).transfer_overhead_s == pytest.approx(40e-6)
+    assert from_cluster(c2).edge_time("dcn", 1000) == pytest.approx(from_cluster(c2).links["dcn"].time(1000) + 40e-6)
+    for key in ("action_overhead_us", "transfer_overhead_us"):
+        for bad in (-1, "250", float("nan")):
+            with pytest.raises(ConfigError, match=f"device.{key}"):
+                parse_cluster({"hosts": 1, "devices_per_host": 1, "device": {key: bad}})
 
 
 # -- the YAML written ----------------------------------------------------------------------
@@ -148,7 +159,8 @@ def test_written_cluster_round_trips_through_the_parser_and_keeps_the_users_keys
     src = _user_cluster(tmp_path)
     before = src.read_text()
     raw = yaml.safe_load(before)
-    new = calibrated_raw(raw, tflops=0.075, memory_bandwidth_gbps=15.5, action_overhead_us=812.5, links=FITS)
+    new = calibrated_raw(raw, tflops=0.075, memory_bandwidth_gbps=15.5, action_overhead_us=812.5, links=FITS,
+                         transfer_overhead_us=1200.0)
     path = write_calibrated(new, src, header="written by a test\nsecond line")
     assert path == default_out(src) == tmp_path / "c.calibrated.yaml"
     assert src.read_text() == before                                   # the input is untouched
@@ -158,7 +170,7 @@ def test_written_cluster_round_trips_through_the_parser_and_keeps_the_users_keys
     cl = load_cluster(path)
     assert (cl.hosts, cl.devices_per_host, cl.cpus_per_host) == (4, 2, 0.5)
     assert cl.device.memory_gb == 3 and cl.device.tflops == 0.075 and cl.device.memory_bandwidth_gbps == 15.5
-    assert cl.device.action_overhead_us == 812.5
+    assert cl.device.action_overhead_us == 812.5 and cl.device.transfer_overhead_us == 1200.0
     assert cl.links.hosts_per_group == 2
     assert (cl.links.group.bandwidth_gbps, cl.links.group.latency_us) == (7, 9)          # not measured: kept
     assert (cl.links.host.bandwidth_gbps, cl.links.host.latency_us) == (8.0, 30.0)
@@ -166,6 +178,7 @@ def test_written_cluster_round_trips_through_the_parser_and_keeps_the_users_keys
     topo = from_cluster(cl)
     assert topo.links["dcn"].bandwidth == pytest.approx(1.5e9) and topo.links["host"].latency_s == pytest.approx(30e-6)
     assert topo.flops == pytest.approx(0.075e12) and topo.action_overhead_s == pytest.approx(812.5e-6)
+    assert topo.transfer_overhead_s == pytest.approx(1200e-6)
     assert not [n for n in topo.notes if n.startswith(("links.host", "links.dcn", "device.tflops", "device.action"))]
 
 
@@ -199,7 +212,8 @@ def test_writer_refuses_the_input_file_and_existing_files(tmp_path):
 def test_writer_refuses_figures_the_schema_would_refuse(tmp_path):
     src = _user_cluster(tmp_path)
     raw = yaml.safe_load(src.read_text())
-    for kw in ({"tflops": float("nan")}, {"memory_bandwidth_gbps": 0.0}, {"action_overhead_us": -1.0}):
+    for kw in ({"tflops": float("nan")}, {"memory_bandwidth_gbps": 0.0}, {"action_overhead_us": -1.0},
+               {"transfer_overhead_us": float("inf")}):
         args = {"tflops": 1.0, "memory_bandwidth_gbps": 1.0, "action_overhead_us": 1.0, **kw}
         with pytest.raises(CalibrationError, match=next(iter(kw))):
             calibrated_raw(raw, links={}, **args)
@@ -258,9 +272,13 @@ def test_meshpipe_calibrate_on_the_local_cluster(tmp_path):
     direct = _direct_matmul_flops()
     ratio = cl.device.tflops * 1e12 / direct
     assert 1 / 20 < ratio < 5, (cl.device.tflops, direct)
-    # the overhead reproduces the tiny run it was fitted to
+    # the overheads reproduce the tiny runs they were fitted to
     ov = rep["overhead"]
-    assert ov["simulated_at_fit_s"] == pytest.approx(ov["measured_step_s"], rel=1e-3)
+    assert cl.device.action_overhead_us == pytest.approx(ov["action_overhead_s"] * 1e6, rel=1e-5)
+    assert (2 * 4 + 1) * ov["action_overhead_s"] == pytest.approx(ov["one_stage"]["measured_step_s"], rel=1e-3)
+    assert cl.device.transfer_overhead_us is not None and cl.device.transfer_overhead_us >= 0
+    if cl.device.transfer_overhead_us > 0:
+        assert ov["two_stage"]["simulated_at_fit_s"] == pytest.approx(ov["two_stage"]["measured_step_s"], rel=1e-3)
     # running it again without --force refuses to replace the written file (exit 2, before Ray)
     r2 = subprocess.run([sys.executable, "-m", "orchestrator.driver.cli", "calibrate", "--cluster", str(src)],
                         capture_output=True, text=True, timeout=120, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})

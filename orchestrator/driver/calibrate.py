@@ -12,10 +12,11 @@ Basic flow:
      over meshpipe's socket transport → the class the pair spans (hosts 0 and 1:
      `group` with node groups, else `dcn`; with node groups also 0 and the first
      host of the next group: `dcn`). Every probe is killed and the group removed.
-  4. The per-action overhead: a tiny real pipeline job (an MLP of width 8, one or
-     two 1-host stages, 1F1B, 4 microbatches, 8 steps) runs on the cluster through
-     `run_job`; the overhead is the o that makes the schedule simulator, with each
-     edge at the fitted link's α-β time, replay its measured step
+  4. The runtime's fixed costs: tiny real pipeline jobs (an MLP of width 8, 1F1B,
+     4 microbatches, 8 steps) run on the cluster through `run_job`: one 1-host stage
+     gives the per-action overhead o (the simulator, each F/B/OPT costing o, replays
+     its measured step); with two hosts, two 1-host stages give the per-transfer
+     overhead (each edge at the fitted link's α-β time plus it, o per action)
      (`planner.calibrate.fit_overhead`; the tiny model's compute is neglected).
   5. Write the cluster YAML with the measured figures (`planner.calibrate`), load it
      back, and report. An embedded Ray we started is stopped.
@@ -113,46 +114,56 @@ def _probes(cluster, echo, run: str) -> dict:
         remove_placement_group(pg)
 
 
-def _tiny_job(cluster, workdir: Path) -> tuple[Path, int]:
-    """A tiny MLP pipeline job on this cluster (module docstring, step 4); its path and stage count."""
+def _tiny_job(cluster, workdir: Path, p: int) -> Path:
+    """A tiny MLP pipeline job of p 1-host stages on this cluster (module docstring, step 4)."""
     dph = cluster.devices_per_host
-    p = 2 if cluster.hosts >= 2 else 1
     stages = [{"layers": [0, 2], "mesh": {"data": dph}, "hosts": 1},
               {"layers": [2, 4], "mesh": {"data": dph}, "hosts": 1}] if p == 2 else \
              [{"layers": [0, 4], "mesh": {"data": dph}, "hosts": 1}]
-    job = {"run": {"name": "calibrate-overhead", "steps": TINY_STEPS, "seed": 0, "output_dir": str(workdir)},
+    job = {"run": {"name": f"calibrate-overhead-{p}", "steps": TINY_STEPS, "seed": 0, "output_dir": str(workdir)},
            "model": {"name": "mlp", "args": {"d_in": 4, "d_model": 8, "d_mlp": 8, "d_out": 2, "blocks": 2}},
            "data": {"source": "synthetic", "global_batch": TINY_M * dph},
            "optimizer": {"name": "sgd", "args": {"learning_rate": 0.01}},
            "pipeline": {"schedule": "1f1b", "microbatches": TINY_M, "stages": stages},
            "layout": {"batch": "data"}}
-    path = workdir / "calibrate-overhead.yaml"
+    path = workdir / f"calibrate-overhead-{p}.yaml"
     path.write_text(yaml.safe_dump(job, sort_keys=False))
-    return path, p
+    return path
 
 
-def _overhead(cluster, cross, echo) -> dict:
-    """Step 4: run the tiny job, fit the per-action overhead."""
-    from orchestrator.core.schedule import generate, lower, simulate
+def _tiny_run(cluster, p: int, echo) -> tuple[float, list, int]:
+    """Run the tiny p-stage job; (median step of the second half, every step time, microbatch size)."""
     from orchestrator.driver.runner import run_job
 
     with tempfile.TemporaryDirectory(prefix="meshpipe-calibrate-") as tmp:
-        path, p = _tiny_job(cluster, Path(tmp))
-        checked = check_job(load_job(path), cluster)
+        checked = check_job(load_job(_tiny_job(cluster, Path(tmp), p)), cluster)
         echo(f"timing the runtime: a tiny {p}-stage job, {TINY_M} microbatches, {TINY_STEPS} steps ...")
         summary = run_job(checked, echo=lambda s: None)
-    times = summary["step_times_s"][TINY_STEPS // 2:]
-    measured = statistics.median(times)
-    low = lower(generate("1f1b", p, TINY_M))
-    act_bytes = checked.microbatch_size * 8 * 4
-    edge = [cross.latency_s + act_bytes / cross.bandwidth] * (p - 1) if (p > 1 and cross) else 0.0
+    times = summary["step_times_s"]
+    return statistics.median(times[TINY_STEPS // 2:]), times, checked.microbatch_size
 
-    def step(o: float) -> float:
-        return float(simulate(low, [{"F": o, "B": o, "OPT": o}] * p, edge).step_time)
 
-    o = fit_overhead(step, measured, hi=10.0)
-    return {"stages": p, "microbatches": TINY_M, "step_times_s": summary["step_times_s"],
-            "measured_step_s": measured, "overhead_s": o, "simulated_at_fit_s": step(o)}
+def _overhead(cluster, cross, echo) -> dict:
+    """Step 4: the per-action overhead (one stage), then the per-transfer overhead (two stages)."""
+    from orchestrator.core.schedule import generate, lower, simulate
+
+    measured1, times1, _ = _tiny_run(cluster, 1, echo)
+    low1 = lower(generate("1f1b", 1, TINY_M))
+    o = fit_overhead(lambda x: float(simulate(low1, {"F": x, "B": x, "OPT": x}).step_time), measured1, hi=10.0)
+    out = {"microbatches": TINY_M, "one_stage": {"step_times_s": times1, "measured_step_s": measured1},
+           "action_overhead_s": o, "transfer_overhead_s": None}
+    if cluster.hosts >= 2 and cross is not None:
+        measured2, times2, micro = _tiny_run(cluster, 2, echo)
+        low2 = lower(generate("1f1b", 2, TINY_M))
+        link = cross.latency_s + micro * 8 * 4 / cross.bandwidth      # the activation: micro × d_model float32
+
+        def step(e: float) -> float:
+            return float(simulate(low2, [{"F": o, "B": o, "OPT": o}] * 2, [link + e]).step_time)
+
+        e = fit_overhead(step, measured2, hi=10.0)
+        out["two_stage"] = {"step_times_s": times2, "measured_step_s": measured2, "simulated_at_fit_s": step(e)}
+        out["transfer_overhead_s"] = e
+    return out
 
 
 def calibrate(cluster_path: str, *, out: Optional[str] = None, force: bool = False,
@@ -187,11 +198,13 @@ def calibrate(cluster_path: str, *, out: Optional[str] = None, force: bool = Fal
     dev = probe["device"]
     new = calibrated_raw(raw, tflops=dev["flops_per_device"] / 1e12,
                          memory_bandwidth_gbps=dev["bandwidth_per_device"] / 1e9,
-                         action_overhead_us=over["overhead_s"] * 1e6, links=fits)
+                         action_overhead_us=over["action_overhead_s"] * 1e6, links=fits,
+                         transfer_overhead_us=None if over["transfer_overhead_s"] is None
+                         else over["transfer_overhead_s"] * 1e6)
     load1 = os.getloadavg()
     header = (f"written by `meshpipe calibrate --cluster {cluster_path}` on {time.strftime('%Y-%m-%d %H:%M:%S %Z')}\n"
               f"measured: device.* on host 0 ({dev['devices']} devices busy at once), links.{{{','.join(fits)}}} "
-              f"(α-β fits), device.action_overhead_us (a tiny {over['stages']}-stage run)\n"
+              f"(α-β fits), device.*_overhead_us (tiny real runs)\n"
               f"load average {load0[0]:.1f} -> {load1[0]:.1f}; figures measured under load are lower bounds of "
               "what the cluster can do")
     path = write_calibrated(new, cluster_path, dest, force=force, header=header)
@@ -205,7 +218,10 @@ def calibrate(cluster_path: str, *, out: Optional[str] = None, force: bool = Fal
     for c, f in fits.items():
         echo(f"links.{c}: {f.bandwidth / 1e9:.3g} GB/s, {f.latency_s * 1e6:.3g} µs "
              f"({f.samples} samples, largest residual {f.max_rel_residual:.0%})")
-    echo(f"per-action overhead: {over['overhead_s'] * 1e6:.0f} µs (tiny run: {over['measured_step_s'] * 1e3:.2f} ms "
-         "per step)")
+    echo(f"per-action overhead: {over['action_overhead_s'] * 1e6:.0f} µs (tiny 1-stage run: "
+         f"{over['one_stage']['measured_step_s'] * 1e3:.2f} ms per step)")
+    if over["transfer_overhead_s"] is not None:
+        echo(f"per-transfer overhead: {over['transfer_overhead_s'] * 1e6:.0f} µs (tiny 2-stage run: "
+             f"{over['two_stage']['measured_step_s'] * 1e3:.2f} ms per step)")
     echo(f"wrote {path} (load average {load0[0]:.1f} -> {load1[0]:.1f})")
     return report

@@ -507,6 +507,9 @@ class DeviceConfig(_Frozen):
     # fixed runtime cost of one pipeline action (F, B, OPT) on a stage, microseconds: dispatch,
     # interpreter, spans, transport bookkeeping (`meshpipe calibrate` measures it; null: 0)
     action_overhead_us: Optional[NonNegFloat] = None
+    # fixed runtime cost of one stage-to-stage transfer (its SEND and RECV) beyond the link's α-β time,
+    # microseconds: wake-ups, mailbox, framing (`meshpipe calibrate` measures it; null: 0)
+    transfer_overhead_us: Optional[NonNegFloat] = None
 
 
 class ClusterConfig(_Frozen):

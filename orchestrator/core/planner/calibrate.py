@@ -13,11 +13,12 @@ return timed samples; this module turns them into the cluster's `device:` and
              i.e. t = a·α + x/β, linear in (α, 1/β): least squares over every sample
              of the class; α < 0 (noise on a fast link) is clamped to 0 and 1/β refitted
              through the origin. A slope ≤ 0 is refused (the sweep saw no bandwidth).
-  overhead   the runtime's fixed cost per action (`device.action_overhead_us`): the o
-             for which the schedule simulator, with every F, B and OPT costing o (plus
-             the measured compute) and each edge its α-β transfer, replays the step time
-             a tiny real run measured (`fit_overhead`, bisection: the simulated step
-             grows monotonically with o).
+  overhead   the runtime's fixed costs: per action (`device.action_overhead_us`), the o
+             for which the schedule simulator, every F, B and OPT costing o, replays the
+             step a tiny ONE-stage real run measured; per stage-edge transfer
+             (`device.transfer_overhead_us`), the extra e on each edge's α-β time for
+             which it replays a tiny TWO-stage run's step with that o (`fit_overhead`,
+             bisection: the simulated step grows monotonically with either).
 
 `calibrated_raw` merges the figures into the cluster's raw YAML dict (everything the
 user wrote is kept; `device.memory_gb` is not measured and stays as written) and
@@ -149,7 +150,8 @@ def fit_overhead(simulate_step, measured_s: float, hi: float = 1.0, tol: float =
 
 
 def calibrated_raw(raw: Mapping[str, Any], *, tflops: float, memory_bandwidth_gbps: float,
-                   action_overhead_us: float, links: Mapping[str, Fit]) -> dict[str, Any]:
+                   action_overhead_us: float, links: Mapping[str, Fit],
+                   transfer_overhead_us: Optional[float] = None) -> dict[str, Any]:
     """The cluster's raw YAML dict with measured `device:` and `links:` figures merged in.
 
     Keys the user wrote are kept (`device.memory_gb`, `links.hosts_per_group`, every other
@@ -158,12 +160,16 @@ def calibrated_raw(raw: Mapping[str, Any], *, tflops: float, memory_bandwidth_gb
     for name, v in (("device.tflops", tflops), ("device.memory_bandwidth_gbps", memory_bandwidth_gbps)):
         if not (math.isfinite(v) and v > 0):
             raise CalibrationError(f"{name} = {v!r}: a measured figure must be finite and positive")
-    if not (math.isfinite(action_overhead_us) and action_overhead_us >= 0):
-        raise CalibrationError(f"device.action_overhead_us = {action_overhead_us!r}: must be finite and ≥ 0")
+    for name, v in (("device.action_overhead_us", action_overhead_us),
+                    ("device.transfer_overhead_us", transfer_overhead_us)):
+        if v is not None and not (math.isfinite(v) and v >= 0):
+            raise CalibrationError(f"{name} = {v!r}: must be finite and ≥ 0")
     out = copy.deepcopy(dict(raw))
     dev = dict(out.get("device") or {})
     dev.update({"tflops": float(f"{tflops:.6g}"), "memory_bandwidth_gbps": float(f"{memory_bandwidth_gbps:.6g}"),
                 "action_overhead_us": float(f"{action_overhead_us:.6g}")})
+    if transfer_overhead_us is not None:
+        dev["transfer_overhead_us"] = float(f"{transfer_overhead_us:.6g}")
     out["device"] = dev
     lk = dict(out.get("links") or {})
     for name, fit in links.items():

@@ -335,9 +335,9 @@ def _edge_times(model, topo, micro):
     L, H = model.num_layers, topo.hosts
     times = np.zeros((L + 1, H + 1))
     for h in range(1, H):
-        link = topo.links[topo.class_of_hosts([h - 1, h])]
+        cls = topo.class_of_hosts([h - 1, h])
         for j in range(1, L):
-            times[j, h] = 2 * link.time(model.layers[j - 1].out_bytes(micro))
+            times[j, h] = 2 * topo.edge_time(cls, model.layers[j - 1].out_bytes(micro))
     return times
 
 
@@ -468,7 +468,8 @@ def evaluate(model, topo, choices, tables, stages, m, sched, infl, global_batch,
     """Replay one plan in the schedule simulator: per-stage F/B/OPT and per-edge transfer times.
 
     Every F, B and OPT action of every stage costs `topo.action_overhead_s` on top of its
-    device time (the runtime's fixed cost per action, `meshpipe calibrate`).
+    device time, and every stage-edge transfer `topo.transfer_overhead_s` on top of its
+    link's α-β time (the runtime's fixed costs, `meshpipe calibrate`).
     """
     from orchestrator.core.schedule import simulate
 
@@ -490,7 +491,7 @@ def evaluate(model, topo, choices, tables, stages, m, sched, infl, global_batch,
         nbytes = model.layers[a.layers[1] - 1].out_bytes(micro)
         cls = topo.class_of_hosts([a.hosts[0] + a.hosts[1] - 1, b.hosts[0]])
         edges.append({"edge": [len(edges), len(edges) + 1], "bytes": nbytes, "link": cls,
-                      "time_s": topo.links[cls].time(nbytes)})
+                      "time_s": topo.edge_time(cls, nbytes)})
     low = _lowered(sched, len(out), m)
     costs = [{"F": st.fwd_s, "B": st.bwd_s, "OPT": st.opt_s} for st in out]
     sim = simulate(low, costs, [e["time_s"] for e in edges] if edges else 0.0)

@@ -19,6 +19,8 @@ Defaults (`DEFAULTS`) are nominal figures per platform, to be replaced by a clus
 `links:` / `device:` sections (`meshpipe calibrate` measures them and writes both).
 `device.action_overhead_us` (default 0) is the runtime's fixed cost of one action
 (F, B, OPT) on a stage; the cost model adds it to each action of each stage.
+`device.transfer_overhead_us` (default 0) is the runtime's fixed cost of one
+stage-to-stage transfer beyond its link's α-β time; added to every stage edge.
 """
 from __future__ import annotations
 
@@ -63,6 +65,7 @@ class Topology:
       links: one `LinkClass` per name in `CLASSES`.
       memory_bytes, flops, memory_bandwidth: per device.
       action_overhead_s: the runtime's fixed cost of one action on a stage (seconds).
+      transfer_overhead_s: the runtime's fixed cost of one stage-edge transfer beyond α-β (seconds).
     """
 
     hosts: int
@@ -75,6 +78,11 @@ class Topology:
     platform: str = "cpu"
     notes: tuple[str, ...] = field(default=())
     action_overhead_s: float = 0.0
+    transfer_overhead_s: float = 0.0
+
+    def edge_time(self, cls: str, nbytes: float) -> float:
+        """One stage-edge transfer of `nbytes` over link class `cls`: α-β plus the runtime's fixed cost."""
+        return self.links[cls].time(nbytes) + self.transfer_overhead_s
 
     @property
     def num_devices(self) -> int:
@@ -142,8 +150,11 @@ def from_cluster(cluster) -> Topology:
         return float(v)
 
     mem, tf, bw = pick("memory_gb"), pick("tflops"), pick("memory_bandwidth_gbps")
-    over = getattr(dev, "action_overhead_us", None) if dev is not None else None
-    if over is None:
-        notes.append("device.action_overhead_us: not set, 0 (meshpipe calibrate measures it)")
+    over = {}
+    for key in ("action_overhead_us", "transfer_overhead_us"):
+        over[key] = getattr(dev, key, None) if dev is not None else None
+        if over[key] is None:
+            notes.append(f"device.{key}: not set, 0 (meshpipe calibrate measures it)")
     return Topology(cluster.hosts, cluster.devices_per_host, hpg, links, mem * 1e9, tf * 1e12, bw * 1e9,
-                    cluster.platform, tuple(notes), float(over or 0.0) * 1e-6)
+                    cluster.platform, tuple(notes), float(over["action_overhead_us"] or 0.0) * 1e-6,
+                    float(over["transfer_overhead_us"] or 0.0) * 1e-6)
