@@ -86,7 +86,7 @@ def prediction_error(k: int, hosts: int, dph: int, job: str) -> int:
     for r in rows:
         c = rep["candidates"][r["candidate"]]
         r["plan"] = (f"{len(c['stages'])} stage(s), m={c['microbatches']} {c['schedule']}: "
-                     + " | ".join(f"{s['layers']} {s['mesh']}" for s in c["stages"]))
+                     + " ; ".join(f"{s['layers']} {s['mesh']}" for s in c["stages"]))
     out = {"case": {"job": job, "hosts": hosts, "devices_per_host": dph, "measure": k, "max_model": 2,
                     "microbatches": [2, 4], "steps": 8}, "machine": info,
            "calibrated": {"device": written["device"], "links": written["links"],
@@ -95,20 +95,29 @@ def prediction_error(k: int, hosts: int, dph: int, job: str) -> int:
            "wall_s": {"calibrate": t1 - t0, "plan_and_measure": t2 - t1}}
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "planner_error.json").write_text(json.dumps(out, indent=1))
+    md = error_md(out)
+    (RESULTS / "planner_error.md").write_text(md)
+    print(md)
+    return 0
+
+
+def error_md(out: dict) -> str:
+    """The prediction-error result (`planner_error.json`) as the markdown page."""
+    case, info, cal, rows = out["case"], out["machine"], out["calibrated"], out["measured"]
+    load = lambda t: "/".join(f"{x:.1f}" for x in t)    # noqa: E731 - 1/5/15-minute load averages
     md = [f"# Planner prediction error after `meshpipe calibrate` ({info['when']})", "",
-          f"{job} planned with --auto on {hosts} hosts × {dph} simulated CPU devices (embedded local Ray); "
-          f"the top {k} candidates run 8 steps each (median of the last 4).", "",
-          f"machine: {info['cpu']}, {info['affinity']} cores usable, load {info['load_start']} → {info['load_end']} "
-          "(shared machine: other agents' work runs at the same time)", "",
-          f"calibrated: device {written['device']}, links {written['links']}", "",
+          f"{case['job']} planned with --auto on {case['hosts']} hosts × {case['devices_per_host']} simulated CPU "
+          f"devices (embedded local Ray); the top {case['measure']} candidates run {case['steps']} steps each "
+          "(median of the last 4).", "",
+          f"machine: {info['cpu']}, {info['affinity']} cores usable, load average {load(info['load_start'])} → "
+          f"{load(info['load_end'])} (shared machine: other agents' work runs at the same time)", "",
+          f"calibrated: device {cal['device']}, links {cal['links']}", "",
           "| # | plan | predicted ms | measured ms | error |", "|---:|---|---:|---:|---:|"]
     md += [f"| {r['candidate']} | {r['plan']} | {r['predicted_s'] * 1e3:.2f} | {r['measured_s'] * 1e3:.2f} | "
            f"{r['error'] * 100:+.1f}% |" for r in rows]
-    md += ["", f"median |error| {rep['median_abs_error'] * 100:.1f}% over {len(rows)} candidates "
-           f"(target ≤ 15 %); calibrate {t1 - t0:.0f} s, plan + measure {t2 - t1:.0f} s wall"]
-    (RESULTS / "planner_error.md").write_text("\n".join(md) + "\n")
-    print("\n".join(md))
-    return 0
+    md += ["", f"median |error| {out['median_abs_error'] * 100:.1f}% over {len(rows)} candidates (target ≤ 15 %); "
+           f"calibrate {out['wall_s']['calibrate']:.0f} s, plan + measure {out['wall_s']['plan_and_measure']:.0f} s wall"]
+    return "\n".join(md) + "\n"
 
 
 def main(argv=None) -> int:
