@@ -13,7 +13,9 @@ Basic flow of `search(model, topo, global_batch, profile=...)`:
      layers, its hosts and its best choice under the device-memory limit (with
      the schedule's in-flight microbatches at that stage), minimising
      Σ stage time + (m − 1) · max stage time (Alpa's stage DP: enumerate the
-     bottleneck bound, minimise the sum under it) plus stage-edge transfers;
+     bottleneck bound, minimise the sum under it) plus stage-edge transfers; a
+     stage's time per microbatch includes the runtime's fixed cost of its F and B
+     (`Topology.action_overhead_s`), an edge's the per-transfer one;
   5. the DP's three best plans per (m, p, schedule) — by its own estimate — are
      replayed by the schedule simulator (`orchestrator.core.schedule.simulate`) with
      their per-stage F/B/OPT costs and per-edge transfer times; candidates are ranked
