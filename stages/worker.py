@@ -193,6 +193,9 @@ class StageWorker:
             return None
         from stages.checkpoint import StageCheckpointer, restore
 
+        from orchestrator.core.checkpoint import check_probe
+
+        check_probe(ck["root"], ck["probe"], f"{self.cfg.who} on {socket.gethostname()}")
         took = None
         if ck.get("restore"):
             t0 = time.perf_counter()

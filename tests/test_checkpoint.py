@@ -172,6 +172,17 @@ def test_model_check_names_first_mismatching_parameter(tmp_path):
         ck.check_model(m, fewer)
 
 
+def test_a_host_that_does_not_share_the_checkpoint_dir_is_refused(tmp_path):
+    """What each stage host checks at set-up: the driver's probe, with the driver's content."""
+    (tmp_path / ck.PROBE).write_text("x")
+    ck.check_probe(tmp_path, "x", "stage 0 host 0")                              # shared: passes
+    with pytest.raises(ck.CheckpointError, match=r"stage 1 host 0 on n2 cannot read the driver's probe .*"
+                                                 r"must be storage that the driver and every host share"):
+        ck.check_probe(tmp_path / "elsewhere", "x", "stage 1 host 0 on n2")     # a local disk: no probe
+    with pytest.raises(ck.CheckpointError, match="sees another probe"):
+        ck.check_probe(tmp_path, "y", "stage 1 host 0 on n2")                  # another run's probe
+
+
 def test_committer_commits_only_when_every_host_reported_and_gcs_after(tmp_path):
     from orchestrator.driver.checkpoint import Committer
 
@@ -268,6 +279,7 @@ def _resume_equals_uninterrupted(tmp_path: Path, schedule: str, make_job=gpt_job
     m_full, m_res = ck.select(full_dir), ck.select(part_dir)
     assert m_res["step"] == 4 and m_res["losses"] == m_full["losses"] == full["losses"]
     assert m_res["arrays"] == m_full["arrays"]
+    assert not (full_dir / ck.PROBE).exists() and not (part_dir / ck.PROBE).exists()   # read back, removed
     # the loaders' own position, as the loading hosts reported it with their saves
     batch = make_job(tmp_path, "x", full_dir, schedule)["data"]["global_batch"]
     assert m_full["data"] == {"next_step": 4, "source": "synthetic", "seed": 0, "samples": 4 * batch}

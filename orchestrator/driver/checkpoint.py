@@ -25,14 +25,15 @@ import datetime
 import importlib.util
 import json
 import logging
+import secrets
 import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from orchestrator.core.checkpoint import (FORMAT, CheckpointError, check_model, committed, gc_dirs, layout_of,
-                                          select, stale_dirs, verify_files, write_marker)
+from orchestrator.core.checkpoint import (FORMAT, PROBE, CheckpointError, check_model, committed, gc_dirs,
+                                          layout_of, select, stale_dirs, verify_files, write_marker)
 from orchestrator.core.model.spec import param_name
 
 log = logging.getLogger("meshpipe")
@@ -70,7 +71,8 @@ def prepare(checked, resume) -> Optional[Prepared]:
         raise CheckpointError(f"checkpoint.dir = {ck.dir}: checkpoints need orbax-checkpoint, which is not "
                               "installed: pip install 'meshpipe[checkpoint]' (or -e \".[checkpoint]\")")
     root = Path(ck.dir)
-    worker = {"root": str(root), "every": ck.every_steps, "total": job.run.steps, "async": ck.async_}
+    worker = {"root": str(root), "every": ck.every_steps, "total": job.run.steps, "async": ck.async_,
+              "probe": secrets.token_hex(16)}
     found = committed(root)
     if resume is None:
         if found:
@@ -102,6 +104,21 @@ def prepare(checked, resume) -> Optional[Prepared]:
     worker["restore"] = {"root": str(root), "step": step, "data": dict(marker["data"]),
                          "stages": [{"path": r["path"], "arrays": r["arrays"]} for r in marker["stages"]]}
     return Prepared(worker, step, list(marker["losses"]), marker)
+
+
+def write_probe(prepared: Prepared) -> Path:
+    """The file each stage host reads back at set-up (`core.checkpoint.check_probe`): proof that
+    the hosts see the driver's checkpoint.dir. Removed by `remove_probe` once they all did."""
+    root = Path(prepared.worker["root"])
+    root.mkdir(parents=True, exist_ok=True)
+    path = root / PROBE
+    path.write_text(prepared.worker["probe"])
+    return path
+
+
+def remove_probe(prepared: Optional[Prepared]) -> None:
+    if prepared is not None:
+        (Path(prepared.worker["root"]) / PROBE).unlink(missing_ok=True)
 
 
 def _remove(paths) -> None:

@@ -190,7 +190,7 @@ def _run_pipeline(checked, plan, source, on_step, out: Path, echo, extra: dict, 
     which the commit markers record. On Ctrl-C/SIGTERM the actors are told to abandon
     their step before they are shut down."""
     from orchestrator.driver import placement
-    from orchestrator.driver.checkpoint import Committer
+    from orchestrator.driver.checkpoint import Committer, remove_probe, write_probe
     from orchestrator.driver.executor import PipelineExecutor
     from orchestrator.driver.interrupt import reinstall
     from orchestrator.driver.quiet import filter_worker_logs
@@ -216,7 +216,10 @@ def _run_pipeline(checked, plan, source, on_step, out: Path, echo, extra: dict, 
         tel = RunTelemetry(run, plan.schedule, plan.sim.bubble_fraction, job.data.global_batch)
         metrics = _metrics(run, plan.sim.bubble_fraction)
         t0 = time.perf_counter()
+        if ckpt is not None:
+            write_probe(ckpt)      # each stage host reads it back at set-up: checkpoint.dir is shared
         ex.start()
+        remove_probe(ckpt)
         extra["startup_s"] = time.perf_counter() - t0
         for r in ex.steps(job.run.steps - first, first):
             last_spans = r.spans     # only the last step's spans are kept (trace.json: telemetry's own)
@@ -248,6 +251,7 @@ def _run_pipeline(checked, plan, source, on_step, out: Path, echo, extra: dict, 
                                        "commits": committer.commits,
                                        "restore_s": max((w.get("restore_s") or 0.0 for w in ex.info), default=0.0)}
             ex.shutdown()
+        remove_probe(ckpt)
         if tel is not None:
             try:
                 tel.write(out)
