@@ -331,6 +331,7 @@ class StageWorker:
         if self.inbox.closed:
             return         # aborted by a peer (or the transport closed), or failed before: no echo
         reason = f"{self.cfg.who} failed in step {step}: {type(error).__name__}: {str(error)[:300]}"
+        error.add_note(reason)      # the driver reads the step from it (orchestrator.core.recovery.origin)
         self.inbox.close(reason)
         for s, row in enumerate(self.actors):
             for h, actor in enumerate(row):

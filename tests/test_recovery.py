@@ -37,3 +37,202 @@ def test_failure_section_keys_and_rules(tmp_path):
     has_all(error_of(parse_job, no_ckpt), "failure.max_restarts = 1", "checkpoint:")
     no_ckpt["failure"] = {"max_restarts": 0}
     assert parse_job(no_ckpt).checkpoint is None
+
+
+# ----------------------------------------------------------------------------- restart rules (pure)
+
+def test_policy_restarts_until_used_up_and_stops_a_repeated_failure():
+    from orchestrator.core.recovery import DIED, ERROR, Failure, RestartPolicy
+
+    p = RestartPolicy(2)
+    assert p.decide(Failure(DIED, 1, 0, 4, "x"), committed=None).reason.startswith("no checkpoint is committed")
+    p = RestartPolicy(2)
+    assert p.decide(Failure(DIED, 1, 0, 4, "pid 1"), committed=4).restart
+    assert p.decide(Failure(ERROR, 0, 0, 5, "boom"), committed=4).restart
+    d = p.decide(Failure(DIED, 1, 0, 6, ""), committed=6)
+    assert not d.restart and "max_restarts = 2" in d.reason and p.restarts == 2
+    p = RestartPolicy(5)
+    assert p.decide(Failure(ERROR, 1, 0, 5, "NaN"), committed=4).restart
+    assert p.decide(Failure(ERROR, 1, 0, 5, "other"), committed=4).restart    # another error: not the same
+    d = p.decide(Failure(ERROR, 1, 0, 5, "NaN"), committed=4)
+    assert not d.restart and "deterministic" in d.reason and "step 5" in d.reason
+    assert not RestartPolicy(0).decide(Failure(DIED, 0, 0, 1, ""), committed=1).restart
+
+
+def test_classify_names_the_peer_that_failed_not_the_one_told_to_abort():
+    from orchestrator.core.recovery import DIED, ERROR, HANG
+    from orchestrator.driver.recovery import classify
+    from orchestrator.driver.waiting import ProgressTimeout, StageFailure
+
+    told = StageFailure("steps 4-7 failed on stage 0 host 0: RuntimeError: r stage 0 host 0: mailbox closed "
+                        "(r stage 1 host 0 failed in step 5: RuntimeError: r stage 1 host 0: boom) while waiting "
+                        "for (5, 'B', 1)", "stage 0 host 0")
+    f = classify(told, next_step=4)
+    assert (f.cause, f.stage, f.host, f.step, f.text) == (ERROR, 1, 0, 5, "RuntimeError: r stage 1 host 0: boom")
+    f = classify(StageFailure("steps 4-7 failed on stage 1 host 0: ActorDiedError", "stage 1 host 0", died=True), 4)
+    assert (f.cause, f.stage, f.host, f.step) == (DIED, 1, 0, 4)
+    f = classify(ProgressTimeout("no answer", ["stage 1 host 0"]), 6)
+    assert (f.cause, f.stage, f.host, f.step) == (HANG, 1, 0, 6)
+    f = classify(ProgressTimeout("no answer", ["stage 0 host 0", "stage 1 host 0"]), 6)
+    assert (f.cause, f.stage) == (HANG, None)
+
+
+def test_progress_deadline_follows_measured_steps():
+    from orchestrator.core.recovery import ProgressDeadline
+
+    d = ProgressDeadline(600.0)
+    assert d.step_s() == 600.0                     # nothing measured: the configured step_s
+    for t in [0.05] * 10:
+        d.observe(t)
+    assert d.step_s() == 30.0                      # the floor
+    for t in [40.0] * 21:
+        d.observe(t)
+    assert d.step_s() == 120.0                     # 3 x the median
+    assert ProgressDeadline(10.0).step_s() == 10.0
+    capped = ProgressDeadline(10.0)
+    capped.observe(1.0)
+    assert capped.step_s() == 10.0                 # never above the configured step_s
+
+
+# ----------------------------------------------------------------------------- on Ray
+
+STEPS = 8
+
+
+def recovery_job(tmp_path: Path, name: str, ckpt_dir: Path, max_restarts: int = 1) -> dict:
+    """8 steps, a checkpoint every 2, saved synchronously: a step's save is reported with that step's
+    result, so which steps are committed when a hook holds or fails a later step is fixed (with the
+    default 4 steps per call, steps 2 and 4 commit when the first call's results arrive)."""
+    job = gpt_job(tmp_path, name, ckpt_dir, steps=STEPS)
+    job["checkpoint"]["async"] = False
+    job["failure"] = {"max_restarts": max_restarts}
+    return job
+
+
+def _run(job: dict, hooks=(), resume=None, resume_command=None) -> dict:
+    from orchestrator.driver.runner import run_job
+    from tests.test_checkpoint import checked_of
+
+    return run_job(checked_of(job), echo=lambda s: None, keep_params=True, hooks=hooks, resume=resume,
+                   resume_command=resume_command)
+
+
+def _summary(job: dict) -> dict:
+    import json
+
+    return json.loads((Path(job["run"]["output_dir"]) / job["run"]["name"] / "summary.json").read_text())
+
+
+def _assert_same_run(got: dict, want: dict) -> None:
+    import numpy as np
+
+    assert got["losses"] == want["losses"]                           # exact: floats equal
+    assert got["params"].keys() == want["params"].keys()
+    for name, arr in want["params"].items():
+        np.testing.assert_array_equal(got["params"][name], arr, err_msg=name)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, ray_local):
+    tmp = tmp_path_factory.mktemp("uninterrupted")
+    full = _run(recovery_job(tmp, "full", tmp / "ck"))
+    assert full["restarts"] == 0 and full["recoveries"] == [] and len(full["losses"]) == STEPS
+    assert full["losses"][-1] < full["losses"][0]
+    return full
+
+
+def _pid_of(name: str, namespace: str) -> int:
+    from ray.util.state import list_actors
+
+    from tests.conftest import _address
+
+    found = [a for a in list_actors(address=_address(), filters=[("name", "=", name), ("state", "=", "ALIVE")])
+             if a.ray_namespace == namespace]
+    assert len(found) == 1, found
+    return int(found[0].pid)
+
+
+@pytest.mark.ray
+def test_kill_9_of_a_stage_actor_recovers_bit_equal(tmp_path, no_leaks, uninterrupted):
+    """kill -9 of stage 1's actor (found through Ray's state API) while it is in step 5, with steps
+    2 and 4 committed: one restart from step 4; losses and parameters equal the uninterrupted run's."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from orchestrator.core import checkpoint as ck
+    from tests.conftest import wait_until
+    from tests.faults import HoldAt
+
+    root = tmp_path / "ck"
+    job = recovery_job(tmp_path, "killed", root)
+    reached = tmp_path / "reached"
+    hold = HoldAt(stage=1, host=0, step=5, wait_for=str(ck.step_dir(root, 4) / ck.MARKER), reached=str(reached))
+    killed: dict = {}
+
+    def killer():
+        try:
+            wait_until(reached.exists, 600, "stage 1 held in step 5")
+            pid = _pid_of("killed/stage1/host0", "meshpipe-killed")
+            killed["at"] = time.time()
+            os.kill(pid, signal.SIGKILL)
+            killed["pid"] = pid
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            killed["error"] = e
+
+    t = threading.Thread(target=killer, daemon=True)
+    t.start()
+    got = _run(job, hooks=[hold])
+    t.join(60)
+    assert "error" not in killed, killed.get("error")
+    assert killed["pid"] == int(reached.read_text())                # the held actor is the one killed
+    assert got["restarts"] == 1
+    (rec,) = got["recoveries"]
+    assert (rec["cause"], rec["stage"], rec["host"], rec["resumed_from"]) == ("actor died", 1, 0, 4), rec
+    assert rec["cluster_host"] == 1 and rec["node_id"]
+    assert 0 <= rec["detected_at"] - killed["at"] < 10, rec        # noticed within 10 s of the kill
+    assert rec["teardown_s"] < 30, rec       # survivors aborted at once, not after shutdown_s (30 s)
+    assert rec["recovery_s"] > 0 and rec["start_s"] > 0 and rec["restore_s"] > 0, rec
+    _assert_same_run(got, uninterrupted)
+    assert _summary(job)["restarts"] == 1 and _summary(job)["status"] == "completed"
+    assert [m["step"] for m in ck.committed(root)][-1] == STEPS
+    lines = (Path(job["run"]["output_dir"]) / "killed" / "metrics.jsonl").read_text().splitlines()
+    assert sum('"restart": 1' in ln for ln in lines) == 1
+
+
+@pytest.mark.ray
+def test_the_same_failure_at_the_same_step_twice_stops(tmp_path, no_leaks):
+    """A deterministic failure (the hook fails stage 1 at step 5 every time): one restart from step
+    4, the same failure again, and the run stops naming it, with the command that would continue."""
+    from orchestrator.driver.recovery import RecoveryStopped
+    from tests.faults import FailStep
+
+    job = recovery_job(tmp_path, "determ", tmp_path / "ck", max_restarts=3)
+    with pytest.raises(RecoveryStopped) as ei:
+        _run(job, hooks=[FailStep(stage=1, host=0, step=5)], resume_command="meshpipe run j.yaml --resume")
+    has_all(str(ei.value), "error: stage 1 host 0", "in step 5", "injected step failure at step 5",
+            "deterministic", "last committed checkpoint: step 4", "meshpipe run j.yaml --resume")
+    s = _summary(job)
+    assert s["status"] == "failed" and s["restarts"] == 1 and s["steps_done"] == 4
+    assert [(r["cause"], r["stage"], r["step"], r["resumed_from"]) for r in s["recoveries"]] == [("error", 1, 5, 4)]
+
+
+@pytest.mark.ray
+def test_restarts_used_up_stop_with_the_resume_command(tmp_path, no_leaks, uninterrupted):
+    """max_restarts 1, two different failures (stage 1 at step 5, then stage 0 at step 6): the second
+    stops the run — why, what is lost, the --resume command — and that command's run (here
+    run_job(resume="latest")) finishes equal to the uninterrupted one."""
+    from orchestrator.driver.recovery import RecoveryStopped
+    from tests.faults import FailStepOnce
+
+    job = recovery_job(tmp_path, "usedup", tmp_path / "ck", max_restarts=1)
+    hooks = [FailStepOnce(1, 0, 5, str(tmp_path / "a")), FailStepOnce(0, 0, 6, str(tmp_path / "b"))]
+    with pytest.raises(RecoveryStopped) as ei:
+        _run(job, hooks=hooks, resume_command="meshpipe run j.yaml --resume")
+    has_all(str(ei.value), "error: stage 0 host 0", "in step 6", "max_restarts = 1", "used up",
+            "last committed checkpoint: step", "Continue with: meshpipe run j.yaml --resume")
+    s = _summary(job)
+    assert s["status"] == "failed" and s["restarts"] == 1
+    resumed = _run(job, hooks=hooks, resume="latest")    # the flags are set: the faults are spent
+    _assert_same_run(resumed, uninterrupted)

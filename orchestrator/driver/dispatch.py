@@ -30,7 +30,7 @@ import sys
 import time
 from collections import deque
 
-from orchestrator.driver.waiting import StageFailure, short_error, wait_all
+from orchestrator.driver.waiting import ProgressTimeout, StageFailure, short_error, wait_all
 
 KINDS = ("step_calls", "compiled_graph", "action_calls")
 
@@ -156,10 +156,13 @@ class CompiledGraph(_Batched):
             try:   # a ref may be read once; each waits what is left of the call's deadline
                 outs.append(ref.get(timeout=max(0.001, deadline - time.monotonic())))
             except RayChannelTimeoutError as e:
-                raise TimeoutError(f"steps {first}-{first + n - 1}: no answer within "
-                                   f"{self.step_s * n:.0f} s from {label}") from e
+                raise ProgressTimeout(f"steps {first}-{first + n - 1}: no answer within "
+                                      f"{self.step_s * n:.0f} s from {label}", [label]) from e
             except Exception as e:  # noqa: BLE001 - re-raised with the stage named
-                raise StageFailure(f"steps {first}-{first + n - 1} failed on {label}: {short_error(e)}") from e
+                from ray.exceptions import RayActorError
+
+                raise StageFailure(f"steps {first}-{first + n - 1} failed on {label}: {short_error(e)}", label,
+                                   isinstance(e, RayActorError)) from e
         return outs
 
     def close(self, timeout: float) -> None:
@@ -186,8 +189,9 @@ class ActionCalls:
             while pending:
                 ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
                 if not ready:
-                    stuck = ", ".join(self.labels[j] for j in pending.values())
-                    raise TimeoutError(f"step {i}: no answer within {self.step_s:.0f} s from {stuck}")
+                    stuck = [self.labels[j] for j in pending.values()]
+                    raise ProgressTimeout(f"step {i}: no answer within {self.step_s:.0f} s from "
+                                          f"{', '.join(stuck)}", stuck)
                 j = pending.pop(ready[0])
                 out = wait_all(ready, 1.0, f"step {i} action {nxt[j]}", [self.labels[j]])[0]
                 nxt[j] += 1

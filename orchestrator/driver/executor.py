@@ -13,8 +13,14 @@ Basic flow:
             reference), waits with a
             deadline, and collects losses and spans. It makes no scheduling
             decisions and never touches a tensor.
-  shutdown(): bounded `shutdown` call, then kill every actor and remove the
-            placement group — also after errors and Ctrl-C.
+  shutdown(): every actor told to abort its step at once (the "io" group: a
+            survivor blocked in a RECV on a dead peer returns now, not at its
+            deadline), a bounded `shutdown` call, then kill every actor and remove
+            the placement group — also after errors and Ctrl-C.
+The progress deadline (`orchestrator.core.recovery.ProgressDeadline`, shared by the
+recovery loop's attempts) bounds each call: `timeouts.step_s` until steps were measured,
+then max(30 s, 3 × the median step time), never above step_s; an attempt's first step
+(compilation) is not measured.
 """
 from __future__ import annotations
 
@@ -42,7 +48,7 @@ class StepResult:
 
 class PipelineExecutor:
     def __init__(self, checked, lowered, data_source, run: str, eval_schedule=None,
-                 hooks: Sequence[WorkerHook] = (), checkpoint: dict | None = None):
+                 hooks: Sequence[WorkerHook] = (), checkpoint: dict | None = None, deadline=None):
         self.checked, self.lowered, self.data, self.run = checked, lowered, data_source, run
         self.eval_schedule = eval_schedule
         self.hooks = tuple(hooks)       # stages.hooks.WorkerHook objects, passed to every actor
@@ -50,6 +56,9 @@ class PipelineExecutor:
         t = checked.cluster.timeouts
         self.timeouts = {"init_s": t.init_s, "step_s": t.step_s, "shutdown_s": t.shutdown_s,
                          "jax_distributed_init_s": t.jax_distributed_init_s}
+        from orchestrator.core.recovery import ProgressDeadline
+
+        self.deadline = deadline if deadline is not None else ProgressDeadline(t.step_s)
         self.pg = None
         self.actors: list[list] = []     # [stage][host]
         self.labels: list[list[str]] = []
@@ -135,6 +144,11 @@ class PipelineExecutor:
                 dispatcher.close(self.timeouts["shutdown_s"])
             except Exception:  # noqa: BLE001 - best effort; the kill below is what counts
                 pass
+        for a in flat:      # before `shutdown`, which queues behind a step that waits on a dead peer
+            try:
+                a.abort_step.options(concurrency_group="io").remote("the driver is shutting the run down")
+            except Exception:  # noqa: BLE001 - best effort; the kill below is what counts
+                pass
         if flat:
             try:
                 ray.wait([a.shutdown.remote() for a in flat], num_returns=len(flat),
@@ -158,9 +172,10 @@ class PipelineExecutor:
         labels = [lbl for names in self.labels for lbl in names]
         counts = [len(self.lowered.actions[s]) - self.lowered.actions[s].count(None)
                   for s, row in enumerate(self.actors) for _ in row]
-        if self.dispatcher is None:
+        if self.dispatcher is None:    # an attempt's first call compiles: the configured deadline
             self.dispatcher = dispatch.make(self.kind, flat, labels, counts, self.timeouts["step_s"],
                                             self.checked.cluster.calls_of_steps)
+        measured = False
         self.dispatch_info = {"dispatcher": type(self.dispatcher).__name__,
                               "steps_per_call": getattr(self.dispatcher, "per_call", 1)}
         for i, outs, wall in self.dispatcher.steps(count, start):
@@ -169,8 +184,24 @@ class PipelineExecutor:
             stats = [{"stage": o["stage"], "host": o["host"], **o.get("stats", {})} for o in outs]
             ev = next((o["eval_losses"] for o in outs if "eval_losses" in o), None)
             saved = [rec for o in outs for rec in o.get("checkpoints", ())]
+            if measured:
+                self.deadline.observe(wall)
+                self.dispatcher.step_s = self.deadline.step_s()
+            measured = True
             yield StepResult(step=i, loss=sum(losses) / len(losses), wall_s=wall, spans=spans, stats=stats,
                              eval_loss=None if ev is None else sum(ev) / len(ev), checkpoints=saved)
+
+    def node_of(self, stage: int | None, host: int | None) -> dict:
+        """Where (stage, host) ran: cluster host (bundle) index and Ray node id, as far as known."""
+        if stage is None:
+            return {}
+        rec = next((r for r in self.info if (r.get("stage"), r.get("host")) == (stage, host)), None)
+        if rec is not None:
+            return {"cluster_host": rec.get("bundle"), "node_id": rec.get("bundle_node_id")}
+        try:
+            return {"cluster_host": self.checked.stages[stage].hosts[host], "node_id": None}
+        except (IndexError, TypeError):
+            return {}
 
     def checkpoint_flush(self) -> list[dict]:
         """Every actor's save in flight, finished (bounded); the reports not yet handed back."""
