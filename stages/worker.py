@@ -320,6 +320,11 @@ class StageWorker:
             self._fail(step, e)
             raise
 
+    def heartbeat(self) -> dict:
+        """Called in the "io" group: answers while a step runs or waits; a stopped process does not
+        (how the driver tells the hung actor from the ones waiting on it)."""
+        return {"pid": os.getpid(), "time": time.time()}
+
     def abort_step(self, reason: str) -> None:
         """A peer's step failed: whatever this actor waits for from it fails now, not at its deadline.
         (Runs in the "io" group, beside the step.) No recovery inside a step: the run is over."""

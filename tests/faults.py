@@ -86,3 +86,29 @@ class HoldAt(WorkerHook):
             f.write(str(os.getpid()))
         while time.monotonic() < deadline:
             time.sleep(0.05)
+
+
+@dataclass(frozen=True)
+class HoldSetup(WorkerHook):
+    """(stage, host) stops at the start of `setup` once `armed` exists (e.g. another hold's
+    `reached`: a later attempt), creates `reached` and sleeps up to `timeout_s` — for a test to
+    kill it while the run recovers. Only one attempt holds: once `reached` exists, nothing."""
+
+    stage: int
+    host: int
+    armed: str
+    reached: str
+    timeout_s: float = 120.0
+
+    def on_setup(self, cfg) -> None:
+        import os
+        import time
+
+        if ((cfg.stage, cfg.host) != (self.stage, self.host) or not os.path.exists(self.armed)
+                or os.path.exists(self.reached)):
+            return
+        with open(self.reached, "w") as f:
+            f.write(str(os.getpid()))
+        deadline = time.monotonic() + self.timeout_s
+        while time.monotonic() < deadline:
+            time.sleep(0.05)

@@ -42,7 +42,7 @@ def test_failure_section_keys_and_rules(tmp_path):
 # ----------------------------------------------------------------------------- restart rules (pure)
 
 def test_policy_restarts_until_used_up_and_stops_a_repeated_failure():
-    from orchestrator.core.recovery import DIED, ERROR, Failure, RestartPolicy
+    from orchestrator.core.recovery import DIED, ERROR, HANG, Failure, RestartPolicy
 
     p = RestartPolicy(2)
     assert p.decide(Failure(DIED, 1, 0, 4, "x"), committed=None).reason.startswith("no checkpoint is committed")
@@ -57,6 +57,12 @@ def test_policy_restarts_until_used_up_and_stops_a_repeated_failure():
     d = p.decide(Failure(ERROR, 1, 0, 5, "NaN"), committed=4)
     assert not d.restart and "deterministic" in d.reason and "step 5" in d.reason
     assert not RestartPolicy(0).decide(Failure(DIED, 0, 0, 1, ""), committed=1).restart
+    p = RestartPolicy(3)      # deaths are never "the same failure": a second kill while recovering is survived
+    assert all(p.decide(Failure(DIED, 1, 0, 4, ""), committed=4).restart for _ in range(3))
+    assert "used up" in p.decide(Failure(DIED, 1, 0, 4, ""), committed=4).reason
+    p = RestartPolicy(3)
+    assert p.decide(Failure(HANG, 1, 0, 6, "a"), committed=6).restart
+    assert "deterministic" in p.decide(Failure(HANG, 1, 0, 6, "b"), committed=6).reason
 
 
 def test_classify_names_the_peer_that_failed_not_the_one_told_to_abort():
@@ -236,3 +242,91 @@ def test_restarts_used_up_stop_with_the_resume_command(tmp_path, no_leaks, unint
     assert s["status"] == "failed" and s["restarts"] == 1
     resumed = _run(job, hooks=hooks, resume="latest")    # the flags are set: the faults are spent
     _assert_same_run(resumed, uninterrupted)
+
+
+# ----------------------------------------------------------------------------- chaos (own CI step)
+
+@pytest.mark.ray
+@pytest.mark.chaos
+def test_sigstop_hang_is_detected_by_the_progress_deadline_and_recovered(tmp_path, no_leaks, uninterrupted):
+    """SIGSTOP of stage 1's actor in step 5: no result within the progress deadline (max(30 s, 3 x
+    4 x the median step), the first call's steps measured), the stopped actor is the one that does
+    not answer a heartbeat (stage 0 waits on it and answers), it is killed first, and the run
+    restarts from step 4 and finishes equal to the uninterrupted run."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from orchestrator.core import checkpoint as ck
+    from tests.conftest import wait_until
+    from tests.faults import HoldAt
+
+    root = tmp_path / "ck"
+    job = recovery_job(tmp_path, "stopped", root)
+    reached = tmp_path / "reached"
+    hold = HoldAt(stage=1, host=0, step=5, wait_for=str(ck.step_dir(root, 4) / ck.MARKER), reached=str(reached),
+                  timeout_s=300.0)
+    stopped: dict = {}
+
+    def stopper():
+        try:
+            wait_until(reached.exists, 600, "stage 1 held in step 5")
+            pid = _pid_of("stopped/stage1/host0", "meshpipe-stopped")
+            stopped["at"] = time.time()
+            os.kill(pid, signal.SIGSTOP)
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            stopped["error"] = e
+
+    t = threading.Thread(target=stopper, daemon=True)
+    t.start()
+    got = _run(job, hooks=[hold])
+    t.join(60)
+    assert "error" not in stopped, stopped.get("error")
+    (rec,) = got["recoveries"]
+    assert (rec["cause"], rec["stage"], rec["host"], rec["resumed_from"]) == ("hang", 1, 0, 4), rec
+    assert "not answering a heartbeat: stage 1 host 0" in rec["error"], rec
+    assert rec["progress_deadline_s"] == 30.0, rec          # tiny steps: the floor
+    detect = rec["detected_at"] - stopped["at"]
+    assert 0 < detect < rec["progress_deadline_s"] + 10, rec  # the deadline, plus the heartbeat probe
+    assert rec["teardown_s"] < 30, rec                      # the stopped actor was killed, not waited for
+    _assert_same_run(got, uninterrupted)
+
+
+@pytest.mark.ray
+@pytest.mark.chaos
+def test_a_second_kill_while_recovering_is_survived(tmp_path, no_leaks, uninterrupted):
+    """kill -9 of stage 1 in step 5, then kill -9 of stage 0 while the new attempt sets up: two
+    restarts (max_restarts 2), both from step 4; the run ends equal to the uninterrupted one."""
+    import os
+    import signal
+    import threading
+
+    from orchestrator.core import checkpoint as ck
+    from tests.conftest import wait_until
+    from tests.faults import HoldAt, HoldSetup
+
+    root = tmp_path / "ck"
+    job = recovery_job(tmp_path, "twice", root, max_restarts=2)
+    first, second = tmp_path / "first", tmp_path / "second"
+    hooks = [HoldAt(stage=1, host=0, step=5, wait_for=str(ck.step_dir(root, 4) / ck.MARKER), reached=str(first)),
+             HoldSetup(stage=0, host=0, armed=str(first), reached=str(second))]
+    done: dict = {}
+
+    def killer():
+        try:
+            for flag, name in ((first, "twice/stage1/host0"), (second, "twice/stage0/host0")):
+                wait_until(flag.exists, 600, f"{flag.name} hold")
+                os.kill(_pid_of(name, "meshpipe-twice"), signal.SIGKILL)
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            done["error"] = e
+
+    t = threading.Thread(target=killer, daemon=True)
+    t.start()
+    got = _run(job, hooks=hooks)
+    t.join(60)
+    assert "error" not in done, done.get("error")
+    assert got["restarts"] == 2
+    assert [(r["cause"], r["stage"], r["resumed_from"]) for r in got["recoveries"]] == [
+        ("actor died", 1, 4), ("actor died", 0, 4)], got["recoveries"]
+    _assert_same_run(got, uninterrupted)

@@ -8,10 +8,13 @@ these questions; the answers depend only on the values passed in, so they test i
     is that peer's, not the one that noticed.
   - `RestartPolicy.decide(failure, committed)`: restart while restarts are left, a checkpoint
     is committed, and the failure is not the same one at the same step as before (a
-    deterministic failure — a NaN, a shape error, an injected fault — would fail forever).
+    deterministic failure — a NaN, a shape error, an injected fault, a deadlock — would fail
+    forever). Deaths are never "the same": a killed process or lost node says nothing about
+    the next attempt; repeated deaths count against `max_restarts` only.
   - `ProgressDeadline`: the seconds the driver gives one step before calling it a hang:
     the configured `timeouts.step_s` until steps have been measured, then
-    min(step_s, max(30 s, 3 × the median measured step time)).
+    min(step_s, max(30 s, 3 × the median measured step time)); a call of n steps (the driver
+    learns results a call at a time) gets min(n × step_s, max(30 s, 3 × n × the median)).
 """
 from __future__ import annotations
 
@@ -49,8 +52,12 @@ class Failure:
     def who(self) -> str:
         return "an unknown actor" if self.stage is None else f"stage {self.stage} host {self.host}"
 
-    def key(self) -> tuple:
-        """What makes two failures "the same": cause, actor, step, and for errors their text."""
+    def key(self) -> Optional[tuple]:
+        """What makes two failures "the same": cause, actor, step, and for errors their text. A death
+        has no key: a killed process or a lost node says nothing about the next attempt (a death
+        that repeats counts against `max_restarts` only)."""
+        if self.cause == DIED:
+            return None
         return (self.cause, self.stage, self.host, self.step, self.text if self.cause == ERROR else "")
 
 
@@ -83,11 +90,11 @@ class Decision:
 class RestartPolicy:
     """`failure.max_restarts`, the failures seen so far and the restarts granted.
 
-    >>> p = RestartPolicy(2)
-    >>> p.decide(Failure(DIED, 1, 0, 3, ""), committed=2).restart
+    >>> p = RestartPolicy(3)
+    >>> p.decide(Failure(ERROR, 1, 0, 3, "NaN loss"), committed=2).restart
     True
-    >>> p.decide(Failure(DIED, 1, 0, 3, ""), committed=2).reason
-    'the same failure (actor died, stage 1 host 0) happened at step 3 before: it is deterministic'
+    >>> p.decide(Failure(ERROR, 1, 0, 3, "NaN loss"), committed=2).reason
+    'the same failure (error, stage 1 host 0) happened at step 3 before: it is deterministic'
     """
 
     max_restarts: int
@@ -96,7 +103,7 @@ class RestartPolicy:
 
     def decide(self, failure: Failure, committed: Optional[int]) -> Decision:
         """Restart after `failure`? `committed`: the newest committed checkpoint step (None: none)."""
-        repeat = any(f.key() == failure.key() for f in self.seen)
+        repeat = failure.key() is not None and any(f.key() == failure.key() for f in self.seen)
         self.seen.append(failure)
         if self.max_restarts == 0:
             return Decision(False, "failure.max_restarts is 0")
@@ -141,9 +148,14 @@ class ProgressDeadline:
             self.times.append(float(wall_s))
 
     def step_s(self) -> float:
+        return self.call_s(1)
+
+    def call_s(self, n: int) -> float:
+        """The deadline of a call of `n` steps (the driver learns results a call at a time):
+        n × step_s until measured, then min(n × step_s, max(floor, factor × n × median))."""
         if not self.times:
-            return self.configured_s
-        return min(self.configured_s, max(self.floor_s, self.factor * statistics.median(self.times)))
+            return self.configured_s * n
+        return min(self.configured_s * n, max(self.floor_s, self.factor * n * statistics.median(self.times)))
 
 
 __all__ = ["DIED", "ERROR", "HANG", "Decision", "Failure", "ProgressDeadline", "RestartPolicy", "label_of", "origin"]

@@ -19,8 +19,8 @@ Basic flow:
             the placement group — also after errors and Ctrl-C.
 The progress deadline (`orchestrator.core.recovery.ProgressDeadline`, shared by the
 recovery loop's attempts) bounds each call: `timeouts.step_s` until steps were measured,
-then max(30 s, 3 × the median step time), never above step_s; an attempt's first step
-(compilation) is not measured.
+then max(30 s, 3 × n × the median step time) for a call of n steps, never above n × step_s;
+an attempt's first step (compilation) is not measured.
 """
 from __future__ import annotations
 
@@ -133,11 +133,37 @@ class PipelineExecutor:
             refs = [a.connect.remote(self.actors, addresses) for row in self.actors for a in row]
         wait_all(refs, self.timeouts["init_s"], "connecting stages", labels)
 
-    def shutdown(self) -> None:
+    def unresponsive(self, labels: list[str], timeout: float = 5.0) -> list[str]:
+        """Of these actors, those whose "io" group does not answer a heartbeat within `timeout`
+        (a stopped process; an actor waiting on a peer answers)."""
+        import ray
+
+        by_label = {lbl: a for row, names in zip(self.actors, self.labels) for a, lbl in zip(row, names)}
+        refs = {by_label[lbl].heartbeat.options(concurrency_group="io").remote(): lbl
+                for lbl in labels if lbl in by_label}
+        answered = set()
+        if refs:
+            ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout)
+            for r in ready:
+                try:
+                    ray.get(r, timeout=1.0)
+                    answered.add(refs[r])
+                except Exception:  # noqa: BLE001 - dead counts as not answering
+                    pass
+        return [lbl for lbl in labels if lbl not in answered]
+
+    def shutdown(self, unresponsive: Sequence[str] = ()) -> None:
+        """Tear everything down (bounded); `unresponsive`: labels of actors killed first, without
+        waiting for them (a hung process would hold the bounded `shutdown` wait to its end)."""
         import ray
         from ray.util.placement_group import remove_placement_group
 
-        flat = [a for row in self.actors for a in row]
+        for row, names in zip(self.actors, self.labels):
+            for a, lbl in zip(row, names):
+                if lbl in unresponsive:
+                    ray.kill(a, no_restart=True)
+        flat = [a for row, names in zip(self.actors, self.labels) for a, lbl in zip(row, names)
+                if lbl not in unresponsive]
         dispatcher, self.dispatcher = self.dispatcher, None
         if dispatcher is not None:
             try:   # a compiled graph is torn down before its actors die
@@ -186,7 +212,7 @@ class PipelineExecutor:
             saved = [rec for o in outs for rec in o.get("checkpoints", ())]
             if measured:
                 self.deadline.observe(wall)
-                self.dispatcher.step_s = self.deadline.step_s()
+                self.dispatcher.call_s = self.deadline.call_s
             measured = True
             yield StepResult(step=i, loss=sum(losses) / len(losses), wall_s=wall, spans=spans, stats=stats,
                              eval_loss=None if ev is None else sum(ev) / len(ev), checkpoints=saved)

@@ -5,7 +5,8 @@ Basic flow (`orchestrator.driver.runner._run_pipeline` runs attempts in a loop):
      death: Ray's actor-death error on the pending call) or `ProgressTimeout` (no step result
      within the progress deadline: a hang);
   2. `classify` turns it into an `orchestrator.core.recovery.Failure` naming the actor that
-     failed first (an aborted survivor's error names the peer it was told about);
+     failed first (an aborted survivor's error names the peer it was told about; after a
+     timeout, the pending actor that does not answer a heartbeat is the hung one);
   3. the policy (`RestartPolicy.decide`) says restart or stop. Restart: the executor is shut
      down (survivors told to abort at once, actors killed, placement group removed,
      `wait_released` until Ray has let their names go), the newest committed checkpoint is
@@ -35,12 +36,20 @@ class RecoveryStopped(StageFailure):
     """A failure the run did not recover from; the message says why and how to continue."""
 
 
-def classify(e: BaseException, next_step: int) -> Failure:
-    """The Failure behind `e`; `next_step`: the first step the driver has no result for."""
-    if isinstance(e, ProgressTimeout) or (isinstance(e, TimeoutError) and not isinstance(e, StageFailure)):
+def is_hang(e: BaseException) -> bool:
+    return isinstance(e, TimeoutError) and not isinstance(e, StageFailure)
+
+
+def classify(e: BaseException, next_step: int, hung: Optional[list[str]] = None) -> Failure:
+    """The Failure behind `e`; `next_step`: the first step the driver has no result for; `hung`:
+    for a timeout, the pending actors that did not answer a heartbeat (`PipelineExecutor.unresponsive`)
+    — when exactly one did not, the hang is its."""
+    if is_hang(e):
         labels = getattr(e, "labels", [])
-        stage, host = label_of(labels[0] if len(labels) == 1 else None)
-        return Failure(HANG, stage, host, next_step, str(e))
+        culprits = hung if hung else labels
+        stage, host = label_of(culprits[0] if len(culprits) == 1 else None)
+        text = str(e) + (f"; not answering a heartbeat: {', '.join(hung)}" if hung else "")
+        return Failure(HANG, stage, host, next_step, text)
     text = str(e.__cause__) if e.__cause__ is not None else str(e)
     if isinstance(e, StageFailure) and e.died:
         stage, host = label_of(e.label)
@@ -119,5 +128,5 @@ def record(f: Failure, where: dict, resumed_from: int, steps_done: int, detected
             "detected_at": detected_at, "since_last_progress_s": waited_s}
 
 
-__all__ = ["RECOVERABLE", "RecoveryStopped", "classify", "committed_step", "describe", "record",
+__all__ = ["RECOVERABLE", "RecoveryStopped", "classify", "is_hang", "committed_step", "describe", "record",
            "stop_message", "wait_released"]

@@ -192,6 +192,7 @@ def _run_pipeline(checked, plan, source, on_step, out: Path, echo, extra: dict, 
     deadline = ProgressDeadline(checked.cluster.timeouts.step_s)     # shared by the attempts
     recoveries: list[dict] = []
     extra.update(restarts=0, recoveries=recoveries)
+    hung: list[str] = []       # after a timeout: the actors that did not answer a heartbeat (killed first)
     ok = False
     try:
         extra["ray"] = _ray_info(run, echo)
@@ -226,7 +227,8 @@ def _run_pipeline(checked, plan, source, on_step, out: Path, echo, extra: dict, 
                 break
             except recovery.RECOVERABLE as e:
                 detected_at, waited = time.time(), time.monotonic() - progress_at
-                failure = recovery.classify(e, len(losses))
+                hung[:] = ex.unresponsive(getattr(e, "labels", [])) if recovery.is_hang(e) else []
+                failure = recovery.classify(e, len(losses), hung)
                 where = ex.node_of(failure.stage, failure.host)
                 committed = recovery.committed_step(checked)
                 decision = policy.decide(failure, committed)
@@ -236,15 +238,16 @@ def _run_pipeline(checked, plan, source, on_step, out: Path, echo, extra: dict, 
                     raise recovery.RecoveryStopped(recovery.stop_message(
                         failure, where, decision, committed, len(losses), resume_command)) from e
                 t1 = time.perf_counter()
-                _shutdown(ex, extra, ckpt, committer, resumed_from)
-                ex = None
+                _shutdown(ex, extra, ckpt, committer, resumed_from, hung)
+                ex, hung[:] = None, []
                 recovery.wait_released([f"{run}/stage{s.index}/host{h}" for s in checked.stages
                                         for h in range(len(s.hosts))], namespace,
                                        checked.cluster.timeouts.shutdown_s)
                 teardown_s = time.perf_counter() - t1
                 ckpt = prepare(checked, "latest")    # as --resume: checks, removes uncommitted saves
                 rec = recovery.record(failure, where, ckpt.start, len(losses), detected_at, waited)
-                rec.update(restart=policy.restarts, teardown_s=teardown_s)
+                rec.update(restart=policy.restarts, teardown_s=teardown_s,
+                           progress_deadline_s=deadline.call_s(checked.cluster.calls_of_steps))
                 recoveries.append(rec)
                 extra["restarts"] = policy.restarts
                 if metrics is not None:
@@ -265,7 +268,7 @@ def _run_pipeline(checked, plan, source, on_step, out: Path, echo, extra: dict, 
         ok = True
     finally:
         if ex is not None:
-            _shutdown(ex, extra, ckpt, committer, resumed_from)
+            _shutdown(ex, extra, ckpt, committer, resumed_from, hung)
         if tel is not None:
             try:
                 tel.write(out)
@@ -281,14 +284,15 @@ def _run_pipeline(checked, plan, source, on_step, out: Path, echo, extra: dict, 
     return norms, arrays
 
 
-def _shutdown(ex, extra: dict, ckpt, committer, resumed_from: int) -> None:
-    """Record what the attempt's executor knows into summary.json's fields, then shut it down."""
+def _shutdown(ex, extra: dict, ckpt, committer, resumed_from: int, unresponsive=()) -> None:
+    """Record what the attempt's executor knows into summary.json's fields, then shut it down
+    (`unresponsive` actors killed first)."""
     extra.update(workers=ex.info, executor=ex.dispatch_info)
     if ckpt is not None:
         extra["checkpoint"] = {"dir": ex.checked.job.checkpoint.dir, "resumed_from": resumed_from or None,
                                "commits": committer.commits,
                                "restore_s": max((w.get("restore_s") or 0.0 for w in ex.info), default=0.0)}
-    ex.shutdown()
+    ex.shutdown(unresponsive)
 
 
 def _ray_info(run: str, echo) -> dict:
