@@ -195,6 +195,7 @@ def test_kill_9_of_a_stage_actor_recovers_bit_equal(tmp_path, no_leaks, uninterr
     assert killed["pid"] == int(reached.read_text())                # the held actor is the one killed
     assert got["restarts"] == 1
     (rec,) = got["recoveries"]
+    print("recovery:", {**rec, "detection_s": rec["detected_at"] - killed["at"]})     # pytest -rP shows it
     assert (rec["cause"], rec["stage"], rec["host"], rec["resumed_from"]) == ("actor died", 1, 0, 4), rec
     assert rec["cluster_host"] == 1 and rec["node_id"]
     assert 0 <= rec["detected_at"] - killed["at"] < 10, rec        # noticed within 10 s of the kill
@@ -284,6 +285,7 @@ def test_sigstop_hang_is_detected_by_the_progress_deadline_and_recovered(tmp_pat
     t.join(60)
     assert "error" not in stopped, stopped.get("error")
     (rec,) = got["recoveries"]
+    print("recovery:", {**rec, "detection_s": rec["detected_at"] - stopped["at"]})    # pytest -rP shows it
     assert (rec["cause"], rec["stage"], rec["host"], rec["resumed_from"]) == ("hang", 1, 0, 4), rec
     assert "not answering a heartbeat: stage 1 host 0" in rec["error"], rec
     assert rec["progress_deadline_s"] == 30.0, rec          # tiny steps: the floor
