@@ -5,12 +5,19 @@ group, so it runs while the compute thread executes the schedule); the compute
 thread `take`s by key when it reaches the matching RECV action. Keys carry the
 step, so nothing from one step can be mistaken for another's. A take that
 outlives its deadline raises `TimeoutError` naming the key: no wait is unbounded.
+A take on a closed mailbox raises `MailboxClosed` (the actor was told to stop:
+the cause is on another actor, or the driver stopped the run).
 """
 from __future__ import annotations
 
 import threading
 import time
 from typing import Any, Hashable
+
+
+class MailboxClosed(RuntimeError):
+    """This actor was told to stop (`Mailbox.close`): a consequence, not the cause, of a failure.
+    The driver reports the actor that failed by itself in preference (`waiting.wait_all`)."""
 
 
 class Mailbox:
@@ -32,7 +39,7 @@ class Mailbox:
         with self._cv:
             while key not in self._items:
                 if self._closed:
-                    raise RuntimeError(f"{self._owner}: mailbox closed ({self._closed}) while waiting for {key!r}")
+                    raise MailboxClosed(f"{self._owner}: mailbox closed ({self._closed}) while waiting for {key!r}")
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise TimeoutError(f"{self._owner}: nothing arrived for {key!r} within {timeout:.0f} s "

@@ -41,7 +41,8 @@ import numpy as np
 
 from stages.actions import EVAL_HANDLERS, StepState, handler_for
 from stages.data import HostLoader, rows_array, rows_of
-from stages.mailbox import Mailbox
+from stages.mailbox import Mailbox, MailboxClosed
+from orchestrator.core.recovery import STEP_NOTE
 from orchestrator.core.model.spec import ModelSpec, param_name
 
 
@@ -336,7 +337,7 @@ class StageWorker:
         if self.inbox.closed:
             return         # aborted by a peer (or the transport closed), or failed before: no echo
         reason = f"{self.cfg.who} failed in step {step}: {type(error).__name__}: {str(error)[:300]}"
-        error.add_note(reason)      # the driver reads the step from it (orchestrator.core.recovery.origin)
+        error.add_note(STEP_NOTE + reason)   # the driver reads the step from it (orchestrator.core.recovery.origin)
         self.inbox.close(reason)
         for s, row in enumerate(self.actors):
             for h, actor in enumerate(row):
@@ -358,7 +359,7 @@ class StageWorker:
 
     def _begin(self, step: int) -> StepState:
         if self.inbox.closed:
-            raise RuntimeError(f"{self.cfg.who}: not starting step {step}: {self.inbox.closed}")
+            raise MailboxClosed(f"{self.cfg.who}: not starting step {step}: {self.inbox.closed}")
         for hook in self.cfg.hooks:
             hook.on_step(self.cfg, step)
         self._pin_thread()

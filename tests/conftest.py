@@ -76,3 +76,22 @@ def no_leaks(ray_local):
     yield
     wait_until(lambda: not alive_actors(), 30, "all actors to exit")
     wait_until(lambda: not live_placement_groups(), 30, "all placement groups to be removed")
+
+
+QUICK_SKIPS = ("ray", "multinode", "flood", "slow", "gpu", "tpu")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--quick", action="store_true",
+                     help="only the tests that start no Ray (deselects markers: " + ", ".join(QUICK_SKIPS) + ")")
+
+
+def pytest_collection_modifyitems(config, items):
+    if not config.getoption("--quick"):
+        return
+    keep, drop = [], []
+    for item in items:
+        (drop if any(item.get_closest_marker(m) for m in QUICK_SKIPS) else keep).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep

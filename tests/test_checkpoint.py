@@ -351,13 +351,11 @@ def test_driver_killed_during_a_save_leaves_the_last_commit(tmp_path, no_leaks):
         # results); step 4's save starts in that call, so both hold from then until step 4 commits
         wait_until(lambda: ((ck.step_dir(root, 2) / ck.MARKER).exists() and ck.step_dir(root, 4).exists())
                    or proc.poll() is not None, 900, "step 2 committed and step 4's save started", every=0.01)
+        tree = _descendants(proc.pid)              # taken before the kill: orphans lose their parent
         os.kill(proc.pid, signal.SIGKILL)          # the driver, mid-save
         proc.wait(60)
     finally:
-        try:                                       # what the driver started (its embedded Ray), by its group id
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        _kill_all(proc.pid, locals().get("tree", []))
     assert proc.returncode == -signal.SIGKILL
     assert not (ck.step_dir(root, 4) / ck.MARKER).exists(), "killed too late: step 4 had committed"
     assert [m["step"] for m in ck.committed(root)] == [2]
@@ -366,6 +364,39 @@ def test_driver_killed_during_a_save_leaves_the_last_commit(tmp_path, no_leaks):
     assert resumed["checkpoint"]["resumed_from"] == 2
     assert [m["step"] for m in ck.committed(root)] == [2, 4, 6]
     assert resumed["losses"][:2] == ck.select(root, 2)["losses"] and len(resumed["losses"]) == 6
+
+
+def _descendants(pid: int) -> list:
+    import psutil
+
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _kill_all(pid: int, tree: list) -> None:
+    """SIGKILL what the killed driver started (its embedded Ray: GCS, raylet, agents, the stage
+    workers) and wait until every one is gone, so no writer of the dead run is left when the
+    resumed run saves into the same directory. Ray starts some of them in sessions of their own,
+    so the process group alone does not reach them all."""
+    import os
+    import signal
+
+    import psutil
+
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    procs = tree + [p for p in _descendants(pid) if p not in tree]
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=60)
+    assert not alive, f"processes of the killed run still alive: {[p.pid for p in alive]}"
 
 
 @pytest.mark.ray

@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
@@ -334,3 +335,35 @@ def test_a_failed_job_makes_submit_exit_non_zero(head, tmp_path):
                        cwd=ROOT, env=head.env(), capture_output=True, text=True, timeout=200)
     assert r.returncode == 1, r.stdout + r.stderr
     assert ": FAILED" in r.stdout and "step    0" not in r.stdout     # --no-follow: status only
+
+
+def _cli(head, *args) -> subprocess.CompletedProcess:
+    """This checkout's CLI (not the installed `meshpipe`), with the head's token."""
+    return subprocess.run([sys.executable, "-m", "orchestrator.driver.cli", *args], cwd=ROOT,
+                          env={**head.env(), "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=60)
+
+
+def test_jobs_lists_the_run_and_status_of_an_unknown_id_says_it_is_unknown(head, submitted):
+    ls = _cli(head, "jobs", "--address", head.dashboard)
+    assert ls.returncode == 0, ls.stderr
+    row = next(ln for ln in ls.stdout.splitlines() if ln.startswith(submitted.submission_id))
+    assert "SUCCEEDED" in row and RUN in row
+    st = _cli(head, "status", "meshpipe-no-such-run", "--address", head.dashboard)
+    assert st.returncode == 6, st.stdout + st.stderr
+    assert "no job 'meshpipe-no-such-run'" in st.stderr and "cannot reach" not in st.stderr
+
+
+def test_the_dashboard_takes_the_token_the_way_the_readme_says(head):
+    """What the dashboard's token prompt does: POST /api/authenticate with the token sets the
+    `ray-authentication-token` cookie, and that cookie alone then opens the API."""
+    req = urllib.request.Request(head.dashboard + "/api/authenticate", data=b"", method="POST",
+                                 headers={"Authorization": f"Bearer {head.token}"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        cookie = r.headers.get("Set-Cookie", "")
+    assert cookie.startswith(f"ray-authentication-token={head.token}") and "HttpOnly" in cookie
+    with urllib.request.urlopen(urllib.request.Request(head.dashboard + "/api/jobs/", headers={
+            "Cookie": f"ray-authentication-token={head.token}"}), timeout=10) as r:
+        assert r.status == 200
+    with pytest.raises(urllib.error.HTTPError) as no_cookie:
+        urllib.request.urlopen(head.dashboard + "/api/jobs/", timeout=10)
+    assert no_cookie.value.code == 401

@@ -7,6 +7,7 @@ verification itself is tested on real sockets.
 from __future__ import annotations
 
 import importlib
+import inspect
 import logging
 import os
 import socket
@@ -35,6 +36,9 @@ def test_the_internals_keep_their_shape():
         assert callable(getattr(AuthenticationTokenLoader, method, None)), method
     headers = ray_internals.auth_headers_from_ray()
     assert isinstance(headers, dict), "AuthenticationTokenLoader no longer answers as meshpipe expects"
+    # an instance attribute, set in the constructor (test_cli's compiled-graph leak check is the live test)
+    from ray.dag.compiled_dag_node import CompiledDAG
+    assert "self._proxy_actor =" in inspect.getsource(CompiledDAG.__init__), "CompiledDAG._proxy_actor is gone"
 
 
 def test_single_machine_mode_sets_and_restores_the_switch(monkeypatch):

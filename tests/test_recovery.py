@@ -66,17 +66,22 @@ def test_policy_restarts_until_used_up_and_stops_a_repeated_failure():
 
 
 def test_classify_names_the_peer_that_failed_not_the_one_told_to_abort():
-    from orchestrator.core.recovery import DIED, ERROR, HANG
+    from orchestrator.core.recovery import DIED, ERROR, HANG, STEP_NOTE
     from orchestrator.driver.recovery import classify
-    from orchestrator.driver.waiting import ProgressTimeout, StageFailure
+    from orchestrator.driver.waiting import ProgressTimeout, StageFailure, short_error
 
     told = StageFailure("steps 4-7 failed on stage 0 host 0: RuntimeError: r stage 0 host 0: mailbox closed "
                         "(r stage 1 host 0 failed in step 5: RuntimeError: r stage 1 host 0: boom) while waiting "
-                        "for (5, 'B', 1)", "stage 0 host 0")
+                        "for (5, 'B', 1)", label="stage 0 host 0")
     f = classify(told, next_step=4)
     assert (f.cause, f.stage, f.host, f.step, f.text) == (ERROR, 1, 0, 5, "RuntimeError: r stage 1 host 0: boom")
-    f = classify(StageFailure("steps 4-7 failed on stage 1 host 0: ActorDiedError", "stage 1 host 0", died=True), 4)
+    f = classify(StageFailure("steps 4-7 failed on stage 1 host 0: ActorDiedError", label="stage 1 host 0", died=True), 4)
     assert (f.cause, f.stage, f.host, f.step) == (DIED, 1, 0, 4)
+    own = RuntimeError("Traceback ...\nRuntimeError: r stage 1 host 0: boom\n"
+                       f"{STEP_NOTE}r stage 1 host 0 failed in step 5: RuntimeError: r stage 1 host 0: boom")
+    assert short_error(own) == "RuntimeError: r stage 1 host 0: boom"     # the note is for the driver only
+    f = classify(StageFailure("steps 4-7 failed on stage 1 host 0", detail=str(own), label="stage 1 host 0"), 4)
+    assert (f.cause, f.stage, f.host, f.step) == (ERROR, 1, 0, 5)           # the step from the worker's note
     f = classify(ProgressTimeout("no answer", ["stage 1 host 0"]), 6)
     assert (f.cause, f.stage, f.host, f.step) == (HANG, 1, 0, 6)
     f = classify(ProgressTimeout("no answer", ["stage 0 host 0", "stage 1 host 0"]), 6)

@@ -63,23 +63,62 @@ def _inexact(dtype: str) -> bool:
     return np.issubdtype(np.dtype(dtype), np.inexact) or dtype in ("bfloat16", "float8_e4m3fn", "float8_e5m2")
 
 
+@dataclass(frozen=True)
+class PlannedEdge:
+    """One stage edge the executor plans: virtual stage `virtual` → `virtual + 1`.
+
+    `src`/`dst` are the (physical) stages; `boundary` the layer index the activation
+    enters; `wraps` marks the edge from the last stage back to the first (a chunk boundary
+    of an interleaved schedule).
+    """
+
+    virtual: int
+    src: int
+    dst: int
+    src_chunk: int
+    boundary: int
+
+    @property
+    def wraps(self) -> bool:
+        return self.dst < self.src
+
+
+def planned_edges(checked) -> list[PlannedEdge]:
+    """Every edge between virtual stages k and k+1 that crosses actors, in virtual-stage order.
+
+    Virtual stage k is chunk k // p of stage k % p (the worker's `_plan_edges` rule); an
+    edge whose two ends are the same stage (p = 1) stays inside the actor and is left out.
+    """
+    p = len(checked.stages)
+    v = len(checked.stages[0].chunks or (checked.stages[0].layers,))
+    out = []
+    for k in range(p * v - 1):
+        src, dst, j = k % p, (k + 1) % p, k // p
+        if src == dst:
+            continue
+        chunks = checked.stages[src].chunks or (checked.stages[src].layers,)
+        out.append(PlannedEdge(k, src, dst, j, chunks[j][1]))
+    return out
+
+
 def edges_json(checked) -> list[dict]:
     """Per stage edge: reshard bytes vs lower bound, forward and backward, summed over the
     activation's leaves (each with its own dtype; gradients only for floating leaves), and
-    per leaf (for `meshpipe plan`)."""
+    per leaf (for `meshpipe plan`). Lists the same edges the executor plans (`planned_edges`),
+    the wrap-around edge of interleaved schedules included."""
     geoms = stage_geoms(checked)
     out = []
-    for s in range(len(geoms) - 1):
-        boundary = checked.stages[s].layers[1]
+    for e in planned_edges(checked):      # the same edges the executor plans
+        s, d, boundary = e.src, e.dst, e.boundary
         leaves, total = [], {"forward": [0, 0, 0], "backward": [0, 0, 0]}
         for leaf, shape in edge_leaves(checked, boundary):
             dtype = leaf_dtype(leaf.dtype)
-            fwd = edge_plan(geoms[s], geoms[s + 1], leaf.axes, shape, dtype)
+            fwd = edge_plan(geoms[s], geoms[d], leaf.axes, shape, dtype)
             row = {"path": leaf.path, "shape": list(shape), "dtype": leaf.dtype, "axes": list(leaf.axes),
                    "src_spec": repr(fwd.src.spec), "dst_spec": repr(fwd.dst.spec)}
             plans = {"forward": fwd}
             if _inexact(leaf.dtype):
-                plans["backward"] = edge_plan(geoms[s + 1], geoms[s], leaf.axes, shape, dtype)
+                plans["backward"] = edge_plan(geoms[d], geoms[s], leaf.axes, shape, dtype)
             for way, plan in plans.items():
                 row[way] = {"cross_host_bytes": plan.cross_host_bytes,
                             "lower_bound_bytes": plan.lower_bound_bytes, "tiles": len(plan.tiles)}
@@ -87,7 +126,8 @@ def edges_json(checked) -> list[dict]:
                     total[way][k] += v
             leaves.append(row)
         first = leaves[0]
-        out.append({"edge": [s, s + 1], "shape": first["shape"], "axes": first["axes"],
+        out.append({"edge": [s, d], "virtual": [e.virtual, e.virtual + 1], "boundary": boundary,
+                    "wraps": e.wraps, "dtype": first["dtype"], "shape": first["shape"], "axes": first["axes"],
                     "src_spec": first["src_spec"], "dst_spec": first["dst_spec"],
                     **{way: {"cross_host_bytes": t[0], "lower_bound_bytes": t[1], "tiles": t[2]}
                        for way, t in total.items()},

@@ -30,8 +30,18 @@ class Plan:
     eval_schedule: Schedule | None = None   # forward-only, lowered and validated (with data.eval)
 
 
+def _chunks(s) -> tuple[tuple[int, int], ...]:
+    return tuple(s.chunks) or (tuple(s.layers),)
+
+
 def stage_costs(checked) -> list[dict]:
-    counts = [max(1, checked.model.param_count(*s.layers)) for s in checked.stages]
+    """Per stage, F and B relative to the largest stage.
+
+    Each F/B action runs one chunk, so a stage's action cost is the mean of its chunks'
+    parameter counts (all of its chunks count; with one chunk per stage, its layers).
+    """
+    counts = [max(1, sum(checked.model.param_count(a, b) for a, b in _chunks(s)) / len(_chunks(s)))
+              for s in checked.stages]
     top = max(counts)
     return [{"F": c / top, "B": 2 * c / top} for c in counts]
 
@@ -60,17 +70,22 @@ def cross_host_axes(mesh: dict[str, int], devices_per_host: int) -> list[str]:
 def plan_json(plan: Plan) -> dict:
     checked, job = plan.checked, plan.checked.job
     stages = []
+    p = len(checked.stages)
     for s in checked.stages:
+        chunks = [{"chunk": j, "virtual_stage": j * p + s.index, "layers": [a, b],
+                   "layer_names": [checked.model.layers[i].name for i in range(a, b)],
+                   "params": checked.model.param_count(a, b)} for j, (a, b) in enumerate(_chunks(s))]
         stages.append({
             "index": s.index,
             "layers": list(s.layers),
             "layer_names": [checked.model.layers[i].name for i in range(*s.layers)],
+            "chunks": chunks,
             "hosts": list(s.hosts),
             "devices_per_host": s.devices_per_host,
             "mesh": dict(s.mesh),
             "cross_host_axes": cross_host_axes(dict(s.mesh), s.devices_per_host),
             "layout": {k: (list(v) if isinstance(v, tuple) else v) for k, v in s.layout.items()},
-            "params": checked.model.param_count(*s.layers),
+            "params": sum(c["params"] for c in chunks),
         })
     return {
         "model": checked.model.name,
@@ -98,10 +113,16 @@ def plan_text(plan: Plan) -> str:
     lines = [f"model {checked.model.name}: {checked.model.num_layers} layers, "
              f"{checked.model.param_count():,} parameters; global batch {job.data.global_batch} = "
              f"{job.pipeline.microbatches} microbatches × {checked.microbatch_size}", "", "placement:"]
+    p = len(checked.stages)
     for s in checked.stages:
-        names = [checked.model.layers[i].name for i in range(*s.layers)]
         mesh = " × ".join(f"{k}={v}" for k, v in s.mesh.items())
-        lines.append(f"  stage {s.index}: layers [{s.layers[0]}, {s.layers[1]}) {','.join(names)}")
+        chunks = _chunks(s)
+        for j, (a, b) in enumerate(chunks):
+            names = ",".join(checked.model.layers[i].name for i in range(a, b))
+            head = f"  stage {s.index}:" if j == 0 else " " * len(f"  stage {s.index}:")
+            which = f" chunk {j} (virtual stage {j * p + s.index})" if len(chunks) > 1 else ""
+            lines.append(f"{head}{which} layers [{a}, {b}) {names}  "
+                         f"{checked.model.param_count(a, b):,} parameters")
         crossing = cross_host_axes(dict(s.mesh), s.devices_per_host)
         lines.append(f"    hosts {list(s.hosts)} × {s.devices_per_host} devices  mesh {mesh}  "
                      f"layout {format_layout(s.layout) or '(replicated)'}")
@@ -117,11 +138,15 @@ def plan_text(plan: Plan) -> str:
         lines += ["", "resharding per stage edge (one microbatch; cross-host bytes / lower bound):"]
     for e in edges:
         f, b = e["forward"], e["backward"]
-        lines.append(f"  {e['edge'][0]}→{e['edge'][1]} {tuple(e['shape'])} {e['src_spec']} → {e['dst_spec']}: "
+        where = (f" (virtual {e['virtual'][0]}→{e['virtual'][1]}, layer {e['boundary']}"
+                 + (", chunk boundary: last stage back to the first)" if e["wraps"] else ")")
+                 if plan.checked.job.pipeline.virtual_stages > 1 else "")
+        lines.append(f"  {e['edge'][0]}→{e['edge'][1]}{where} {e['dtype']} {tuple(e['shape'])} "
+                     f"{e['src_spec']} → {e['dst_spec']}: "
                      f"forward {f['cross_host_bytes']:,} B / {f['lower_bound_bytes']:,} B in {f['tiles']} tiles, "
                      f"backward {b['cross_host_bytes']:,} B / {b['lower_bound_bytes']:,} B")
     lines += ["", f"schedule {job.pipeline.schedule} (lowered):", render_grid(plan.schedule), "",
-              f"simulated (costs ∝ parameters): bubble {plan.sim.bubble_fraction:.3f}; per stage "
+              f"simulated (costs ∝ parameters per chunk): bubble {plan.sim.bubble_fraction:.3f}; per stage "
               + ", ".join(f"{b:.3f}" for b in plan.sim.bubble_per_stage),
               "peak in-flight microbatches per stage: " + ", ".join(map(str, plan.sim.peak_inflight))]
     return "\n".join(lines)

@@ -3,9 +3,9 @@
 The driver's recovery loop (`orchestrator.driver.runner`, `orchestrator.driver.recovery`) asks
 these questions; the answers depend only on the values passed in, so they test in milliseconds.
 
-  - `origin(text)`: a survivor that was told to abort reports the peer that failed first
-    (`stages.worker._fail` puts "<who> failed in step N: <error>" in every abort); the failure
-    is that peer's, not the one that noticed.
+  - `origin(text)`: the actor, step and error of a step failure: `stages.worker._fail` puts
+    "<who> failed in step N: <error>" in every abort it sends (so a survivor told to abort
+    names the peer) and as a note (`STEP_NOTE`) on its own error.
   - `RestartPolicy.decide(failure, committed)`: restart while restarts are left, a checkpoint
     is committed, and the failure is not the same one at the same step as before (a
     deterministic failure — a NaN, a shape error, an injected fault, a deadlock — would fail
@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 DIED, HANG, ERROR = "actor died", "hang", "error"
+STEP_NOTE = "meshpipe step failure: "   # + "<who> failed in step N: <error>", a note on a step's own error
 # "<who> failed in step N: <error>", inside "mailbox closed (...) while waiting for <key>" or at a line's end
 _ABORT = re.compile(r"(?:\S+ )?stage (\d+) host (\d+) failed in step (\d+): (.*?)(?:\) while waiting for .*)?$")
 _LABEL = re.compile(r"stage (\d+) host (\d+)")

@@ -1,21 +1,31 @@
-"""`meshpipe` command line: run, plan, submit, status, logs.
+"""`meshpipe` command line: run, plan, submit, jobs, status, logs.
 
-    meshpipe run JOB.yaml [--cluster CLUSTER.yaml] [--address ADDR] [--set key.path=value ...] [--reference]
-                          [--resume [STEP]]
+    meshpipe [--version] [-v] COMMAND ...
+    meshpipe run JOB.yaml [--cluster CLUSTER.yaml] [--address ADDR] [--set key.path=value ...]
+                          [--reference] [--overwrite] [--resume [STEP]]
     meshpipe checkpoints JOB.yaml [--set ...]
     meshpipe export CKPT --to DIR
     meshpipe plan JOB.yaml [--cluster CLUSTER.yaml] [--set ...] [--json] [--png PATH]
     meshpipe plan JOB.yaml --auto [--cluster C.yaml] [--out PATH] [--explain] [--top K] [--max-model M] [--measure K]
     meshpipe submit JOB.yaml [--cluster CLUSTER.yaml] --address http://HOST:8265 [--set ...]
                              [--working-dir DIR] [--follow/--no-follow] [--no-wait] [--timeout S]
+    meshpipe jobs --address http://HOST:8265
     meshpipe status SUBMISSION_ID --address http://HOST:8265
     meshpipe logs SUBMISSION_ID --address http://HOST:8265 [--follow]
     meshpipe prepare INPUTS... --out DIR (--tokenizer FILE | --train-tokenizer VOCAB) [--shard-tokens N]
 
+`--set` takes job keys (`run.steps=3`) and, with a `cluster.` prefix, cluster
+keys (`cluster.timeouts.step_s=60`). The job file's directory is put on the
+import path (driver and stage actors), so a `module:factory` model beside it
+imports without PYTHONPATH.
+
 Config errors print one line per problem (key, value, rule) and exit with 2
-before anything starts. submit/status exit with the job's outcome: 0 SUCCEEDED,
-1 FAILED, 3 STOPPED; 4 cannot reach or authenticate to the cluster, 5 --timeout,
-130 interrupted (the job keeps running). See `orchestrator.driver.jobs`.
+before anything starts; so does a run whose record already exists (without
+`--overwrite`). `run` exits 1 when a stage fails (the cause and the stage's
+traceback on stderr, the full one in `<run dir>/error.txt`) and 130 on Ctrl-C or
+SIGTERM. submit/status exit with the job's outcome: 0 SUCCEEDED, 1 FAILED,
+3 STOPPED; 4 cannot reach or authenticate to the cluster, 5 --timeout, 6 no
+such job, 130 interrupted (the job keeps running). See `orchestrator.driver.jobs`.
 """
 from __future__ import annotations
 
@@ -32,16 +42,43 @@ import click
 DEFAULT_CLUSTER = Path(__file__).resolve().with_name("local_cluster.yaml")
 
 
+CLUSTER_PREFIX = "cluster."
+
+
+def split_overrides(overrides: tuple[str, ...] | list[str]) -> tuple[list[str], list[str]]:
+    """(job overrides, cluster overrides): `cluster.KEY=VALUE` goes to the cluster file as `KEY=VALUE`.
+
+    Example:
+        >>> split_overrides(["run.steps=3", "cluster.timeouts.step_s=60"])
+        (['run.steps=3'], ['timeouts.step_s=60'])
+    """
+    job = [o for o in overrides if not o.startswith(CLUSTER_PREFIX)]
+    cluster = [o[len(CLUSTER_PREFIX):] for o in overrides if o.startswith(CLUSTER_PREFIX)]
+    return job, cluster
+
+
+def job_import_dir(job_path: str) -> str:
+    """The job file's directory, put first on this process's import path (a model factory beside it)."""
+    d = str(Path(job_path).resolve().parent)
+    if d not in sys.path:
+        sys.path.insert(0, d)
+    return d
+
+
 def _checked(job_path: str, cluster_path: str | None, overrides: tuple[str, ...], address: str | None = None):
+    import dataclasses
+
     from orchestrator.core.config import ConfigError, check_job, check_output_dir, load_cluster, load_job
 
+    job_sets, cluster_sets = split_overrides(overrides)
+    import_dir = job_import_dir(job_path)
     try:
-        job = load_job(job_path, overrides=list(overrides))
+        job = load_job(job_path, overrides=job_sets)
         # --address: a running Ray replaces the file's address (whose num_cpus is then meaningless)
         cluster = load_cluster(cluster_path or str(DEFAULT_CLUSTER),
-                               overrides=[f"address={address}", "num_cpus=null"] if address else None)
+                               overrides=cluster_sets + ([f"address={address}", "num_cpus=null"] if address else []))
         checked = check_job(job, cluster)
-        return checked, check_output_dir
+        return dataclasses.replace(checked, import_dir=import_dir), check_output_dir
     except ConfigError as e:
         click.echo(f"meshpipe: invalid configuration:\n{e}", err=True)
         sys.exit(2)
@@ -51,7 +88,17 @@ job_arg = click.argument("job", type=click.Path(exists=True, dir_okay=False))
 cluster_opt = click.option("--cluster", type=click.Path(exists=True, dir_okay=False), default=None,
                            help="cluster YAML (default: the packaged copy of cluster_configs/local.yaml, an embedded local Ray)")
 set_opt = click.option("--set", "overrides", multiple=True, metavar="KEY.PATH=VALUE",
-                       help="override one job key, e.g. --set run.steps=3 (repeatable)")
+                       help="override one job key, e.g. --set run.steps=3, or a cluster key with a "
+                            "'cluster.' prefix, e.g. --set cluster.timeouts.step_s=60 (repeatable)")
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("meshpipe")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
 
 
 def driver_cpu_only() -> None:
@@ -66,9 +113,17 @@ def driver_cpu_only() -> None:
 
 
 @click.group()
-def main():
+@click.version_option(version=_version(), prog_name="meshpipe", message="%(prog)s %(version)s")
+@click.option("-v", "--verbose", is_flag=True,
+              help="show what is quiet by default: Ray's and the actors' own log noise (e.g. jax's "
+                   "os.fork() warning, Gloo's connection lines)")
+def main(verbose):
     """meshpipe: pipelined, mesh-sharded JAX training on Ray."""
     driver_cpu_only()
+    from orchestrator.driver.quiet import quiet
+
+    if not verbose:
+        quiet()
 
 
 def resume_command(job: str, cluster: str | None, overrides: tuple[str, ...], address: str | None) -> str:
@@ -97,13 +152,15 @@ def resume_command(job: str, cluster: str | None, overrides: tuple[str, ...], ad
 @click.option("--address", default=None, metavar="ADDR",
               help="connect to this running Ray ('auto', host:port) instead of the cluster file's address "
                    "(what `meshpipe submit` uses inside the job)")
+@click.option("--overwrite", is_flag=True, help="replace the record of an earlier run with the same run.name")
 @click.option("--resume", default=None, is_flag=False, flag_value="latest", metavar="[STEP]",
-              help="continue from the newest committed checkpoint in checkpoint.dir, or from STEP")
-def run(job, cluster, overrides, reference, address, resume):
+              help="continue from the newest committed checkpoint in checkpoint.dir, or from STEP "
+                   "(the run continues its own record: no --overwrite needed)")
+def run(job, cluster, overrides, reference, address, overwrite, resume):
     """Train JOB on the cluster (or, with --reference, in this process)."""
     from orchestrator.core.checkpoint import CheckpointError
     from orchestrator.core.config import ConfigError, check_checkpoint_dir
-    from orchestrator.driver.runner import run_job
+    from orchestrator.driver.runner import existing_record, run_job
 
     if resume is not None and resume != "latest" and not (resume.isdigit() and int(resume) > 0):
         click.echo(f"meshpipe: --resume {resume!r}: must be a step number (a positive integer) or absent "
@@ -116,20 +173,32 @@ def run(job, cluster, overrides, reference, address, resume):
     except ConfigError as e:
         click.echo(f"meshpipe: invalid configuration:\n{e}", err=True)
         sys.exit(2)
+    found = existing_record(checked, reference)
+    if found and not overwrite and resume is None:   # a resumed run continues its own record
+        r = checked.job.run
+        click.echo(f"meshpipe: run.name = {r.name!r} (run.output_dir = {r.output_dir!r}): {found} exists "
+                   f"from an earlier run; pass --overwrite to replace it, or choose another name "
+                   f"(--set run.name=...)", err=True)
+        sys.exit(2)
     from orchestrator.core.private_fs import DiskFullError
+    from orchestrator.driver.interrupt import stop_on_signals, stopped_message
     from orchestrator.driver.placement import PlacementError
     from orchestrator.driver.waiting import StageFailure
 
-    try:
-        run_job(checked, reference=reference, echo=lambda s: click.echo(s), tty=sys.stdout.isatty(),
-                resume=resume, resume_command=resume_command(job, cluster, overrides, address))
-    except CheckpointError as e:     # raised before anything started
-        click.echo(f"meshpipe: checkpoint: {e}", err=True)
-        sys.exit(2)
-    except (PlacementError, StageFailure, TimeoutError, DiskFullError) as e:
-        # the run was torn down already (runner's finally); say what failed, without a driver traceback
-        click.echo(f"meshpipe: run failed: {e}", err=True)
-        sys.exit(1)
+    with stop_on_signals() as stop:
+        try:
+            run_job(checked, reference=reference, echo=lambda s: click.echo(s), tty=sys.stdout.isatty(),
+                    resume=resume, resume_command=resume_command(job, cluster, overrides, address))
+        except CheckpointError as e:     # raised before anything started
+            click.echo(f"meshpipe: checkpoint: {e}", err=True)
+            sys.exit(2)
+        except (PlacementError, StageFailure, TimeoutError, DiskFullError) as e:
+            # the run was torn down already (runner's finally); say what failed, without a driver traceback
+            click.echo(f"meshpipe: run failed: {e}", err=True)
+            sys.exit(1)
+        except KeyboardInterrupt as e:   # Ctrl-C or SIGTERM (interrupt.stop_on_signals); all torn down
+            click.echo(f"\nmeshpipe: {stopped_message(stop, e)}", err=True)
+            sys.exit(130)
 
 
 @main.command()
@@ -177,6 +246,7 @@ def plan(job, cluster, overrides, as_json, png, auto, out, explain_, top, max_mo
         from orchestrator.core.schedule import render_png
 
         render_png(p.sim, p.schedule, png, title=f"{checked.job.run.name}: {checked.job.pipeline.schedule}")
+        click.echo(f"wrote {Path(png).resolve()}", err=as_json)   # stdout stays pure JSON with --json
     if as_json:
         click.echo(json.dumps(plan_json(p), indent=1))
     else:
@@ -272,13 +342,14 @@ def _fail(e) -> None:
 @click.option("--follow/--no-follow", default=True, show_default=True, help="stream the job's logs until it ends")
 @click.option("--no-wait", is_flag=True, help="return right after submitting (exit 0)")
 @click.option("--timeout", type=float, default=None, help="stop waiting after this many seconds (exit 5)")
-def submit(job, cluster, overrides, address, working_dir, follow, no_wait, timeout):
+@click.option("--overwrite", is_flag=True, help="the run may replace an earlier run's record (`run --overwrite`)")
+def submit(job, cluster, overrides, address, working_dir, follow, no_wait, timeout, overwrite):
     """Submit JOB to a running Ray cluster as a Ray Job; exit with its outcome."""
     from orchestrator.driver import jobs
 
     checked, _ = _checked(job, cluster, overrides, address="auto")
     try:
-        pkg = jobs.package(checked, job, cluster, overrides, address, working_dir)
+        pkg = jobs.package(checked, job, cluster, overrides, address, working_dir, overwrite=overwrite)
     except jobs.JobsError as e:
         _fail(e)
     for w in pkg.warnings:
@@ -340,7 +411,7 @@ def status(submission_id, address):
     except jobs.JobsError as e:
         _fail(e)
     except Exception as e:  # noqa: BLE001
-        _fail(jobs.JobsError(jobs.explain(e, address)))
+        _fail(jobs.unknown_job(e, address, submission_id) or jobs.JobsError(jobs.explain(e, address)))
     state = str(info.status).split(".")[-1]
     click.echo(f"{submission_id}: {state}" + (f" ({info.message})" if info.message else ""))
     click.echo(f"  entrypoint: {info.entrypoint}")
@@ -363,7 +434,7 @@ def logs(submission_id, address, follow):
     except jobs.JobsError as e:
         _fail(e)
     except Exception as e:  # noqa: BLE001
-        _fail(jobs.JobsError(jobs.explain(e, address)))
+        _fail(jobs.unknown_job(e, address, submission_id) or jobs.JobsError(jobs.explain(e, address)))
     _wait(c, submission_id, address, True, None)
 
 
@@ -390,6 +461,23 @@ def prepare(inputs, out_dir, tokenizer, train_vocab, shard_tokens):
     total = sum(s["tokens"] for s in doc["shards"])
     click.echo(f"wrote {len(doc['shards'])} shard(s), {total} tokens ({doc['dtype']}, vocab {doc['vocab']}) "
                f"to {out_dir}")
+
+
+@main.command(name="jobs")
+@address_opt
+def list_jobs(address):
+    """List the meshpipe runs submitted to the cluster (newest last)."""
+    from orchestrator.driver import jobs
+
+    try:
+        c = jobs.client(address)
+        rows = jobs.bounded(c.list_jobs, what="job list")
+    except jobs.JobsError as e:
+        _fail(e)
+    except Exception as e:  # noqa: BLE001
+        _fail(jobs.JobsError(jobs.explain(e, address)))
+    for line in jobs.job_table(rows):
+        click.echo(line)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ import sys
 import time
 from collections import deque
 
-from orchestrator.driver.waiting import ProgressTimeout, StageFailure, short_error, wait_all
+from orchestrator.driver.waiting import ProgressTimeout, stage_failure, wait_all
 
 KINDS = ("step_calls", "compiled_graph", "action_calls")
 
@@ -164,18 +164,22 @@ class CompiledGraph(_Batched):
                 raise ProgressTimeout(f"steps {first}-{first + n - 1}: no answer within "
                                       f"{self.call_s(n):.0f} s from {label}", [label]) from e
             except Exception as e:  # noqa: BLE001 - re-raised with the stage named
-                from ray.exceptions import RayActorError
-
-                raise StageFailure(f"steps {first}-{first + n - 1} failed on {label}: {short_error(e)}", label,
-                                   isinstance(e, RayActorError)) from e
+                raise stage_failure(f"steps {first}-{first + n - 1}", label, e) from e
         return outs
 
     def close(self, timeout: float) -> None:
         """Tear the graph down (bounded by Ray's own `teardown_timeout`, 30 s); the executor kills
         the actors next. After a failed step the actors start no further step, so their loops end."""
+        import ray
+
+        from orchestrator.driver.ray_internals import compiled_graph_proxy
+
         graph, self.graph = self.graph, None
         if graph is not None:
             graph.teardown(kill_actors=False)
+            proxy = compiled_graph_proxy(graph)
+            if proxy is not None:      # else it outlives the run until the graph is collected
+                ray.kill(proxy, no_restart=True)
 
 
 class ActionCalls:

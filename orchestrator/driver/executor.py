@@ -152,6 +152,14 @@ class PipelineExecutor:
                     pass
         return [lbl for lbl in labels if lbl not in answered]
 
+    def abort(self, reason: str) -> None:
+        """Tell every actor to abandon its step now (fire and forget; `abort_step` runs beside it)."""
+        for a in (a for row in self.actors for a in row):
+            try:
+                a.abort_step.options(concurrency_group="io").remote(reason)
+            except Exception:  # noqa: BLE001 - best effort; shutdown kills them anyway
+                pass
+
     def shutdown(self, unresponsive: Sequence[str] = ()) -> None:
         """Tear everything down (bounded); `unresponsive`: labels of actors killed first, without
         waiting for them (a hung process would hold the bounded `shutdown` wait to its end)."""
@@ -170,11 +178,8 @@ class PipelineExecutor:
                 dispatcher.close(self.timeouts["shutdown_s"])
             except Exception:  # noqa: BLE001 - best effort; the kill below is what counts
                 pass
-        for a in flat:      # before `shutdown`, which queues behind a step that waits on a dead peer
-            try:
-                a.abort_step.options(concurrency_group="io").remote("the driver is shutting the run down")
-            except Exception:  # noqa: BLE001 - best effort; the kill below is what counts
-                pass
+        # before `shutdown`, which queues behind a step that waits on a dead peer
+        self.abort("the driver is shutting the run down")
         if flat:
             try:
                 ray.wait([a.shutdown.remote() for a in flat], num_returns=len(flat),

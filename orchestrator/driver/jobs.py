@@ -50,7 +50,7 @@ from typing import Any, Callable
 from urllib.parse import urlparse
 
 EXIT_CODES = {"SUCCEEDED": 0, "FAILED": 1, "STOPPED": 3}
-EXIT_CONFIG, EXIT_CONNECT, EXIT_TIMEOUT, EXIT_INTERRUPTED = 2, 4, 5, 130
+EXIT_CONFIG, EXIT_CONNECT, EXIT_TIMEOUT, EXIT_UNKNOWN, EXIT_INTERRUPTED = 2, 4, 5, 6, 130
 TERMINAL = frozenset(EXIT_CODES)
 HTTP_TIMEOUT_S = 30.0
 POLL_S = 1.0
@@ -119,7 +119,8 @@ class Package:
 
 
 def package(checked, job_path: str, cluster_path: str | None, overrides: tuple[str, ...],
-            address: str, working_dir: str | None = None, submission_id: str | None = None) -> Package:
+            address: str, working_dir: str | None = None, submission_id: str | None = None,
+            overwrite: bool = False) -> Package:
     """Decide the working dir, entrypoint and runtime_env of a submission (pure, apart from path checks).
 
     Raises:
@@ -151,7 +152,7 @@ def package(checked, job_path: str, cluster_path: str | None, overrides: tuple[s
     args = ["meshpipe", "run", inside(Path(job_path), "the job file", "JOB")]
     if cluster_path:
         args += ["--cluster", inside(Path(cluster_path), "the cluster file", "--cluster")]
-    args += ["--address", "auto"]
+    args += ["--address", "auto"] + (["--overwrite"] if overwrite else [])
     if job.data.source in ("text", "tokens", "hf") and isinstance(job.data.path, str):
         src = Path(checked.data_path or job.data.path)
         sets.append(f"data.path={inside(src, 'the data file', 'data.path')}")
@@ -245,6 +246,34 @@ def explain(e: Exception, address: str) -> str:
                 "cluster's token via RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token.")
     first = next((ln for ln in text.splitlines() if ln.strip()), type(e).__name__)
     return f"cannot reach the Ray dashboard at {address}: {first}"
+
+
+def unknown_job(e: Exception, address: str, submission_id: str) -> JobsError | None:
+    """JobsError(code 6) when the dashboard answered that `submission_id` does not exist, else None."""
+    text = str(e)
+    if "404" in text and "does not exist" in text:
+        return JobsError(f"no job {submission_id!r} on the Ray cluster at {address} "
+                         f"(`meshpipe jobs --address {address}` lists the submitted runs)", code=EXIT_UNKNOWN)
+    return None
+
+
+def job_table(rows) -> list[str]:
+    """One line per submitted job (submission id, status, meshpipe run, start time), oldest first."""
+    import datetime
+
+    def start(j):
+        return getattr(j, "start_time", None) or 0
+
+    lines = [f"{'SUBMISSION ID':<36} {'STATUS':<10} {'RUN':<20} STARTED (UTC)"]
+    for j in sorted(rows, key=start):
+        run = (getattr(j, "metadata", None) or {}).get("meshpipe_run", "-")
+        when = (datetime.datetime.fromtimestamp(start(j) / 1000, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+                if start(j) else "-")
+        status = str(j.status).split(".")[-1]
+        lines.append(f"{j.submission_id or j.job_id or '-':<36} {status:<10} {run:<20} {when}")
+    if len(lines) == 1:
+        lines.append("(no jobs submitted)")
+    return lines
 
 
 def status_of(c, sid: str) -> str:

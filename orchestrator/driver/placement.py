@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 from typing import Mapping, Sequence
 
 from orchestrator.core.backends import HostPlacement, Node, PlacementError, get_backend  # pure: no ray, no jax
@@ -241,9 +242,26 @@ def actor_options(checked, stage, host: int, pg, run: str) -> dict:
         "scheduling_strategy": PlacementGroupSchedulingStrategy(
             placement_group=pg, placement_group_bundle_index=hp.bundle,
             placement_group_capture_child_tasks=False),
-        "runtime_env": {"env_vars": {**getattr(cl, "env_vars", {}), **hp.env}},  # ours win (schema forbids clashes)
+        "runtime_env": {"env_vars": actor_env(checked, hp.env)},
         "max_restarts": 0,
     }
+
+
+def actor_env(checked, backend_env: dict) -> dict:
+    """A stage actor's environment: the cluster's env_vars, the backend's (ours win: the schema
+    forbids clashes), the quiet warning filter (`orchestrator.driver.quiet`) unless the user set
+    PYTHONWARNINGS, and the job's directory first on PYTHONPATH (a model factory beside the job).
+
+    Ray expands `${PYTHONPATH}` to the value the node's environment has.
+    """
+    from orchestrator.driver.quiet import actor_env as quiet_env
+
+    user = dict(getattr(checked.cluster, "env_vars", {}))
+    env = {**quiet_env(), **user, **backend_env}
+    if checked.import_dir:
+        rest = user.get("PYTHONPATH", "${PYTHONPATH}")
+        env["PYTHONPATH"] = f"{checked.import_dir}{os.pathsep}{rest}"
+    return env
 
 
 def _bundle_addresses(pg, bundles_wanted) -> dict[int, str]:

@@ -1,6 +1,6 @@
 """Every use of a private Ray internal, in one module, each behind a guard.
 
-meshpipe needs four things Ray has no public API for:
+meshpipe needs five things Ray has no public API for:
   - `single_machine_mode()`: Ray binds its core servers on the routable address unless
     its macOS/Windows single-machine switch is off; the switch is the environment
     variable RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER *and* the constant
@@ -9,6 +9,9 @@ meshpipe needs four things Ray has no public API for:
     where Ray's CLI does.
   - `available_resources()`: `ray._private.state.available_resources_per_node`.
   - `dashboard_url()`: `ray._private.worker.get_dashboard_url`.
+  - `compiled_graph_proxy(graph)`: a Compiled Graph's `_proxy_actor`, a helper actor Ray
+    starts on the driver's node and frees only when the graph object is garbage collected —
+    which the refs a failed step leaves in a traceback can delay by a minute.
 Each is looked up defensively: if a Ray upgrade renames it, the caller gets None (or,
 for the loopback switch, a warning) and a safe fallback — never a crash and never a
 silent exposure, because `beyond_loopback` verifies after start what the embedded
@@ -118,6 +121,15 @@ def dashboard_url() -> str | None:
         return fn() if fn is not None else None
     except Exception:  # noqa: BLE001 - informational
         return None
+
+
+def compiled_graph_proxy(graph):
+    """The helper actor a Ray Compiled Graph started for the driver, or None when this Ray has
+    no such attribute (then it lives until the graph object is collected, as Ray intends)."""
+    proxy = getattr(graph, "_proxy_actor", None)
+    if proxy is None:
+        log.debug("this Ray's CompiledDAG has no _proxy_actor; leaving its cleanup to Ray")
+    return proxy
 
 
 # -- what actually listens -------------------------------------------------------

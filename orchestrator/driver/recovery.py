@@ -35,6 +35,12 @@ RECOVERABLE = (StageFailure, TimeoutError)
 class RecoveryStopped(StageFailure):
     """A failure the run did not recover from; the message says why and how to continue."""
 
+    @classmethod
+    def after(cls, message: str, e: BaseException) -> "RecoveryStopped":
+        """Keeps the failure's own report (where, the stage's traceback) under the new message."""
+        return cls(message, detail=getattr(e, "detail", ""), where=getattr(e, "where", ""),
+                   tail=getattr(e, "tail", ""), label=getattr(e, "label", None), died=getattr(e, "died", False))
+
 
 def is_hang(e: BaseException) -> bool:
     return isinstance(e, TimeoutError) and not isinstance(e, StageFailure)
@@ -50,7 +56,7 @@ def classify(e: BaseException, next_step: int, hung: Optional[list[str]] = None)
         stage, host = label_of(culprits[0] if len(culprits) == 1 else None)
         text = str(e) + (f"; not answering a heartbeat: {', '.join(hung)}" if hung else "")
         return Failure(HANG, stage, host, next_step, text)
-    text = str(e.__cause__) if e.__cause__ is not None else str(e)
+    text = "\n".join(str(x) for x in (e.__cause__, getattr(e, "detail", ""), e) if x)
     if isinstance(e, StageFailure) and e.died:
         stage, host = label_of(e.label)
         return Failure(DIED, stage, host, next_step, str(e))

@@ -4,12 +4,17 @@ Basic flow of `run_job`:
   plan (pure) → output dir checked/created (owner-only) → data plan →
   [Ray: connect → executor.start → step × N → param norms] or [reference] →
   summary.json. Whatever was started is shut down in `finally` (actors,
-  placement group, and an embedded Ray we started), also on Ctrl-C.
+  placement group, and an embedded Ray we started), also on Ctrl-C/SIGTERM
+  (`orchestrator.driver.interrupt`): the actors are told to abandon their step
+  first, so stopping takes seconds, not a step deadline.
 
 Records survive a failure: each completed step is appended to `metrics.jsonl`
 as it arrives (`telemetry.StepLog`), and `summary.json` is written on every
-exit — status completed, failed or interrupted, with the error, the steps done
-and the losses so far. With batched dispatch (`cluster.steps_per_call` k) the
+exit (one path, `_record_stop` for early ones) — status completed, failed or
+interrupted, with the error, the steps done and the losses so far; a stage's
+full (redacted) traceback goes to `error.txt` beside it. `existing_record` is
+what `meshpipe run` checks so that a second run of the same job never replaces
+the first one's record silently (`--overwrite`). With batched dispatch (`cluster.steps_per_call` k) the
 driver learns steps k at a time, so the steps completed inside a call that
 fails are not recorded. The driver keeps a bounded amount per step: the loss
 and the step time (summary.json's lists) and the step's scalar telemetry; spans only
@@ -49,6 +54,19 @@ def output_dir(checked) -> Path:
     return private_dir(Path(job.run.output_dir) / job.run.name)
 
 
+RECORD_FILES = ("summary.json", "metrics.jsonl", "trace.json", "timeline.png", "error.txt")
+REFERENCE_RECORD_FILES = ("summary.reference.json", "metrics.reference.jsonl")
+
+
+def existing_record(checked, reference: bool = False) -> Path | None:
+    """The file of an earlier run that this run would replace (in its run directory), if any."""
+    run_dir = Path(checked.job.run.output_dir) / checked.job.run.name
+    for name in (REFERENCE_RECORD_FILES if reference else RECORD_FILES):
+        if (run_dir / name).exists():
+            return run_dir / name
+    return None
+
+
 def step_line(rec: dict, samples: int) -> str:
     line = (f"step {rec['step']:>4d}  loss {rec['loss']:.5f}  time {rec['step_time_s'] * 1e3:8.1f} ms  "
             f"{samples / rec['step_time_s']:9.1f} samples/s")
@@ -85,6 +103,10 @@ def run_job(checked, *, reference: bool = False, echo: Callable[[str], None] = p
     source = checked.data     # a DataPlan: each host that needs data opens its own reader
     samples = job.data.global_batch
     suffix = ".reference" if reference else ""
+    # From here the run directory's record files are this run's (after --overwrite: never two runs mixed;
+    # after --resume: the summary carries the committed steps' losses, metrics.jsonl the steps run now).
+    for stale in (REFERENCE_RECORD_FILES if reference else RECORD_FILES):
+        (out / stale).unlink(missing_ok=True)
     progress = Progress(job.run.steps, tty=tty, echo=echo, line=lambda rec: step_line(rec, samples))
     records = StepLog(out / f"metrics{suffix}.jsonl")
     losses: list[float] = list(ckpt.losses) if ckpt else []    # a resumed run: the committed steps' losses
@@ -141,13 +163,7 @@ def run_job(checked, *, reference: bool = False, echo: Callable[[str], None] = p
                                           resume_command or "meshpipe run <job.yaml> --resume")
     except BaseException as e:
         progress.close()
-        status = "interrupted" if isinstance(e, KeyboardInterrupt) else "failed"
-        try:
-            write_private(path, json.dumps(summary(status, {}, redact_text(f"{type(e).__name__}: {e}")),
-                                           indent=1))
-            echo(f"wrote {path} ({status} after {len(losses)} of {job.run.steps} steps)")
-        except Exception as w:  # noqa: BLE001 - the run's own error is the one to raise
-            log.warning("could not write %s: %s", path, w)
+        _record_stop(e, summary, out, path, job.run.steps, echo)
         raise
     finally:
         progress.close()   # end the bar's line before anything else is printed
@@ -162,6 +178,30 @@ def run_job(checked, *, reference: bool = False, echo: Callable[[str], None] = p
     return done
 
 
+def _record_stop(e: BaseException, summary: Callable[..., dict], out: Path, path: Path, total: int,
+                 echo) -> None:
+    """The record of a run that stopped early: summary.json with status "failed" or
+    "interrupted" (`summary` is run_job's, the one record-writing path), a stage's full
+    traceback in error.txt; the record's path and the steps done go onto `e` for the CLI
+    (`interrupt.stopped_message`, the stage-failure report)."""
+    from orchestrator.driver.waiting import StageFailure
+
+    status = "interrupted" if isinstance(e, KeyboardInterrupt) else "failed"
+    try:
+        if isinstance(e, StageFailure) and e.detail:
+            err = out / "error.txt"
+            write_private(err, f"{e.message}\nwhere: {e.where}\n\n{e.detail}\n")
+            e.error_file = str(err)
+        rec = summary(status, {}, redact_text(f"{type(e).__name__}: {getattr(e, 'message', None) or e}"))
+        write_private(path, json.dumps(rec, indent=1))
+        echo(f"wrote {path} ({status} after {rec['steps_done']} of {total} steps)")
+    except Exception as w:  # noqa: BLE001 - the record must not hide the run's own error
+        log.warning("could not write %s: %s", path, w)
+        return
+    if isinstance(e, KeyboardInterrupt):
+        e.steps_done, e.total_steps, e.record = rec["steps_done"], total, str(path)
+
+
 def _run_pipeline(checked, plan, source, on_step, out: Path, echo, extra: dict, hooks: Sequence = (),
                   keep_params: bool = False, ckpt=None, losses: list | None = None, rollback=None,
                   resume_command: str = "meshpipe run <job.yaml> --resume") -> tuple[dict, dict | None]:
@@ -169,17 +209,22 @@ def _run_pipeline(checked, plan, source, on_step, out: Path, echo, extra: dict, 
     `extra` (summary.json's pipeline fields) as it goes, so a failed run's summary has what was
     known. `ckpt`: the checkpoint plan (`checkpoint.prepare`); `losses`: the run's loss list,
     which the commit markers record; `rollback(step, restart)`: drop the records after `step`.
-    Attempts run in a loop while `failure.max_restarts` allows (module docstring)."""
+    Attempts run in a loop while `failure.max_restarts` allows (module docstring). On
+    Ctrl-C/SIGTERM the actors are told to abandon their step before they are shut down."""
     from orchestrator.core.recovery import ProgressDeadline, RestartPolicy
     from orchestrator.driver import placement, recovery
     from orchestrator.driver.checkpoint import Committer, prepare
     from orchestrator.driver.executor import PipelineExecutor
+    from orchestrator.driver.interrupt import reinstall
+    from orchestrator.driver.quiet import filter_worker_logs
     from orchestrator.driver.telemetry import RunTelemetry
 
     job = checked.job
     run = job.run.name
     namespace = f"meshpipe-{run}"
     started = placement.connect(checked.cluster, namespace=namespace)
+    reinstall()            # ray.init put absl's signal handler in place of ours (stack dump, abort)
+    filter_worker_logs()
     ex = tel = metrics = None
     last_spans: list = []
     losses = losses if losses is not None else []
@@ -193,7 +238,7 @@ def _run_pipeline(checked, plan, source, on_step, out: Path, echo, extra: dict, 
     recoveries: list[dict] = []
     extra.update(restarts=0, recoveries=recoveries)
     hung: list[str] = []       # after a timeout: the actors that did not answer a heartbeat (killed first)
-    ok = False
+    ok = interrupted = False
     try:
         extra["ray"] = _ray_info(run, echo)
         tel = RunTelemetry(run, plan.schedule, plan.sim.bubble_fraction, job.data.global_batch)
@@ -235,8 +280,8 @@ def _run_pipeline(checked, plan, source, on_step, out: Path, echo, extra: dict, 
                 if not decision.restart:
                     if job.failure.max_restarts == 0:
                         raise                       # no `failure:` section: the error as it was
-                    raise recovery.RecoveryStopped(recovery.stop_message(
-                        failure, where, decision, committed, len(losses), resume_command)) from e
+                    raise recovery.RecoveryStopped.after(recovery.stop_message(
+                        failure, where, decision, committed, len(losses), resume_command), e) from e
                 t1 = time.perf_counter()
                 _shutdown(ex, extra, ckpt, committer, resumed_from, hung)
                 ex, hung[:] = None, []
@@ -266,8 +311,13 @@ def _run_pipeline(checked, plan, source, on_step, out: Path, echo, extra: dict, 
         norms = ex.param_norms()
         arrays = ex.param_arrays() if keep_params else None
         ok = True
+    except KeyboardInterrupt:
+        interrupted = True
+        raise
     finally:
         if ex is not None:
+            if interrupted:   # (a failed step has told every actor already: worker._fail)
+                ex.abort("the driver stopped the run")   # a step still running ends now, not at its deadline
             _shutdown(ex, extra, ckpt, committer, resumed_from, hung)
         if tel is not None:
             try:
@@ -310,7 +360,43 @@ def _ray_info(run: str, echo) -> dict:
         log.debug("no dashboard/metrics info: %s", e)
     if info.get("dashboard_url"):
         echo(f"Ray dashboard {info['dashboard_url']}  (namespace {info['namespace']}, actors {info['actors']})")
+        for line in auth_hint(info["dashboard_url"], _gcs_address()):
+            echo(f"  {line}")
     return info
+
+
+def _gcs_address() -> str | None:
+    try:
+        import ray
+
+        return ray.get_runtime_context().gcs_address
+    except Exception:  # noqa: BLE001 - informational only
+        return None
+
+
+def auth_hint(dashboard_url: str, gcs_address: str | None) -> list[str]:
+    """How a person gets into a token-authenticated Ray (Ray 2.60): browser and CLI; [] without auth.
+
+    The dashboard shows a token prompt; what is pasted there is POSTed to
+    `/api/authenticate` (Authorization: Bearer), which sets the `ray-authentication-token`
+    cookie. Ray's CLI needs `RAY_AUTH_MODE=token` and finds the token itself.
+    """
+    from orchestrator.driver.jobs import token_source
+
+    try:
+        from ray._private.authentication.authentication_utils import is_token_auth_enabled
+
+        on = is_token_auth_enabled()
+    except Exception:  # noqa: BLE001 - a Ray without token auth
+        on = False
+    if not on:
+        return []
+    source = token_source() or "Ray's token loader"
+    gcs = f" --address {gcs_address}" if gcs_address else ""
+    return [f"token auth is on: the dashboard asks for the token; paste the output of "
+            f"`ray get-auth-token` (it reads {source}); the browser keeps it as a cookie",
+            f"Ray CLI: RAY_AUTH_MODE=token ray status{gcs}; "
+            f"RAY_AUTH_MODE=token ray list actors --address {dashboard_url}"]
 
 
 def _metrics(run: str, simulated_bubble: float):

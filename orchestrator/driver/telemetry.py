@@ -327,10 +327,12 @@ class Progress:
     """
 
     def __init__(self, total: int, *, tty: bool, echo: Callable[[str], None],
-                 line: Callable[[dict], str], stream: TextIO | None = None, width: int = 30):
+                 line: Callable[[dict], str], stream: TextIO | None = None, width: int = 30,
+                 columns: Callable[[], int] | None = None):
         self.total, self.tty, self.echo, self.line = total, tty, echo, line
         self.stream = stream or sys.stdout
         self.width = width
+        self.columns = columns or _terminal_columns(self.stream)
         self.done = 0
         self._drawn = False
         self.eval_loss = None        # the latest evaluation's loss, kept on the bar
@@ -342,21 +344,55 @@ class Progress:
         if not self.tty:
             self.echo(self.line(rec))
             return
-        frac = min(1.0, self.done / max(1, self.total))
-        filled = int(round(frac * self.width))
-        eta = rec["step_time_s"] * (self.total - self.done)   # at the latest pace (startup excluded)
-        bar = "█" * filled + "░" * (self.width - filled)
-        text = (f"\r{bar} {self.done}/{self.total}  loss {rec['loss']:.4f}  "
-                f"{rec['samples_per_s']:.1f} samples/s  {rec['step_time_s'] * 1e3:.0f} ms/step  "
-                f"eta {eta:.0f}s ")
-        if self.eval_loss is not None:
-            text += f" eval {self.eval_loss:.4f} "
-        self.stream.write(text)
+        self.stream.write("\r" + self.text(rec, self.columns()))
         self.stream.flush()
         self._drawn = True
+
+    def text(self, rec: dict, columns: int) -> str:
+        """The bar line, at most `columns - 1` characters (a full last column wraps on some
+        terminals): fields are dropped from the right, then the bar shrinks, to fit.
+
+        Example:
+          >>> p = Progress(100, tty=True, echo=print, line=str)
+          >>> rec = {"step": 41, "loss": 0.5, "step_time_s": 0.1, "samples_per_s": 320.0}
+          >>> len(p.text(rec, 80)) <= 79, len(p.text(rec, 40)) <= 39
+          (True, True)
+        """
+        limit = max(10, columns - 1)
+        eta = rec["step_time_s"] * (self.total - self.done)   # at the latest pace (startup excluded)
+        fields = [f"{self.done}/{self.total}", f"loss {rec['loss']:.4f}"]
+        if self.eval_loss is not None:
+            fields.append(f"eval {self.eval_loss:.4f}")
+        fields += [f"{rec['step_time_s'] * 1e3:.0f} ms/step", f"eta {eta:.0f}s", f"{rec['samples_per_s']:.1f} samples/s"]
+        frac = min(1.0, self.done / max(1, self.total))
+        while True:
+            tail = "  ".join(fields)
+            bar_w = min(self.width, limit - len(tail) - 1)
+            if bar_w >= 10 or len(fields) == 1:
+                break
+            fields.pop()
+        bar_w = max(0, bar_w)
+        filled = int(round(frac * bar_w))
+        bar = "█" * filled + "░" * (bar_w - filled)
+        out = f"{bar} {tail}" if bar_w else tail
+        return out[:limit].ljust(limit)
 
     def close(self) -> None:
         if self.tty and self._drawn:
             self.stream.write("\n")
             self.stream.flush()
             self._drawn = False
+
+
+def _terminal_columns(stream) -> Callable[[], int]:
+    """Columns of the terminal `stream` writes to, read at each redraw (a resized window)."""
+    import os
+    import shutil
+
+    def columns() -> int:
+        try:
+            return os.get_terminal_size(stream.fileno()).columns
+        except (AttributeError, ValueError, OSError):
+            return shutil.get_terminal_size((80, 24)).columns
+
+    return columns

@@ -1,24 +1,68 @@
 """Bounded waits on Ray object refs: every remote wait in meshpipe goes through here.
 
-A failure names the actor it came from: `StageFailure.label` (e.g. "stage 1 host 0") and
-`died` (its process is gone: Ray's actor-death error); a deadline that passes raises
-`ProgressTimeout` (a TimeoutError) with the labels still pending. When the first error is
-not a death, the others that arrive within a short grace are looked at too, and a death is
-preferred: a survivor's error about a dead peer must not be taken for the cause.
+A call that fails on an actor becomes a `StageFailure` whose first line names the
+stage/host and the exception (`short_error`), followed by where it ran (pid, node)
+and the last frames of the stage's own traceback, redacted
+(`orchestrator.core.redact`) and short enough for one screen; `detail` keeps the
+whole (redacted) remote traceback, which the runner writes to `<run dir>/error.txt`.
+For recovery (`orchestrator.driver.recovery`) a failure also says which actor it came from
+(`label`, e.g. "stage 1 host 0") and whether its process died (`died`: Ray's actor-death
+error); a deadline that passes raises `ProgressTimeout` (a TimeoutError) with the labels
+still pending. A survivor's own error (not a "told to stop") is not taken for the cause
+while a peer's death shows up within `DEATH_GRACE_S`.
 """
 from __future__ import annotations
 
+import re
 import time
 
-GRACE_S = 1.0      # after a non-death error: how long to look for a death among the rest
+SHORT_FRAMES_LINES = 16     # traceback lines kept in the short form (the ones nearest the error)
+ROOT_CAUSE_GRACE_S = 5.0    # how long a peer's "told to stop" failure waits for the failing actor's own
+DEATH_GRACE_S = 1.0         # after a survivor's own error: how long to look for a death among the rest
 
 
 class StageFailure(RuntimeError):
-    """A remote call failed. `label`: the actor's label (None: not known); `died`: its process died."""
+    """A stage's call failed. `str()` is the short form; `detail` the full redacted traceback;
+    `error_file` is set by the runner once `detail` is written to the run directory."""
 
-    def __init__(self, message: str, label: str | None = None, died: bool = False):
+    def __init__(self, message: str, detail: str = "", where: str = "", tail: str = "",
+                 label: str | None = None, died: bool = False):
         super().__init__(message)
-        self.label, self.died = label, died
+        self.message, self.detail, self.where, self.tail = message, detail, where, tail
+        self.label, self.died = label, died      # the actor ("stage 1 host 0"); its process died
+        self.error_file: str | None = None
+
+    def __str__(self) -> str:
+        parts = [self.message]
+        if self.where:
+            parts.append(f"  where: {self.where}")
+        if self.tail:
+            parts.append("  stage traceback (most recent call last; full: "
+                         f"{self.error_file or 'error.txt in the run directory'}):")
+            parts += [f"    {ln}" for ln in self.tail.splitlines()]
+        return "\n".join(parts)
+
+
+def stage_failure(what: str, label: str, e: BaseException) -> StageFailure:
+    """The StageFailure for call `what` that raised `e` on actor `label` (e.g. "stage 1 host 0").
+
+    Ray's error (`RayTaskError(...)`) carries the actor's own traceback in its text, after a
+    header `ray::Class.method() (pid=…, ip=…, …)`; the pid and node come from there.
+    """
+    import traceback
+
+    from orchestrator.core.redact import redact_text
+
+    text = _ANSI.sub("", redact_text(str(e))).rstrip()
+    head = _RAY_HEADER.search(text)
+    where = label
+    if head:
+        detail = text[head.start():]
+        where += f" (pid {head['pid']}, node {head['ip']}, in {head['call']})"
+    else:
+        detail = redact_text("".join(traceback.format_exception(type(e), e, e.__traceback__))).rstrip()
+    return StageFailure(f"{what} failed on {label}: {short_error(e)}", detail=detail, where=where,
+                        tail=_tail(detail), label=label, died=_died(e))
 
 
 class ProgressTimeout(TimeoutError):
@@ -29,16 +73,31 @@ class ProgressTimeout(TimeoutError):
         self.labels = list(labels or [])
 
 
-def _died(e: Exception) -> bool:
+def _died(e: BaseException) -> bool:
     from ray.exceptions import RayActorError
 
     return isinstance(e, RayActorError)
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_RAY_HEADER = re.compile(r"ray::(?P<call>[\w.]+)\(\) \(pid=(?P<pid>\d+), ip=(?P<ip>[^,)]+)")
+
+
+def _tail(detail: str) -> str:
+    """The traceback lines nearest the error: no header, no `^^^^` marker lines."""
+    lines = detail.splitlines()[1:] if _RAY_HEADER.match(detail) else detail.splitlines()
+    body = [ln for ln in lines if ln.strip() and not ln.startswith("Traceback") and set(ln.strip()) != {"^"}]
+    return "\n".join(body[-SHORT_FRAMES_LINES:])
+
+
 def wait_all(refs: list, timeout: float, what: str, labels: list[str] | None = None) -> list:
     """ray.get all refs, failing fast on the first error and raising ProgressTimeout at the deadline.
 
-    Errors name the label (e.g. "stage 1 host 0") of the call that failed or is stuck.
+    Errors name the label (e.g. "stage 1 host 0") of the call that failed or is stuck. An actor
+    that failed only because it was told to stop (`stages.mailbox.MailboxClosed`: a peer failed
+    first and aborted it) often answers before the peer that failed by itself, whose error
+    carries its whole traceback; then the other calls get up to `ROOT_CAUSE_GRACE_S` (within the
+    deadline) and the first failure of their own is the one raised.
     """
     import ray
 
@@ -57,33 +116,63 @@ def wait_all(refs: list, timeout: float, what: str, labels: list[str] | None = N
             try:
                 results[index[r]] = ray.get(r, timeout=max(1.0, deadline - time.monotonic()))  # ready
             except Exception as e:  # noqa: BLE001 - re-raised with the stage named
-                r, e = _cause(r, e, pending)
-                label = labels[index[r]]
-                raise StageFailure(f"{what} failed on {label}: {short_error(e)}", label, _died(e)) from e
+                if _told_to_stop(e):
+                    cause = _own_failure(pending, deadline)
+                elif not _died(e):
+                    cause = _death(pending)
+                else:
+                    cause = None
+                r, e = cause or (r, e)
+                raise stage_failure(what, labels[index[r]], e) from e
     return results
 
 
-def _cause(ref, error: Exception, pending: list):
-    """The failure to report: `error`, unless a death among `pending` shows up within GRACE_S."""
+def _told_to_stop(e: BaseException) -> bool:
+    from stages.mailbox import MailboxClosed
+
+    return isinstance(e, MailboxClosed) or isinstance(getattr(e, "cause", None), MailboxClosed)
+
+
+def _own_failure(pending: list, deadline: float):
+    """(ref, error) of the first of `pending` to fail by itself within the grace, else None."""
     import ray
 
-    if _died(error) or not pending:
-        return ref, error
-    ready, _ = ray.wait(pending, num_returns=len(pending), timeout=GRACE_S)
+    end = min(deadline, time.monotonic() + ROOT_CAUSE_GRACE_S)
+    while pending and time.monotonic() < end:
+        ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, end - time.monotonic()))
+        for r in ready:
+            try:
+                ray.get(r, timeout=1.0)
+            except Exception as e:  # noqa: BLE001 - the candidate cause
+                if not _told_to_stop(e):
+                    return r, e
+    return None
+
+
+def _death(pending: list):
+    """(ref, error) of a death among `pending` within DEATH_GRACE_S, else None: a survivor's own
+    error about a dead peer (a reset connection) must not be taken for the cause."""
+    import ray
+
+    if not pending:
+        return None
+    ready, _ = ray.wait(pending, num_returns=len(pending), timeout=DEATH_GRACE_S)
     for r in ready:
         try:
             ray.get(r, timeout=1.0)
         except Exception as e:  # noqa: BLE001 - only looking
             if _died(e):
                 return r, e
-    return ref, error
+    return None
 
 
 def short_error(e: Exception) -> str:
+    from orchestrator.core.recovery import STEP_NOTE
     from orchestrator.core.redact import redact_text
 
     text = redact_text(str(e)).strip()
     noise = ("For simplicity, JAX has removed", "-----")
-    lines = [ln for ln in text.splitlines() if ln.strip() and not ln.startswith(noise)]
+    lines = [ln for ln in text.splitlines() if ln.strip() and not ln.startswith(noise)
+             and not ln.strip().startswith(STEP_NOTE)]   # the worker's note for the recovery loop
     # Ray wraps remote errors with the whole traceback; the last line holds the cause.
     return lines[-1] if lines else type(e).__name__

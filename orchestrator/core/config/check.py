@@ -101,6 +101,8 @@ class Checked:
       microbatch_size: job.data.global_batch // job.pipeline.microbatches.
       data_path: absolute path of the text file for `data.source: text`, else None.
       data: the `DataPlan` every host opens its own reader from (`orchestrator.core.data`).
+      import_dir: a directory the stage actors put first on their import path (the CLI
+        sets the job file's, so a `module:factory` model beside the job imports).
     """
 
     job: JobConfig
@@ -110,6 +112,7 @@ class Checked:
     microbatch_size: int
     data_path: Optional[str] = None
     data: Any = None
+    import_dir: Optional[str] = None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able summary (for summary.json), secrets redacted (`orchestrator.core.redact`).
@@ -488,6 +491,9 @@ def check_job(job: JobConfig, cluster: ClusterConfig) -> Checked:
     """
     model = with_compute_dtype(_build_model(job), job.precision.compute)
     probs = _Problems()
+    if model.param_count() == 0:
+        probs.add("model.name", job.model.name, f"the model has no parameters ({_model_layers(model)}): "
+                  "there is nothing to train; give its layers ParamDefs")
     _check_remat(job, probs)
     data = _check_data(job, model, probs)
     data_path = data.files[0] if data is not None and data.source == "text" else None
