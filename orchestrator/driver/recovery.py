@@ -57,15 +57,16 @@ def classify(e: BaseException, next_step: int, hung: Optional[list[str]] = None)
         text = str(e) + (f"; not answering a heartbeat: {', '.join(hung)}" if hung else "")
         return Failure(HANG, stage, host, next_step, text)
     text = "\n".join(str(x) for x in (e.__cause__, getattr(e, "detail", ""), e) if x)
+    short = getattr(e, "message", None) or str(e)       # a StageFailure's first line, without its traceback
     if isinstance(e, StageFailure) and e.died:
         stage, host = label_of(e.label)
-        return Failure(DIED, stage, host, next_step, str(e))
+        return Failure(DIED, stage, host, next_step, short)
     found = origin(text)
     if found is not None:     # a survivor told to abort: the failure is its peer's
         stage, host, step, err = found
         return Failure(ERROR, stage, host, step, err.strip())
     stage, host = label_of(getattr(e, "label", None))
-    return Failure(ERROR, stage, host, next_step, str(e))
+    return Failure(ERROR, stage, host, next_step, short)
 
 
 def wait_released(names: list[str], namespace: str, timeout: float) -> None:
