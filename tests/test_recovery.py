@@ -1,5 +1,6 @@
 """Automatic recovery (`failure: {max_restarts}`): config (pure), the restart rules (pure), and on Ray
-a real kill -9 of a stage actor, a deterministic failure and exhausted restarts.
+a deterministic failure (default suite); `chaos` (own CI step): a real kill -9 of a stage actor,
+exhausted restarts, a SIGSTOPped actor, and a second kill while recovering.
 
 The Ray tests train the tiny GPT of tests/test_checkpoint.py (2 stages, {data: 2} | {model: 2},
 a checkpoint every 2 steps). A recovered run must give the uninterrupted run's per-step losses
@@ -106,6 +107,8 @@ def test_progress_deadline_follows_measured_steps():
 
 
 # ----------------------------------------------------------------------------- on Ray
+# The default suite runs the deterministic-failure test (one run, two attempts, ~50 s here under
+# load); the tests that also need the uninterrupted run to compare with are `chaos` (own CI step).
 
 STEPS = 8
 
@@ -164,6 +167,7 @@ def _pid_of(name: str, namespace: str) -> int:
 
 
 @pytest.mark.ray
+@pytest.mark.chaos
 def test_kill_9_of_a_stage_actor_recovers_bit_equal(tmp_path, no_leaks, uninterrupted):
     """kill -9 of stage 1's actor (found through Ray's state API) while it is in step 5, with steps
     2 and 4 committed: one restart from step 4; losses and parameters equal the uninterrupted run's."""
@@ -231,6 +235,7 @@ def test_the_same_failure_at_the_same_step_twice_stops(tmp_path, no_leaks):
 
 
 @pytest.mark.ray
+@pytest.mark.chaos
 def test_restarts_used_up_stop_with_the_resume_command(tmp_path, no_leaks, uninterrupted):
     """max_restarts 1, two different failures (stage 1 at step 5, then stage 0 at step 6): the second
     stops the run — why, what is lost, the --resume command — and that command's run (here
@@ -250,7 +255,7 @@ def test_restarts_used_up_stop_with_the_resume_command(tmp_path, no_leaks, unint
     _assert_same_run(resumed, uninterrupted)
 
 
-# ----------------------------------------------------------------------------- chaos (own CI step)
+# ----------------------------------------------------------------------------- more chaos
 
 @pytest.mark.ray
 @pytest.mark.chaos
