@@ -27,7 +27,7 @@ def test_failure_section_keys_and_rules(tmp_path):
     job = parse_job(raw)
     assert job.failure.max_restarts == 2 and parse_job(job.to_dict()) == job
     for value, rule in [(-1, "must be >= 0"), ("2", "must be an integer"), (True, "must be an integer"),
-                        (10**6, "must be <= 1000")]:
+                        (10**6, "less than or equal to 1000")]:
         raw["failure"] = {"max_restarts": value}
         has_all(error_of(parse_job, raw), "failure.max_restarts", repr(value), rule)
     raw["failure"] = {"max_retries": 1}

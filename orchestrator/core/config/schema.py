@@ -766,8 +766,6 @@ def _rule_for(err: dict) -> str:
         return f"must be >= {ctx.get('ge')}"
     if t == "greater_than":
         return f"must be > {ctx.get('gt')}"
-    if t == "less_than_equal":
-        return f"must be <= {ctx.get('le')}"
     if t in ("dict_type", "model_type", "model_attributes_type"):
         return f"must be a mapping (key: value), not {_type_name(v)}"
     if t in ("list_type", "tuple_type"):
