@@ -40,6 +40,18 @@ def test_failure_section_keys_and_rules(tmp_path):
     assert parse_job(no_ckpt).checkpoint is None
 
 
+def test_restarts_refused_under_the_compiled_graph_executor(tmp_path):
+    from orchestrator.core.config import check_job, parse_cluster
+
+    raw = gpt_job(tmp_path, "f", tmp_path / "ck")
+    raw["failure"] = {"max_restarts": 1}
+    cluster = {"hosts": 2, "devices_per_host": 2}
+    for executor in ("step_calls", "action_calls"):
+        check_job(parse_job(raw), parse_cluster({**cluster, "executor": executor}))
+    has_all(error_of(check_job, parse_job(raw), parse_cluster({**cluster, "executor": "compiled_graph"})),
+            "failure.max_restarts = 1", "step_calls", "compiled graph")
+
+
 # ----------------------------------------------------------------------------- restart rules (pure)
 
 def test_policy_restarts_until_used_up_and_stops_a_repeated_failure():
@@ -123,12 +135,12 @@ def recovery_job(tmp_path: Path, name: str, ckpt_dir: Path, max_restarts: int = 
     return job
 
 
-def _run(job: dict, hooks=(), resume=None, resume_command=None) -> dict:
+def _run(job: dict, hooks=(), resume=None, resume_command=None, executor: str = "step_calls") -> dict:
     from orchestrator.driver.runner import run_job
-    from tests.test_checkpoint import checked_of
+    from tests.test_checkpoint import CLUSTER, checked_of
 
-    return run_job(checked_of(job), echo=lambda s: None, keep_params=True, hooks=hooks, resume=resume,
-                   resume_command=resume_command)
+    return run_job(checked_of(job, {**CLUSTER, "executor": executor}), echo=lambda s: None, keep_params=True,
+                   hooks=hooks, resume=resume, resume_command=resume_command)
 
 
 def _summary(job: dict) -> dict:
@@ -168,9 +180,11 @@ def _pid_of(name: str, namespace: str) -> int:
 
 @pytest.mark.ray
 @pytest.mark.chaos
-def test_kill_9_of_a_stage_actor_recovers_bit_equal(tmp_path, no_leaks, uninterrupted):
+@pytest.mark.parametrize("executor", ["step_calls", "action_calls"])
+def test_kill_9_of_a_stage_actor_recovers_bit_equal(tmp_path, no_leaks, uninterrupted, executor):
     """kill -9 of stage 1's actor (found through Ray's state API) while it is in step 5, with steps
-    2 and 4 committed: one restart from step 4; losses and parameters equal the uninterrupted run's."""
+    2 and 4 committed: one restart from step 4; losses and parameters equal the uninterrupted run's
+    (run with the default executor: every executor runs the same action lists)."""
     import os
     import signal
     import threading
@@ -182,6 +196,7 @@ def test_kill_9_of_a_stage_actor_recovers_bit_equal(tmp_path, no_leaks, uninterr
 
     root = tmp_path / "ck"
     job = recovery_job(tmp_path, "killed", root)
+    name = job["run"]["name"] = f"killed-{executor.replace('_', '-')}"
     reached = tmp_path / "reached"
     hold = HoldAt(stage=1, host=0, step=5, wait_for=str(ck.step_dir(root, 4) / ck.MARKER), reached=str(reached))
     killed: dict = {}
@@ -189,7 +204,7 @@ def test_kill_9_of_a_stage_actor_recovers_bit_equal(tmp_path, no_leaks, uninterr
     def killer():
         try:
             wait_until(reached.exists, 600, "stage 1 held in step 5")
-            pid = _pid_of("killed/stage1/host0", "meshpipe-killed")
+            pid = _pid_of(f"{name}/stage1/host0", f"meshpipe-{name}")
             killed["at"] = time.time()
             os.kill(pid, signal.SIGKILL)
             killed["pid"] = pid
@@ -198,7 +213,7 @@ def test_kill_9_of_a_stage_actor_recovers_bit_equal(tmp_path, no_leaks, uninterr
 
     t = threading.Thread(target=killer, daemon=True)
     t.start()
-    got = _run(job, hooks=[hold])
+    got = _run(job, hooks=[hold], executor=executor)
     t.join(60)
     assert "error" not in killed, killed.get("error")
     assert killed["pid"] == int(reached.read_text())                # the held actor is the one killed
@@ -206,6 +221,7 @@ def test_kill_9_of_a_stage_actor_recovers_bit_equal(tmp_path, no_leaks, uninterr
     (rec,) = got["recoveries"]
     print("recovery:", {**rec, "detection_s": rec["detected_at"] - killed["at"]})     # pytest -rP shows it
     assert (rec["cause"], rec["stage"], rec["host"], rec["resumed_from"]) == ("actor died", 1, 0, 4), rec
+    assert "Some common causes" not in rec["error"] and "actor is dead" in rec["error"], rec
     assert rec["cluster_host"] == 1 and rec["node_id"]
     assert 0 <= rec["detected_at"] - killed["at"] < 10, rec        # noticed within 10 s of the kill
     assert rec["teardown_s"] < 30, rec       # survivors aborted at once, not after shutdown_s (30 s)
@@ -213,7 +229,7 @@ def test_kill_9_of_a_stage_actor_recovers_bit_equal(tmp_path, no_leaks, uninterr
     _assert_same_run(got, uninterrupted)
     assert _summary(job)["restarts"] == 1 and _summary(job)["status"] == "completed"
     assert [m["step"] for m in ck.committed(root)][-1] == STEPS
-    lines = (Path(job["run"]["output_dir"]) / "killed" / "metrics.jsonl").read_text().splitlines()
+    lines = (Path(job["run"]["output_dir"]) / name / "metrics.jsonl").read_text().splitlines()
     assert sum('"restart": 1' in ln for ln in lines) == 1
 
 

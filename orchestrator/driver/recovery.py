@@ -58,6 +58,7 @@ def classify(e: BaseException, next_step: int, hung: Optional[list[str]] = None)
         return Failure(HANG, stage, host, next_step, text)
     text = "\n".join(str(x) for x in (e.__cause__, getattr(e, "detail", ""), e) if x)
     short = getattr(e, "message", None) or str(e)       # a StageFailure's first line, without its traceback
+    short = short.split(" Some common causes include", 1)[0]    # Ray's advice after an actor death
     if isinstance(e, StageFailure) and e.died:
         stage, host = label_of(e.label)
         return Failure(DIED, stage, host, next_step, short)
