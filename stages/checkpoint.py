@@ -113,6 +113,7 @@ class StageCheckpointer:
                 seen.add(name)
         state = {"arrays": tree, "step": np.int64(steps_done), "data": {"next_step": np.int64(steps_done)},
                  "rng": {"seed": np.int64(worker.cfg.seed)}}
+        data = worker.data_state()            # None on a host that loads nothing
         directory = stage_dir(self.root, steps_done, self.stage)
         directory.parent.mkdir(parents=True, exist_ok=True)
         self._ckptr.save(directory, args=ocp.args.PyTreeSave(state))
@@ -120,21 +121,22 @@ class StageCheckpointer:
         meta = {name: {"shape": list(leaf.shape), "dtype": str(leaf.dtype), "key": key}
                 for key, (name, leaf) in ((k, (names[k], tree[k])) for k in tree)}
         nbytes = int(sum(int(np.prod(leaf.shape, dtype=np.int64)) * leaf.dtype.itemsize for leaf in tree.values()))
-        self._thread = threading.Thread(target=self._finish, args=(steps_done, directory, meta, nbytes, blocking),
+        self._thread = threading.Thread(target=self._finish, args=(steps_done, directory, meta, nbytes, blocking, data),
                                         name=f"meshpipe checkpoint {steps_done}", daemon=True)
         self._thread.start()
         if not self.asynchronous:
             self._wait_previous()
         return blocking
 
-    def _finish(self, steps_done: int, directory: Path, meta: dict, nbytes: int, blocking: float) -> None:
+    def _finish(self, steps_done: int, directory: Path, meta: dict, nbytes: int, blocking: float,
+                data: dict | None) -> None:
         t0 = time.perf_counter()
         try:
             self._ckptr.wait_until_finished()
             files = file_table(directory) if self.host == 0 else {}
             rec = {"step": steps_done, "stage": self.stage, "host": self.host, "path": directory.name,
                    "files": files, "arrays": meta if self.host == 0 else {}, "bytes": nbytes,
-                   "blocking_s": blocking, "write_s": time.perf_counter() - t0}
+                   "blocking_s": blocking, "write_s": time.perf_counter() - t0, "data": data}
             with self._lock:
                 self._done.append(rec)
         except BaseException as e:  # noqa: BLE001 - raised on the step thread by the next call

@@ -174,6 +174,9 @@ class StageWorker:
             self.transport = RayTransport(**args)
         self._plan_edges()
         self._open_data()
+        restored = (cfg.checkpoint or {}).get("restore") or {}
+        if "source" in restored.get("data", {}):
+            self.load_data_state(restored["data"])     # checks seed and source, then the position
         jax.block_until_ready(self.params)
         import ray
 
@@ -191,6 +194,9 @@ class StageWorker:
             return None
         from stages.checkpoint import StageCheckpointer, restore
 
+        from orchestrator.core.checkpoint import check_probe
+
+        check_probe(ck["root"], ck["probe"], f"{self.cfg.who} on {socket.gethostname()}")
         took = None
         if ck.get("restore"):
             t0 = time.perf_counter()

@@ -172,6 +172,17 @@ def test_model_check_names_first_mismatching_parameter(tmp_path):
         ck.check_model(m, fewer)
 
 
+def test_a_host_that_does_not_share_the_checkpoint_dir_is_refused(tmp_path):
+    """What each stage host checks at set-up: the driver's probe, with the driver's content."""
+    (tmp_path / ck.PROBE).write_text("x")
+    ck.check_probe(tmp_path, "x", "stage 0 host 0")                              # shared: passes
+    with pytest.raises(ck.CheckpointError, match=r"stage 1 host 0 on n2 cannot read the driver's probe .*"
+                                                 r"must be storage that the driver and every host share"):
+        ck.check_probe(tmp_path / "elsewhere", "x", "stage 1 host 0 on n2")     # a local disk: no probe
+    with pytest.raises(ck.CheckpointError, match="sees another probe"):
+        ck.check_probe(tmp_path, "y", "stage 1 host 0 on n2")                  # another run's probe
+
+
 def test_committer_commits_only_when_every_host_reported_and_gcs_after(tmp_path):
     from orchestrator.driver.checkpoint import Committer
 
@@ -205,6 +216,17 @@ def test_committer_commits_only_when_every_host_reported_and_gcs_after(tmp_path)
     assert committer.add(second[1:]) == [4]
     assert sorted(p.name for p in root.iterdir()) == ["step_00000004"]
     assert [c["step"] for c in committer.commits] == [2, 4]
+    # the loading hosts' loader states go into the marker; hosts that disagree are refused
+    third = reports(6)
+    third[0]["data"] = {"next_step": 6, "source": "synthetic", "seed": 0, "samples": 48}
+    third[1]["data"] = None                               # a stage that loads nothing
+    committer.losses.extend([0.4, 0.3])
+    assert committer.add(third) == [6] and ck.select(root)["data"]["samples"] == 48
+    fourth = reports(8)
+    fourth[0]["data"], fourth[1]["data"] = ({"next_step": 8, "seed": 0}, {"next_step": 7, "seed": 0})
+    committer.losses.extend([0.2, 0.1])
+    with pytest.raises(ck.CheckpointError, match="step 8: the loading hosts disagree"):
+        committer.add(fourth)
 
 
 # ----------------------------------------------------------------------------- on Ray
@@ -257,6 +279,11 @@ def _resume_equals_uninterrupted(tmp_path: Path, schedule: str, make_job=gpt_job
     m_full, m_res = ck.select(full_dir), ck.select(part_dir)
     assert m_res["step"] == 4 and m_res["losses"] == m_full["losses"] == full["losses"]
     assert m_res["arrays"] == m_full["arrays"]
+    assert not (full_dir / ck.PROBE).exists() and not (part_dir / ck.PROBE).exists()   # read back, removed
+    # the loaders' own position, as the loading hosts reported it with their saves
+    batch = make_job(tmp_path, "x", full_dir, schedule)["data"]["global_batch"]
+    assert m_full["data"] == {"next_step": 4, "source": "synthetic", "seed": 0, "samples": 4 * batch}
+    assert ck.select(full_dir, 2)["data"]["next_step"] == 2
     return full_dir, full
 
 
@@ -312,6 +339,10 @@ def test_resume_is_bit_exact_1f1b_and_bad_checkpoints_refused(tmp_path, no_leaks
         prepare(checked_of(more), "latest")
     assert str(shard) in str(ei.value)
     assert ck.select(full_dir) == marker          # checks never touch a committed checkpoint
+    path = ck.step_dir(full_dir, 4) / ck.MARKER             # as if step 4 had been trained on tokens
+    path.write_text(json.dumps({**marker, "data": {**marker["data"], "source": "tokens"}}))
+    with pytest.raises(ck.CheckpointError, match="data.source = 'tokens', this job has 'synthetic'"):
+        prepare(checked_of(more), "latest")
 
 
 def bf16_job(tmp_path, name, ckpt_dir, schedule="1f1b"):

@@ -8,6 +8,8 @@ reads exactly half of every step's windows.
 """
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -48,6 +50,8 @@ def test_tokens_pipeline_matches_reference_learns_and_evaluates(ray_local, tmp_p
                                rtol=RTOL, atol=ATOL)
     assert pipe["eval_losses"][1][1] < pipe["eval_losses"][0][1]        # held-out loss falls too
     assert sum("eval loss" in line for line in lines) == 2
+    records = [json.loads(line) for line in (tmp_path / job["run"]["name"] / "metrics.jsonl").read_text().splitlines()]
+    assert [[r["step"], r["eval_loss"]] for r in records if r["eval_loss"] is not None] == pipe["eval_losses"]
     assert np.mean(pipe["losses"][-2:]) < pipe["losses"][0] - 0.3          # it learns the corpus
     hosts = pipe["telemetry"]["hosts_last"]
     for name in ("stage0/host0", "stage1/host0"):   # one host each: every row of every step
@@ -80,3 +84,22 @@ def test_three_stages_with_a_two_host_stage_read_only_their_rows(ray_local, tmp_
     assert hosts["stage1/host0"]["data_windows_read"] == 0     # a middle stage reads no data
     lab = hosts["stage2/host0"]["data_windows_read"]       # the labels: one host, all 16 rows a step
     assert lab % 16 == 0 and steps <= lab // 16 <= steps + 3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("source", ["hf", "grain"])
+def test_hf_and_grain_sources_train_through_ray_as_the_reference(ray_local, tmp_path, shards, no_leaks, source):
+    """The optional readers on the actors: a JSONL file tokenized there (hf) and a user's grain
+    pipeline imported there by path; pipeline losses = the reference's on the same batches."""
+    from tests.data_helpers import write_docs
+
+    if source == "hf":
+        jsonl, _, _ = write_docs(tmp_path, shards)
+        data = {"source": "hf", "path": str(jsonl), "tokenizer": str(shards / "tokenizer.json")}
+    else:
+        shard = sorted(shards.glob("*.bin"))[0]
+        data = {"source": "grain", "factory": "tests.data_helpers:grain_windows",
+                "args": {"path": str(shard), "seq_len": 16}}
+    pipe, ref = run_both(gpt_job(tmp_path, data, steps=3, name=f"gpt-{source}"))
+    np.testing.assert_allclose(pipe["losses"], ref["losses"], rtol=RTOL, atol=ATOL)
+    assert len(pipe["losses"]) == 3 and pipe["telemetry"]["hosts_last"]["stage0/host0"]["data_rows"] == 4

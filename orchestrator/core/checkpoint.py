@@ -30,13 +30,14 @@ from typing import Any, Iterable, Mapping, Optional
 
 FORMAT = "meshpipe-checkpoint/1"
 MARKER = "commit.json"
+PROBE = ".meshpipe-shared-probe"     # written by the driver, read back by every stage host
 _STEP_RE = re.compile(r"^step_(\d{8})$")
 _MARKER_KEYS = {"format": str, "step": int, "time": float, "run": str, "model": str, "layout": list,
                 "stages": list, "arrays": dict, "losses": list, "seed": int, "data": dict, "bytes": int}
 
 __all__ = ["FORMAT", "MARKER", "CheckpointError", "step_dir", "stage_dir", "file_table", "write_marker",
            "read_marker", "committed", "select", "verify_files", "check_model", "layout_of", "stale_dirs",
-           "gc_dirs", "opt_name"]
+           "gc_dirs", "opt_name", "PROBE", "check_probe"]
 
 
 class CheckpointError(ValueError):
@@ -227,3 +228,25 @@ def gc_dirs(root: Path | str, keep: int, in_flight: Iterable[int] = ()) -> list[
     partial = [p for p in stale_dirs(root, flying) if int(p.name[5:]) < newest]
     return old + partial
 
+
+
+def check_probe(root: Path | str, expected: str, who: str) -> None:
+    """A stage host's check that it sees `checkpoint.dir` as the driver does: the probe file
+    the driver wrote before the actors started must be here with the driver's random content.
+    The driver verifies every stage's files and writes every commit, so the directory must be
+    storage every host and the driver share (NFS, a FUSE-mounted bucket, ...).
+
+    Raises:
+      CheckpointError: the probe is missing or holds another run's content.
+    """
+    path = Path(root) / PROBE
+    try:
+        found = path.read_text()
+    except OSError as e:
+        raise CheckpointError(f"checkpoint.dir = {root}: {who} cannot read the driver's probe file {path} "
+                              f"({type(e).__name__}): checkpoint.dir must be storage that the driver and "
+                              "every host share (e.g. NFS or a mounted bucket), not a local disk") from None
+    if found != expected:
+        raise CheckpointError(f"checkpoint.dir = {root}: {who} sees another probe in {path} than the driver "
+                              "wrote (another run, or a different disk at the same path): checkpoint.dir "
+                              "must be storage that the driver and every host share")

@@ -25,14 +25,15 @@ import datetime
 import importlib.util
 import json
 import logging
+import secrets
 import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from orchestrator.core.checkpoint import (FORMAT, CheckpointError, check_model, committed, gc_dirs, layout_of,
-                                          select, stale_dirs, verify_files, write_marker)
+from orchestrator.core.checkpoint import (FORMAT, PROBE, CheckpointError, check_model, committed, gc_dirs,
+                                          layout_of, select, stale_dirs, verify_files, write_marker)
 from orchestrator.core.model.spec import param_name
 
 log = logging.getLogger("meshpipe")
@@ -70,7 +71,8 @@ def prepare(checked, resume) -> Optional[Prepared]:
         raise CheckpointError(f"checkpoint.dir = {ck.dir}: checkpoints need orbax-checkpoint, which is not "
                               "installed: pip install 'meshpipe[checkpoint]' (or -e \".[checkpoint]\")")
     root = Path(ck.dir)
-    worker = {"root": str(root), "every": ck.every_steps, "total": job.run.steps, "async": ck.async_}
+    worker = {"root": str(root), "every": ck.every_steps, "total": job.run.steps, "async": ck.async_,
+              "probe": secrets.token_hex(16)}
     found = committed(root)
     if resume is None:
         if found:
@@ -92,12 +94,31 @@ def prepare(checked, resume) -> Optional[Prepared]:
     if marker["seed"] != job.run.seed:
         raise CheckpointError(f"--resume: checkpoint step {step} was trained with run.seed = {marker['seed']}, "
                               f"this job has {job.run.seed} (the data and init would differ)")
+    source = marker["data"].get("source")
+    if source is not None and source != job.data.source:
+        raise CheckpointError(f"--resume: checkpoint step {step} was trained on data.source = {source!r}, "
+                              f"this job has {job.data.source!r} (the batches would differ)")
     check_model(marker, model_arrays(checked.model))
     verify_files(root, marker)
     _remove(stale_dirs(root, ()))
-    worker["restore"] = {"root": str(root), "step": step,
+    worker["restore"] = {"root": str(root), "step": step, "data": dict(marker["data"]),
                          "stages": [{"path": r["path"], "arrays": r["arrays"]} for r in marker["stages"]]}
     return Prepared(worker, step, list(marker["losses"]), marker)
+
+
+def write_probe(prepared: Prepared) -> Path:
+    """The file each stage host reads back at set-up (`core.checkpoint.check_probe`): proof that
+    the hosts see the driver's checkpoint.dir. Removed by `remove_probe` once they all did."""
+    root = Path(prepared.worker["root"])
+    root.mkdir(parents=True, exist_ok=True)
+    path = root / PROBE
+    path.write_text(prepared.worker["probe"])
+    return path
+
+
+def remove_probe(prepared: Optional[Prepared]) -> None:
+    if prepared is not None:
+        (Path(prepared.worker["root"]) / PROBE).unlink(missing_ok=True)
 
 
 def _remove(paths) -> None:
@@ -152,7 +173,7 @@ class Committer:
                    "array_bytes": r["bytes"]} for r in primaries]
         size = sum(f[0] for r in primaries for f in r["files"].values())
         marker = {**self.base, "step": step, "time": time.time(), "stages": stages, "arrays": arrays,
-                  "losses": [float(x) for x in self.losses[:step]], "data": {"next_step": step},
+                  "losses": [float(x) for x in self.losses[:step]], "data": _data_state(step, recs),
                   "bytes": int(size), "array_bytes": int(sum(r["bytes"] for r in primaries))}
         write_marker(self.root, marker)
         flying = list(self.pending)
@@ -163,6 +184,18 @@ class Committer:
 
     def incomplete(self) -> list[int]:
         return sorted(self.pending)
+
+
+def _data_state(step: int, recs: list[dict]) -> dict:
+    """The data position a marker records: the loading hosts' loader state (source, seed,
+    next_step, samples), which every loading host must agree on, and which is step N's."""
+    states = [r["data"] for r in recs if r.get("data") is not None]
+    if any(s != states[0] for s in states[1:]):
+        raise CheckpointError(f"step {step}: the loading hosts disagree on the data position: {states}")
+    state = {"next_step": step, **(states[0] if states else {})}
+    if state["next_step"] != step:
+        raise CheckpointError(f"step {step}: the loaders were at step {state['next_step']} when it was saved")
+    return state
 
 
 def describe_layout(layout: list[dict]) -> str:

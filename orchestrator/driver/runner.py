@@ -213,7 +213,7 @@ def _run_pipeline(checked, plan, source, on_step, out: Path, echo, extra: dict, 
     Ctrl-C/SIGTERM the actors are told to abandon their step before they are shut down."""
     from orchestrator.core.recovery import ProgressDeadline, RestartPolicy
     from orchestrator.driver import placement, recovery
-    from orchestrator.driver.checkpoint import Committer, prepare
+    from orchestrator.driver.checkpoint import Committer, prepare, remove_probe, write_probe
     from orchestrator.driver.executor import PipelineExecutor
     from orchestrator.driver.interrupt import reinstall
     from orchestrator.driver.quiet import filter_worker_logs
@@ -250,7 +250,10 @@ def _run_pipeline(checked, plan, source, on_step, out: Path, echo, extra: dict, 
             progress_at = time.monotonic()
             try:
                 t0 = time.perf_counter()
+                if ckpt is not None:
+                    write_probe(ckpt)      # each stage host reads it back at set-up: checkpoint.dir is shared
                 ex.start()
+                remove_probe(ckpt)
                 extra.setdefault("startup_s", time.perf_counter() - t0)
                 if recovering is not None:   # placement + actors + restore + setup (compiling is in step 1)
                     recovering["start_s"] = time.perf_counter() - t0
@@ -319,6 +322,7 @@ def _run_pipeline(checked, plan, source, on_step, out: Path, echo, extra: dict, 
             if interrupted:   # (a failed step has told every actor already: worker._fail)
                 ex.abort("the driver stopped the run")   # a step still running ends now, not at its deadline
             _shutdown(ex, extra, ckpt, committer, resumed_from, hung)
+        remove_probe(ckpt)
         if tel is not None:
             try:
                 tel.write(out)
