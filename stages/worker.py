@@ -334,7 +334,8 @@ class StageWorker:
 
     def abort_step(self, reason: str) -> None:
         """A peer's step failed: whatever this actor waits for from it fails now, not at its deadline.
-        (Runs in the "io" group, beside the step.) No recovery inside a step: the run is over."""
+        (Runs in the "io" group, beside the step.) No recovery inside a step: the driver tears the
+        job down (and with `failure.max_restarts` starts it again from the last checkpoint)."""
         self.inbox.close(reason)
 
     def _fail(self, step: int, error: Exception) -> None:
