@@ -3,17 +3,22 @@
 Every table of `benchmarks/run.py` and `benchmarks/executors.py`, and the
 records `benchmarks/pipeline.py` writes, compute their figures here:
 
-  efficiency         = ideal ÷ step (1.0: the runtime adds nothing to the schedule's own bubble)
+  efficiency         = ideal ÷ step (1.0: the runtime adds nothing to the schedule's own bubble);
+                       ideal = the lowered schedule simulated with each action's cost from a
+                       STANDALONE timing of its stage program, so it is ≤ 1 by construction:
+                       `checked_efficiency` raises `ImplausibleMeasurement` above 1
   overhead/action    = (step − ideal) ÷ N, in ms (N: compute actions in one stage's list,
-                       or actions on the simulated critical path)
+                       or actions on the simulated critical path); ≥ 0 by the same argument
+                       (`checked_overhead_ms` raises below 0)
   bound              = m ÷ (m + p − 1), a perfect GPipe / 1F1B pipeline's throughput fraction
-  vs plain           = plain step ÷ pipelined step (same global batch)
-  of bound           = vs plain ÷ bound
+  honest bound       = plain₁ × (m + p − 1) ÷ (m · p): the step of a perfect p-stage pipeline of
+                       the 1-core plain program (each stage gets 1/p of its work, m + p − 1 slots)
+  of honest bound    = honest bound ÷ step (1.0: as fast as that perfect pipeline)
+  vs plain           = plain step ÷ pipelined step (same global batch; plain on all cores is
+                       its own column, it is not a bound: plain does not scale perfectly)
   F + B              = a microbatch's compute on one stage: F + B, or F + I + W (zero-bubble)
 
-`ideal` is the simulated step of the lowered schedule with measured action
-costs (`benchmarks/common.py` `sim_costs`). Times are in seconds unless the
-name says ms.
+Times are in seconds unless the name says ms.
 
 Example:
 
@@ -21,6 +26,8 @@ Example:
     (0.9, 0.5)
     >>> bound(m=8, p=2)
     0.8888888888888888
+    >>> round(honest_bound_s(plain1_s=1.6, m=8, p=2), 3)      # 1.6 s × 9 / 16
+    0.9
 """
 from __future__ import annotations
 
@@ -30,6 +37,11 @@ from collections.abc import Mapping
 def _positive(name: str, value: float) -> None:
     if not value > 0:
         raise ValueError(f"{name} must be > 0, got {value!r}")
+
+
+class ImplausibleMeasurement(ValueError):
+    """A derived figure that cannot be physically true (efficiency above 1, negative overhead):
+    the measurement is wrong, and the benchmark run fails instead of publishing it."""
 
 
 def efficiency(ideal_s: float, step_s: float) -> float:
@@ -58,10 +70,40 @@ def vs_plain(plain_s: float, step_s: float) -> float:
     return plain_s / step_s
 
 
-def of_bound(vs_plain_ratio: float, bound_fraction: float) -> float:
-    """vs plain ÷ bound (1.0: as fast as a perfect pipeline of the plain program)."""
-    _positive("bound_fraction", bound_fraction)
-    return vs_plain_ratio / bound_fraction
+def checked_efficiency(ideal_s: float, step_s: float, what: str) -> float:
+    """`efficiency`, raising `ImplausibleMeasurement` (naming `what` and both times) above 1."""
+    e = efficiency(ideal_s, step_s)
+    if e > 1.0:
+        raise ImplausibleMeasurement(
+            f"{what}: efficiency {e:.4f} > 1 (ideal {ideal_s * 1e3:.3f} ms from standalone action costs, "
+            f"measured step {step_s * 1e3:.3f} ms): a step cannot beat its own schedule run at standalone "
+            f"speed; the costs or the step are mis-measured (a loaded machine?), not published")
+    return e
+
+
+def checked_overhead_ms(step_s: float, ideal_s: float, actions: int, what: str) -> float:
+    """`overhead_ms`, raising `ImplausibleMeasurement` (naming `what`) when negative."""
+    o = overhead_ms(step_s, ideal_s, actions)
+    if o < 0.0:
+        raise ImplausibleMeasurement(
+            f"{what}: overhead {o:.4f} ms per action < 0 (step {step_s * 1e3:.3f} ms, ideal "
+            f"{ideal_s * 1e3:.3f} ms, {actions} actions): mis-measured, not published")
+    return o
+
+
+def honest_bound_s(plain1_s: float, m: int, p: int) -> float:
+    """plain₁ × (m + p − 1) ÷ (m · p): the step time of a perfect p-stage pipeline of the 1-core
+    plain program `plain1_s` (each stage 1/p of the work per microbatch, m + p − 1 slots)."""
+    _positive("plain1_s", plain1_s)
+    _positive("m", m)
+    _positive("p", p)
+    return plain1_s * (m + p - 1) / (m * p)
+
+
+def of_honest_bound(plain1_s: float, m: int, p: int, step_s: float) -> float:
+    """honest bound ÷ step: throughput against a perfect pipeline of the 1-core plain program."""
+    _positive("step_s", step_s)
+    return honest_bound_s(plain1_s, m, p) / step_s
 
 
 def fb(costs: Mapping[str, float]) -> float:

@@ -4,16 +4,22 @@ Pipelined runs (`measure_pipeline`): one job per (size, schedule, m) — the GPT
 of `benchmarks.common.SIZES`, 2 stages, each 1 host × 1 simulated device,
 mesh {data: 1} — run by `orchestrator.driver.executor.PipelineExecutor` in the
 driver's Ray session, shut down in `finally`. By default each stage actor is
-pinned to its own core (`WorkerConfig.pin_cpus`, stage s → core s mod nproc;
-set by a benchmark subclass of the executor, which does not set it itself), so
-the two stages never share a core and each XLA sees one thread. The first
-`warmup` steps (compile) are dropped; the rest give:
+pinned to its own core through the product's own setting (`cluster.pin_cpus`:
+host actor i → core i mod nproc, set before jax loads, so each XLA sees one
+core); what each actor's step thread was really allowed to run on is read back
+on the actor (`stages.telemetry.conditions`: `os.sched_getaffinity`, thread
+count) and recorded as `observed`; a pinned run whose actors do not each hold one
+distinct core fails. The first `warmup` steps (compile) are dropped; the rest give:
   step_s     median step period (`StepResult.wall_s`: per actor the time between
              consecutive step ends, largest over actors; the executor keeps the
              next call queued, so this is the pipeline's throughput period);
-  costs      per stage, median duration of each compute kind (F, B, I, W, OPT)
-             over all measured spans;
-  ideal_s    `simulate(lowered, costs)` step time, transfers free;
+  standalone per stage, each compute kind (F, B, I, W, OPT) of its stage programs
+             timed alone in a child process pinned to one core, before the run
+             (`standalone_costs`; median of `reps`);
+  ideal_s    `simulate(lowered, standalone costs)` step time, transfers free: a
+             lower bound on the step (the runtime can only add to it);
+  costs      per stage, median in-run span of each compute kind (a cross-check:
+             `ideal_spans_s` is the same simulation from them);
   totals     per stage, median per-step summed span time of each kind.
 
 Plain JAX (`plain_jax`, run in a child process with a given CPU affinity so
@@ -29,11 +35,11 @@ forward keeps per microbatch until the backward (`jax.eval_shape` of
 `StageProgram.fwd`; parameters are not among them by construction) plus the
 stage's output activation; × the simulator's peak in-flight microbatches.
 
-Run a child by hand: `python -m benchmarks.pipeline plain-jax small 8 6`.
+Run a child by hand: `python -m benchmarks.pipeline plain-jax small 8 6`, or
+`python -m benchmarks.pipeline standalone large 8 10 0:3 3:6`.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import sys
@@ -43,7 +49,6 @@ from benchmarks.common import (
     LEARNING_RATE, SIZES, Size, compute_actions_per_stage, critical_path_actions, median, sim_costs,
     span_costs, span_totals, spread,
 )
-from benchmarks.formulas import efficiency
 
 TIMEOUTS = {"init_s": 180.0, "step_s": 180.0, "shutdown_s": 30.0, "jax_distributed_init_s": 30.0}
 
@@ -72,27 +77,128 @@ CLUSTER = {"address": None, "platform": "cpu", "hosts": 2, "devices_per_host": 1
 
 
 def checked_job(size: Size, schedule: str, m: int, steps: int, executor: str = "step_calls",
-                steps_per_call: int | None = None):
+                steps_per_call: int | None = None, pin: bool = True):
     from orchestrator.core.config import check_job, parse_cluster, parse_job
 
     name = f"bench-{size.name}-{schedule}-m{m}"
     return check_job(parse_job(job_dict(size, schedule, m, steps, name)),
-                     parse_cluster({**CLUSTER, "executor": executor, "steps_per_call": steps_per_call}))
+                     parse_cluster({**CLUSTER, "executor": executor, "steps_per_call": steps_per_call,
+                                    "pin_cpus": pin}))
 
 
-def _executor_class(pin: bool):
-    from orchestrator.driver.executor import PipelineExecutor
+def stage_chunks(size: Size, schedule: str) -> list[list[tuple[int, int]]]:
+    """Per stage, the layer ranges of its chunks in the benchmark job (`job_dict`)."""
+    out = []
+    for st in job_dict(size, schedule, 1, 1, "chunks")["pipeline"]["stages"]:
+        layers = st["layers"]
+        out.append([tuple(c) for c in layers] if isinstance(layers[0], list) else [tuple(layers)])
+    return out
 
-    class BenchExecutor(PipelineExecutor):
-        """Pins stage s to core s mod nproc when the executor has not pinned it itself."""
 
-        def worker_config(self, stage, host):
-            cfg = super().worker_config(stage, host)
-            if pin and getattr(cfg, "pin_cpus", None) is None and hasattr(cfg, "pin_cpus"):
-                cfg = dataclasses.replace(cfg, pin_cpus=(stage.index % (os.cpu_count() or 1),))
-            return cfg
+_STANDALONE: dict = {}
 
-    return BenchExecutor
+
+def standalone_costs(size: Size, schedule: str, m: int, reps: int, core: int | None = None) -> dict:
+    """Per stage, each compute kind's cost from its stage programs timed alone (a child process
+    pinned to `core`, default the last one; nothing else of the benchmark runs meanwhile).
+
+    Returns {"stages": [{F, B, I, W, OPT}], "observed": the child's affinity and threads, "when", "load"}.
+    F, B, I, W: the mean over the stage's chunks (as `simulate` takes one cost per stage and kind);
+    OPT: the sum (one OPT updates every chunk). A chunk the worker fuses (`stages.actions.fused_chunks`)
+    costs F = its one-program F+B, B = 0. Measured once per (size, chunk layout, fusion) per process.
+    """
+    from benchmarks.common import run_child
+
+    from orchestrator.core.schedule import generate, lower
+    from stages.actions import fused_chunks
+
+    chunks = stage_chunks(size, schedule)
+    low = lower(generate(schedule, len(chunks), m, **({"v": len(chunks[0])} if len(chunks[0]) > 1 else {})))
+    n = size.num_layers()
+    fused = [fused_chunks([a for a in row if a is not None],
+                          next((c for c, (_, b) in enumerate(cs) if b == n), None))
+             for row, cs in zip(low.actions, chunks)]
+    key = (size.name, m, tuple(map(tuple, chunks)), tuple(map(tuple, fused)))
+    if key not in _STANDALONE:
+        ranges = sorted(c for cs in chunks for c in cs)
+        core = (os.cpu_count() or 1) - 1 if core is None else core
+        when = {"when": time.strftime("%H:%M:%S"), "load": os.getloadavg()}
+        got = run_child(["benchmarks.pipeline", "standalone", size.name, str(m), str(reps),
+                         *(f"{a}:{b}" for a, b in ranges)], timeout=600, cpus=[core])
+        by_range = {tuple(c["layers"]): c for c in got["chunks"]}
+        stages = []
+        for cs, fs in zip(chunks, fused):
+            # a fused chunk (the loss chunk's F and B back to back) runs F+B as one program: F = FB, B = 0
+            rs = [{**by_range[c], "F": by_range[c]["FB"], "B": 0.0} if i in fs else by_range[c]
+                  for i, c in enumerate(cs)]
+            d = {k: sum(r[k] for r in rs) / len(rs) for k in ("F", "B", "I", "W")}
+            d["OPT"] = sum(r["OPT"] for r in rs)
+            stages.append(d)
+        _STANDALONE[key] = {"stages": stages, "chunks": got["chunks"], "observed": got["observed"], **when}
+    return _STANDALONE[key]
+
+
+def standalone(size: Size, m: int, reps: int, ranges: list[tuple[int, int]], warm: int = 2) -> dict:
+    """Child: the stage programs of `ranges` (consecutive layer ranges, in order) timed one at a
+    time on this process's CPUs, with the operands the worker gives them on a one-device stage
+    (host numpy inputs, mesh {data: 1}); median seconds of F, B, I, W (accumulating) and OPT, and on the
+    loss chunk FB (F and B as one program, `StageProgram.fwd_bwd_acc`)."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+
+    from orchestrator.core.data.plan import synthetic_plan
+    from orchestrator.core.model.registry import build_model, build_spec
+    from stages.data import microbatch, synthetic_batch
+    from stages.program import StageProgram, make_optimizer
+    from stages.telemetry import conditions
+
+    spec = build_spec("gpt", size.model_args(), size.seq)
+    model = build_model(spec.factory, spec.args)
+    mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+    x0, y0 = synthetic_batch(synthetic_plan(spec, size.mbs * m, 0), 0)
+    xs, labels = [microbatch(x0, 0, m)], microbatch(y0, 0, m)
+    ids = np.array([0, 0, 0], np.int32)
+
+    def timed(fn, n=reps):
+        out, ts = None, []
+        for i in range(warm + n):
+            t = time.perf_counter()
+            out = jax.block_until_ready(fn())
+            if i >= warm:
+                ts.append(time.perf_counter() - t)
+        return median(ts), out
+
+    chunks = []
+    for a, b in ranges:
+        prog = StageProgram(spec, model, a, b, microbatches=m, mesh=mesh, layout={"batch": "data"},
+                            optimizer=make_optimizer("adam", {"learning_rate": LEARNING_RATE}))
+        params = prog.init_params(0)
+        opt_state, grads = prog.init_state(params)
+        lab = labels if prog.last else None
+        f, (y, res) = timed(lambda: prog.fwd(params, xs, lab, ids))
+        dys = None if prog.last else [np.ones(y[i].shape, np.dtype(y[i].dtype)) for i in prog.out_diff]
+        bw, _ = timed(lambda: prog.bwd_acc(params, res, dys, grads))
+        i_s, (_, held) = timed(lambda: prog.bwd_i(params, res, dys))
+        w_s, _ = timed(lambda: prog.bwd_w_acc(params, held, grads))
+        state = [params, opt_state, grads]
+
+        def opt():
+            state[:] = prog.update(*state)
+            return state[0]
+        one = {}
+        if prog.last:           # F and B as one program (the worker fuses them where they are back to back)
+            acc = [prog.init_state(params)[1]]
+
+            def fb():
+                loss, _, acc[0] = prog.fwd_bwd_acc(params, xs, lab, ids, acc[0])
+                return acc[0]
+            one["FB"], _ = timed(fb)
+        o, _ = timed(opt)
+        chunks.append({"layers": [a, b], "F": f, "B": bw, "I": i_s, "W": w_s, "OPT": o, **one})
+        if not prog.last:
+            xs = [np.asarray(leaf) for leaf in y]
+    return {"size": size.name, "m": m, "chunks": chunks, "observed": conditions()}
 
 
 def measure_pipeline(size: Size, schedule: str, m: int, *, steps: int, warmup: int, pin: bool = True,
@@ -100,16 +206,20 @@ def measure_pipeline(size: Size, schedule: str, m: int, *, steps: int, warmup: i
     """One pipelined run in the connected Ray session; a dict of raw measurements (see module doc)."""
     from orchestrator.core.plan import make_plan
     from orchestrator.core.schedule import simulate
-    rec: dict = {"size": size.name, "schedule": schedule, "m": m, "p": 2, "pinned": pin, "executor": executor}
+    from orchestrator.driver.executor import PipelineExecutor
+
+    rec: dict = {"size": size.name, "schedule": schedule, "m": m, "p": 2, "pin_requested": pin,
+                 "executor": executor}
     try:
-        checked = checked_job(size, schedule, m, warmup + steps, executor, steps_per_call)
+        checked = checked_job(size, schedule, m, warmup + steps, executor, steps_per_call, pin)
         rec["steps_per_call"] = checked.cluster.calls_of_steps
         plan = make_plan(checked)
     except Exception as e:  # noqa: BLE001 - an unsupported configuration is a result, not a crash
         return {**rec, "status": f"unsupported (config): {_first_line(e)}"}
+    alone = standalone_costs(size, schedule, m, reps=max(5, steps))      # before the actors start
     source = checked.data
-    ex = _executor_class(pin)(checked, plan.schedule, source, f"bench-{size.name}-{schedule}-m{m}")
-    walls, spans, losses, stash = [], [], [], {}
+    ex = PipelineExecutor(checked, plan.schedule, source, f"bench-{size.name}-{schedule}-m{m}")
+    walls, spans, losses, stash, observed = [], [], [], {}, {}
     t0 = time.perf_counter()
     try:
         ex.start()
@@ -122,6 +232,9 @@ def measure_pipeline(size: Size, schedule: str, m: int, *, steps: int, warmup: i
                     if st.get("host") == 0 and "stash_peak_bytes" in st:
                         s_ = st["stage"]
                         stash[s_] = max(stash.get(s_, (0, 0)), (st["stash_peak_bytes"], st["stash_peak_items"]))
+                    if "affinity" in st:     # read back on the actor's step thread
+                        observed[(st["stage"], st.get("host", 0))] = {"affinity": st["affinity"],
+                                                                      "os_threads": st.get("os_threads")}
             losses.append(r.loss)
         rec["run_s"] = time.perf_counter() - t0 - rec["startup_s"]
     except Exception as e:  # noqa: BLE001
@@ -131,19 +244,19 @@ def measure_pipeline(size: Size, schedule: str, m: int, *, steps: int, warmup: i
         ex.shutdown()
         rec["shutdown_s"] = time.perf_counter() - t1
     p = plan.schedule.p
+    obs = [{"stage": s_, "host": h, **o} for (s_, h), o in sorted(observed.items())]
+    check_pinning(obs, pin, f"{size.name} {schedule} m={m}")
     costs = span_costs(spans, p)
-    costs_mean = span_costs(spans, p, stat=lambda v: sum(v) / len(v))
-    sim = simulate(plan.schedule, sim_costs(costs))
-    sim0 = simulate(plan.schedule, sim_costs(costs, opt=False))
+    sim = simulate(plan.schedule, sim_costs(alone["stages"]))
+    sim0 = simulate(plan.schedule, sim_costs(alone["stages"], opt=False))
     totals = span_totals(spans, p)
     step = median(walls)
     return {
         **rec, "status": "ok", "steps": len(walls), "step_s": step, "step_spread": spread(walls),
-        "walls_s": walls, "costs": costs, "totals": totals,
+        "walls_s": walls, "observed": obs, "standalone": alone, "costs": costs, "totals": totals,
         "ideal_s": sim.step_time, "ideal_no_opt_s": sim0.step_time,
-        "costs_mean": costs_mean, "ideal_mean_s": simulate(plan.schedule, sim_costs(costs_mean)).step_time,
+        "ideal_spans_s": simulate(plan.schedule, sim_costs(costs)).step_time,
         "busy_s": [sum(t.get(k, 0.0) for k in ("F", "B", "I", "W")) for t in totals],
-        "efficiency": efficiency(sim.step_time, step),
         "compute_actions_per_stage": compute_actions_per_stage(plan.schedule),
         "critical_path_actions": critical_path_actions(sim, plan.schedule),
         "peak_inflight": list(sim.peak_inflight),
@@ -153,6 +266,24 @@ def measure_pipeline(size: Size, schedule: str, m: int, *, steps: int, warmup: i
         "example_spans": [list(s) for s in spans[len(spans) // 2]] if spans else [],
         "ideal_spans": [(a.stage, str(a), start, end) for a, start, end in sim.spans],
     }
+
+
+def check_pinning(observed: list[dict], pin: bool, what: str) -> None:
+    """A pinned run must show, read back on every actor, one core each and no two on the same core.
+
+    Example:
+        >>> check_pinning([{"stage": 0, "affinity": [0]}, {"stage": 1, "affinity": [1]}], True, "x")
+        >>> check_pinning([{"stage": 0, "affinity": [0, 1]}], True, "x")
+        Traceback (most recent call last):
+        ...
+        RuntimeError: x: pinning was requested but the actors read back [[0, 1]] (one distinct core each expected)
+    """
+    if not pin:
+        return
+    cores = [o["affinity"] for o in observed]
+    if not cores or any(len(c) != 1 for c in cores) or len({c[0] for c in cores}) != len(cores):
+        raise RuntimeError(f"{what}: pinning was requested but the actors read back {cores} "
+                           "(one distinct core each expected)")
 
 
 def _first_line(e: BaseException) -> str:
@@ -273,7 +404,12 @@ def main(argv: list[str]) -> None:
     if len(argv) == 4 and argv[0] == "plain-jax":
         print(json.dumps(plain_jax(SIZES[argv[1]], int(argv[2]), int(argv[3]))))
         return
-    raise SystemExit("usage: python -m benchmarks.pipeline plain-jax SIZE M STEPS")
+    if len(argv) >= 5 and argv[0] == "standalone":
+        ranges = [tuple(int(v) for v in r.split(":")) for r in argv[4:]]
+        print(json.dumps(standalone(SIZES[argv[1]], int(argv[2]), int(argv[3]), ranges)))
+        return
+    raise SystemExit("usage: python -m benchmarks.pipeline plain-jax SIZE M STEPS\n"
+                     "       python -m benchmarks.pipeline standalone SIZE M REPS START:STOP [START:STOP ...]")
 
 
 if __name__ == "__main__":

@@ -12,6 +12,16 @@ compile (profiles: subprocess + cache), cost (per-layer cost tables) and solve
 (DP + simulator replay), the machine's load before and after, and writes
 `benchmarks/results/planner[.quick].{json,md}`. Targets (issue #22): warm < 10 s,
 cold < 60 s for 64 layers × 64 devices.
+
+    python -m benchmarks.planner --measure K [--hosts 2] [--devices 2] [--job examples/mlp.yaml]
+
+Prediction error instead (issue #22's target: median ≤ 15 %): `meshpipe calibrate` on an
+embedded local cluster of `hosts` × `devices` simulated devices, then
+`meshpipe plan JOB --auto --measure K` on the calibrated cluster (max model axis 2,
+microbatches 2 and 4; each candidate runs 8 steps, the median of the last 4 is the
+measured step) — predicted vs measured per candidate, the median |error|, the calibrated
+figures and the load average before and after; writes
+`benchmarks/results/planner_error.{json,md}`.
 """
 from __future__ import annotations
 
@@ -52,13 +62,77 @@ def run_once(model, topo, global_batch, cache_dir) -> dict:
                      "meshes": [s.choice.label() for s in best.stages]}}
 
 
+def prediction_error(k: int, hosts: int, dph: int, job: str) -> int:
+    """Calibrate, then measure the top k candidates; see the module docstring."""
+    import yaml
+
+    from orchestrator.driver.autoplan import auto_plan
+    from orchestrator.driver.calibrate import calibrate
+
+    info = machine_info()
+    with tempfile.TemporaryDirectory(prefix="meshpipe-planner-error-") as tmp:
+        src = Path(tmp) / "cluster.yaml"
+        src.write_text(yaml.safe_dump({"hosts": hosts, "devices_per_host": dph, "cpus_per_host": 0.5}))
+        t0 = time.perf_counter()
+        cal = calibrate(str(src), echo=print)
+        t1 = time.perf_counter()
+        rep = auto_plan(job, cal["written"], [f"run.output_dir={tmp}/runs"], out=str(Path(tmp) / "plan.yaml"),
+                        explain_=False, top=max(k, 5), max_model=2, microbatches=(2, 4), target_step_ms=None,
+                        cache_dir=str(Path(tmp) / "cache"), as_json=True, echo=lambda s: None, measure=k)
+        t2 = time.perf_counter()
+        written = yaml.safe_load(Path(cal["written"]).read_text())
+    info["load_end"] = os.getloadavg()
+    rows = rep["measured"]
+    for r in rows:
+        c = rep["candidates"][r["candidate"]]
+        r["plan"] = (f"{len(c['stages'])} stage(s), m={c['microbatches']} {c['schedule']}: "
+                     + " ; ".join(f"{s['layers']} {s['mesh']}" for s in c["stages"]))
+    out = {"case": {"job": job, "hosts": hosts, "devices_per_host": dph, "measure": k, "max_model": 2,
+                    "microbatches": [2, 4], "steps": 8}, "machine": info,
+           "calibrated": {"device": written["device"], "links": written["links"],
+                          "overhead_fit": cal["overhead"], "load_avg": cal["load_avg"]},
+           "measured": rows, "median_abs_error": rep["median_abs_error"],
+           "wall_s": {"calibrate": t1 - t0, "plan_and_measure": t2 - t1}}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "planner_error.json").write_text(json.dumps(out, indent=1))
+    md = error_md(out)
+    (RESULTS / "planner_error.md").write_text(md)
+    print(md)
+    return 0
+
+
+def error_md(out: dict) -> str:
+    """The prediction-error result (`planner_error.json`) as the markdown page."""
+    case, info, cal, rows = out["case"], out["machine"], out["calibrated"], out["measured"]
+    load = lambda t: "/".join(f"{x:.1f}" for x in t)    # noqa: E731 - 1/5/15-minute load averages
+    md = [f"# Planner prediction error after `meshpipe calibrate` ({info['when']})", "",
+          f"{case['job']} planned with --auto on {case['hosts']} hosts × {case['devices_per_host']} simulated CPU "
+          f"devices (embedded local Ray); the top {case['measure']} candidates run {case['steps']} steps each "
+          "(median of the last 4).", "",
+          f"machine: {info['cpu']}, {info['affinity']} cores usable, load average {load(info['load_start'])} → "
+          f"{load(info['load_end'])} (shared machine: other agents' work runs at the same time)", "",
+          f"calibrated: device {cal['device']}, links {cal['links']}", "",
+          "| # | plan | predicted ms | measured ms | error |", "|---:|---|---:|---:|---:|"]
+    md += [f"| {r['candidate']} | {r['plan']} | {r['predicted_s'] * 1e3:.2f} | {r['measured_s'] * 1e3:.2f} | "
+           f"{r['error'] * 100:+.1f}% |" for r in rows]
+    md += ["", f"median |error| {out['median_abs_error'] * 100:.1f}% over {len(rows)} candidates (target ≤ 15 %); "
+           f"calibrate {out['wall_s']['calibrate']:.0f} s, plan + measure {out['wall_s']['plan_and_measure']:.0f} s wall"]
+    return "\n".join(md) + "\n"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="8 layers × 8 devices (2 hosts × 4)")
     ap.add_argument("--layers", type=int, default=64)
-    ap.add_argument("--hosts", type=int, default=8)
-    ap.add_argument("--devices", type=int, default=8)
+    ap.add_argument("--hosts", type=int, default=None, help="default 8 (planning time), 2 (--measure)")
+    ap.add_argument("--devices", type=int, default=None, help="default 8 (planning time), 2 (--measure)")
+    ap.add_argument("--measure", type=int, default=0, metavar="K",
+                    help="prediction error: calibrate, then run the top K candidates")
+    ap.add_argument("--job", default=str(Path(__file__).resolve().parents[1] / "examples" / "mlp.yaml"))
     args = ap.parse_args(argv)
+    if args.measure:
+        return prediction_error(args.measure, args.hosts or 2, args.devices or 2, args.job)
+    args.hosts, args.devices = args.hosts or 8, args.devices or 8
     layers, hosts, dph = (8, 2, 4) if args.quick else (args.layers, args.hosts, args.devices)
     gpt = {"vocab": 256, "d_model": 128, "heads": 8, "d_mlp": 512, "blocks": layers - 2}
     spec = build_spec("gpt", gpt, seq_len=32)

@@ -21,7 +21,9 @@ stage actors); per schedule (Schedule1F1B, ScheduleGPipe) and m: `warmup` then
            schedule's sends/receives and waits are outside them, as meshpipe's
            SEND/RECV are outside its F/B spans), and adam `step()` = OPT;
   standalone  the same three timed outside the pipeline right after the timed
-           steps, on both ranks at once (a check on `costs`).
+           steps, on both ranks at once: the action costs of torch's ideal, as
+           meshpipe's come from its standalone stage timings (`costs` cross-check them);
+  observed each rank's CPU affinity and torch thread counts, read back in the rank.
 Plain (`plain`): one process, one thread per core of its affinity (the runner
 gives it all cores, then one core), the whole model, m microbatches
 accumulated by a Python loop, then adam.
@@ -203,7 +205,9 @@ def _run_one(rank, size, m, name, steps, warmup, torch, dist, pipelining) -> dic
              "B": median(times["B"]), "OPT": median(times["OPT"])}
     mean = lambda v: sum(v) / len(v) if v else 0.0
     costs_mean = {"F": mean(times["F"]) + mean(times["loss"]), "B": mean(times["B"]), "OPT": mean(times["OPT"])}
-    return {"schedule": name, "m": m, "rank": rank, "walls_s": walls, "step_s": median(walls),
+    observed = {"affinity": sorted(os.sched_getaffinity(0)), "threads": torch.get_num_threads(),
+                "interop_threads": torch.get_num_interop_threads()}      # read back, not the settings
+    return {"schedule": name, "m": m, "rank": rank, "observed": observed, "walls_s": walls, "step_s": median(walls),
             "step_spread": spread(walls), "costs": costs, "costs_mean": costs_mean,
             "standalone": _standalone_costs(size, rank, mod, opt, torch, dist), "losses": losses}
 
@@ -268,6 +272,7 @@ def pipe(runs: list[tuple[str, list[int], int]], schedules: list[str], warmup: i
         merged.append({"size": r0["size"], "schedule": r0["schedule"], "m": r0["m"], "p": 2,
                        "step_s": r0["step_s"], "step_spread": r0["step_spread"], "walls_s": r0["walls_s"],
                        "costs": [r0["costs"], r1["costs"]], "standalone": [r0["standalone"], r1["standalone"]],
+                       "observed": [r0["observed"], r1["observed"]],
                        "losses": r1["losses"]})
     return merged
 

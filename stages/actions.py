@@ -40,7 +40,9 @@ class StepState:
       inputs: forward inputs waiting for their F (received, or from the chunk before here).
       residuals: what F kept for its backward.
       outputs: F outputs waiting for their SEND_F.
-      dys: output gradients waiting for their B/I (and, zero-bubble, for W).
+      dys: output gradients waiting for their B/I.
+      held: zero-bubble: what W reads, kept from its I (`stages.zb_split.Held`).
+      fused: input gradients a fused F computed, waiting for their B (`forward_backward`).
       dxs: input gradients waiting for their SEND_B.
       losses: the last stage's loss per microbatch.
       spans: (action text, start, end) of each executed action.
@@ -52,14 +54,17 @@ class StepState:
         self.batch = None
         self.data_wait_s = 0.0
         self.inputs, self.residuals, self.outputs, self.dys, self.dxs = {}, {}, {}, {}, {}
+        self.held: dict = {}
+        self.fused: dict = {}
         self.losses: dict[int, Any] = {}
         self.spans: list = []
         self.stash = Stash()
 
 
 class Stash:
-    """Bytes per device of what a step keeps between actions (forward residuals, and for
-    zero-bubble schedules the output gradients kept from I to W), and their peak.
+    """Bytes per device of what a step keeps between actions (forward residuals "r", and for
+    zero-bubble schedules what W reads, "w", kept from I to W), and their peak; `peak_items`
+    is the most microbatches held at once (an "r" or a "w" entry each).
 
     Measured from the arrays themselves: each leaf counts its per-device shard size.
     """
@@ -75,7 +80,7 @@ class Stash:
         self.now += n - self.held.get(key, 0)
         self.held[key] = n
         self.peak = max(self.peak, self.now)
-        self.peak_items = max(self.peak_items, sum(1 for k in self.held if k[0] == "r"))
+        self.peak_items = max(self.peak_items, sum(1 for k in self.held if k[0] in ("r", "w")))
 
     def drop(self, key) -> None:
         self.now -= self.held.pop(key, 0)
@@ -175,23 +180,64 @@ def backward(w, st: StepState, a) -> None:
 
 
 def backward_input(w, st: StepState, a) -> None:
-    """I (zero-bubble): input gradient only; residuals and the output gradient are kept for W."""
+    """I (zero-bubble): the input gradient; keeps only what W reads (`stages.zb_split`: per layer
+    the residuals and output cotangents its weight gradients need) and releases the rest."""
+    import jax
+
     c, key = a.chunk, (a.microbatch, a.chunk)
-    dy = st.dys.get(key)
-    dx = w.progs[c].bwd_i(w.params[c], st.residuals[key], dy)
-    st.stash.add(("dy", key), dy)      # kept until W
+    dx, st.held[key] = w.progs[c].bwd_i(w.params[c], st.residuals.pop(key), st.dys.pop(key, None))
+    jax.block_until_ready(st.held[key])
+    st.stash.drop(("r", key))
+    st.stash.add(("w", key), st.held[key])      # kept until W
     _input_grad(w, st, a, dx)
 
 
 def backward_weight(w, st: StepState, a) -> None:
-    """W (zero-bubble): weight gradient only, from what I kept; releases both."""
+    """W (zero-bubble): the weight gradients only, from what I kept; releases it."""
     import jax
 
     c, key = a.chunk, (a.microbatch, a.chunk)
-    w.grads[c] = jax.block_until_ready(
-        w.progs[c].bwd_w_acc(w.params[c], st.residuals.pop(key), st.dys.pop(key, None), w.grads[c]))
-    st.stash.drop(("r", key))
-    st.stash.drop(("dy", key))
+    w.grads[c] = jax.block_until_ready(w.progs[c].bwd_w_acc(w.params[c], st.held.pop(key), w.grads[c]))
+    st.stash.drop(("w", key))
+
+
+def forward_backward(w, st: StepState, a) -> None:
+    """F of the loss chunk when its B comes right after it (`fused_chunks`): forward and backward as
+    one program (`StageProgram.fwd_bwd_acc`), nothing kept but the input gradient for that B."""
+    import jax
+
+    c, key, prog = a.chunk, (a.microbatch, a.chunk), w.progs[a.chunk]
+    x, labels = _operands(w, st, a, prog)
+    ids = np.array([w.cfg.seed, st.step, a.microbatch], np.int32)
+    loss, dx, w.grads[c] = prog.fwd_bwd_acc(w.params[c], x, labels, ids, w.grads[c])
+    jax.block_until_ready(w.grads[c])
+    st.losses[a.microbatch] = loss
+    st.fused[key] = dx
+
+
+def fused_backward(w, st: StepState, a) -> None:
+    """B whose work its F already did (`forward_backward`): hands the input gradient on."""
+    _input_grad(w, st, a, st.fused.pop((a.microbatch, a.chunk)))
+
+
+def fused_chunks(actions, loss_chunk: int | None) -> frozenset:
+    """The chunks whose F and B `program_of` runs as one program: the loss chunk (`loss_chunk`, None
+    when this stage has none), when every one of its F is directly followed in `actions` by the
+    B of the same microbatch (1F1B and eager-1F1B's last stage; not GPipe's, not zero-bubble's).
+
+    Example:
+        >>> from orchestrator.core.schedule import Action
+        >>> row = [Action.parse(t) for t in ("1RECV_F0", "1F0", "1B0", "1SEND_B0", "1F1", "1B1", "1OPT")]
+        >>> sorted(fused_chunks(row, 0)), sorted(fused_chunks(row[:5] + row[6:], 0)), sorted(fused_chunks(row, None))
+        ([0], [], [])
+    """
+    if loss_chunk is None:
+        return frozenset()
+    fs = [i for i, a in enumerate(actions) if a.kind is Kind.F and a.chunk == loss_chunk]
+    ok = bool(fs) and all(i + 1 < len(actions) and actions[i + 1].kind is Kind.B
+                          and actions[i + 1].chunk == loss_chunk
+                          and actions[i + 1].microbatch == actions[i].microbatch for i in fs)
+    return frozenset({loss_chunk}) if ok else frozenset()
 
 
 def recv_forward(w, st: StepState, a) -> None:
@@ -266,6 +312,19 @@ EVAL_HANDLERS: dict[Kind, Handler] = {
     Kind.RECV_F: recv_forward,
     Kind.SEND_F: send_forward,
 }
+
+
+def program_of(actions, who: str, loss_chunk: int | None) -> list[tuple[Any, str, Handler]]:
+    """A step's program: `(action, text, handler)` per action, in the schedule's order; F and B of
+    a fused chunk (`fused_chunks`) get the one-program pair."""
+    fused = fused_chunks(actions, loss_chunk)
+    out = []
+    for a in actions:
+        handler = handler_for(a, who)
+        if a.chunk in fused and a.kind in (Kind.F, Kind.B):
+            handler = forward_backward if a.kind is Kind.F else fused_backward
+        out.append((a, str(a), handler))
+    return out
 
 
 def handler_for(action, who: str, table: dict[Kind, Handler] = HANDLERS) -> Handler:

@@ -5,7 +5,9 @@ Activations between stages are pytrees; the programs take and return them as fla
 lists of leaves (jax's flatten order, as in `LayerSpec.outputs`), which is what the
 transport moves. Basic flow for one microbatch on one stage:
     ys, res = fwd(params, xs[, labels])          # res: residuals kept until the backward
-    dxs, grads = bwd_acc(params, res, dys, grads)   # or bwd_i -> dxs, later bwd_w_acc -> grads
+    dxs, grads = bwd_acc(params, res, dys, grads)   # or, zero-bubble:
+    dxs, held = bwd_i(params, res, dys)   ...   grads = bwd_w_acc(params, held, grads)
+    loss, dxs, grads = fwd_bwd_acc(params, xs, labels, ids, grads)   # last stage, F and B back to back
 and once per step: params, opt_state, grads = update(params, opt_state, grads, gnorm), where
 gnorm is the global gradient norm over every stage when the chain clips by it (the worker
 exchanges one squared norm per stage, `sq_norm`, before any stage updates).
@@ -35,6 +37,9 @@ Invariants:
     fold_in(microbatch_key(seed, step, microbatch), i) with train=True (dropout is
     deterministic in (seed, step, microbatch, part), the same on any layout); without
     `ids` parts get rng=None.
+  - Zero-bubble I and W are one backward cut in two (`stages.zb_split`): each equation of
+    `bwd` runs once, in I (the input-gradient chain) or in W (weight gradients only); `held`
+    is what W reads (per layer: its inputs' residuals and output cotangents), kept from I to W.
   - `mesh=None` gives the unsharded programs (the `--reference` run uses them).
 """
 from __future__ import annotations
@@ -49,6 +54,7 @@ import optax
 
 from stages import sharding
 from stages.residuals import forwarded_params
+from stages.zb_split import Held, ZeroBubble, split_backward
 from orchestrator.core.model.optim import build as build_optimizer
 from orchestrator.core.model.pipeline import PipelineModel, key_path
 from orchestrator.core.model.policy import remat_policy
@@ -266,32 +272,50 @@ class StageProgram:
             with sharding.use(self.mesh, self.layout):
                 return pullback(params, res, seed(dys))
 
-        def bwd_i(params, res, dys):
-            return bwd(params, res, dys)[0]
-
-        def bwd_w(params, res, dys):
-            return bwd(params, res, dys)[1]
-
         def bwd_acc(params, res, dys, acc):
             dxs, dparams = bwd(params, res, dys)
             return dxs, jax.tree.map(jnp.add, acc, dparams)
 
-        def bwd_w_acc(params, res, dys, acc):
-            return jax.tree.map(jnp.add, acc, bwd_w(params, res, dys))
+        def jit(fn, out_sh):
+            return jax.jit(fn) if self.mesh is None else jax.jit(fn, out_shardings=out_sh)
 
-        if self.mesh is None:
-            self.bwd, self.bwd_i, self.bwd_w = jax.jit(bwd), jax.jit(bwd_i), jax.jit(bwd_w)
-            self.bwd_acc = jax.jit(bwd_acc)
-            self.bwd_w_acc = jax.jit(bwd_w_acc)
-        else:
-            self.bwd = jax.jit(bwd, out_shardings=(xsh, psh))
-            self.bwd_i = jax.jit(bwd_i, out_shardings=xsh)
-            self.bwd_w = jax.jit(bwd_w, out_shardings=psh)
-            # backward and gradient accumulation in one program: one dispatch per B/W. Not donated:
-            # XLA refused to alias the accumulator when GSPMD chose another layout for it
-            # (examples/gpt.yaml, stage {model: 2}: "Expected aliased input ... to have the same size").
-            self.bwd_acc = jax.jit(bwd_acc, out_shardings=(xsh, psh))
-            self.bwd_w_acc = jax.jit(bwd_w_acc, out_shardings=psh)
+        self.bwd = jit(bwd, (xsh, psh))
+        # backward and gradient accumulation in one program: one dispatch per B/W. Not donated:
+        # XLA refused to alias the accumulator when GSPMD chose another layout for it
+        # (examples/gpt.yaml, stage {model: 2}: "Expected aliased input ... to have the same size").
+        self.bwd_acc = jit(bwd_acc, (xsh, psh))
+        splits: dict = {}
+
+        def zero_bubble(params, res, dys) -> ZeroBubble:
+            """The I/W programs of this backward (`stages.zb_split`), cut once per argument shapes."""
+            leaves, tree = jax.tree.flatten((params, res, dys))
+            key = (tree, tuple((np.shape(a), np.dtype(a.dtype).str) for a in leaves))
+            if key not in splits:
+                splits[key] = ZeroBubble(split_backward(bwd, params, res, dys), jit, xsh, psh)
+            return splits[key]
+
+        def bwd_i(params, res, dys):
+            return zero_bubble(params, res, dys).i(params, res, dys)
+
+        self.zero_bubble = zero_bubble
+        self.bwd_i = bwd_i
+
+        def fwd_bwd_acc(params, xs, labels, ids, acc):
+            """The loss stage's F and B as one program (schedules that run them back to back)."""
+            f, dx = objective(list(xs), labels, ids)
+            primals = (params,) if self.first else (params, *dx)
+            with sharding.use(self.mesh, self.layout):
+                loss, vjp = jax.vjp(f, *primals)
+                grads = vjp(seed(None))
+            return loss, None if self.first else list(grads[1:]), jax.tree.map(jnp.add, acc, grads[0])
+
+        if self.last:
+            # the accumulator is donated where its layout is the parameters' by construction (no mesh or
+            # one device: `init_state` makes it with the parameter shardings); with a multi-device mesh
+            # GSPMD may lay it out otherwise and XLA refuses the alias (see bwd_acc above)
+            donate = (4,) if self.mesh is None or self.mesh.size == 1 else ()
+            self.fwd_bwd_acc = jax.jit(fwd_bwd_acc, donate_argnums=donate) if self.mesh is None else jax.jit(
+                fwd_bwd_acc, out_shardings=(None, xsh, psh), donate_argnums=donate)
 
         def accumulate(acc, g):
             return jax.tree.map(jnp.add, acc, g)
@@ -312,6 +336,14 @@ class StageProgram:
         self.accumulate = jax.jit(accumulate, donate_argnums=0)
         self.update = jax.jit(update, donate_argnums=(0, 1, 2))
 
+    def bwd_w(self, params, held: Held):
+        """W (zero-bubble): the weight gradients from what `bwd_i` returned as `held`."""
+        return held.owner.w(params, held)
+
+    def bwd_w_acc(self, params, held: Held, acc):
+        """W accumulated into `acc` in one program."""
+        return held.owner.w_acc(params, held, acc)
+
     def param_names(self, params):
         """The params pytree (a list per part) with each leaf's name "<part name>/<leaf path>"."""
         return [jax.tree_util.tree_map_with_path(lambda path, _, part=part: f"{part.name}/{key_path(path)}", tree)
@@ -328,7 +360,8 @@ class StageProgram:
 
     def init_state(self, params):
         opt_state = jax.jit(self.tx.init)(params)
-        zeros = jax.jit(lambda p: jax.tree.map(jnp.zeros_like, p))(params)
+        zero = (lambda p: jax.tree.map(jnp.zeros_like, p))
+        zeros = (jax.jit(zero) if self.mesh is None else jax.jit(zero, out_shardings=self.param_shardings()))(params)
         return opt_state, zeros
 
 

@@ -1,4 +1,5 @@
-"""Actor-side telemetry: compile time, memory in use, bytes sent per edge.
+"""Actor-side telemetry: compile time, memory in use, bytes sent per edge, and the conditions the
+process runs under (CPU affinity and thread count, read back from the OS).
 
 `watch_compiles()` once before jax compiles anything; `stage_stats(worker)` after
 each step; the driver aggregates them (`orchestrator.driver.telemetry`).
@@ -69,4 +70,18 @@ def stage_stats(worker) -> dict:
         "memory_bytes": int(mem),
         "memory_source": source,
         "compile_s": float(_compile_s[0]),                           # cumulative
+        **conditions(),
     }
+
+
+def conditions() -> dict:
+    """What this process actually runs under, read back from the OS (not from any setting):
+    `affinity`, the CPUs the calling (step) thread may run on (XLA:CPU sizes its thread pool from
+    the affinity jax started with); `os_threads`, the process's thread count (/proc)."""
+    threads = None
+    try:
+        with open("/proc/self/status") as f:
+            threads = next((int(line.split()[1]) for line in f if line.startswith("Threads:")), None)
+    except OSError:
+        pass
+    return {"affinity": sorted(os.sched_getaffinity(0)), "os_threads": threads}

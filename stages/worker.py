@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from stages.actions import EVAL_HANDLERS, StepState, handler_for
+from stages.actions import EVAL_HANDLERS, StepState, handler_for, program_of
 from stages.data import HostLoader, rows_array, rows_of
 from stages.mailbox import Mailbox, MailboxClosed
 from orchestrator.core.recovery import STEP_NOTE
@@ -98,7 +98,9 @@ class StageWorker:
 
         self.actions = [Action.parse(text) for text in cfg.actions]
         # the step program: each action with its text (span label) and its kind's handler, resolved once
-        self.program = [(a, str(a), handler_for(a, cfg.who)) for a in self.actions]
+        # (the loss chunk's F and B run as one program where the schedule puts them back to back)
+        loss_chunk = next((c for c, (_, stop) in enumerate(cfg.layer_chunks) if stop == cfg.spec.num_layers), None)
+        self.program = program_of(self.actions, cfg.who, loss_chunk)
         # the forward-only eval program (data.eval), resolved the same way from its own table
         self.eval_program = [(a, str(a), handler_for(a, cfg.who, EVAL_HANDLERS))
                              for a in (Action.parse(text) for text in cfg.eval_actions)]

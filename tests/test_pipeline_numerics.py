@@ -15,6 +15,7 @@ import pytest
 from orchestrator.core.config import check_job, parse_cluster, parse_job
 from orchestrator.driver.runner import run_job
 from orchestrator.core.schedule import generate, lower, simulate
+from stages.actions import fused_chunks
 
 pytestmark = pytest.mark.ray
 
@@ -82,11 +83,16 @@ def test_gpt_two_stages_different_meshes_matches_reference(tmp_path, no_leaks, s
     # many microbatches' residuals as the simulator predicts (zb-h1 also keeps output gradients I -> W)
     sched = lower(generate(schedule, 2, written["plan"]["schedule"]["microbatches"]))
     peak = simulate(sched, {"F": 1, "B": 2}).peak_inflight
+    # where the schedule puts the loss stage's F and B back to back (1f1b, eager-1f1b) they run as one
+    # program (stages.actions.fused_chunks) and that stage keeps nothing between actions
+    if fused_chunks([a for a in sched.actions[1] if a is not None], 0):
+        peak[1] = 0
+    assert (peak[1] == 0) == (schedule in ("1f1b", "eager-1f1b")), (schedule, peak)
     for s in (0, 1):
         got = written["telemetry"]["hosts_last"][f"stage{s}/host0"]
         assert got["stash_peak_items"] == peak[s], (schedule, s, got)
-        assert got["stash_peak_bytes"] > 0, (schedule, s, got)
-        if schedule != "zb-h1":       # residuals of equal microbatches are equal in size
+        assert (got["stash_peak_bytes"] > 0) == (peak[s] > 0), (schedule, s, got)
+        if schedule != "zb-h1" and peak[s]:       # residuals of equal microbatches are equal in size
             assert got["stash_peak_bytes"] % peak[s] == 0, (schedule, s, got)
 
 

@@ -59,6 +59,7 @@ def auto_plan(job_path: str, cluster_path: str, overrides, *, out: Optional[str]
     if measure:
         report["measured"] = measure_candidates(raw, result.candidates[:measure], cluster, dest, measure_steps,
                                                 echo=(lambda s: None) if as_json else echo)
+        report["median_abs_error"] = median_abs_error(report["measured"])
     if as_json:
         echo(json.dumps(report, indent=1))
         return report
@@ -107,6 +108,13 @@ def measure_candidates(raw: dict, candidates, cluster, dest: Path, steps: int, e
     return rows
 
 
+def median_abs_error(rows: list[dict]) -> float:
+    """Median over candidates of |predicted − measured| / measured."""
+    import statistics
+
+    return statistics.median(abs(r["error"]) for r in rows) if rows else float("nan")
+
+
 def measured_table(rows: list[dict]) -> str:
     """Predicted vs measured step per candidate, and the median absolute error."""
     lines = [f"{'#':>2} {'predicted ms':>12} {'measured ms':>12} {'error':>7}"]
@@ -114,13 +122,11 @@ def measured_table(rows: list[dict]) -> str:
         lines.append(f"{r['candidate']:>2} {r['predicted_s'] * 1e3:>12.3f} {r['measured_s'] * 1e3:>12.3f} "
                      f"{r['error'] * 100:>6.1f}%")
     if rows:
-        import statistics
-
-        lines.append(f"median |error| {statistics.median(abs(r['error']) for r in rows) * 100:.1f}% over {len(rows)} "
+        lines.append(f"median |error| {median_abs_error(rows) * 100:.1f}% over {len(rows)} "
                      "candidate(s); ranking agrees with measurement: "
                      + str([r["candidate"] for r in sorted(rows, key=lambda r: r["measured_s"])]
                            == [r["candidate"] for r in rows]))
     return "\n".join(lines)
 
 
-__all__ = ["auto_plan", "measure_candidates", "measured_table", "PlanningError", "ProfileError"]
+__all__ = ["auto_plan", "measure_candidates", "measured_table", "median_abs_error", "PlanningError", "ProfileError"]

@@ -7,6 +7,7 @@
     meshpipe export CKPT --to DIR
     meshpipe plan JOB.yaml [--cluster CLUSTER.yaml] [--set ...] [--json] [--png PATH]
     meshpipe plan JOB.yaml --auto [--cluster C.yaml] [--out PATH] [--explain] [--top K] [--max-model M] [--measure K]
+    meshpipe calibrate --cluster CLUSTER.yaml [--out PATH] [--force] [--json]
     meshpipe submit JOB.yaml [--cluster CLUSTER.yaml] --address http://HOST:8265 [--set ...]
                              [--working-dir DIR] [--follow/--no-follow] [--no-wait] [--timeout S]
     meshpipe jobs --address http://HOST:8265
@@ -321,6 +322,36 @@ def _auto(job, cluster, overrides, out, explain_, top, max_model, microbatches, 
     except (RuntimeError, TimeoutError) as e:   # --measure: a candidate's run failed (torn down already)
         click.echo(f"meshpipe: measuring failed: {e}", err=True)
         sys.exit(1)
+
+
+@main.command()
+@click.option("--cluster", "cluster", required=True, type=click.Path(exists=True, dir_okay=False),
+              help="the cluster YAML to measure (address: null starts an embedded local Ray, as `run` does)")
+@click.option("--out", type=click.Path(dir_okay=False), default=None,
+              help="where to write the calibrated cluster (default: CLUSTER's name + .calibrated.yaml beside "
+                   "it); never the input file")
+@click.option("--force", is_flag=True, help="replace --out if it exists (the input file is never replaced)")
+@click.option("--json", "as_json", is_flag=True, help="print the measurements as JSON")
+def calibrate(cluster, out, force, as_json):
+    """Measure the cluster's devices, link classes and per-action runtime cost; write them as a new
+    cluster YAML (`device:`, `links:`) for `meshpipe plan --auto`."""
+    from orchestrator.core.backends import PlacementError
+    from orchestrator.core.config import ConfigError
+    from orchestrator.driver.calibrate import CalibrationError, calibrate as run_calibration
+
+    try:
+        report = run_calibration(cluster, out=out, force=force, echo=(lambda s: None) if as_json else click.echo)
+    except ConfigError as e:
+        click.echo(f"meshpipe: invalid configuration:\n{e}", err=True)
+        sys.exit(2)
+    except CalibrationError as e:
+        click.echo(f"meshpipe: calibrate: {e}", err=True)
+        sys.exit(2)
+    except (PlacementError, RuntimeError, TimeoutError) as e:
+        click.echo(f"meshpipe: calibrate failed: {e}", err=True)
+        sys.exit(1)
+    if as_json:
+        click.echo(json.dumps(report, indent=1))
 
 
 address_opt = click.option("--address", envvar="RAY_API_SERVER_ADDRESS", default="http://127.0.0.1:8265",

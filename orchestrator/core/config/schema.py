@@ -523,6 +523,12 @@ class DeviceConfig(_Frozen):
     memory_gb: Optional[PosFloat] = None      # bytes the planner may fill per device (1e9 bytes)
     tflops: Optional[PosFloat] = None         # sustained float32 TFLOP/s per device
     memory_bandwidth_gbps: Optional[PosFloat] = None   # GB/s per device
+    # fixed runtime cost of one pipeline action (F, B, OPT) on a stage, microseconds: dispatch,
+    # interpreter, spans, transport bookkeeping (`meshpipe calibrate` measures it; null: 0)
+    action_overhead_us: Optional[NonNegFloat] = None
+    # fixed runtime cost of one stage-to-stage transfer (its SEND and RECV) beyond the link's α-β time,
+    # microseconds: wake-ups, mailbox, framing (`meshpipe calibrate` measures it; null: 0)
+    transfer_overhead_us: Optional[NonNegFloat] = None
 
 
 class ClusterConfig(_Frozen):

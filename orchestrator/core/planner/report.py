@@ -44,7 +44,8 @@ def terms(c: Candidate) -> dict[str, float]:
             "data-parallel gradient all-reduce": m * bottleneck.dp_comm_s,
             "pipeline bubble": c.bubble * c.step_s,
             "stage-edge transfers": 2 * sum(e["time_s"] for e in c.edges),
-            "optimizer update": max(s.opt_s for s in c.stages)}
+            "per-action runtime overhead": (2 * m + 1) * bottleneck.overhead_s,
+            "optimizer update": max(s.opt_s - s.overhead_s for s in c.stages)}
 
 
 def explain(result: SearchResult, dph: int) -> str:
@@ -83,6 +84,7 @@ def candidate_json(c: Candidate) -> dict[str, Any]:
                         "mesh": s.choice.mesh(), "layout": s.choice.layout(), "rules": s.choice.rules_name,
                         "fwd_s": s.fwd_s, "bwd_s": s.bwd_s, "opt_s": s.opt_s, "memory_bytes": s.memory_bytes,
                         "inflight": s.inflight, "tp_bytes": s.tp_bytes, "dp_bytes": s.dp_bytes,
+                        "overhead_s": s.overhead_s,
                         "compute_s": s.compute_s, "tp_comm_s": s.tp_comm_s, "dp_comm_s": s.dp_comm_s}
                        for s in c.stages],
             "terms_s": terms(c)}

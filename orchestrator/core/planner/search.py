@@ -13,7 +13,9 @@ Basic flow of `search(model, topo, global_batch, profile=...)`:
      layers, its hosts and its best choice under the device-memory limit (with
      the schedule's in-flight microbatches at that stage), minimising
      Σ stage time + (m − 1) · max stage time (Alpa's stage DP: enumerate the
-     bottleneck bound, minimise the sum under it) plus stage-edge transfers;
+     bottleneck bound, minimise the sum under it) plus stage-edge transfers; a
+     stage's time per microbatch includes the runtime's fixed cost of its F and B
+     (`Topology.action_overhead_s`), an edge's the per-transfer one;
   5. the DP's three best plans per (m, p, schedule) — by its own estimate — are
      replayed by the schedule simulator (`orchestrator.core.schedule.simulate`) with
      their per-stage F/B/OPT costs and per-edge transfer times; candidates are ranked
@@ -88,6 +90,7 @@ class StageChoice:
     inflight: int
     tp_bytes: float
     dp_bytes: float
+    overhead_s: float = 0.0     # the runtime's fixed cost per action, included in fwd_s, bwd_s and opt_s
 
 
 @dataclass(frozen=True)
@@ -299,7 +302,8 @@ def _stage_tables(model, topo, choices, tables, m, ns, slots, memo):
             if (k, m, n) not in memo:
                 with np.errstate(invalid="ignore"):
                     mem = np.where(bad, np.inf, MS + n * R + TM)
-                Tn = np.where(mem <= topo.memory_bytes, T, np.inf)
+                # each microbatch's F and B each pay the runtime's fixed per-action cost
+                Tn = np.where(mem <= topo.memory_bytes, T + 2 * topo.action_overhead_s, np.inf)
                 best = Tn.argmin(axis=0)
                 memo[(k, m, n)] = (np.take_along_axis(Tn, best[None], 0)[0], best, mem.min(axis=0))
             out[(k, n)] = memo[(k, m, n)]
@@ -333,9 +337,9 @@ def _edge_times(model, topo, micro):
     L, H = model.num_layers, topo.hosts
     times = np.zeros((L + 1, H + 1))
     for h in range(1, H):
-        link = topo.links[topo.class_of_hosts([h - 1, h])]
+        cls = topo.class_of_hosts([h - 1, h])
         for j in range(1, L):
-            times[j, h] = 2 * link.time(model.layers[j - 1].out_bytes(micro))
+            times[j, h] = 2 * topo.edge_time(cls, model.layers[j - 1].out_bytes(micro))
     return times
 
 
@@ -463,26 +467,33 @@ def _min_memory(stage_tab, infl, L, H, topo):
 
 
 def evaluate(model, topo, choices, tables, stages, m, sched, infl, global_batch, slots) -> Candidate:
-    """Replay one plan in the schedule simulator: per-stage F/B/OPT and per-edge transfer times."""
+    """Replay one plan in the schedule simulator: per-stage F/B/OPT and per-edge transfer times.
+
+    Every F, B and OPT action of every stage costs `topo.action_overhead_s` on top of its
+    device time, and every stage-edge transfer `topo.transfer_overhead_s` on top of its
+    link's α-β time (the runtime's fixed costs, `meshpipe calibrate`).
+    """
     from orchestrator.core.schedule import simulate
 
     micro = global_batch // m
+    over = topo.action_overhead_s
     out = []
     for s, (i, j, h, k, ci) in enumerate(stages):
         t = tables[(k, ci, m)]
         cols = t.parts[i:j]
         mem = sum(c.param_bytes for c in cols) * (2 + slots) + infl[s] * sum(c.residual_bytes for c in cols) \
             + max(c.temp_bytes for c in cols)
-        out.append(StageChoice((i, j), (h, k), choices[k][ci], float(t.fwd[i:j].sum()), float(t.bwd[i:j].sum()),
-                               float(t.opt[i:j].sum()), sum(c.compute_s for c in cols),
+        out.append(StageChoice((i, j), (h, k), choices[k][ci], float(t.fwd[i:j].sum()) + over,
+                               float(t.bwd[i:j].sum()) + over, float(t.opt[i:j].sum()) + over,
+                               sum(c.compute_s for c in cols),
                                sum(c.tp_comm_s for c in cols), sum(c.dp_comm_s for c in cols), mem, infl[s],
-                               sum(c.tp_bytes for c in cols), sum(c.dp_bytes for c in cols)))
+                               sum(c.tp_bytes for c in cols), sum(c.dp_bytes for c in cols), over))
     edges = []
     for a, b in zip(out, out[1:]):
         nbytes = model.layers[a.layers[1] - 1].out_bytes(micro)
         cls = topo.class_of_hosts([a.hosts[0] + a.hosts[1] - 1, b.hosts[0]])
         edges.append({"edge": [len(edges), len(edges) + 1], "bytes": nbytes, "link": cls,
-                      "time_s": topo.links[cls].time(nbytes)})
+                      "time_s": topo.edge_time(cls, nbytes)})
     low = _lowered(sched, len(out), m)
     costs = [{"F": st.fwd_s, "B": st.bwd_s, "OPT": st.opt_s} for st in out]
     sim = simulate(low, costs, [e["time_s"] for e in edges] if edges else 0.0)

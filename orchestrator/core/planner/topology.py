@@ -16,7 +16,11 @@ ring formulas XLA's own auto-sharding uses per mesh dimension:
   permute         bytes / β + α
 
 Defaults (`DEFAULTS`) are nominal figures per platform, to be replaced by a cluster's
-`links:` / `device:` sections (or, later, by `meshpipe calibrate`).
+`links:` / `device:` sections (`meshpipe calibrate` measures them and writes both).
+`device.action_overhead_us` (default 0) is the runtime's fixed cost of one action
+(F, B, OPT) on a stage; the cost model adds it to each action of each stage.
+`device.transfer_overhead_us` (default 0) is the runtime's fixed cost of one
+stage-to-stage transfer beyond its link's α-β time; added to every stage edge.
 """
 from __future__ import annotations
 
@@ -60,6 +64,8 @@ class Topology:
       hosts_per_group: consecutive hosts that share the `group` link class.
       links: one `LinkClass` per name in `CLASSES`.
       memory_bytes, flops, memory_bandwidth: per device.
+      action_overhead_s: the runtime's fixed cost of one action on a stage (seconds).
+      transfer_overhead_s: the runtime's fixed cost of one stage-edge transfer beyond α-β (seconds).
     """
 
     hosts: int
@@ -71,6 +77,12 @@ class Topology:
     memory_bandwidth: float
     platform: str = "cpu"
     notes: tuple[str, ...] = field(default=())
+    action_overhead_s: float = 0.0
+    transfer_overhead_s: float = 0.0
+
+    def edge_time(self, cls: str, nbytes: float) -> float:
+        """One stage-edge transfer of `nbytes` over link class `cls`: α-β plus the runtime's fixed cost."""
+        return self.links[cls].time(nbytes) + self.transfer_overhead_s
 
     @property
     def num_devices(self) -> int:
@@ -138,5 +150,11 @@ def from_cluster(cluster) -> Topology:
         return float(v)
 
     mem, tf, bw = pick("memory_gb"), pick("tflops"), pick("memory_bandwidth_gbps")
+    over = {}
+    for key in ("action_overhead_us", "transfer_overhead_us"):
+        over[key] = getattr(dev, key, None) if dev is not None else None
+        if over[key] is None:
+            notes.append(f"device.{key}: not set, 0 (meshpipe calibrate measures it)")
     return Topology(cluster.hosts, cluster.devices_per_host, hpg, links, mem * 1e9, tf * 1e12, bw * 1e9,
-                    cluster.platform, tuple(notes))
+                    cluster.platform, tuple(notes), float(over["action_overhead_us"] or 0.0) * 1e-6,
+                    float(over["transfer_overhead_us"] or 0.0) * 1e-6)

@@ -1,0 +1,242 @@
+"""`meshpipe calibrate`'s pure half: fit what the probes measured, write the cluster YAML. Pure.
+
+The probes (`stages.calibrate_probe`, driven by `orchestrator.driver.calibrate`)
+return timed samples; this module turns them into the cluster's `device:` and
+`links:` sections:
+
+  links      an α-β fit per link class. A sample is (kind, k, bytes, seconds) and the
+             model is the ring formula `topology.collective_time` uses, so the fit
+             inverts exactly what the cost model will charge:
+               all-reduce  t = 2(k-1)·α + 2(k-1)/k · n / β
+               all-gather  t =  (k-1)·α +  (k-1)/k · n / β
+               send        t =        α +            n / β
+             i.e. t = a·α + x/β, linear in (α, 1/β): least squares over every sample
+             of the class; α < 0 (noise on a fast link) is clamped to 0 and 1/β refitted
+             through the origin. A slope ≤ 0 is refused (the sweep saw no bandwidth).
+  overhead   the runtime's fixed costs: per action (`device.action_overhead_us`), the o
+             for which the schedule simulator, every F, B and OPT costing o, replays the
+             step a tiny ONE-stage real run measured; per stage-edge transfer
+             (`device.transfer_overhead_us`), the extra e on each edge's α-β time for
+             which it replays a tiny TWO-stage run's step with that o (`fit_overhead`,
+             bisection: the simulated step grows monotonically with either).
+
+`calibrated_raw` merges the figures into the cluster's raw YAML dict (everything the
+user wrote is kept; `device.memory_gb` is not measured and stays as written) and
+`write_calibrated` writes it as a NEW file — never over the input — and checks that it
+loads back through the cluster parser.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence
+
+import yaml
+
+__all__ = ["CalibrationError", "Sample", "Fit", "fit_alpha_beta", "fit_overhead", "calibrated_raw",
+           "default_out", "destination", "write_calibrated"]
+
+
+class CalibrationError(ValueError):
+    """The measurements cannot give a figure (or the output path is refused); the message says why."""
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One timed operation: `kind` (all-reduce | all-gather | send), k participants, bytes, seconds."""
+
+    kind: str
+    k: int
+    nbytes: float
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Fit:
+    """An α-β fit: latency (s), bandwidth (bytes/s), samples used, largest relative residual."""
+
+    latency_s: float
+    bandwidth: float
+    samples: int
+    max_rel_residual: float
+
+    def link(self) -> dict[str, float]:
+        """The `links.<class>` YAML entry (GB/s, µs)."""
+        return {"bandwidth_gbps": float(f"{self.bandwidth / 1e9:.6g}"), "latency_us": float(f"{self.latency_s * 1e6:.6g}")}
+
+
+def _terms(s: Sample) -> tuple[float, float]:
+    """(a, x) of t = a·α + x/β for one sample (module docstring)."""
+    k = s.k
+    if s.kind == "all-reduce":
+        return 2 * (k - 1), 2 * (k - 1) / k * s.nbytes
+    if s.kind == "all-gather":
+        return k - 1, (k - 1) / k * s.nbytes
+    if s.kind == "send":
+        return 1.0, float(s.nbytes)
+    raise CalibrationError(f"unknown sample kind {s.kind!r} (all-reduce, all-gather, send)")
+
+
+def fit_alpha_beta(samples: Sequence[Sample], what: str = "link") -> Fit:
+    """Least-squares α-β fit of samples of one link class (see the module docstring).
+
+    Raises:
+      CalibrationError: fewer than two distinct sizes, a non-finite or non-positive time,
+        a kind with k < 2, or times that do not grow with size (no bandwidth to fit).
+
+    Example:
+        >>> s = [Sample("send", 2, n, 1e-5 + n / 2e9) for n in (1e3, 1e5, 1e7)]
+        >>> f = fit_alpha_beta(s)
+        >>> round(f.latency_s * 1e6, 3), round(f.bandwidth / 1e9, 3)
+        (10.0, 2.0)
+    """
+    import numpy as np
+
+    rows = []
+    for s in samples:
+        if not (math.isfinite(s.seconds) and s.seconds > 0):
+            raise CalibrationError(f"{what}: a {s.kind} of {s.nbytes:g} bytes took {s.seconds!r} s; "
+                                   "times must be finite and positive")
+        if s.kind != "send" and s.k < 2:
+            raise CalibrationError(f"{what}: a {s.kind} over k = {s.k} device(s) moves nothing; need k ≥ 2")
+        rows.append((*_terms(s), s.seconds))
+    if len({x for _, x, _ in rows}) < 2:
+        raise CalibrationError(f"{what}: need samples at two or more sizes to fit latency and bandwidth, "
+                               f"got {len(rows)} sample(s) at {len({x for _, x, _ in rows})} size(s)")
+    a, x, t = (np.array(c, dtype=float) for c in zip(*rows))
+    (alpha, inv_beta), *_ = np.linalg.lstsq(np.stack([a, x], 1), t, rcond=None)
+    if alpha < 0:
+        alpha, inv_beta = 0.0, float((x @ t) / (x @ x))
+    if not inv_beta > 0:
+        raise CalibrationError(f"{what}: the time does not grow with the size over {len(rows)} samples "
+                               f"({t.min():.3g}–{t.max():.3g} s for {x.min():.3g}–{x.max():.3g} bytes moved): "
+                               "no bandwidth can be fitted; sweep larger sizes")
+    pred = a * alpha + x * inv_beta
+    return Fit(float(alpha), float(1.0 / inv_beta), len(rows), float(np.max(np.abs(pred - t) / t)))
+
+
+def fit_overhead(simulate_step, measured_s: float, hi: float = 1.0, tol: float = 1e-7) -> float:
+    """The per-action overhead o ≥ 0 with `simulate_step(o) == measured_s` (bisection).
+
+    `simulate_step(o)` is the simulated step (seconds) when every F, B and OPT action costs
+    o more; it must grow with o. A measured step at or below `simulate_step(0)` gives 0.
+
+    Raises:
+      CalibrationError: the measured step is not finite and positive, or beyond `simulate_step(hi)`.
+
+    Example:
+        >>> round(fit_overhead(lambda o: 0.002 + 9 * o, 0.011), 6)
+        0.001
+    """
+    if not (math.isfinite(measured_s) and measured_s > 0):
+        raise CalibrationError(f"the tiny run's measured step is {measured_s!r} s; need a finite positive time")
+    lo_t = simulate_step(0.0)
+    if measured_s <= lo_t:
+        return 0.0
+    if simulate_step(hi) < measured_s:
+        raise CalibrationError(f"the tiny run's step ({measured_s:.3g} s) needs more than {hi:g} s per action; "
+                               "the machine is too loaded to calibrate")
+    lo = 0.0
+    while hi - lo > tol:
+        mid = (lo + hi) / 2
+        if simulate_step(mid) < measured_s:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+def calibrated_raw(raw: Mapping[str, Any], *, tflops: float, memory_bandwidth_gbps: float,
+                   action_overhead_us: float, links: Mapping[str, Fit],
+                   transfer_overhead_us: Optional[float] = None) -> dict[str, Any]:
+    """The cluster's raw YAML dict with measured `device:` and `links:` figures merged in.
+
+    Keys the user wrote are kept (`device.memory_gb`, `links.hosts_per_group`, every other
+    section); only the measured figures are replaced. Link classes not measured stay as written.
+    """
+    for name, v in (("device.tflops", tflops), ("device.memory_bandwidth_gbps", memory_bandwidth_gbps)):
+        if not (math.isfinite(v) and v > 0):
+            raise CalibrationError(f"{name} = {v!r}: a measured figure must be finite and positive")
+    for name, v in (("device.action_overhead_us", action_overhead_us),
+                    ("device.transfer_overhead_us", transfer_overhead_us)):
+        if v is not None and not (math.isfinite(v) and v >= 0):
+            raise CalibrationError(f"{name} = {v!r}: must be finite and ≥ 0")
+    out = copy.deepcopy(dict(raw))
+    dev = dict(out.get("device") or {})
+    dev.update({"tflops": float(f"{tflops:.6g}"), "memory_bandwidth_gbps": float(f"{memory_bandwidth_gbps:.6g}"),
+                "action_overhead_us": float(f"{action_overhead_us:.6g}")})
+    if transfer_overhead_us is not None:
+        dev["transfer_overhead_us"] = float(f"{transfer_overhead_us:.6g}")
+    out["device"] = dev
+    lk = dict(out.get("links") or {})
+    for name, fit in links.items():
+        if name not in ("host", "group", "dcn"):
+            raise CalibrationError(f"links.{name}: unknown link class (host, group, dcn)")
+        lk[name] = fit.link()
+    out["links"] = lk
+    return out
+
+
+def default_out(cluster_path: str | os.PathLike) -> Path:
+    """`C.yaml` → `C.calibrated.yaml` beside it."""
+    p = Path(cluster_path)
+    return p.with_name(p.stem + ".calibrated.yaml")
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    if a.exists() and b.exists():
+        return os.path.samefile(a, b)
+    return a.resolve() == b.resolve()
+
+
+def destination(cluster_path: Optional[str | os.PathLike], out: Optional[str | os.PathLike] = None,
+                force: bool = False) -> Path:
+    """Where `write_calibrated` will write, checked now (before anything is measured).
+
+    Raises:
+      CalibrationError: `out` is the input cluster file (refused even with `force`), an
+        existing file without `force`, or a directory.
+    """
+    if out is None:
+        if cluster_path is None:
+            raise CalibrationError("no --out given and no cluster file to name the output after")
+        dest = default_out(cluster_path)
+    else:
+        dest = Path(out)
+    if cluster_path is not None and _same_file(dest, Path(cluster_path)):
+        raise CalibrationError(f"--out {dest} is the input cluster file {cluster_path}: calibrate writes a new "
+                               "file and never replaces the YAML it read; give another --out")
+    if dest.is_dir():
+        raise CalibrationError(f"--out {dest} is a directory; give a file path")
+    if dest.exists() and not force:
+        raise CalibrationError(f"{dest} exists; calibrate does not replace a file silently (pass --force to "
+                               "replace it, or give another --out)")
+    return dest
+
+
+def write_calibrated(raw: Mapping[str, Any], cluster_path: Optional[str | os.PathLike],
+                     out: Optional[str | os.PathLike] = None, *, force: bool = False, header: str = "") -> Path:
+    """Write the calibrated cluster to `out` (default `default_out(cluster_path)`); return the path.
+
+    Refuses (CalibrationError, nothing written; see `destination`) to write over the input
+    cluster file, even with `force`, and to replace an existing file without `force`. The text is
+    `yaml.safe_dump`ed after `header` (comment lines), then loaded back with the cluster
+    loader: what is written is a valid cluster YAML.
+    """
+    from orchestrator.core.config import load_cluster
+
+    dest = destination(cluster_path, out, force)
+    text = "".join(f"# {line}\n" if line else "#\n" for line in header.splitlines())
+    text += yaml.safe_dump(dict(raw), sort_keys=False)
+    tmp = dest.with_name(f".{dest.stem}.tmp{os.getpid()}{dest.suffix}")
+    tmp.write_text(text)
+    try:
+        load_cluster(tmp)        # raises ConfigError naming the key if a figure broke the schema
+    except Exception:
+        tmp.unlink()
+        raise
+    os.replace(tmp, dest)
+    return dest

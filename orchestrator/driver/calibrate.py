@@ -1,0 +1,227 @@
+"""`meshpipe calibrate --cluster C.yaml [--out FILE]`: measure the cluster, write its `device:`/`links:`.
+
+Basic flow:
+  1. Load and validate the cluster; check the output path (never the input file; an
+     existing file only with --force) — all before Ray starts.
+  2. Connect to Ray as `meshpipe run` does (`address: null`: an embedded local Ray)
+     and reserve one bundle per cluster host (the job's own placement rules: one
+     placement group, each probe in its host's bundle with the backend's env).
+  3. Probes (`stages.calibrate_probe`): host 0 times its devices (matmul FLOP/s,
+     memory bandwidth, with every device of the host busy) and its mesh's
+     all-reduce / all-gather over a size sweep → `links.host`; probe pairs send
+     over meshpipe's socket transport → the class the pair spans (hosts 0 and 1:
+     `group` with node groups, else `dcn`; with node groups also 0 and the first
+     host of the next group: `dcn`). Every probe is killed and the group removed.
+  4. The runtime's fixed costs: tiny real pipeline jobs (an MLP of width 8, 1F1B,
+     4 microbatches, 8 steps) run on the cluster through `run_job`: one 1-host stage
+     gives the per-action overhead o (the simulator, each F/B/OPT costing o, replays
+     its measured step); with two hosts, two 1-host stages give the per-transfer
+     overhead (each edge at the fitted link's α-β time plus it, o per action)
+     (`planner.calibrate.fit_overhead`; the tiny model's compute is neglected).
+  5. Write the cluster YAML with the measured figures (`planner.calibrate`), load it
+     back, and report. An embedded Ray we started is stopped.
+Every remote wait has a deadline (`cluster.timeouts.init_s` to start, `CALL_S` per
+measurement call).
+"""
+from __future__ import annotations
+
+import os
+import secrets
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Callable, Optional
+
+import yaml
+
+from orchestrator.core.config import check_job, load_cluster, load_job, load_raw
+from orchestrator.core.config.check import StagePlan
+from orchestrator.core.planner.calibrate import (CalibrationError, Sample, calibrated_raw, destination,
+                                                 fit_alpha_beta, fit_overhead, write_calibrated)
+from orchestrator.core.planner.topology import from_cluster
+
+__all__ = ["calibrate", "CalibrationError", "COLLECTIVE_SIZES", "SEND_SIZES"]
+
+CALL_S = 300.0                                  # one measurement call's deadline
+COLLECTIVE_SIZES = [1 << 14, 1 << 17, 1 << 20, 1 << 22]     # bytes per device
+SEND_SIZES = [1 << 12, 1 << 16, 1 << 20, 1 << 22]           # bytes per send
+TINY_STEPS, TINY_M = 8, 4
+
+
+def _probe_checked(cluster):
+    """What placement needs to place one probe per cluster host (each its own 1-host 'stage')."""
+    stages = tuple(StagePlan(h, (0, 1), {"data": cluster.devices_per_host}, (h,), cluster.devices_per_host, {})
+                   for h in range(cluster.hosts))
+    return SimpleNamespace(cluster=cluster, stages=stages, import_dir=None)
+
+
+def _probes(cluster, echo, run: str) -> dict:
+    """Steps 2-3 of the module docstring: device figures and link samples per class."""
+    import ray
+    from ray.util.placement_group import remove_placement_group
+
+    from orchestrator.driver import placement
+    from orchestrator.driver.waiting import wait_all
+    from stages.calibrate_probe import CalibrationProbe
+
+    checked = _probe_checked(cluster)
+    init_s = cluster.timeouts.init_s
+    pg = placement.reserve(checked, f"{run}/pg", init_s)
+    actors = []
+    try:
+        remote = ray.remote(CalibrationProbe)
+        for st in checked.stages:
+            opts = placement.actor_options(checked, st, 0, pg, run)
+            opts["namespace"] = f"meshpipe-{run}"
+            actors.append(remote.options(**opts).remote(st.hosts[0]))
+        labels = [f"host {h}" for h in range(cluster.hosts)]
+        infos = wait_all([a.info.remote() for a in actors], init_s, "starting calibration probes", labels)
+        echo(f"probes up on {len(actors)} host(s): {infos[0]['devices']} {infos[0]['platform']} device(s) each")
+        dev = wait_all([actors[0].device.remote()], CALL_S, "timing host 0's devices", labels[:1])[0]
+        samples = {}
+        coll = wait_all([actors[0].collectives.remote(COLLECTIVE_SIZES)], CALL_S, "timing host 0's collectives",
+                        labels[:1])[0]
+        if coll:
+            samples["host"] = coll
+        topo = from_cluster(cluster)
+        pairs = []
+        if cluster.hosts >= 2:
+            pairs.append((0, 1))
+            g = topo.hosts_per_group
+            if 1 < g < cluster.hosts:
+                pairs.append((0, g))
+        for a, b in pairs:
+            cls = topo.class_of_hosts([a, b])
+            token = secrets.token_bytes(32)
+            hosts = [a, b]
+            addrs = wait_all([actors[a].open_transport.remote(0, hosts, token, CALL_S),
+                              actors[b].open_transport.remote(1, hosts, token, CALL_S)], init_s,
+                             "opening probe transports", [labels[a], labels[b]])
+            wait_all([actors[h].connect.remote([[addrs[0]], [addrs[1]]]) for h in hosts], init_s,
+                     "connecting probe transports", [labels[a], labels[b]])
+            got = wait_all([actors[a].pingpong.remote(1, True, SEND_SIZES, 5, CALL_S),
+                            actors[b].pingpong.remote(0, False, SEND_SIZES, 5, CALL_S)], CALL_S,
+                           f"sends between hosts {a} and {b}", [labels[a], labels[b]])
+            wait_all([actors[h].close.remote() for h in hosts], init_s, "closing probe transports",
+                     [labels[a], labels[b]])
+            samples[cls] = got[0]
+        return {"device": dev, "samples": samples, "pairs": pairs, "probes": infos}
+    finally:
+        for a in actors:
+            ray.kill(a, no_restart=True)
+        remove_placement_group(pg)
+
+
+def _tiny_job(cluster, workdir: Path, p: int) -> Path:
+    """A tiny MLP pipeline job of p 1-host stages on this cluster (module docstring, step 4)."""
+    dph = cluster.devices_per_host
+    stages = [{"layers": [0, 2], "mesh": {"data": dph}, "hosts": 1},
+              {"layers": [2, 4], "mesh": {"data": dph}, "hosts": 1}] if p == 2 else \
+             [{"layers": [0, 4], "mesh": {"data": dph}, "hosts": 1}]
+    job = {"run": {"name": f"calibrate-overhead-{p}", "steps": TINY_STEPS, "seed": 0, "output_dir": str(workdir)},
+           "model": {"name": "mlp", "args": {"d_in": 4, "d_model": 8, "d_mlp": 8, "d_out": 2, "blocks": 2}},
+           "data": {"source": "synthetic", "global_batch": TINY_M * dph},
+           "optimizer": {"name": "sgd", "args": {"learning_rate": 0.01}},
+           "pipeline": {"schedule": "1f1b", "microbatches": TINY_M, "stages": stages},
+           "layout": {"batch": "data"}}
+    path = workdir / f"calibrate-overhead-{p}.yaml"
+    path.write_text(yaml.safe_dump(job, sort_keys=False))
+    return path
+
+
+def _tiny_run(cluster, p: int, echo) -> tuple[float, list, int]:
+    """Run the tiny p-stage job; (median step of the second half, every step time, microbatch size)."""
+    from orchestrator.driver.runner import run_job
+
+    with tempfile.TemporaryDirectory(prefix="meshpipe-calibrate-") as tmp:
+        checked = check_job(load_job(_tiny_job(cluster, Path(tmp), p)), cluster)
+        echo(f"timing the runtime: a tiny {p}-stage job, {TINY_M} microbatches, {TINY_STEPS} steps ...")
+        summary = run_job(checked, echo=lambda s: None)
+    times = summary["step_times_s"]
+    return statistics.median(times[TINY_STEPS // 2:]), times, checked.microbatch_size
+
+
+def _overhead(cluster, cross, echo) -> dict:
+    """Step 4: the per-action overhead (one stage), then the per-transfer overhead (two stages)."""
+    from orchestrator.core.schedule import generate, lower, simulate
+
+    measured1, times1, _ = _tiny_run(cluster, 1, echo)
+    low1 = lower(generate("1f1b", 1, TINY_M))
+    o = fit_overhead(lambda x: float(simulate(low1, {"F": x, "B": x, "OPT": x}).step_time), measured1, hi=10.0)
+    out = {"microbatches": TINY_M, "one_stage": {"step_times_s": times1, "measured_step_s": measured1},
+           "action_overhead_s": o, "transfer_overhead_s": None}
+    if cluster.hosts >= 2 and cross is not None:
+        measured2, times2, micro = _tiny_run(cluster, 2, echo)
+        low2 = lower(generate("1f1b", 2, TINY_M))
+        link = cross.latency_s + micro * 8 * 4 / cross.bandwidth      # the activation: micro × d_model float32
+
+        def step(e: float) -> float:
+            return float(simulate(low2, [{"F": o, "B": o, "OPT": o}] * 2, [link + e]).step_time)
+
+        e = fit_overhead(step, measured2, hi=10.0)
+        out["two_stage"] = {"step_times_s": times2, "measured_step_s": measured2, "simulated_at_fit_s": step(e)}
+        out["transfer_overhead_s"] = e
+    return out
+
+
+def calibrate(cluster_path: str, *, out: Optional[str] = None, force: bool = False,
+              echo: Callable[[str], None] = print) -> dict:
+    """Measure the cluster and write the calibrated YAML (module docstring); returns the report.
+
+    Raises:
+      ConfigError: the cluster YAML is invalid.
+      CalibrationError: the output path is refused or a figure could not be fitted.
+      PlacementError / TimeoutError / RuntimeError: Ray could not place or run the probes.
+    """
+    import ray
+
+    from orchestrator.driver import placement
+
+    raw = load_raw(cluster_path)
+    cluster = load_cluster(cluster_path)
+    dest = destination(cluster_path, out, force)
+    run = f"calibrate-{secrets.token_hex(3)}"
+    t0 = time.perf_counter()
+    load0 = os.getloadavg()
+    started = placement.connect(cluster, namespace=f"meshpipe-{run}")
+    try:
+        probe = _probes(cluster, echo, run)
+        fits = {cls: fit_alpha_beta([Sample(**s) for s in ss], what=f"links.{cls}")
+                for cls, ss in probe["samples"].items()}
+        cross = next((fits[c] for c in ("group", "dcn") if c in fits), None)
+        over = _overhead(cluster, cross, echo)
+    finally:
+        if started:
+            ray.shutdown()
+    dev = probe["device"]
+    new = calibrated_raw(raw, tflops=dev["flops_per_device"] / 1e12,
+                         memory_bandwidth_gbps=dev["bandwidth_per_device"] / 1e9,
+                         action_overhead_us=over["action_overhead_s"] * 1e6, links=fits,
+                         transfer_overhead_us=None if over["transfer_overhead_s"] is None
+                         else over["transfer_overhead_s"] * 1e6)
+    load1 = os.getloadavg()
+    header = (f"written by `meshpipe calibrate --cluster {cluster_path}` on {time.strftime('%Y-%m-%d %H:%M:%S %Z')}\n"
+              f"measured: device.* on host 0 ({dev['devices']} devices busy at once), links.{{{','.join(fits)}}} "
+              f"(α-β fits), device.*_overhead_us (tiny real runs)\n"
+              f"load average {load0[0]:.1f} -> {load1[0]:.1f}; figures measured under load are lower bounds of "
+              "what the cluster can do")
+    path = write_calibrated(new, cluster_path, dest, force=force, header=header)
+    report = {"written": str(path), "device": dev, "links": {c: {**f.link(), "samples": f.samples,
+                                                                   "max_rel_residual": f.max_rel_residual}
+                                                               for c, f in fits.items()},
+              "samples": probe["samples"], "pairs": probe["pairs"], "overhead": over,
+              "load_avg": [load0[0], load1[0]], "wall_s": time.perf_counter() - t0}
+    echo(f"device: {dev['flops_per_device'] / 1e9:.3g} GFLOP/s per device (one device alone "
+         f"{dev['single_device_flops'] / 1e9:.3g}), {dev['bandwidth_per_device'] / 1e9:.3g} GB/s")
+    for c, f in fits.items():
+        echo(f"links.{c}: {f.bandwidth / 1e9:.3g} GB/s, {f.latency_s * 1e6:.3g} µs "
+             f"({f.samples} samples, largest residual {f.max_rel_residual:.0%})")
+    echo(f"per-action overhead: {over['action_overhead_s'] * 1e6:.0f} µs (tiny 1-stage run: "
+         f"{over['one_stage']['measured_step_s'] * 1e3:.2f} ms per step)")
+    if over["transfer_overhead_s"] is not None:
+        echo(f"per-transfer overhead: {over['transfer_overhead_s'] * 1e6:.0f} µs (tiny 2-stage run: "
+             f"{over['two_stage']['measured_step_s'] * 1e3:.2f} ms per step)")
+    echo(f"wrote {path} (load average {load0[0]:.1f} -> {load1[0]:.1f})")
+    return report

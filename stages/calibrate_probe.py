@@ -1,0 +1,180 @@
+"""`meshpipe calibrate`'s probe actor: time one host's devices, its mesh's collectives, and sends.
+
+One `CalibrationProbe` runs per cluster host, in the same kind of process a stage
+actor runs in (the driver gives it the backend's environment: simulated device
+count, platform), so what it times is what the stage programs see.
+
+Basic flow (driven by `orchestrator.driver.calibrate`):
+  1. `device()` — jitted programs over ALL of the host's devices at once, sharded
+     the way a stage program is (one shard per device): a batched N×N matmul
+     (per-device FLOP/s = 2N³ / time) and an elementwise `x·a + b` over a large
+     array (per-device bytes/s = 2 × shard bytes / time); also a one-device matmul
+     and a tiny sharded program's dispatch time, for the record.
+  2. `collectives(sizes)` — all-reduce and all-gather over the host's devices at
+     each size (bytes per device, the convention of `planner.topology`), through
+     `shard_map`; the driver fits α-β to them (`planner.calibrate.fit_alpha_beta`).
+  3. `open_transport(...)` / `connect(...)` / `pingpong(...)` — meshpipe's own socket
+     transport (`stages.socket_transport`, the stage-to-stage path) between two probes,
+     one-device "stages" on each side; a tensor goes A → B and back, so one send is
+     half the round trip.
+Each timing is the median of a few repetitions after one warm-up (compile) run;
+receives wait at most `timeout` seconds. `close()` releases the transport.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+__all__ = ["CalibrationProbe"]
+
+
+def _median_time(fn, reps: int) -> float:
+    fn()                                   # compile / warm-up
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+class CalibrationProbe:
+    """One host's probe (see the module docstring). `host`: the cluster host index."""
+
+    def __init__(self, host: int):
+        self.host = host
+        self.transport = None
+
+    def info(self) -> dict:
+        import jax
+
+        return {"host": self.host, "pid": os.getpid(), "devices": len(jax.devices()),
+                "platform": jax.devices()[0].platform, "affinity": len(os.sched_getaffinity(0))}
+
+    def _mesh(self):
+        import jax
+        import numpy as np
+        from jax.sharding import Mesh
+
+        return Mesh(np.array(jax.devices()), ("d",))
+
+    def device(self, n: int = 384, elems: int = 1 << 22, reps: int = 5) -> dict:
+        """Per-device matmul FLOP/s and memory bandwidth, all devices busy at once (module doc)."""
+        import jax
+        import jax.numpy as jnp
+        from jax.sharding import NamedSharding, PartitionSpec as P
+
+        mesh = self._mesh()
+        k = mesh.devices.size
+        sh = NamedSharding(mesh, P("d"))
+        a = jax.device_put(jnp.ones((k, n, n), jnp.float32) * 0.5, sh)
+        b = jax.device_put(jnp.ones((k, n, n), jnp.float32) * 0.25, sh)
+        mm = jax.jit(lambda x, y: jnp.einsum("kij,kjl->kil", x, y), out_shardings=sh)
+        t_mm = _median_time(lambda: mm(a, b).block_until_ready(), reps)
+        x = jax.device_put(jnp.ones((k, elems), jnp.float32), sh)
+        ew = jax.jit(lambda v: v * 1.5 + 1.0, out_shardings=sh)
+        t_ew = _median_time(lambda: ew(x).block_until_ready(), reps)
+        d0 = jax.devices()[0]
+        a1, b1 = jax.device_put(a[0], d0), jax.device_put(b[0], d0)
+        mm1 = jax.jit(lambda x, y: x @ y)
+        t_one = _median_time(lambda: mm1(a1, b1).block_until_ready(), reps)
+        tiny = jax.device_put(jnp.ones((k, 8), jnp.float32), sh)
+        inc = jax.jit(lambda v: v + 1.0, out_shardings=sh)
+        t_tiny = _median_time(lambda: inc(tiny).block_until_ready(), max(reps, 20))
+        return {"devices": k, "matmul_n": n, "matmul_s": t_mm, "flops_per_device": 2 * n**3 / t_mm,
+                "single_device_flops": 2 * n**3 / t_one, "elementwise_bytes_per_device": 8 * elems,
+                "elementwise_s": t_ew, "bandwidth_per_device": 8 * elems / t_ew, "tiny_dispatch_s": t_tiny}
+
+    def collectives(self, sizes: list[int], reps: int = 5) -> list[dict]:
+        """[{kind, k, nbytes, seconds}] for all-reduce and all-gather over this host's devices."""
+        import jax
+        import jax.numpy as jnp
+        from jax.sharding import NamedSharding, PartitionSpec as P
+
+        mesh = self._mesh()
+        k = mesh.devices.size
+        if k < 2:
+            return []
+        sh = NamedSharding(mesh, P("d"))
+        smap = getattr(jax, "shard_map", None)
+        if smap is None:   # pragma: no cover - older jax
+            from jax.experimental.shard_map import shard_map as smap
+        ar = jax.jit(smap(lambda v: jax.lax.psum(v, "d"), mesh=mesh, in_specs=P("d"), out_specs=P("d")))
+        ag = jax.jit(smap(lambda v: jax.lax.all_gather(v, "d", tiled=True), mesh=mesh, in_specs=P("d"),
+                          out_specs=P("d")))
+        out = []
+        for nbytes in sizes:
+            per = max(k, nbytes // 4 // k * k)                 # float32 elements per device, divisible by k
+            x = jax.device_put(jnp.ones((k * per,), jnp.float32), sh)             # all-reduce: per per device
+            t = _median_time(lambda: ar(x).block_until_ready(), reps)
+            out.append({"kind": "all-reduce", "k": k, "nbytes": 4 * per, "seconds": t})
+            y = jax.device_put(jnp.ones((per,), jnp.float32), sh)                 # all-gather: result per
+            t = _median_time(lambda: ag(y).block_until_ready(), reps)
+            out.append({"kind": "all-gather", "k": k, "nbytes": 4 * per, "seconds": t})
+        return out
+
+    # -- sends over meshpipe's socket transport --------------------------------------------
+    def open_transport(self, stage: int, hosts: list[int], token: bytes, io_timeout: float):
+        """A socket transport for probe-stage `stage` of the probe-stages on `hosts`; its address."""
+        import jax
+        import numpy as np
+        from jax.sharding import Mesh
+
+        from orchestrator.core.edges import StageGeom
+        from stages.mailbox import Mailbox
+        from stages.socket_transport import SocketTransport
+
+        self.geoms = tuple(StageGeom.of({"data": 1}, [h], 1, {}) for h in hosts)
+        self.stage = stage
+        mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+        self.inbox = Mailbox(f"calibration probe host {self.host}")
+        self.transport = SocketTransport(me=hosts[stage], geom=self.geoms[stage], mesh=mesh, inbox=self.inbox,
+                                         peers=lambda s: [], token=token, stage=stage, geoms=self.geoms,
+                                         io_timeout=io_timeout)
+        return self.transport.address
+
+    def connect(self, addresses: list[list]) -> None:
+        self.transport.connect(addresses)
+
+    def pingpong(self, peer: int, first: bool, sizes: list[int], reps: int, timeout: float) -> list[dict]:
+        """Bounce a float32 tensor of each size with probe-stage `peer`; `first` sends first.
+
+        Returns [{kind: "send", k: 2, nbytes, seconds}] (seconds: half the median round
+        trip) on the first side, [] on the other.
+        """
+        import jax
+        import numpy as np
+
+        from stages.transport import Edge
+
+        out = []
+        d0 = jax.devices()[0]
+        for nbytes in sizes:
+            n = max(1, nbytes // 4)
+            to_peer = Edge(peer, self.geoms[peer], (None,))
+            from_peer = Edge(peer, self.geoms[peer], (None,))
+            self.transport.expect(from_peer, (n,), np.float32)
+            x = jax.device_put(np.ones((n,), np.float32), d0)
+            rounds = []
+            for r in range(reps + 1):                        # round 0 warms the connection up
+                key = ("cal", int(nbytes), r)
+                t0 = time.perf_counter()
+                if first:
+                    self.transport.send((*key, "a"), x, to_peer)
+                    self.transport.recv_operand((*key, "b"), (n,), np.float32, None, from_peer, timeout)
+                else:
+                    got = self.transport.recv_operand((*key, "a"), (n,), np.float32, None, from_peer, timeout)
+                    self.transport.send((*key, "b"), jax.device_put(got, d0), to_peer)
+                if r:
+                    rounds.append(time.perf_counter() - t0)
+            if first:
+                out.append({"kind": "send", "k": 2, "nbytes": 4 * n, "seconds": statistics.median(rounds) / 2})
+        self.transport.flush(timeout)
+        return out
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.inbox.close("calibration done")
+            self.transport.close()
+            self.transport = None

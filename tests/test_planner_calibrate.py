@@ -1,0 +1,297 @@
+"""`meshpipe calibrate`: pure tests of the α-β and overhead fits, the YAML it writes, and the
+cost model's per-action overhead term; one real-Ray run of the command (slow)."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from orchestrator.core.config import ConfigError, load_cluster, parse_cluster
+from orchestrator.core.planner.calibrate import (CalibrationError, Fit, Sample, calibrated_raw, default_out,
+                                                 destination, fit_alpha_beta, fit_overhead, write_calibrated)
+from orchestrator.core.planner.search import SearchOptions, search
+from orchestrator.core.planner.topology import LinkClass, Topology, collective_time, from_cluster
+from orchestrator.core.schedule import generate, lower, simulate
+from tests.planner_fakes import FakeProfiles, fake_model
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# -- the α-β fit --------------------------------------------------------------------------
+def _ring(kind, k, n, alpha, beta):
+    """What the cost model charges (topology.collective_time), the fit's forward model."""
+    if kind == "send":
+        return LinkClass("x", alpha, beta).time(n)
+    return collective_time(kind, n, k, LinkClass("x", alpha, beta))
+
+
+def test_fit_recovers_alpha_beta_of_the_cost_models_own_formulas():
+    alpha, beta = 25e-6, 3.5e9
+    samples = [Sample(kind, 4, n, _ring(kind, 4, n, alpha, beta))
+               for kind in ("all-reduce", "all-gather") for n in (1 << 12, 1 << 16, 1 << 20, 1 << 23)]
+    f = fit_alpha_beta(samples)
+    assert f.latency_s == pytest.approx(alpha, rel=1e-6) and f.bandwidth == pytest.approx(beta, rel=1e-6)
+    assert f.samples == 8 and f.max_rel_residual < 1e-9
+    # the fitted link charges back what was measured
+    for s in samples:
+        assert _ring(s.kind, s.k, s.nbytes, f.latency_s, f.bandwidth) == pytest.approx(s.seconds, rel=1e-6)
+    sends = [Sample("send", 2, n, _ring("send", 2, n, alpha, beta)) for n in (4096, 1 << 20)]
+    g = fit_alpha_beta(sends)
+    assert g.latency_s == pytest.approx(alpha, rel=1e-6) and g.bandwidth == pytest.approx(beta, rel=1e-6)
+
+
+def test_fit_with_noise_stays_close_and_negative_latency_is_clamped():
+    rng = np.random.default_rng(0)
+    alpha, beta = 50e-6, 2e9
+    noisy = [Sample("send", 2, n, _ring("send", 2, n, alpha, beta) * (1 + 0.05 * rng.standard_normal()))
+             for n in np.geomspace(1e3, 1e8, 12) for _ in range(3)]
+    f = fit_alpha_beta(noisy)
+    assert f.bandwidth == pytest.approx(beta, rel=0.1)
+    # a pure-bandwidth link whose small sizes came out fast: least squares says α < 0
+    fast = [Sample("send", 2, 1e3, 1e-7), Sample("send", 2, 1e6, 1e-3), Sample("send", 2, 2e6, 2.2e-3)]
+    c = fit_alpha_beta(fast)
+    assert c.latency_s == 0.0 and c.bandwidth > 0
+    assert c.bandwidth == pytest.approx(sum(s.nbytes ** 2 for s in fast) / sum(s.nbytes * s.seconds for s in fast))
+
+
+@pytest.mark.parametrize("samples, words", [
+    ([Sample("send", 2, 100, 1e-5)] * 3, "two or more sizes"),
+    ([Sample("send", 2, 100, 1e-5), Sample("send", 2, 1000, 0.0)], "finite and positive"),
+    ([Sample("send", 2, 100, 1e-5), Sample("send", 2, 1000, float("nan"))], "finite and positive"),
+    ([Sample("all-reduce", 1, 100, 1e-5), Sample("all-reduce", 1, 1000, 1e-5)], "k ≥ 2"),
+    ([Sample("send", 2, 100, 2e-3), Sample("send", 2, 1e6, 1e-3)], "does not grow with the size"),
+    ([Sample("broadcast", 2, 100, 1e-5), Sample("broadcast", 2, 1e6, 1e-3)], "unknown sample kind"),
+])
+def test_fit_refuses_what_it_cannot_fit(samples, words):
+    with pytest.raises(CalibrationError, match=words):
+        fit_alpha_beta(samples, what="links.dcn")
+
+
+# -- the per-action overhead ---------------------------------------------------------------
+def test_overhead_fit_inverts_the_schedule_simulator():
+    low = lower(generate("1f1b", 2, 4))
+    edge = [40e-6]
+
+    def step(o):
+        return simulate(low, [{"F": 1e-5 + o, "B": 2e-5 + o, "OPT": o}] * 2, edge).step_time
+
+    for o_true in (0.0, 3e-4, 4e-3):
+        o = fit_overhead(step, step(o_true), hi=1.0)
+        assert o == pytest.approx(o_true, abs=1e-6)
+    assert fit_overhead(step, step(0.0) * 0.5) == 0.0             # faster than compute alone: no overhead
+    with pytest.raises(CalibrationError, match="too loaded"):
+        fit_overhead(step, 100.0, hi=1.0)
+    with pytest.raises(CalibrationError, match="finite positive"):
+        fit_overhead(step, float("inf"))
+
+
+def test_cost_model_adds_the_overhead_to_each_action_of_each_stage():
+    costs = [1e6] * 4
+    model = fake_model(costs)
+    t0 = Topology(2, 2, 1, {c: LinkClass(c, 1e-5, 1e10) for c in ("host", "group", "dcn")}, 1e9, 1e9, 1e12)
+    o = 2.5e-3
+    t1 = dataclasses.replace(t0, action_overhead_s=o)
+    # one stage on one host: step = m·(F + B) + OPT, so the overhead adds exactly (2m + 1)·o
+    opts = SearchOptions(microbatches=(4,), schedules=("1f1b",), top=0, max_model=1)
+    one = Topology(1, 2, 1, t0.links, 1e9, 1e9, 1e12)
+    a = search(model, one, 16, profile=FakeProfiles(model, costs), options=opts).best
+    b = search(model, dataclasses.replace(one, action_overhead_s=o), 16, profile=FakeProfiles(model, costs),
+               options=opts).best
+    assert a.key() == b.key()
+    assert b.step_s - a.step_s == pytest.approx((2 * 4 + 1) * o, rel=1e-9)
+    assert b.stages[0].overhead_s == o and b.stages[0].fwd_s == pytest.approx(a.stages[0].fwd_s + o)
+    # two stages: the replayed step is the simulator's with every F/B/OPT costing o more
+    opts2 = SearchOptions(microbatches=(4,), schedules=("1f1b",), top=0, max_model=1)
+    r = search(model, t1, 16, profile=FakeProfiles(model, costs), options=opts2)
+    for c in r.ranked:
+        low = lower(generate(c.schedule, len(c.stages), c.microbatches))
+        sim = simulate(low, [{"F": s.fwd_s, "B": s.bwd_s, "OPT": s.opt_s} for s in c.stages],
+                       [e["time_s"] for e in c.edges] or 0.0)
+        assert c.step_s == pytest.approx(sim.step_time)
+        assert all(s.overhead_s == o for s in c.stages)
+    # a large per-action overhead favours fewer microbatches; a large per-transfer one, one stage
+    many = SearchOptions(microbatches=(2, 8), schedules=("1f1b",), top=0, max_model=1)
+    assert search(model, dataclasses.replace(t0, action_overhead_s=1.0), 16, profile=FakeProfiles(model, costs),
+                  options=many).best.microbatches == 2
+    e = 0.5
+    tr = search(model, dataclasses.replace(t0, transfer_overhead_s=e), 16, profile=FakeProfiles(model, costs),
+                options=opts2)
+    assert len(tr.best.stages) == 1
+    for c in tr.ranked:
+        for edge in c.edges:
+            assert edge["time_s"] == pytest.approx(t0.links[edge["link"]].time(edge["bytes"]) + e)
+
+
+def test_action_overhead_key_is_validated_and_read():
+    c = parse_cluster({"hosts": 1, "devices_per_host": 1, "device": {"action_overhead_us": 250}})
+    assert from_cluster(c).action_overhead_s == pytest.approx(250e-6)
+    assert from_cluster(parse_cluster({"hosts": 1, "devices_per_host": 1})).action_overhead_s == 0.0
+    assert any("action_overhead_us" in n for n in from_cluster(parse_cluster({"hosts": 1, "devices_per_host": 1})).notes)
+    c2 = parse_cluster({"hosts": 1, "devices_per_host": 1, "device": {"transfer_overhead_us": 40}})
+    assert from_cluster(c2).transfer_overhead_s == pytest.approx(40e-6)
+    assert from_cluster(c2).edge_time("dcn", 1000) == pytest.approx(from_cluster(c2).links["dcn"].time(1000) + 40e-6)
+    for key in ("action_overhead_us", "transfer_overhead_us"):
+        for bad in (-1, "250", float("nan")):
+            with pytest.raises(ConfigError, match=f"device.{key}"):
+                parse_cluster({"hosts": 1, "devices_per_host": 1, "device": {key: bad}})
+
+
+# -- the YAML written ----------------------------------------------------------------------
+FITS = {"host": Fit(30e-6, 8e9, 8, 0.1), "dcn": Fit(250e-6, 1.5e9, 4, 0.2)}
+
+
+def _user_cluster(tmp_path) -> Path:
+    p = tmp_path / "c.yaml"
+    p.write_text("# my cluster\nhosts: 4\ndevices_per_host: 2\ncpus_per_host: 0.5\n"
+                 "device: {memory_gb: 3}\nlinks: {hosts_per_group: 2, group: {bandwidth_gbps: 7, latency_us: 9}}\n")
+    return p
+
+
+def test_written_cluster_round_trips_through_the_parser_and_keeps_the_users_keys(tmp_path):
+    src = _user_cluster(tmp_path)
+    before = src.read_text()
+    raw = yaml.safe_load(before)
+    new = calibrated_raw(raw, tflops=0.075, memory_bandwidth_gbps=15.5, action_overhead_us=812.5, links=FITS,
+                         transfer_overhead_us=1200.0)
+    path = write_calibrated(new, src, header="written by a test\nsecond line")
+    assert path == default_out(src) == tmp_path / "c.calibrated.yaml"
+    assert src.read_text() == before                                   # the input is untouched
+    text = path.read_text()
+    assert text.startswith("# written by a test\n# second line\n")
+    assert yaml.safe_load(text) == new
+    cl = load_cluster(path)
+    assert (cl.hosts, cl.devices_per_host, cl.cpus_per_host) == (4, 2, 0.5)
+    assert cl.device.memory_gb == 3 and cl.device.tflops == 0.075 and cl.device.memory_bandwidth_gbps == 15.5
+    assert cl.device.action_overhead_us == 812.5 and cl.device.transfer_overhead_us == 1200.0
+    assert cl.links.hosts_per_group == 2
+    assert (cl.links.group.bandwidth_gbps, cl.links.group.latency_us) == (7, 9)          # not measured: kept
+    assert (cl.links.host.bandwidth_gbps, cl.links.host.latency_us) == (8.0, 30.0)
+    assert (cl.links.dcn.bandwidth_gbps, cl.links.dcn.latency_us) == (1.5, 250.0)
+    topo = from_cluster(cl)
+    assert topo.links["dcn"].bandwidth == pytest.approx(1.5e9) and topo.links["host"].latency_s == pytest.approx(30e-6)
+    assert topo.flops == pytest.approx(0.075e12) and topo.action_overhead_s == pytest.approx(812.5e-6)
+    assert topo.transfer_overhead_s == pytest.approx(1200e-6)
+    assert not [n for n in topo.notes if n.startswith(("links.host", "links.dcn", "device.tflops", "device.action"))]
+
+
+def test_writer_refuses_the_input_file_and_existing_files(tmp_path):
+    src = _user_cluster(tmp_path)
+    before = src.read_text()
+    new = calibrated_raw(yaml.safe_load(before), tflops=1.0, memory_bandwidth_gbps=1.0, action_overhead_us=1.0,
+                         links={})
+    for out in (src, tmp_path / "." / "c.yaml"):
+        for force in (False, True):
+            with pytest.raises(CalibrationError, match="never replaces the YAML it read"):
+                write_calibrated(new, src, out, force=force)
+    link = tmp_path / "alias.yaml"
+    link.symlink_to(src)
+    with pytest.raises(CalibrationError, match="never replaces"):
+        write_calibrated(new, src, link, force=True)
+    assert src.read_text() == before
+    other = tmp_path / "other.yaml"
+    other.write_text("keep me\n")
+    with pytest.raises(CalibrationError, match="exists.*--force"):
+        destination(src, other)
+    with pytest.raises(CalibrationError, match="exists"):
+        write_calibrated(new, src, other)
+    assert other.read_text() == "keep me\n"
+    assert write_calibrated(new, src, other, force=True) == other and load_cluster(other).device.tflops == 1.0
+    with pytest.raises(CalibrationError, match="directory"):
+        destination(src, tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["alias.yaml", "c.yaml", "other.yaml"]   # no temp left
+
+
+def test_writer_refuses_figures_the_schema_would_refuse(tmp_path):
+    src = _user_cluster(tmp_path)
+    raw = yaml.safe_load(src.read_text())
+    for kw in ({"tflops": float("nan")}, {"memory_bandwidth_gbps": 0.0}, {"action_overhead_us": -1.0},
+               {"transfer_overhead_us": float("inf")}):
+        args = {"tflops": 1.0, "memory_bandwidth_gbps": 1.0, "action_overhead_us": 1.0, **kw}
+        with pytest.raises(CalibrationError, match=next(iter(kw))):
+            calibrated_raw(raw, links={}, **args)
+    with pytest.raises(CalibrationError, match="unknown link class"):
+        calibrated_raw(raw, tflops=1.0, memory_bandwidth_gbps=1.0, action_overhead_us=1.0, links={"nvlink": FITS["host"]})
+    broken = {**raw, "hosts": 0}                     # what the parser refuses is not written
+    with pytest.raises(ConfigError, match="hosts"):
+        write_calibrated(broken, src, tmp_path / "x.yaml")
+    assert not (tmp_path / "x.yaml").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["c.yaml"]
+
+
+# -- the real thing ------------------------------------------------------------------------
+def _direct_matmul_flops(n=384, reps=5) -> float:
+    """One-device N×N float32 matmul FLOP/s, timed in a fresh process (the test's own jax untouched)."""
+    code = ("import time, statistics, jax, jax.numpy as jnp\n"
+            f"n={n}\n"
+            "a=jnp.ones((n,n),jnp.float32)*0.5; b=jnp.ones((n,n),jnp.float32)*0.25\n"
+            "f=jax.jit(lambda x,y:x@y); f(a,b).block_until_ready(); ts=[]\n"
+            f"for _ in range({reps}):\n"
+            "    t=time.perf_counter(); f(a,b).block_until_ready(); ts.append(time.perf_counter()-t)\n"
+            "print(2*n**3/statistics.median(ts))\n")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr
+    return float(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_meshpipe_calibrate_on_the_local_cluster(tmp_path):
+    src = tmp_path / "c.yaml"
+    src.write_text("hosts: 2\ndevices_per_host: 2\ncpus_per_host: 0.5\ndevice: {memory_gb: 2}\n")
+    before = src.read_text()
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "orchestrator.driver.cli", "calibrate", "--cluster", str(src), "--json"],
+                       capture_output=True, text=True, timeout=600, cwd=ROOT,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    wall = time.monotonic() - t0
+    assert r.returncode == 0, r.stderr[-3000:]
+    rep = json.loads(r.stdout)
+    out = tmp_path / "c.calibrated.yaml"
+    assert rep["written"] == str(out) and src.read_text() == before
+    cl = load_cluster(out)
+    assert cl.device.memory_gb == 2
+    figures = [cl.device.tflops, cl.device.memory_bandwidth_gbps, cl.device.action_overhead_us]
+    for lc in (cl.links.host, cl.links.dcn):
+        figures += [lc.bandwidth_gbps]
+        assert np.isfinite(lc.latency_us) and lc.latency_us >= 0
+    assert all(np.isfinite(x) and x > 0 for x in figures), figures
+    assert cl.links.group is None            # hosts_per_group 1: no pair of hosts spans `group`
+    assert {s["kind"] for s in rep["samples"]["host"]} == {"all-reduce", "all-gather"}
+    assert {s["kind"] for s in rep["samples"]["dcn"]} == {"send"}
+    # the devices' matmul FLOP/s is what a direct timing sees, within a sane factor (two devices
+    # share the process's threads in the probe; the machine is shared)
+    direct = _direct_matmul_flops()
+    ratio = cl.device.tflops * 1e12 / direct
+    assert 1 / 20 < ratio < 5, (cl.device.tflops, direct)
+    # the overheads reproduce the tiny runs they were fitted to
+    ov = rep["overhead"]
+    assert cl.device.action_overhead_us == pytest.approx(ov["action_overhead_s"] * 1e6, rel=1e-5)
+    assert (2 * 4 + 1) * ov["action_overhead_s"] == pytest.approx(ov["one_stage"]["measured_step_s"], rel=1e-3)
+    assert cl.device.transfer_overhead_us is not None and cl.device.transfer_overhead_us >= 0
+    if cl.device.transfer_overhead_us > 0:
+        assert ov["two_stage"]["simulated_at_fit_s"] == pytest.approx(ov["two_stage"]["measured_step_s"], rel=1e-3)
+    # running it again without --force refuses to replace the written file (exit 2, before Ray)
+    r2 = subprocess.run([sys.executable, "-m", "orchestrator.driver.cli", "calibrate", "--cluster", str(src)],
+                        capture_output=True, text=True, timeout=120, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r2.returncode == 2 and "exists" in r2.stderr and "--force" in r2.stderr
+    print(f"calibrate wall {wall:.1f} s, load {os.getloadavg()[0]:.1f}, flops ratio {ratio:.2f}")
+
+
+def test_measured_table_reports_the_median_relative_error():
+    from orchestrator.driver.autoplan import measured_table, median_abs_error
+
+    rows = [{"candidate": i, "predicted_s": p, "measured_s": m, "error": (p - m) / m}
+            for i, (p, m) in enumerate([(1.0, 1.25), (2.0, 1.6), (3.0, 3.0)])]
+    assert median_abs_error(rows) == pytest.approx(0.2)
+    text = measured_table(rows)
+    assert "median |error| 20.0% over 3 candidate(s)" in text and "-20.0%" in text and "25.0%" in text
+    assert np.isnan(median_abs_error([]))
