@@ -42,6 +42,7 @@ import numpy as np
 from stages.actions import EVAL_HANDLERS, StepState, handler_for, program_of
 from stages.data import HostLoader, rows_array, rows_of
 from stages.mailbox import Mailbox, MailboxClosed
+from orchestrator.core.recovery import STEP_NOTE
 from orchestrator.core.model.spec import ModelSpec, param_name
 
 
@@ -334,9 +335,15 @@ class StageWorker:
             self._fail(step, e)
             raise
 
+    def heartbeat(self) -> dict:
+        """Called in the "io" group: answers while a step runs or waits; a stopped process does not
+        (how the driver tells the hung actor from the ones waiting on it)."""
+        return {"pid": os.getpid(), "time": time.time()}
+
     def abort_step(self, reason: str) -> None:
         """A peer's step failed: whatever this actor waits for from it fails now, not at its deadline.
-        (Runs in the "io" group, beside the step.) No recovery inside a step: the run is over."""
+        (Runs in the "io" group, beside the step.) No recovery inside a step: the driver tears the
+        job down (and with `failure.max_restarts` starts it again from the last checkpoint)."""
         self.inbox.close(reason)
 
     def _fail(self, step: int, error: Exception) -> None:
@@ -345,6 +352,7 @@ class StageWorker:
         if self.inbox.closed:
             return         # aborted by a peer (or the transport closed), or failed before: no echo
         reason = f"{self.cfg.who} failed in step {step}: {type(error).__name__}: {str(error)[:300]}"
+        error.add_note(STEP_NOTE + reason)   # the driver reads the step from it (orchestrator.core.recovery.origin)
         self.inbox.close(reason)
         for s, row in enumerate(self.actors):
             for h, actor in enumerate(row):

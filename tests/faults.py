@@ -37,3 +37,78 @@ class FailStep(WorkerHook):
     def on_step(self, cfg, step: int) -> None:
         if (cfg.stage, cfg.host, step) == (self.stage, self.host, self.step):
             raise RuntimeError(f"{cfg.who}: injected step failure at step {step}")
+
+
+@dataclass(frozen=True)
+class FailStepOnce(WorkerHook):
+    """(stage, host) raises at the start of `step` the first time any attempt gets there (the file
+    `flag` records that it did): a failure a restart gets past."""
+
+    stage: int
+    host: int
+    step: int
+    flag: str
+
+    def on_step(self, cfg, step: int) -> None:
+        import os
+
+        if (cfg.stage, cfg.host, step) == (self.stage, self.host, self.step):
+            try:
+                os.close(os.open(self.flag, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+            except FileExistsError:
+                return
+            raise RuntimeError(f"{cfg.who}: injected one-time failure at step {step}")
+
+
+@dataclass(frozen=True)
+class HoldAt(WorkerHook):
+    """(stage, host) stops at the start of `step` — once `wait_for` exists (e.g. a commit marker;
+    bounded by `timeout_s`) it creates `reached` and sleeps up to `timeout_s`, for a test to kill
+    or stop it there. Only the first attempt holds: once `reached` exists, the hook does nothing."""
+
+    stage: int
+    host: int
+    step: int
+    wait_for: str
+    reached: str
+    timeout_s: float = 120.0
+
+    def on_step(self, cfg, step: int) -> None:
+        import os
+        import time
+
+        if (cfg.stage, cfg.host, step) != (self.stage, self.host, self.step) or os.path.exists(self.reached):
+            return
+        deadline = time.monotonic() + self.timeout_s
+        while not os.path.exists(self.wait_for) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        with open(self.reached, "w") as f:
+            f.write(str(os.getpid()))
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
+@dataclass(frozen=True)
+class HoldSetup(WorkerHook):
+    """(stage, host) stops at the start of `setup` once `armed` exists (e.g. another hold's
+    `reached`: a later attempt), creates `reached` and sleeps up to `timeout_s` — for a test to
+    kill it while the run recovers. Only one attempt holds: once `reached` exists, nothing."""
+
+    stage: int
+    host: int
+    armed: str
+    reached: str
+    timeout_s: float = 120.0
+
+    def on_setup(self, cfg) -> None:
+        import os
+        import time
+
+        if ((cfg.stage, cfg.host) != (self.stage, self.host) or not os.path.exists(self.armed)
+                or os.path.exists(self.reached)):
+            return
+        with open(self.reached, "w") as f:
+            f.write(str(os.getpid()))
+        deadline = time.monotonic() + self.timeout_s
+        while time.monotonic() < deadline:
+            time.sleep(0.05)

@@ -127,6 +127,24 @@ def main(verbose):
         quiet()
 
 
+def resume_command(job: str, cluster: str | None, overrides: tuple[str, ...], address: str | None) -> str:
+    """This `meshpipe run`'s own arguments with `--resume`: the command that continues it.
+
+    >>> resume_command("job.yaml", None, ("run.steps=8",), None)
+    'meshpipe run job.yaml --set run.steps=8 --resume'
+    """
+    import shlex
+
+    words = ["meshpipe", "run", job]
+    if cluster:
+        words += ["--cluster", cluster]
+    for o in overrides:
+        words += ["--set", o]
+    if address:
+        words += ["--address", address]
+    return shlex.join(words + ["--resume"])
+
+
 @main.command()
 @job_arg
 @cluster_opt
@@ -171,7 +189,7 @@ def run(job, cluster, overrides, reference, address, overwrite, resume):
     with stop_on_signals() as stop:
         try:
             run_job(checked, reference=reference, echo=lambda s: click.echo(s), tty=sys.stdout.isatty(),
-                    resume=resume)
+                    resume=resume, resume_command=resume_command(job, cluster, overrides, address))
         except CheckpointError as e:     # raised before anything started
             click.echo(f"meshpipe: checkpoint: {e}", err=True)
             sys.exit(2)

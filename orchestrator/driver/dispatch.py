@@ -30,7 +30,7 @@ import sys
 import time
 from collections import deque
 
-from orchestrator.driver.waiting import stage_failure, wait_all
+from orchestrator.driver.waiting import ProgressTimeout, stage_failure, wait_all
 
 KINDS = ("step_calls", "compiled_graph", "action_calls")
 
@@ -54,6 +54,11 @@ class _Batched:
 
     def __init__(self, labels: list[str], step_s: float, per_call: int):
         self.labels, self.step_s, self.per_call = labels, step_s, per_call
+
+    def call_s(self, n: int) -> float:
+        """The deadline of a call of n steps; the executor swaps in the measured one
+        (`orchestrator.core.recovery.ProgressDeadline.call_s`) once steps were measured."""
+        return self.step_s * n
 
     def _submit(self, first: int, n: int):
         raise NotImplementedError
@@ -104,7 +109,7 @@ class StepCalls(_Batched):
         return [a.run_steps.remote(first, n) for a in self.actors]
 
     def _collect(self, first, n, refs):
-        return wait_all(refs, self.step_s * n, f"steps {first}-{first + n - 1}", self.labels)
+        return wait_all(refs, self.call_s(n), f"steps {first}-{first + n - 1}", self.labels)
 
 
 class CompiledGraph(_Batched):
@@ -139,10 +144,10 @@ class CompiledGraph(_Batched):
 
         threading.Thread(target=read, name="meshpipe compiled-graph read", daemon=True).start()
         try:   # _read has the call's deadline; this one only guards against a reader that never returns
-            ok, value = box.get(timeout=self.step_s * n + 60.0)
+            ok, value = box.get(timeout=self.call_s(n) + 60.0)
         except queue.Empty:
             raise TimeoutError(f"steps {first}-{first + n - 1}: the compiled graph's reader did not return "
-                               f"within {self.step_s * n + 60.0:.0f} s") from None
+                               f"within {self.call_s(n) + 60.0:.0f} s") from None
         if not ok:
             raise value
         return value
@@ -150,14 +155,14 @@ class CompiledGraph(_Batched):
     def _read(self, first, n, refs) -> list:
         from ray.exceptions import RayChannelTimeoutError
 
-        deadline = time.monotonic() + self.step_s * n
+        deadline = time.monotonic() + self.call_s(n)
         outs = []
         for ref, label in zip(refs, self.labels):
             try:   # a ref may be read once; each waits what is left of the call's deadline
                 outs.append(ref.get(timeout=max(0.001, deadline - time.monotonic())))
             except RayChannelTimeoutError as e:
-                raise TimeoutError(f"steps {first}-{first + n - 1}: no answer within "
-                                   f"{self.step_s * n:.0f} s from {label}") from e
+                raise ProgressTimeout(f"steps {first}-{first + n - 1}: no answer within "
+                                      f"{self.call_s(n):.0f} s from {label}", [label]) from e
             except Exception as e:  # noqa: BLE001 - re-raised with the stage named
                 raise stage_failure(f"steps {first}-{first + n - 1}", label, e) from e
         return outs
@@ -181,20 +186,24 @@ class ActionCalls:
     def __init__(self, actors, labels, step_s: float, action_counts: list[int]):
         self.actors, self.labels, self.step_s, self.counts = actors, labels, step_s, action_counts
 
+    def call_s(self, n: int) -> float:
+        return self.step_s * n
+
     def steps(self, count: int, start: int = 0):
         import ray
 
         last = time.perf_counter()
         for i in range(start, start + count):
-            deadline = time.monotonic() + self.step_s
+            deadline = time.monotonic() + self.call_s(1)
             nxt = [0] * len(self.actors)
             outs: list = [None] * len(self.actors)
             pending = {self.actors[j].run_action.remote(i, 0): j for j in range(len(self.actors))}
             while pending:
                 ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
                 if not ready:
-                    stuck = ", ".join(self.labels[j] for j in pending.values())
-                    raise TimeoutError(f"step {i}: no answer within {self.step_s:.0f} s from {stuck}")
+                    stuck = [self.labels[j] for j in pending.values()]
+                    raise ProgressTimeout(f"step {i}: no answer within {self.call_s(1):.0f} s from "
+                                          f"{', '.join(stuck)}", stuck)
                 j = pending.pop(ready[0])
                 out = wait_all(ready, 1.0, f"step {i} action {nxt[j]}", [self.labels[j]])[0]
                 nxt[j] += 1

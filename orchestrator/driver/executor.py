@@ -13,8 +13,14 @@ Basic flow:
             reference), waits with a
             deadline, and collects losses and spans. It makes no scheduling
             decisions and never touches a tensor.
-  shutdown(): bounded `shutdown` call, then kill every actor and remove the
-            placement group — also after errors and Ctrl-C.
+  shutdown(): every actor told to abort its step at once (the "io" group: a
+            survivor blocked in a RECV on a dead peer returns now, not at its
+            deadline), a bounded `shutdown` call, then kill every actor and remove
+            the placement group — also after errors and Ctrl-C.
+The progress deadline (`orchestrator.core.recovery.ProgressDeadline`, shared by the
+recovery loop's attempts) bounds each call: `timeouts.step_s` until steps were measured,
+then max(30 s, 3 × n × the median step time) for a call of n steps, never above n × step_s;
+an attempt's first step (compilation) is not measured.
 """
 from __future__ import annotations
 
@@ -42,7 +48,7 @@ class StepResult:
 
 class PipelineExecutor:
     def __init__(self, checked, lowered, data_source, run: str, eval_schedule=None,
-                 hooks: Sequence[WorkerHook] = (), checkpoint: dict | None = None):
+                 hooks: Sequence[WorkerHook] = (), checkpoint: dict | None = None, deadline=None):
         self.checked, self.lowered, self.data, self.run = checked, lowered, data_source, run
         self.eval_schedule = eval_schedule
         self.hooks = tuple(hooks)       # stages.hooks.WorkerHook objects, passed to every actor
@@ -50,6 +56,9 @@ class PipelineExecutor:
         t = checked.cluster.timeouts
         self.timeouts = {"init_s": t.init_s, "step_s": t.step_s, "shutdown_s": t.shutdown_s,
                          "jax_distributed_init_s": t.jax_distributed_init_s}
+        from orchestrator.core.recovery import ProgressDeadline
+
+        self.deadline = deadline if deadline is not None else ProgressDeadline(t.step_s)
         self.pg = None
         self.actors: list[list] = []     # [stage][host]
         self.labels: list[list[str]] = []
@@ -125,6 +134,25 @@ class PipelineExecutor:
             refs = [a.connect.remote(self.actors, addresses) for row in self.actors for a in row]
         wait_all(refs, self.timeouts["init_s"], "connecting stages", labels)
 
+    def unresponsive(self, labels: list[str], timeout: float = 5.0) -> list[str]:
+        """Of these actors, those whose "io" group does not answer a heartbeat within `timeout`
+        (a stopped process; an actor waiting on a peer answers)."""
+        import ray
+
+        by_label = {lbl: a for row, names in zip(self.actors, self.labels) for a, lbl in zip(row, names)}
+        refs = {by_label[lbl].heartbeat.options(concurrency_group="io").remote(): lbl
+                for lbl in labels if lbl in by_label}
+        answered = set()
+        if refs:
+            ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout)
+            for r in ready:
+                try:
+                    ray.get(r, timeout=1.0)
+                    answered.add(refs[r])
+                except Exception:  # noqa: BLE001 - dead counts as not answering
+                    pass
+        return [lbl for lbl in labels if lbl not in answered]
+
     def abort(self, reason: str) -> None:
         """Tell every actor to abandon its step now (fire and forget; `abort_step` runs beside it)."""
         for a in (a for row in self.actors for a in row):
@@ -133,17 +161,26 @@ class PipelineExecutor:
             except Exception:  # noqa: BLE001 - best effort; shutdown kills them anyway
                 pass
 
-    def shutdown(self) -> None:
+    def shutdown(self, unresponsive: Sequence[str] = ()) -> None:
+        """Tear everything down (bounded); `unresponsive`: labels of actors killed first, without
+        waiting for them (a hung process would hold the bounded `shutdown` wait to its end)."""
         import ray
         from ray.util.placement_group import remove_placement_group
 
-        flat = [a for row in self.actors for a in row]
+        for row, names in zip(self.actors, self.labels):
+            for a, lbl in zip(row, names):
+                if lbl in unresponsive:
+                    ray.kill(a, no_restart=True)
+        flat = [a for row, names in zip(self.actors, self.labels) for a, lbl in zip(row, names)
+                if lbl not in unresponsive]
         dispatcher, self.dispatcher = self.dispatcher, None
         if dispatcher is not None:
             try:   # a compiled graph is torn down before its actors die
                 dispatcher.close(self.timeouts["shutdown_s"])
             except Exception:  # noqa: BLE001 - best effort; the kill below is what counts
                 pass
+        # before `shutdown`, which queues behind a step that waits on a dead peer
+        self.abort("the driver is shutting the run down")
         if flat:
             try:
                 ray.wait([a.shutdown.remote() for a in flat], num_returns=len(flat),
@@ -167,9 +204,10 @@ class PipelineExecutor:
         labels = [lbl for names in self.labels for lbl in names]
         counts = [len(self.lowered.actions[s]) - self.lowered.actions[s].count(None)
                   for s, row in enumerate(self.actors) for _ in row]
-        if self.dispatcher is None:
+        if self.dispatcher is None:    # an attempt's first call compiles: the configured deadline
             self.dispatcher = dispatch.make(self.kind, flat, labels, counts, self.timeouts["step_s"],
                                             self.checked.cluster.calls_of_steps)
+        measured = False
         self.dispatch_info = {"dispatcher": type(self.dispatcher).__name__,
                               "steps_per_call": getattr(self.dispatcher, "per_call", 1)}
         for i, outs, wall in self.dispatcher.steps(count, start):
@@ -178,8 +216,24 @@ class PipelineExecutor:
             stats = [{"stage": o["stage"], "host": o["host"], **o.get("stats", {})} for o in outs]
             ev = next((o["eval_losses"] for o in outs if "eval_losses" in o), None)
             saved = [rec for o in outs for rec in o.get("checkpoints", ())]
+            if measured:
+                self.deadline.observe(wall)
+                self.dispatcher.call_s = self.deadline.call_s
+            measured = True
             yield StepResult(step=i, loss=sum(losses) / len(losses), wall_s=wall, spans=spans, stats=stats,
                              eval_loss=None if ev is None else sum(ev) / len(ev), checkpoints=saved)
+
+    def node_of(self, stage: int | None, host: int | None) -> dict:
+        """Where (stage, host) ran: cluster host (bundle) index and Ray node id, as far as known."""
+        if stage is None:
+            return {}
+        rec = next((r for r in self.info if (r.get("stage"), r.get("host")) == (stage, host)), None)
+        if rec is not None:
+            return {"cluster_host": rec.get("bundle"), "node_id": rec.get("bundle_node_id")}
+        try:
+            return {"cluster_host": self.checked.stages[stage].hosts[host], "node_id": None}
+        except (IndexError, TypeError):
+            return {}
 
     def checkpoint_flush(self) -> list[dict]:
         """Every actor's save in flight, finished (bounded); the reports not yet handed back."""

@@ -20,6 +20,13 @@ fails are not recorded. The driver keeps a bounded amount per step: the loss
 and the step time (summary.json's lists) and the step's scalar telemetry; spans only
 for the steps trace.json shows.
 
+Recovery (`failure: {max_restarts: N}`, `orchestrator.driver.recovery`): a failed attempt
+(an actor's error or death, or no progress within the progress deadline) is torn down and,
+while restarts are left and a checkpoint is committed, a new attempt re-reserves the
+placement and restores the newest commit as `--resume` would; the steps after that commit
+are dropped from the records (losses, step times, evals; metrics.jsonl gets a `restart`
+line) and run again. summary.json counts `restarts` and lists `recoveries`.
+
 Telemetry (`orchestrator.driver.telemetry`, `orchestrator.driver.metrics`): every step's
 spans and per-actor stats feed the progress display (a bar on a terminal, one
 `step_line` per step otherwise, e.g. in Ray Jobs logs), the Ray metrics, and at
@@ -69,12 +76,15 @@ def step_line(rec: dict, samples: int) -> str:
 
 
 def run_job(checked, *, reference: bool = False, echo: Callable[[str], None] = print,
-            tty: bool = False, hooks: Sequence = (), keep_params: bool = False, resume=None) -> dict:
+            tty: bool = False, hooks: Sequence = (), keep_params: bool = False, resume=None,
+            resume_command: str | None = None) -> dict:
     """Train the checked job; `tty`: draw a progress bar on stdout instead of one line per step;
     `hooks`: `stages.hooks.WorkerHook` objects every stage worker calls (pipeline runs only);
     `keep_params`: the returned summary also holds "params" (name -> final numpy array; not written);
     `resume`: None, "latest" or a step — continue from that committed checkpoint
-    (`orchestrator.driver.checkpoint`; its checks raise CheckpointError before anything starts).
+    (`orchestrator.driver.checkpoint`; its checks raise CheckpointError before anything starts);
+    `resume_command`: the command line that continues this run, for the message of a failure
+    not recovered from (`meshpipe run` passes its own; default `meshpipe run <job.yaml> --resume`).
 
     Writes `metrics.jsonl` (one record per step, as it completes) and `summary.json` into the
     run directory (`metrics.reference.jsonl` / `summary.reference.json` with `reference`). The
@@ -118,6 +128,19 @@ def run_job(checked, *, reference: bool = False, echo: Callable[[str], None] = p
         records.append({**rec, "time": time.time()})
         progress.update(rec)
 
+    def rollback(step: int, restart: int) -> None:
+        """A restart from checkpoint `step`: the later steps' records go (they run again)."""
+        lost = len(losses) - step
+        del losses[step:]
+        if lost > 0:
+            del times[max(0, len(times) - lost):]
+            scaled = extra.get("loss_scale")
+            if scaled:                      # precision.loss_scale's per-step record goes the same way
+                del scaled["scales"][max(0, len(scaled["scales"]) - lost):]
+                scaled["skipped_steps"] = [s for s in scaled["skipped_steps"] if s < step]
+        evals[:] = [e for e in evals if e[0] < step]
+        records.append({"restart": restart, "resumed_from": step, "time": time.time()})
+
     def summary(status: str, param_norms: dict, error: str | None = None) -> dict:
         return {
             "run": job.run.name,
@@ -145,7 +168,8 @@ def run_job(checked, *, reference: bool = False, echo: Callable[[str], None] = p
             norms, arrays = result["param_norms"], result.get("params")
         else:
             norms, arrays = _run_pipeline(checked, plan, source, on_step, out, echo, extra, hooks, keep_params,
-                                          ckpt, losses)
+                                          ckpt, losses, rollback,
+                                          resume_command or "meshpipe run <job.yaml> --resume")
     except BaseException as e:
         progress.close()
         _record_stop(e, summary, out, path, job.run.steps, echo)
@@ -188,14 +212,17 @@ def _record_stop(e: BaseException, summary: Callable[..., dict], out: Path, path
 
 
 def _run_pipeline(checked, plan, source, on_step, out: Path, echo, extra: dict, hooks: Sequence = (),
-                  keep_params: bool = False, ckpt=None, losses: list | None = None) -> tuple[dict, dict | None]:
+                  keep_params: bool = False, ckpt=None, losses: list | None = None, rollback=None,
+                  resume_command: str = "meshpipe run <job.yaml> --resume") -> tuple[dict, dict | None]:
     """Run the pipeline; returns the final parameter norms (and arrays with `keep_params`). Fills
     `extra` (summary.json's pipeline fields) as it goes, so a failed run's summary has what was
     known. `ckpt`: the checkpoint plan (`checkpoint.prepare`); `losses`: the run's loss list,
-    which the commit markers record. On Ctrl-C/SIGTERM the actors are told to abandon
-    their step before they are shut down."""
-    from orchestrator.driver import placement
-    from orchestrator.driver.checkpoint import Committer, remove_probe, write_probe
+    which the commit markers record; `rollback(step, restart)`: drop the records after `step`.
+    Attempts run in a loop while `failure.max_restarts` allows (module docstring). On
+    Ctrl-C/SIGTERM the actors are told to abandon their step before they are shut down."""
+    from orchestrator.core.recovery import ProgressDeadline, RestartPolicy
+    from orchestrator.driver import placement, recovery
+    from orchestrator.driver.checkpoint import Committer, prepare, remove_probe, write_probe
     from orchestrator.driver.executor import PipelineExecutor
     from orchestrator.driver.interrupt import reinstall
     from orchestrator.driver.quiet import filter_worker_logs
@@ -203,39 +230,93 @@ def _run_pipeline(checked, plan, source, on_step, out: Path, echo, extra: dict, 
 
     job = checked.job
     run = job.run.name
-    started = placement.connect(checked.cluster, namespace=f"meshpipe-{run}")
+    namespace = f"meshpipe-{run}"
+    started = placement.connect(checked.cluster, namespace=namespace)
     reinstall()            # ray.init put absl's signal handler in place of ours (stack dump, abort)
     filter_worker_logs()
     ex = tel = metrics = None
     last_spans: list = []
-    first = ckpt.start if ckpt else 0
+    losses = losses if losses is not None else []
+    first = resumed_from = ckpt.start if ckpt else 0
     committer = Committer(checked, job.pipeline.schedule, sum(len(s.hosts) for s in checked.stages),
-                          losses if losses is not None else []) if ckpt else None
+                          losses) if ckpt else None
     if first:
         echo(f"resuming from checkpoint step {first} in {job.checkpoint.dir}")
+    policy = RestartPolicy(job.failure.max_restarts)
+    deadline = ProgressDeadline(checked.cluster.timeouts.step_s)     # shared by the attempts
+    recoveries: list[dict] = []
+    extra.update(restarts=0, recoveries=recoveries)
+    hung: list[str] = []       # after a timeout: the actors that did not answer a heartbeat (killed first)
     ok = interrupted = False
     try:
         extra["ray"] = _ray_info(run, echo)
-        ex = PipelineExecutor(checked, plan.schedule, source, run, plan.eval_schedule, hooks=hooks,
-                              checkpoint=ckpt.worker if ckpt else None)
         tel = RunTelemetry(run, plan.schedule, plan.sim.bubble_fraction, job.data.global_batch)
         metrics = _metrics(run, plan.sim.bubble_fraction)
-        t0 = time.perf_counter()
-        if ckpt is not None:
-            write_probe(ckpt)      # each stage host reads it back at set-up: checkpoint.dir is shared
-        ex.start()
-        remove_probe(ckpt)
-        extra["startup_s"] = time.perf_counter() - t0
-        for r in ex.steps(job.run.steps - first, first):
-            last_spans = r.spans     # only the last step's spans are kept (trace.json: telemetry's own)
-            st = tel.add(r.step, r.wall_s, r.loss, r.spans, r.stats)
-            if metrics is not None:
-                metrics.record(st, eval_loss=r.eval_loss)
-            on_step({"step": r.step, "loss": r.loss, "step_time_s": r.wall_s, "eval_loss": r.eval_loss,
-                     "span_s": st.span_s, "measured_bubble": st.measured_bubble, **_scaling(r.step, r.stats)})
-            if committer is not None:     # after on_step: the marker records the losses so far
-                for done in committer.add(r.checkpoints):
-                    log.info("checkpoint step %d committed", done)
+        recovering: dict | None = None      # the restart record waiting for its first step
+        while True:
+            ex = PipelineExecutor(checked, plan.schedule, source, run, plan.eval_schedule, hooks=hooks,
+                                  checkpoint=ckpt.worker if ckpt else None, deadline=deadline)
+            progress_at = time.monotonic()
+            try:
+                t0 = time.perf_counter()
+                if ckpt is not None:
+                    write_probe(ckpt)      # each stage host reads it back at set-up: checkpoint.dir is shared
+                ex.start()
+                remove_probe(ckpt)
+                extra.setdefault("startup_s", time.perf_counter() - t0)
+                if recovering is not None:   # placement + actors + restore + setup (compiling is in step 1)
+                    recovering["start_s"] = time.perf_counter() - t0
+                    recovering["restore_s"] = max((w.get("restore_s") or 0.0 for w in ex.info), default=0.0)
+                for r in ex.steps(job.run.steps - first, first):
+                    progress_at = time.monotonic()
+                    if recovering is not None:     # noticed → training again
+                        recovering["recovery_s"] = time.time() - recovering["detected_at"]
+                        recovering = None
+                    last_spans = r.spans     # only the last step's spans are kept (trace.json: telemetry's own)
+                    st = tel.add(r.step, r.wall_s, r.loss, r.spans, r.stats)
+                    if metrics is not None:
+                        metrics.record(st, eval_loss=r.eval_loss)
+                    on_step({"step": r.step, "loss": r.loss, "step_time_s": r.wall_s, "eval_loss": r.eval_loss,
+                             "span_s": st.span_s, "measured_bubble": st.measured_bubble,
+                             **_scaling(r.step, r.stats)})
+                    if committer is not None:     # after on_step: the marker records the losses so far
+                        for done in committer.add(r.checkpoints):
+                            log.info("checkpoint step %d committed", done)
+                break
+            except recovery.RECOVERABLE as e:
+                detected_at, waited = time.time(), time.monotonic() - progress_at
+                hung[:] = ex.unresponsive(getattr(e, "labels", [])) if recovery.is_hang(e) else []
+                failure = recovery.classify(e, len(losses), hung)
+                where = ex.node_of(failure.stage, failure.host)
+                committed = recovery.committed_step(checked)
+                decision = policy.decide(failure, committed)
+                if not decision.restart:
+                    if job.failure.max_restarts == 0:
+                        raise                       # no `failure:` section: the error as it was
+                    raise recovery.RecoveryStopped.after(recovery.stop_message(
+                        failure, where, decision, committed, len(losses), resume_command), e) from e
+                t1 = time.perf_counter()
+                _shutdown(ex, extra, ckpt, committer, resumed_from, hung)
+                ex, hung[:] = None, []
+                recovery.wait_released([f"{run}/stage{s.index}/host{h}" for s in checked.stages
+                                        for h in range(len(s.hosts))], namespace,
+                                       checked.cluster.timeouts.shutdown_s)
+                teardown_s = time.perf_counter() - t1
+                ckpt = prepare(checked, "latest")    # as --resume: checks, removes uncommitted saves
+                rec = recovery.record(failure, where, ckpt.start, len(losses), detected_at, waited)
+                rec.update(restart=policy.restarts, teardown_s=teardown_s,
+                           progress_deadline_s=deadline.call_s(checked.cluster.calls_of_steps))
+                recoveries.append(rec)
+                extra["restarts"] = policy.restarts
+                if metrics is not None:
+                    metrics.restarts.set(policy.restarts, tags={"run": run})
+                msg = (f"restart {policy.restarts} of {job.failure.max_restarts}: {recovery.describe(failure, where)}"
+                       f"; resuming from checkpoint step {ckpt.start} ({rec['steps_lost']} steps to run again)")
+                log.warning("%s", msg)
+                echo(msg)
+                rollback(ckpt.start, policy.restarts)
+                committer.pending.clear()       # saves of the failed attempt never commit
+                first, recovering = ckpt.start, rec
         if committer is not None:
             committer.add(ex.checkpoint_flush())
             if committer.incomplete():
@@ -250,12 +331,7 @@ def _run_pipeline(checked, plan, source, on_step, out: Path, echo, extra: dict, 
         if ex is not None:
             if interrupted:   # (a failed step has told every actor already: worker._fail)
                 ex.abort("the driver stopped the run")   # a step still running ends now, not at its deadline
-            extra.update(workers=ex.info, executor=ex.dispatch_info)
-            if ckpt is not None:
-                extra["checkpoint"] = {"dir": job.checkpoint.dir, "resumed_from": first or None,
-                                       "commits": committer.commits,
-                                       "restore_s": max((w.get("restore_s") or 0.0 for w in ex.info), default=0.0)}
-            ex.shutdown()
+            _shutdown(ex, extra, ckpt, committer, resumed_from, hung)
         remove_probe(ckpt)
         if tel is not None:
             try:
@@ -283,6 +359,17 @@ def _scaling(step: int, stats: list) -> dict:
         raise RuntimeError(f"step {step}: stages disagree on loss scaling (scale, skipped): {by}")
     scale, skipped = seen.pop()
     return {"loss_scale": scale, "skipped": skipped}
+
+
+def _shutdown(ex, extra: dict, ckpt, committer, resumed_from: int, unresponsive=()) -> None:
+    """Record what the attempt's executor knows into summary.json's fields, then shut it down
+    (`unresponsive` actors killed first)."""
+    extra.update(workers=ex.info, executor=ex.dispatch_info)
+    if ckpt is not None:
+        extra["checkpoint"] = {"dir": ex.checked.job.checkpoint.dir, "resumed_from": resumed_from or None,
+                               "commits": committer.commits,
+                               "restore_s": max((w.get("restore_s") or 0.0 for w in ex.info), default=0.0)}
+    ex.shutdown(unresponsive)
 
 
 def _ray_info(run: str, echo) -> dict:

@@ -5,6 +5,11 @@ stage/host and the exception (`short_error`), followed by where it ran (pid, nod
 and the last frames of the stage's own traceback, redacted
 (`orchestrator.core.redact`) and short enough for one screen; `detail` keeps the
 whole (redacted) remote traceback, which the runner writes to `<run dir>/error.txt`.
+For recovery (`orchestrator.driver.recovery`) a failure also says which actor it came from
+(`label`, e.g. "stage 1 host 0") and whether its process died (`died`: Ray's actor-death
+error); a deadline that passes raises `ProgressTimeout` (a TimeoutError) with the labels
+still pending. A survivor's own error (not a "told to stop") is not taken for the cause
+while a peer's death shows up within `DEATH_GRACE_S`.
 """
 from __future__ import annotations
 
@@ -13,15 +18,18 @@ import time
 
 SHORT_FRAMES_LINES = 16     # traceback lines kept in the short form (the ones nearest the error)
 ROOT_CAUSE_GRACE_S = 5.0    # how long a peer's "told to stop" failure waits for the failing actor's own
+DEATH_GRACE_S = 1.0         # after a survivor's own error: how long to look for a death among the rest
 
 
 class StageFailure(RuntimeError):
     """A stage's call failed. `str()` is the short form; `detail` the full redacted traceback;
     `error_file` is set by the runner once `detail` is written to the run directory."""
 
-    def __init__(self, message: str, detail: str = "", where: str = "", tail: str = ""):
+    def __init__(self, message: str, detail: str = "", where: str = "", tail: str = "",
+                 label: str | None = None, died: bool = False):
         super().__init__(message)
         self.message, self.detail, self.where, self.tail = message, detail, where, tail
+        self.label, self.died = label, died      # the actor ("stage 1 host 0"); its process died
         self.error_file: str | None = None
 
     def __str__(self) -> str:
@@ -54,7 +62,21 @@ def stage_failure(what: str, label: str, e: BaseException) -> StageFailure:
     else:
         detail = redact_text("".join(traceback.format_exception(type(e), e, e.__traceback__))).rstrip()
     return StageFailure(f"{what} failed on {label}: {short_error(e)}", detail=detail, where=where,
-                        tail=_tail(detail))
+                        tail=_tail(detail), label=label, died=_died(e))
+
+
+class ProgressTimeout(TimeoutError):
+    """No answer within the deadline; `labels`: the actors whose calls were still pending."""
+
+    def __init__(self, message: str, labels: list[str] | None = None):
+        super().__init__(message)
+        self.labels = list(labels or [])
+
+
+def _died(e: BaseException) -> bool:
+    from ray.exceptions import RayActorError
+
+    return isinstance(e, RayActorError)
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -69,7 +91,7 @@ def _tail(detail: str) -> str:
 
 
 def wait_all(refs: list, timeout: float, what: str, labels: list[str] | None = None) -> list:
-    """ray.get all refs, failing fast on the first error and raising TimeoutError at the deadline.
+    """ray.get all refs, failing fast on the first error and raising ProgressTimeout at the deadline.
 
     Errors name the label (e.g. "stage 1 host 0") of the call that failed or is stuck. An actor
     that failed only because it was told to stop (`stages.mailbox.MailboxClosed`: a peer failed
@@ -87,14 +109,19 @@ def wait_all(refs: list, timeout: float, what: str, labels: list[str] | None = N
     while pending:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            stuck = ", ".join(labels[index[r]] for r in pending)
-            raise TimeoutError(f"{what}: no answer within {timeout:.0f} s from {stuck}")
+            stuck = [labels[index[r]] for r in pending]
+            raise ProgressTimeout(f"{what}: no answer within {timeout:.0f} s from {', '.join(stuck)}", stuck)
         ready, pending = ray.wait(pending, num_returns=1, timeout=remaining)
         for r in ready:
             try:
                 results[index[r]] = ray.get(r, timeout=max(1.0, deadline - time.monotonic()))  # ready
             except Exception as e:  # noqa: BLE001 - re-raised with the stage named
-                cause = _own_failure(pending, deadline) if _told_to_stop(e) else None
+                if _told_to_stop(e):
+                    cause = _own_failure(pending, deadline)
+                elif not _died(e):
+                    cause = _death(pending)
+                else:
+                    cause = None
                 r, e = cause or (r, e)
                 raise stage_failure(what, labels[index[r]], e) from e
     return results
@@ -122,11 +149,30 @@ def _own_failure(pending: list, deadline: float):
     return None
 
 
+def _death(pending: list):
+    """(ref, error) of a death among `pending` within DEATH_GRACE_S, else None: a survivor's own
+    error about a dead peer (a reset connection) must not be taken for the cause."""
+    import ray
+
+    if not pending:
+        return None
+    ready, _ = ray.wait(pending, num_returns=len(pending), timeout=DEATH_GRACE_S)
+    for r in ready:
+        try:
+            ray.get(r, timeout=1.0)
+        except Exception as e:  # noqa: BLE001 - only looking
+            if _died(e):
+                return r, e
+    return None
+
+
 def short_error(e: Exception) -> str:
+    from orchestrator.core.recovery import STEP_NOTE
     from orchestrator.core.redact import redact_text
 
     text = redact_text(str(e)).strip()
     noise = ("For simplicity, JAX has removed", "-----")
-    lines = [ln for ln in text.splitlines() if ln.strip() and not ln.startswith(noise)]
+    lines = [ln for ln in text.splitlines() if ln.strip() and not ln.startswith(noise)
+             and not ln.strip().startswith(STEP_NOTE)]   # the worker's note for the recovery loop
     # Ray wraps remote errors with the whole traceback; the last line holds the cause.
     return lines[-1] if lines else type(e).__name__

@@ -25,7 +25,7 @@ from orchestrator.core.model.registry import BUILTIN
 
 __all__ = [
     "RunConfig", "ModelConfig", "DataConfig", "EvalConfig", "OptimizerConfig", "StageConfig", "PipelineConfig",
-    "PrecisionConfig", "ChainEntry",
+    "PrecisionConfig", "ChainEntry", "FailureConfig",
     "JobConfig", "TimeoutsConfig", "ClusterConfig", "GpuConfig", "TpuConfig", "LinkClassConfig",
     "LinksConfig", "DeviceConfig", "parse_job", "parse_cluster", "field_kind",
     "NAME_RE", "Rule", "key_homes", "unknown_key_hint",
@@ -38,6 +38,7 @@ NonNegFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 Rule = Union[str, tuple[str, ...], None]
 MAX_STEPS = 10**9          # ~11 days at 1 ms a step; more is a typo, not a run
 MAX_SEED = 2**32 - 1       # JAX PRNG keys and numpy seed sequences take it without overflow
+MAX_RESTARTS = 1000        # a run that fails more often than this is not recovering
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _IDENT_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -496,6 +497,15 @@ class CheckpointConfig(_Frozen):
         return v
 
 
+class FailureConfig(_Frozen):
+    """`failure:` — automatic recovery (Ray Train's `FailureConfig` vocabulary): on an actor death, a
+    stage error or a hang, tear the job down, re-place it and continue from the last committed
+    checkpoint, at most `max_restarts` times (0: any failure ends the run, as without this section).
+    Needs `checkpoint:` when `max_restarts` > 0 (`orchestrator.driver.recovery`)."""
+
+    max_restarts: Annotated[int, Field(ge=0, le=MAX_RESTARTS)] = 0
+
+
 class JobConfig(_Frozen):
     """A whole job (`job.yaml`). Load with `load_job`, check against a cluster with `check_job`."""
 
@@ -507,11 +517,20 @@ class JobConfig(_Frozen):
     layout: dict[str, Any] = Field(default_factory=dict)
     precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
     checkpoint: Optional[CheckpointConfig] = None
+    failure: FailureConfig = Field(default_factory=FailureConfig)
 
     @field_validator("layout", mode="before")
     @classmethod
     def _layout(cls, v: Any) -> Any:
         return _layout_value(v)
+
+    @model_validator(mode="after")
+    def _restarts_need_checkpoints(self) -> "JobConfig":
+        if self.failure.max_restarts > 0 and self.checkpoint is None:
+            raise Problem("restarts continue from the last committed checkpoint: add a `checkpoint:` section "
+                          "(checkpoint.dir, checkpoint.every_steps) or set failure.max_restarts: 0",
+                          ("failure", "max_restarts"), self.failure.max_restarts)
+        return self
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able dict; `parse_job(job.to_dict()) == job`."""

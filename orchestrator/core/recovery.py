@@ -1,0 +1,162 @@
+"""Recovery rules, pure: what failed, whether to restart, and the progress deadline.
+
+The driver's recovery loop (`orchestrator.driver.runner`, `orchestrator.driver.recovery`) asks
+these questions; the answers depend only on the values passed in, so they test in milliseconds.
+
+  - `origin(text)`: the actor, step and error of a step failure: `stages.worker._fail` puts
+    "<who> failed in step N: <error>" in every abort it sends (so a survivor told to abort
+    names the peer) and as a note (`STEP_NOTE`) on its own error.
+  - `RestartPolicy.decide(failure, committed)`: restart while restarts are left, a checkpoint
+    is committed, and the failure is not the same one at the same step as before (a
+    deterministic failure — a NaN, a shape error, an injected fault, a deadlock — would fail
+    forever). Deaths are never "the same": a killed process or lost node says nothing about
+    the next attempt; repeated deaths count against `max_restarts` only.
+  - `ProgressDeadline`: the seconds the driver gives one step before calling it a hang:
+    the configured `timeouts.step_s` until steps have been measured, then
+    min(step_s, max(30 s, 3 × the median measured step time)); a call of n steps (the driver
+    learns results a call at a time) gets min(n × step_s, max(30 s, 3 × n × the median)).
+"""
+from __future__ import annotations
+
+import re
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Optional
+
+DIED, HANG, ERROR = "actor died", "hang", "error"
+STEP_NOTE = "meshpipe step failure: "   # + "<who> failed in step N: <error>", a note on a step's own error
+# "<who> failed in step N: <error>", inside "mailbox closed (...) while waiting for <key>" or at a line's end
+_ABORT = re.compile(r"(?:\S+ )?stage (\d+) host (\d+) failed in step (\d+): (.*?)(?:\) while waiting for .*)?$")
+_LABEL = re.compile(r"stage (\d+) host (\d+)")
+
+
+@dataclass(frozen=True)
+class Failure:
+    """One failure as the driver saw it.
+
+    Attributes:
+      cause: DIED (the actor's process is gone), HANG (no progress within the deadline) or ERROR.
+      stage, host: the failed actor (None when unknown).
+      step: the step it failed in (the first step the driver had no result for, unless the
+        actor said which).
+      text: the error, one line.
+    """
+
+    cause: str
+    stage: Optional[int]
+    host: Optional[int]
+    step: int
+    text: str
+
+    @property
+    def who(self) -> str:
+        return "an unknown actor" if self.stage is None else f"stage {self.stage} host {self.host}"
+
+    def key(self) -> Optional[tuple]:
+        """What makes two failures "the same": cause, actor, step, and for errors their text. A death
+        has no key: a killed process or a lost node says nothing about the next attempt (a death
+        that repeats counts against `max_restarts` only)."""
+        if self.cause == DIED:
+            return None
+        return (self.cause, self.stage, self.host, self.step, self.text if self.cause == ERROR else "")
+
+
+def origin(text: str) -> Optional[tuple[int, int, int, str]]:
+    """(stage, host, step, error) of the peer whose failure an abort message reports, else None.
+
+    >>> origin("mailbox closed (r stage 1 host 0 failed in step 3: RuntimeError: boom) while waiting for (3, 'B', 0)")
+    (1, 0, 3, 'RuntimeError: boom')
+    """
+    for line in reversed(text.splitlines()):
+        m = _ABORT.search(line)
+        if m:
+            return int(m[1]), int(m[2]), int(m[3]), m[4]
+    return None
+
+
+def label_of(label: Optional[str]) -> tuple[Optional[int], Optional[int]]:
+    """`"stage 1 host 0"` → (1, 0); anything else → (None, None)."""
+    m = _LABEL.search(label or "")
+    return (int(m[1]), int(m[2])) if m else (None, None)
+
+
+@dataclass(frozen=True)
+class Decision:
+    restart: bool
+    reason: str        # why not (empty when restarting)
+
+
+@dataclass
+class RestartPolicy:
+    """`failure.max_restarts`, the failures seen so far and the restarts granted.
+
+    >>> p = RestartPolicy(3)
+    >>> p.decide(Failure(ERROR, 1, 0, 3, "NaN loss"), committed=2).restart
+    True
+    >>> p.decide(Failure(ERROR, 1, 0, 3, "NaN loss"), committed=2).reason
+    'the same failure (error, stage 1 host 0) happened at step 3 before: it is deterministic'
+    """
+
+    max_restarts: int
+    seen: list = field(default_factory=list)      # every Failure, in order
+    restarts: int = 0
+
+    def decide(self, failure: Failure, committed: Optional[int]) -> Decision:
+        """Restart after `failure`? `committed`: the newest committed checkpoint step (None: none)."""
+        repeat = failure.key() is not None and any(f.key() == failure.key() for f in self.seen)
+        self.seen.append(failure)
+        if self.max_restarts == 0:
+            return Decision(False, "failure.max_restarts is 0")
+        if repeat:
+            return Decision(False, f"the same failure ({failure.cause}, {failure.who}) happened at step "
+                                   f"{failure.step} before: it is deterministic")
+        if self.restarts >= self.max_restarts:
+            return Decision(False, f"all failure.max_restarts = {self.max_restarts} restarts are used up")
+        if committed is None:
+            return Decision(False, "no checkpoint is committed yet (nothing to restart from)")
+        self.restarts += 1
+        return Decision(True, "")
+
+
+class ProgressDeadline:
+    """Seconds one step may take before the driver calls it a hang.
+
+    Args:
+      configured_s: `timeouts.step_s`: the deadline until steps have been measured, and its cap.
+      floor_s: the deadline is never below this once measured.
+      factor: times the median measured step time.
+      window: how many recent step times the median is over.
+
+    >>> d = ProgressDeadline(600.0)
+    >>> d.step_s()
+    600.0
+    >>> for t in (0.1, 0.2, 30.0): d.observe(t)
+    >>> d.step_s()        # max(30, 3 x 0.2)
+    30.0
+    >>> for t in (20.0, 20.0, 20.0): d.observe(t)
+    >>> d.step_s()        # 3 x median 20
+    60.0
+    """
+
+    def __init__(self, configured_s: float, floor_s: float = 30.0, factor: float = 3.0, window: int = 256):
+        self.configured_s, self.floor_s, self.factor = float(configured_s), float(floor_s), float(factor)
+        self.times: deque[float] = deque(maxlen=window)
+
+    def observe(self, wall_s: float) -> None:
+        """A measured step time (not an attempt's first step, which compiles)."""
+        if wall_s > 0:
+            self.times.append(float(wall_s))
+
+    def step_s(self) -> float:
+        return self.call_s(1)
+
+    def call_s(self, n: int) -> float:
+        """The deadline of a call of `n` steps (the driver learns results a call at a time):
+        n × step_s until measured, then min(n × step_s, max(floor, factor × n × median))."""
+        if not self.times:
+            return self.configured_s * n
+        return min(self.configured_s * n, max(self.floor_s, self.factor * n * statistics.median(self.times)))
+
+
+__all__ = ["DIED", "ERROR", "HANG", "Decision", "Failure", "ProgressDeadline", "RestartPolicy", "label_of", "origin"]

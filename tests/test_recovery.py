@@ -1,0 +1,360 @@
+"""Automatic recovery (`failure: {max_restarts}`): config (pure), the restart rules (pure), and on Ray
+a deterministic failure (default suite); `chaos` (own CI step): a real kill -9 of a stage actor,
+exhausted restarts, a SIGSTOPped actor, and a second kill while recovering.
+
+The Ray tests train the tiny GPT of tests/test_checkpoint.py (2 stages, {data: 2} | {model: 2},
+a checkpoint every 2 steps). A recovered run must give the uninterrupted run's per-step losses
+and final parameters exactly (same schedule and layout: equality, no tolerance) — the restart
+restores the committed checkpoint through the `--resume` path, data and RNG state with it.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from orchestrator.core.config import parse_job
+from tests.test_bad_input import error_of, has_all
+from tests.test_checkpoint import gpt_job
+
+
+# ----------------------------------------------------------------------------- config (pure)
+
+def test_failure_section_keys_and_rules(tmp_path):
+    raw = gpt_job(tmp_path, "f", tmp_path / "ck")
+    assert parse_job(raw).failure.max_restarts == 0            # default: any failure ends the run
+    raw["failure"] = {"max_restarts": 2}
+    job = parse_job(raw)
+    assert job.failure.max_restarts == 2 and parse_job(job.to_dict()) == job
+    for value, rule in [(-1, "must be >= 0"), ("2", "must be an integer"), (True, "must be an integer"),
+                        (10**6, "less than or equal to 1000")]:
+        raw["failure"] = {"max_restarts": value}
+        has_all(error_of(parse_job, raw), "failure.max_restarts", repr(value), rule)
+    raw["failure"] = {"max_retries": 1}
+    has_all(error_of(parse_job, raw), "failure.max_retries", "unknown key", "max_restarts")
+    no_ckpt = gpt_job(tmp_path, "f", tmp_path / "ck")
+    del no_ckpt["checkpoint"]
+    no_ckpt["failure"] = {"max_restarts": 1}
+    has_all(error_of(parse_job, no_ckpt), "failure.max_restarts = 1", "checkpoint:")
+    no_ckpt["failure"] = {"max_restarts": 0}
+    assert parse_job(no_ckpt).checkpoint is None
+
+
+def test_restarts_refused_under_the_compiled_graph_executor(tmp_path):
+    from orchestrator.core.config import check_job, parse_cluster
+
+    raw = gpt_job(tmp_path, "f", tmp_path / "ck")
+    raw["failure"] = {"max_restarts": 1}
+    cluster = {"hosts": 2, "devices_per_host": 2}
+    for executor in ("step_calls", "action_calls"):
+        check_job(parse_job(raw), parse_cluster({**cluster, "executor": executor}))
+    has_all(error_of(check_job, parse_job(raw), parse_cluster({**cluster, "executor": "compiled_graph"})),
+            "failure.max_restarts = 1", "step_calls", "compiled graph")
+
+
+# ----------------------------------------------------------------------------- restart rules (pure)
+
+def test_policy_restarts_until_used_up_and_stops_a_repeated_failure():
+    from orchestrator.core.recovery import DIED, ERROR, HANG, Failure, RestartPolicy
+
+    p = RestartPolicy(2)
+    assert p.decide(Failure(DIED, 1, 0, 4, "x"), committed=None).reason.startswith("no checkpoint is committed")
+    p = RestartPolicy(2)
+    assert p.decide(Failure(DIED, 1, 0, 4, "pid 1"), committed=4).restart
+    assert p.decide(Failure(ERROR, 0, 0, 5, "boom"), committed=4).restart
+    d = p.decide(Failure(DIED, 1, 0, 6, ""), committed=6)
+    assert not d.restart and "max_restarts = 2" in d.reason and p.restarts == 2
+    p = RestartPolicy(5)
+    assert p.decide(Failure(ERROR, 1, 0, 5, "NaN"), committed=4).restart
+    assert p.decide(Failure(ERROR, 1, 0, 5, "other"), committed=4).restart    # another error: not the same
+    d = p.decide(Failure(ERROR, 1, 0, 5, "NaN"), committed=4)
+    assert not d.restart and "deterministic" in d.reason and "step 5" in d.reason
+    assert not RestartPolicy(0).decide(Failure(DIED, 0, 0, 1, ""), committed=1).restart
+    p = RestartPolicy(3)      # deaths are never "the same failure": a second kill while recovering is survived
+    assert all(p.decide(Failure(DIED, 1, 0, 4, ""), committed=4).restart for _ in range(3))
+    assert "used up" in p.decide(Failure(DIED, 1, 0, 4, ""), committed=4).reason
+    p = RestartPolicy(3)
+    assert p.decide(Failure(HANG, 1, 0, 6, "a"), committed=6).restart
+    assert "deterministic" in p.decide(Failure(HANG, 1, 0, 6, "b"), committed=6).reason
+
+
+def test_classify_names_the_peer_that_failed_not_the_one_told_to_abort():
+    from orchestrator.core.recovery import DIED, ERROR, HANG, STEP_NOTE
+    from orchestrator.driver.recovery import classify
+    from orchestrator.driver.waiting import ProgressTimeout, StageFailure, short_error
+
+    told = StageFailure("steps 4-7 failed on stage 0 host 0: RuntimeError: r stage 0 host 0: mailbox closed "
+                        "(r stage 1 host 0 failed in step 5: RuntimeError: r stage 1 host 0: boom) while waiting "
+                        "for (5, 'B', 1)", label="stage 0 host 0")
+    f = classify(told, next_step=4)
+    assert (f.cause, f.stage, f.host, f.step, f.text) == (ERROR, 1, 0, 5, "RuntimeError: r stage 1 host 0: boom")
+    f = classify(StageFailure("steps 4-7 failed on stage 1 host 0: ActorDiedError", label="stage 1 host 0", died=True), 4)
+    assert (f.cause, f.stage, f.host, f.step) == (DIED, 1, 0, 4)
+    own = RuntimeError("Traceback ...\nRuntimeError: r stage 1 host 0: boom\n"
+                       f"{STEP_NOTE}r stage 1 host 0 failed in step 5: RuntimeError: r stage 1 host 0: boom")
+    assert short_error(own) == "RuntimeError: r stage 1 host 0: boom"     # the note is for the driver only
+    f = classify(StageFailure("steps 4-7 failed on stage 1 host 0", detail=str(own), label="stage 1 host 0"), 4)
+    assert (f.cause, f.stage, f.host, f.step) == (ERROR, 1, 0, 5)           # the step from the worker's note
+    f = classify(ProgressTimeout("no answer", ["stage 1 host 0"]), 6)
+    assert (f.cause, f.stage, f.host, f.step) == (HANG, 1, 0, 6)
+    f = classify(ProgressTimeout("no answer", ["stage 0 host 0", "stage 1 host 0"]), 6)
+    assert (f.cause, f.stage) == (HANG, None)
+
+
+def test_progress_deadline_follows_measured_steps():
+    from orchestrator.core.recovery import ProgressDeadline
+
+    d = ProgressDeadline(600.0)
+    assert d.step_s() == 600.0                     # nothing measured: the configured step_s
+    for t in [0.05] * 10:
+        d.observe(t)
+    assert d.step_s() == 30.0                      # the floor
+    for t in [40.0] * 21:
+        d.observe(t)
+    assert d.step_s() == 120.0                     # 3 x the median
+    assert ProgressDeadline(10.0).step_s() == 10.0
+    capped = ProgressDeadline(10.0)
+    capped.observe(1.0)
+    assert capped.step_s() == 10.0                 # never above the configured step_s
+
+
+# ----------------------------------------------------------------------------- on Ray
+# The default suite runs the deterministic-failure test (one run, two attempts, ~50 s here under
+# load); the tests that also need the uninterrupted run to compare with are `chaos` (own CI step).
+
+STEPS = 8
+
+
+def recovery_job(tmp_path: Path, name: str, ckpt_dir: Path, max_restarts: int = 1) -> dict:
+    """8 steps, a checkpoint every 2, saved synchronously: a step's save is reported with that step's
+    result, so which steps are committed when a hook holds or fails a later step is fixed (with the
+    default 4 steps per call, steps 2 and 4 commit when the first call's results arrive)."""
+    job = gpt_job(tmp_path, name, ckpt_dir, steps=STEPS)
+    job["checkpoint"]["async"] = False
+    job["failure"] = {"max_restarts": max_restarts}
+    return job
+
+
+def _run(job: dict, hooks=(), resume=None, resume_command=None, executor: str = "step_calls") -> dict:
+    from orchestrator.driver.runner import run_job
+    from tests.test_checkpoint import CLUSTER, checked_of
+
+    return run_job(checked_of(job, {**CLUSTER, "executor": executor}), echo=lambda s: None, keep_params=True,
+                   hooks=hooks, resume=resume, resume_command=resume_command)
+
+
+def _summary(job: dict) -> dict:
+    import json
+
+    return json.loads((Path(job["run"]["output_dir"]) / job["run"]["name"] / "summary.json").read_text())
+
+
+def _assert_same_run(got: dict, want: dict) -> None:
+    import numpy as np
+
+    assert got["losses"] == want["losses"]                           # exact: floats equal
+    assert got["params"].keys() == want["params"].keys()
+    for name, arr in want["params"].items():
+        np.testing.assert_array_equal(got["params"][name], arr, err_msg=name)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, ray_local):
+    tmp = tmp_path_factory.mktemp("uninterrupted")
+    full = _run(recovery_job(tmp, "full", tmp / "ck"))
+    assert full["restarts"] == 0 and full["recoveries"] == [] and len(full["losses"]) == STEPS
+    assert full["losses"][-1] < full["losses"][0]
+    return full
+
+
+def _pid_of(name: str, namespace: str) -> int:
+    from ray.util.state import list_actors
+
+    from tests.conftest import _address
+
+    found = [a for a in list_actors(address=_address(), filters=[("name", "=", name), ("state", "=", "ALIVE")])
+             if a.ray_namespace == namespace]
+    assert len(found) == 1, found
+    return int(found[0].pid)
+
+
+@pytest.mark.ray
+@pytest.mark.chaos
+@pytest.mark.parametrize("executor", ["step_calls", "action_calls"])
+def test_kill_9_of_a_stage_actor_recovers_bit_equal(tmp_path, no_leaks, uninterrupted, executor):
+    """kill -9 of stage 1's actor (found through Ray's state API) while it is in step 5, with steps
+    2 and 4 committed: one restart from step 4; losses and parameters equal the uninterrupted run's
+    (run with the default executor: every executor runs the same action lists)."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from orchestrator.core import checkpoint as ck
+    from tests.conftest import wait_until
+    from tests.faults import HoldAt
+
+    root = tmp_path / "ck"
+    job = recovery_job(tmp_path, "killed", root)
+    name = job["run"]["name"] = f"killed-{executor.replace('_', '-')}"
+    reached = tmp_path / "reached"
+    hold = HoldAt(stage=1, host=0, step=5, wait_for=str(ck.step_dir(root, 4) / ck.MARKER), reached=str(reached))
+    killed: dict = {}
+
+    def killer():
+        try:
+            wait_until(reached.exists, 600, "stage 1 held in step 5")
+            pid = _pid_of(f"{name}/stage1/host0", f"meshpipe-{name}")
+            killed["at"] = time.time()
+            os.kill(pid, signal.SIGKILL)
+            killed["pid"] = pid
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            killed["error"] = e
+
+    t = threading.Thread(target=killer, daemon=True)
+    t.start()
+    got = _run(job, hooks=[hold], executor=executor)
+    t.join(60)
+    assert "error" not in killed, killed.get("error")
+    assert killed["pid"] == int(reached.read_text())                # the held actor is the one killed
+    assert got["restarts"] == 1
+    (rec,) = got["recoveries"]
+    print("recovery:", {**rec, "detection_s": rec["detected_at"] - killed["at"]})     # pytest -rP shows it
+    assert (rec["cause"], rec["stage"], rec["host"], rec["resumed_from"]) == ("actor died", 1, 0, 4), rec
+    assert "Some common causes" not in rec["error"] and "actor is dead" in rec["error"], rec
+    assert rec["cluster_host"] == 1 and rec["node_id"]
+    assert 0 <= rec["detected_at"] - killed["at"] < 10, rec        # noticed within 10 s of the kill
+    assert rec["teardown_s"] < 30, rec       # survivors aborted at once, not after shutdown_s (30 s)
+    assert rec["recovery_s"] > 0 and rec["start_s"] > 0 and rec["restore_s"] > 0, rec
+    _assert_same_run(got, uninterrupted)
+    assert _summary(job)["restarts"] == 1 and _summary(job)["status"] == "completed"
+    assert [m["step"] for m in ck.committed(root)][-1] == STEPS
+    lines = (Path(job["run"]["output_dir"]) / name / "metrics.jsonl").read_text().splitlines()
+    assert sum('"restart": 1' in ln for ln in lines) == 1
+
+
+@pytest.mark.ray
+def test_the_same_failure_at_the_same_step_twice_stops(tmp_path, no_leaks):
+    """A deterministic failure (the hook fails stage 1 at step 5 every time): one restart from step
+    4, the same failure again, and the run stops naming it, with the command that would continue."""
+    from orchestrator.driver.recovery import RecoveryStopped
+    from tests.faults import FailStep
+
+    job = recovery_job(tmp_path, "determ", tmp_path / "ck", max_restarts=3)
+    with pytest.raises(RecoveryStopped) as ei:
+        _run(job, hooks=[FailStep(stage=1, host=0, step=5)], resume_command="meshpipe run j.yaml --resume")
+    has_all(str(ei.value), "error: stage 1 host 0", "in step 5", "injected step failure at step 5",
+            "deterministic", "last committed checkpoint: step 4", "meshpipe run j.yaml --resume")
+    s = _summary(job)
+    assert s["status"] == "failed" and s["restarts"] == 1 and s["steps_done"] == 4
+    assert [(r["cause"], r["stage"], r["step"], r["resumed_from"]) for r in s["recoveries"]] == [("error", 1, 5, 4)]
+
+
+@pytest.mark.ray
+@pytest.mark.chaos
+def test_restarts_used_up_stop_with_the_resume_command(tmp_path, no_leaks, uninterrupted):
+    """max_restarts 1, two different failures (stage 1 at step 5, then stage 0 at step 6): the second
+    stops the run — why, what is lost, the --resume command — and that command's run (here
+    run_job(resume="latest")) finishes equal to the uninterrupted one."""
+    from orchestrator.driver.recovery import RecoveryStopped
+    from tests.faults import FailStepOnce
+
+    job = recovery_job(tmp_path, "usedup", tmp_path / "ck", max_restarts=1)
+    hooks = [FailStepOnce(1, 0, 5, str(tmp_path / "a")), FailStepOnce(0, 0, 6, str(tmp_path / "b"))]
+    with pytest.raises(RecoveryStopped) as ei:
+        _run(job, hooks=hooks, resume_command="meshpipe run j.yaml --resume")
+    has_all(str(ei.value), "error: stage 0 host 0", "in step 6", "max_restarts = 1", "used up",
+            "last committed checkpoint: step", "Continue with: meshpipe run j.yaml --resume")
+    s = _summary(job)
+    assert s["status"] == "failed" and s["restarts"] == 1
+    resumed = _run(job, hooks=hooks, resume="latest")    # the flags are set: the faults are spent
+    _assert_same_run(resumed, uninterrupted)
+
+
+# ----------------------------------------------------------------------------- more chaos
+
+@pytest.mark.ray
+@pytest.mark.chaos
+def test_sigstop_hang_is_detected_by_the_progress_deadline_and_recovered(tmp_path, no_leaks, uninterrupted):
+    """SIGSTOP of stage 1's actor in step 5: no result within the progress deadline (max(30 s, 3 x
+    4 x the median step), the first call's steps measured), the stopped actor is the one that does
+    not answer a heartbeat (stage 0 waits on it and answers), it is killed first, and the run
+    restarts from step 4 and finishes equal to the uninterrupted run."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from orchestrator.core import checkpoint as ck
+    from tests.conftest import wait_until
+    from tests.faults import HoldAt
+
+    root = tmp_path / "ck"
+    job = recovery_job(tmp_path, "stopped", root)
+    reached = tmp_path / "reached"
+    hold = HoldAt(stage=1, host=0, step=5, wait_for=str(ck.step_dir(root, 4) / ck.MARKER), reached=str(reached),
+                  timeout_s=300.0)
+    stopped: dict = {}
+
+    def stopper():
+        try:
+            wait_until(reached.exists, 600, "stage 1 held in step 5")
+            pid = _pid_of("stopped/stage1/host0", "meshpipe-stopped")
+            stopped["at"] = time.time()
+            os.kill(pid, signal.SIGSTOP)
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            stopped["error"] = e
+
+    t = threading.Thread(target=stopper, daemon=True)
+    t.start()
+    got = _run(job, hooks=[hold])
+    t.join(60)
+    assert "error" not in stopped, stopped.get("error")
+    (rec,) = got["recoveries"]
+    print("recovery:", {**rec, "detection_s": rec["detected_at"] - stopped["at"]})    # pytest -rP shows it
+    assert (rec["cause"], rec["stage"], rec["host"], rec["resumed_from"]) == ("hang", 1, 0, 4), rec
+    assert "not answering a heartbeat: stage 1 host 0" in rec["error"], rec
+    assert rec["progress_deadline_s"] == 30.0, rec          # tiny steps: the floor
+    detect = rec["detected_at"] - stopped["at"]
+    assert 0 < detect < rec["progress_deadline_s"] + 10, rec  # the deadline, plus the heartbeat probe
+    assert rec["teardown_s"] < 30, rec                      # the stopped actor was killed, not waited for
+    _assert_same_run(got, uninterrupted)
+
+
+@pytest.mark.ray
+@pytest.mark.chaos
+def test_a_second_kill_while_recovering_is_survived(tmp_path, no_leaks, uninterrupted):
+    """kill -9 of stage 1 in step 5, then kill -9 of stage 0 while the new attempt sets up: two
+    restarts (max_restarts 2), both from step 4; the run ends equal to the uninterrupted one."""
+    import os
+    import signal
+    import threading
+
+    from orchestrator.core import checkpoint as ck
+    from tests.conftest import wait_until
+    from tests.faults import HoldAt, HoldSetup
+
+    root = tmp_path / "ck"
+    job = recovery_job(tmp_path, "twice", root, max_restarts=2)
+    first, second = tmp_path / "first", tmp_path / "second"
+    hooks = [HoldAt(stage=1, host=0, step=5, wait_for=str(ck.step_dir(root, 4) / ck.MARKER), reached=str(first)),
+             HoldSetup(stage=0, host=0, armed=str(first), reached=str(second))]
+    done: dict = {}
+
+    def killer():
+        try:
+            for flag, name in ((first, "twice/stage1/host0"), (second, "twice/stage0/host0")):
+                wait_until(flag.exists, 600, f"{flag.name} hold")
+                os.kill(_pid_of(name, "meshpipe-twice"), signal.SIGKILL)
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            done["error"] = e
+
+    t = threading.Thread(target=killer, daemon=True)
+    t.start()
+    got = _run(job, hooks=hooks)
+    t.join(60)
+    assert "error" not in done, done.get("error")
+    assert got["restarts"] == 2
+    assert [(r["cause"], r["stage"], r["resumed_from"]) for r in got["recoveries"]] == [
+        ("actor died", 1, 4), ("actor died", 0, 4)], got["recoveries"]
+    _assert_same_run(got, uninterrupted)
