@@ -91,6 +91,11 @@ def checked_overhead_ms(step_s: float, ideal_s: float, actions: int, what: str) 
     return o
 
 
+# The honest bound's (m + p − 1) is the GPipe/1F1B bubble. ZB-H1 (W fills the bubble) and interleaved
+# 1F1B ((p − 1)/v) shrink it by design and may beat it, so it is reported only for these schedules.
+HONEST_BOUND_SCHEDULES = ("gpipe", "1f1b", "eager-1f1b")
+
+
 def honest_bound_s(plain1_s: float, m: int, p: int) -> float:
     """plain₁ × (m + p − 1) ÷ (m · p): the step time of a perfect p-stage pipeline of the 1-core
     plain program `plain1_s` (each stage 1/p of the work per microbatch, m + p − 1 slots)."""

@@ -127,6 +127,19 @@ def test_derive_publishes_a_plausible_run_with_the_honest_bound(monkeypatch):
     assert d["in_run_vs_standalone"][0]["F"] == pytest.approx(1.1)
 
 
+def test_the_honest_bound_is_left_out_for_schedules_that_shrink_the_bubble(monkeypatch):
+    """ZB-H1 (and interleaved) beat the (m+p-1)/(m p) bound by design: no `of honest bound` for them."""
+    from benchmarks import derive, run
+
+    monkeypatch.setattr(derive.os, "cpu_count", lambda: 2)
+    recs = [_record(step_s=0.8, ideal_s=0.75, schedule=s) for s in ("zb-h1", "gpipe")]
+    for c in recs[0]["standalone"]["stages"] + recs[0]["costs"]:      # zb-h1's split backward
+        c["I"], c["W"] = c["B"] / 2, c["B"] / 2
+    out = run.derive({"pipeline": {"records": recs}, "jax": {"records": [_plain(2, 1.2), _plain(1, 1.6)]}})
+    assert [d.get("of_honest_bound") for d in out["pipeline"]] == [None, pytest.approx(0.9 / 0.8)]
+    assert all(d["vs_plain_all"] == pytest.approx(1.5) for d in out["pipeline"])
+
+
 @pytest.mark.parametrize("section", ["pipeline", "overhead"])
 def test_derive_refuses_an_efficiency_above_one(section):
     from benchmarks import run
