@@ -98,14 +98,16 @@ def stage_chunks(size: Size, schedule: str) -> list[list[tuple[int, int]]]:
 _STANDALONE: dict = {}
 
 
-def standalone_costs(size: Size, schedule: str, m: int, reps: int, core: int | None = None) -> dict:
+def standalone_costs(size: Size, schedule: str, m: int, reps: int, core: int | None = None,
+                     fuse: bool = False) -> dict:
     """Per stage, each compute kind's cost from its stage programs timed alone (a child process
     pinned to `core`, default the last one; nothing else of the benchmark runs meanwhile).
 
     Returns {"stages": [{F, B, I, W, OPT}], "observed": the child's affinity and threads, "when", "load"}.
     F, B, I, W: the mean over the stage's chunks (as `simulate` takes one cost per stage and kind);
     OPT: the sum (one OPT updates every chunk). A chunk the worker fuses (`stages.actions.fused_chunks`)
-    costs F = its one-program F+B, B = 0. Measured once per (size, chunk layout, fusion) per process.
+    costs F = its one-program F+B, B = 0 (`fuse`: the job's pipeline.fuse_loss_chunk). Measured once per
+    (size, chunk layout, fusion) per process.
     """
     from benchmarks.common import run_child
 
@@ -116,7 +118,7 @@ def standalone_costs(size: Size, schedule: str, m: int, reps: int, core: int | N
     low = lower(generate(schedule, len(chunks), m, **({"v": len(chunks[0])} if len(chunks[0]) > 1 else {})))
     n = size.num_layers()
     fused = [fused_chunks([a for a in row if a is not None],
-                          next((c for c, (_, b) in enumerate(cs) if b == n), None))
+                          next((c for c, (_, b) in enumerate(cs) if b == n), None)) if fuse else frozenset()
              for row, cs in zip(low.actions, chunks)]
     key = (size.name, m, tuple(map(tuple, chunks)), tuple(map(tuple, fused)))
     if key not in _STANDALONE:
@@ -216,7 +218,8 @@ def measure_pipeline(size: Size, schedule: str, m: int, *, steps: int, warmup: i
         plan = make_plan(checked)
     except Exception as e:  # noqa: BLE001 - an unsupported configuration is a result, not a crash
         return {**rec, "status": f"unsupported (config): {_first_line(e)}"}
-    alone = standalone_costs(size, schedule, m, reps=max(5, steps))      # before the actors start
+    alone = standalone_costs(size, schedule, m, reps=max(5, steps),      # before the actors start
+                             fuse=checked.job.pipeline.fuse_loss_chunk)
     source = checked.data
     ex = PipelineExecutor(checked, plan.schedule, source, f"bench-{size.name}-{schedule}-m{m}")
     walls, spans, losses, stash, observed = [], [], [], {}, {}

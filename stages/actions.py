@@ -343,10 +343,10 @@ EVAL_HANDLERS: dict[Kind, Handler] = {
 }
 
 
-def program_of(actions, who: str, loss_chunk: int | None) -> list[tuple[Any, str, Handler]]:
+def program_of(actions, who: str, loss_chunk: int | None, fuse: bool = False) -> list[tuple[Any, str, Handler]]:
     """A step's program: `(action, text, handler)` per action, in the schedule's order; F and B of
     a fused chunk (`fused_chunks`) get the one-program pair."""
-    fused = fused_chunks(actions, loss_chunk)
+    fused = fused_chunks(actions, loss_chunk) if fuse else frozenset()
     out = []
     for a in actions:
         handler = handler_for(a, who)

@@ -73,6 +73,7 @@ class WorkerConfig:
     transport: str = "ray"          # "ray" (actor calls) or "socket" (stages.socket_transport)
     transport_token: bytes | None = field(default=None, repr=False)   # per-run secret for "socket"
     remat: str = "none"             # rematerialisation of this stage's parts (orchestrator.core.model.policy)
+    fuse_loss_chunk: bool = False   # pipeline.fuse_loss_chunk (stages.actions.fused_chunks)
     eval_actions: tuple[str, ...] = ()   # this stage's forward-only eval list (data.eval), else ()
     eval_every: int | None = None        # evaluate after every k-th step ...
     total_steps: int = 0                 # ... and after the last one
@@ -106,7 +107,7 @@ class StageWorker:
         # the step program: each action with its text (span label) and its kind's handler, resolved once
         # (the loss chunk's F and B run as one program where the schedule puts them back to back)
         loss_chunk = next((c for c, (_, stop) in enumerate(cfg.layer_chunks) if stop == cfg.spec.num_layers), None)
-        self.program = program_of(self.actions, cfg.who, loss_chunk)
+        self.program = program_of(self.actions, cfg.who, loss_chunk, fuse=cfg.fuse_loss_chunk)
         # the forward-only eval program (data.eval), resolved the same way from its own table
         self.eval_program = [(a, str(a), handler_for(a, cfg.who, EVAL_HANDLERS))
                              for a in (Action.parse(text) for text in cfg.eval_actions)]

@@ -83,11 +83,11 @@ def test_gpt_two_stages_different_meshes_matches_reference(tmp_path, no_leaks, s
     # many microbatches' residuals as the simulator predicts (zb-h1 also keeps output gradients I -> W)
     sched = lower(generate(schedule, 2, written["plan"]["schedule"]["microbatches"]))
     peak = simulate(sched, {"F": 1, "B": 2}).peak_inflight
-    # where the schedule puts the loss stage's F and B back to back (1f1b, eager-1f1b) they run as one
-    # program (stages.actions.fused_chunks) and that stage keeps nothing between actions
-    if fused_chunks([a for a in sched.actions[1] if a is not None], 0):
-        peak[1] = 0
-    assert (peak[1] == 0) == (schedule in ("1f1b", "eager-1f1b")), (schedule, peak)
+    # with pipeline.fuse_loss_chunk (off here, the default) the loss stage's back-to-back F and B
+    # would run as one program (stages.actions.fused_chunks), keeping nothing between actions
+    assert not pipe_job_fuses(written)
+    assert fused_chunks([a for a in sched.actions[1] if a is not None], 0) == (
+        {0} if schedule in ("1f1b", "eager-1f1b") else set())
     for s in (0, 1):
         got = written["telemetry"]["hosts_last"][f"stage{s}/host0"]
         assert got["stash_peak_items"] == peak[s], (schedule, s, got)
@@ -151,3 +151,22 @@ def test_gpt_interleaved_two_chunks_per_stage_matches_reference(tmp_path, no_lea
     assert_same_training(pipe, ref)
     grid = pipe["plan"]["schedule"]["grid"]
     assert any("c1" in cell for row in grid for cell in row)
+
+
+def pipe_job_fuses(summary: dict) -> bool:
+    """pipeline.fuse_loss_chunk of the job a summary.json records."""
+    return bool(json.loads(summary["config"])["job"]["pipeline"]["fuse_loss_chunk"])
+
+
+@pytest.mark.slow
+def test_fused_loss_chunk_matches_reference_and_keeps_no_residuals(tmp_path, no_leaks):
+    """pipeline.fuse_loss_chunk: 1F1B's last stage runs each F+B as one program — same training as
+    the reference, and the measured stash of that stage stays empty."""
+    job = gpt_job(tmp_path, "1f1b")
+    job["pipeline"]["fuse_loss_chunk"] = True
+    pipe, ref = run_both(job)
+    assert_same_training(pipe, ref)
+    written = json.loads((tmp_path / "gpt-1f1b" / "summary.json").read_text())
+    assert pipe_job_fuses(written)
+    hosts = written["telemetry"]["hosts_last"]
+    assert hosts["stage1/host0"]["stash_peak_items"] == 0 and hosts["stage0/host0"]["stash_peak_items"] > 0

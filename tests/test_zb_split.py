@@ -190,6 +190,8 @@ def test_only_back_to_back_loss_chunks_fuse():
     assert fused_chunks(row("gpipe", 1), 0) == set() and fused_chunks(row("zb-h1", 1), 0) == set()
     assert fused_chunks(row("1f1b", 0), None) == set()
     assert fused_chunks(row("interleaved-1f1b", 1, v=2), 1) == {1}     # the loss chunk only
-    prog = program_of(row("1f1b", 1), "stage1", 0)
+    prog = program_of(row("1f1b", 1), "stage1", 0, fuse=True)
     kinds = {a.kind.value: h for a, _, h in prog if a.kind.value in ("F", "B")}
     assert kinds == {"F": forward_backward, "B": fused_backward}
+    unfused = program_of(row("1f1b", 1), "stage1", 0)      # pipeline.fuse_loss_chunk's default: off
+    assert not {h for _, _, h in unfused} & {forward_backward, fused_backward}
