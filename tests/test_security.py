@@ -385,7 +385,8 @@ def unsafe_reads(source: str, name: str = "<src>") -> list[str]:
                    for k in node.keywords):
                 found.append(f"{where}: allow_pickle")
     for i, line in enumerate(source.splitlines(), 1):  # plain grep too, for what the AST cannot see
-        if re.search(r"\b(cloud)?pickle\.loads?\(|yaml\.unsafe_load|\beval\(|\bexec\(", line):
+        # a method of that name (nnx's `module.eval()`, train/eval mode) or a name in backticks is not the builtin
+        if re.search(r"\b(cloud)?pickle\.loads?\(|yaml\.unsafe_load|(?<![\w.`])(eval|exec)\(", line):
             found.append(f"{name}:{i}: {line.strip()}")
     return found
 
@@ -399,7 +400,8 @@ def test_scanner_catches_each_pattern():
                    "yaml.Loader", "yaml.unsafe_load", "eval(", "exec(", "allow_pickle"):
         assert needle in found, (needle, found)
     assert not unsafe_reads("import yaml\nyaml.load(s, Loader=yaml.SafeLoader)\nyaml.safe_load(s)\n"
-                            "np.load('f.npy', allow_pickle=False)\n")
+                            "np.load('f.npy', allow_pickle=False)\nmod.eval()\n# put in `eval()` mode\n")
+    assert unsafe_reads("x = (eval)('1')\n") and unsafe_reads("f(exec('x=1'))\n")
 
 
 def test_package_never_unpickles_or_evals():
