@@ -390,3 +390,18 @@ def test_bad_input_suite_under_python_O():
     assert r.returncode == 0, out
     summary = r.stdout.strip().splitlines()[-1]     # pytest's last line, e.g. "206 passed, 1 skipped in 5s"
     assert " passed" in summary and " failed" not in summary and " error" not in summary, out
+
+
+def test_zb_h1_on_a_jax_without_the_split_internals_is_refused(monkeypatch):
+    """ZB-H1's I/W split needs JAX >= 0.10 (measured: JAX 0.8.3 fails inside it); refused at plan time."""
+    from orchestrator.core.config import ConfigError, check, check_job, parse_cluster, parse_job
+
+    raw = yaml.safe_load((Path(__file__).resolve().parent.parent / "examples/gpt.yaml").read_text())
+    raw["pipeline"]["schedule"] = "zb-h1"
+    cluster = parse_cluster({"hosts": 2, "devices_per_host": 2})
+    check_job(parse_job(raw), cluster)                        # this JAX: fine
+    monkeypatch.setattr(check, "_jax_version", lambda: (0, 8))
+    with pytest.raises(ConfigError, match=r"pipeline.schedule = 'zb-h1': needs JAX >= 0.10 .*this is JAX 0.8"):
+        check_job(parse_job(raw), cluster)
+    raw["pipeline"]["schedule"] = "1f1b"
+    check_job(parse_job(raw), cluster)                        # other schedules do not need it

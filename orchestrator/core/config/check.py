@@ -374,7 +374,24 @@ def _check_hosts_meshes(job: JobConfig, cluster: ClusterConfig, probs: _Problems
     return assigned
 
 
+ZB_MIN_JAX = (0, 10)   # the zero-bubble I/W split (stages.zb_split) reads jaxpr internals 0.8 lacks
+
+
+def _jax_version() -> tuple[int, ...]:
+    """The installed JAX's (major, minor), read from its metadata (JAX is not imported here)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return tuple(int(x) for x in version("jax").split(".")[:2])
+    except (PackageNotFoundError, ValueError):
+        return ZB_MIN_JAX
+
+
 def _check_schedule(job: JobConfig, probs: _Problems) -> None:
+    if job.pipeline.schedule == "zb-h1" and _jax_version() < ZB_MIN_JAX:
+        probs.add("pipeline.schedule", "zb-h1", f"needs JAX >= {'.'.join(map(str, ZB_MIN_JAX))} (its I/W "
+                  f"split reads jaxpr internals older JAX lacks); this is JAX "
+                  f"{'.'.join(map(str, _jax_version()))}: upgrade JAX or use 1f1b")
     pc = job.pipeline
     if pc.schedule not in SCHEDULES:
         probs.add("pipeline.schedule", pc.schedule, f"unknown schedule; known: "
