@@ -564,7 +564,7 @@ def test_plan_of_the_llama_example_needs_no_ray_or_devices():
     root = Path(__file__).resolve().parent.parent
     code = ("import sys, json\n"
             "from orchestrator.driver.cli import main\n"
-            "sys.argv = ['meshpipe', 'plan', 'examples/llama.yaml', '--json']\n"
+            "sys.argv = ['meshpipe', 'plan', 'examples/llama.yaml', '--json', '--allow-code']\n"
             "try:\n    main()\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
             "print('RAY_IMPORTED=%s' % ('ray' in sys.modules), file=sys.stderr)\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300,

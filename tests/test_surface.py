@@ -191,15 +191,33 @@ def _own_model_job(tmp_path, factory="mymodel:spec", steps=1, name="mine") -> Pa
 
 def test_a_model_with_no_parameters_is_refused_at_plan_time(tmp_path):
     job = _own_model_job(tmp_path, "mymodel:empty")
-    out = cli("plan", str(job))                     # also: mymodel imports without PYTHONPATH
+    out = cli("plan", str(job), "--allow-code")     # also: mymodel imports without PYTHONPATH
     assert out.returncode == 2, out.stdout + out.stderr
     assert "model.name = 'mymodel:empty'" in out.stderr and "no parameters" in out.stderr
 
 
 def test_a_factory_beside_the_job_file_plans_without_pythonpath(tmp_path):
-    out = cli("plan", str(_own_model_job(tmp_path)), "--json", cwd=tmp_path)
+    out = cli("plan", str(_own_model_job(tmp_path)), "--json", "--allow-code", cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["model"] == "mymodel:spec"
+
+
+def test_plan_refuses_a_job_that_names_code_unless_allowed(tmp_path):
+    """`meshpipe plan` inspects job files: without --allow-code it never imports a factory they name."""
+    marker = tmp_path / "ran"
+    d = tmp_path / "evil"
+    d.mkdir()
+    (d / "evilmod.py").write_text(f"open({str(marker)!r}, 'w').write('x')\ndef spec(**kw):\n    raise SystemExit(0)\n")
+    job = yaml.safe_load((ROOT / "examples" / "mlp.yaml").read_text())
+    job["model"] = {"name": "evilmod:spec"}
+    (d / "job.yaml").write_text(yaml.safe_dump(job))
+    for extra in ([], ["--auto"]):
+        out = cli("plan", str(d / "job.yaml"), *extra, cwd=d)
+        assert out.returncode == 2, out.stdout + out.stderr
+        assert "model.name = 'evilmod:spec'" in out.stderr and "--allow-code" in out.stderr, out.stderr
+        assert not marker.exists(), f"plan {extra} imported the job's module"
+    out = cli("plan", str(d / "job.yaml"), "--allow-code", cwd=d)
+    assert marker.exists(), out.stderr                 # with the flag it does import (and the module exits 0)
 
 
 # -- progress bar in a terminal of 80 columns --------------------------------------------------

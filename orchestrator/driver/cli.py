@@ -5,7 +5,7 @@
                           [--reference] [--overwrite] [--resume [STEP]]
     meshpipe checkpoints JOB.yaml [--set ...]
     meshpipe export CKPT --to DIR
-    meshpipe plan JOB.yaml [--cluster CLUSTER.yaml] [--set ...] [--json] [--png PATH]
+    meshpipe plan JOB.yaml [--cluster CLUSTER.yaml] [--set ...] [--json] [--png PATH] [--allow-code]
     meshpipe plan JOB.yaml --auto [--cluster C.yaml] [--out PATH] [--explain] [--top K] [--max-model M] [--measure K]
     meshpipe calibrate --cluster CLUSTER.yaml [--out PATH] [--force] [--json]
     meshpipe submit JOB.yaml [--cluster CLUSTER.yaml] --address http://HOST:8265 [--set ...]
@@ -66,7 +66,21 @@ def job_import_dir(job_path: str) -> str:
     return d
 
 
-def _checked(job_path: str, cluster_path: str | None, overrides: tuple[str, ...], address: str | None = None):
+def _refuse_code(job, command: str) -> None:
+    """Raise ConfigError when `job` names code (model or data factory): `command` runs it only when asked."""
+    from orchestrator.core.config import ConfigError
+    from orchestrator.core.config.check import job_code
+    from orchestrator.core.config.errors import problem
+
+    refs = job_code(job)
+    if refs:
+        raise ConfigError([problem(key, value, f"names code that `meshpipe {command}` would import and call to "
+                                               "describe the job; pass --allow-code if you trust this job file "
+                                               "(docs/security.md)") for key, value in refs])
+
+
+def _checked(job_path: str, cluster_path: str | None, overrides: tuple[str, ...], address: str | None = None,
+             allow_code: bool = True, command: str = "run"):
     import dataclasses
 
     from orchestrator.core.config import ConfigError, check_job, check_output_dir, load_cluster, load_job
@@ -75,6 +89,8 @@ def _checked(job_path: str, cluster_path: str | None, overrides: tuple[str, ...]
     import_dir = job_import_dir(job_path)
     try:
         job = load_job(job_path, overrides=job_sets)
+        if not allow_code:
+            _refuse_code(job, command)
         # --address: a running Ray replaces the file's address (whose num_cpus is then meaningless)
         cluster = load_cluster(cluster_path or str(DEFAULT_CLUSTER),
                                overrides=cluster_sets + ([f"address={address}", "num_cpus=null"] if address else []))
@@ -224,24 +240,30 @@ def run(job, cluster, overrides, reference, address, overwrite, resume):
 @click.option("--measure", type=click.IntRange(0), default=0, metavar="K",
               help="--auto: run the top K candidates for a few steps on the cluster (starts Ray); "
                    "predicted vs measured")
+@click.option("--allow-code", is_flag=True,
+              help="allow a job that names code (model.factory, data.factory): plan imports and calls it")
 def plan(job, cluster, overrides, as_json, png, auto, out, explain_, top, max_model, microbatches,
-         target_step_ms, cache_dir, measure):
+         target_step_ms, cache_dir, measure, allow_code):
     """Show placement, schedule and simulated bubble without starting Ray (--auto: plan it for you).
 
-    A job whose model.name is a `package.module:function` factory has that module imported
-    and the function called here too (it describes the model): plan a job only if you would
-    run it (docs/security.md)."""
+    A job that names code (`model.factory`, a `package.module:function` model name, `data.factory`)
+    is refused unless --allow-code is given: describing its model means importing and calling
+    that code (docs/security.md)."""
     from orchestrator.core.plan import make_plan, plan_json, plan_text
 
+    if auto and not allow_code:
+        from orchestrator.core.config import ConfigError, load_job
+
+        try:
+            _refuse_code(load_job(job, overrides=split_overrides(overrides)[0]), "plan")
+        except ConfigError as e:
+            click.echo(f"meshpipe: invalid configuration:\n{e}", err=True)
+            sys.exit(2)
     if auto:
         _auto(job, cluster, overrides, out, explain_, top, max_model, microbatches, target_step_ms, cache_dir, as_json,
               measure)
         return
-    checked, _ = _checked(job, cluster, overrides)
-    user_code = checked.job.model.factory or (checked.job.model.name if ":" in (checked.job.model.name or "") else None)
-    if user_code:
-        click.echo(f"meshpipe: note: the model factory {user_code!r} was imported and called to "
-                   "describe the model (job code ran; no Ray was started)", err=True)
+    checked, _ = _checked(job, cluster, overrides, allow_code=allow_code, command="plan")
     p = make_plan(checked)
     if png:
         from orchestrator.core.schedule import render_png

@@ -42,7 +42,7 @@ from orchestrator.core.model.spec import ModelSpec, param_name
 from orchestrator.core.model.split import SplitError, split_ranges
 from orchestrator.core.schedule import SCHEDULES, ScheduleError, check_params
 
-__all__ = ["Checked", "StagePlan", "check_job", "check_output_dir", "check_checkpoint_dir"]
+__all__ = ["Checked", "StagePlan", "check_job", "check_output_dir", "check_checkpoint_dir", "job_code"]
 
 
 @dataclass(frozen=True)
@@ -202,6 +202,30 @@ def _build_model(job: JobConfig) -> ModelSpec:
             raise ConfigError(problem(key, name, f"the model factory failed: "
                                       f"{type(e).__name__}: {e}")) from None
         raise ConfigError(problem("model.args", dict(args), f"invalid model arguments: {e}")) from None
+
+
+def job_code(job: JobConfig) -> list[tuple[str, str]]:
+    """The keys of `job` that name code meshpipe imports and calls, as (key, 'package.module:function').
+
+    `meshpipe plan` starts no Ray and is used to inspect job files; it refuses these unless
+    asked (`--allow-code`), since checking such a job runs its code (docs/security.md).
+
+    Example:
+        >>> from orchestrator.core.config.schema import parse_job
+        >>> job = parse_job({"run": {"name": "t", "steps": 1}, "model": {"factory": "pkg.mod:build"},
+        ...                  "data": {"global_batch": 8}, "optimizer": {"name": "sgd"},
+        ...                  "pipeline": {"microbatches": 2, "stages": [{"layers": [0, 4], "mesh": {"data": 1}}]}})
+        >>> job_code(job)
+        [('model.factory', 'pkg.mod:build')]
+    """
+    out = []
+    if job.model.factory:
+        out.append(("model.factory", job.model.factory))
+    elif job.model.name and ":" in job.model.name:
+        out.append(("model.name", job.model.name))
+    if job.data.factory:
+        out.append(("data.factory", job.data.factory))
+    return out
 
 
 def _importable(path: str) -> bool:
