@@ -171,8 +171,9 @@ def _pipelined(schedules, ms=(8,)):
     return search(model, t, 32, profile=FakeProfiles(model, costs), options=opts)
 
 
-def test_zb_h1_is_searched_on_this_jax_and_wins_a_balanced_pipeline():
-    assert default_schedules() == ("1f1b", "gpipe", "zb-h1")          # the CI's JAX is >= 0.10
+def test_zb_h1_is_searched_where_jax_runs_it_and_wins_a_balanced_pipeline(monkeypatch):
+    monkeypatch.setattr(check_mod, "_jax_version", lambda: (0, 10))   # CI's oldest step has 0.8
+    assert default_schedules() == ("1f1b", "gpipe", "zb-h1")
     r = _pipelined(None)
     assert r.best.schedule == "zb-h1" and len(r.best.stages) == 2
     ones = [c for c in r.candidates if c.schedule == "1f1b" and key(c)[2] == key(r.best)[2]]
@@ -193,3 +194,37 @@ def test_interleaved_and_unknown_schedules_are_refused_with_the_rule():
         _pipelined(("interleaved-1f1b",))
     with pytest.raises(PlanningError, match="'2f2b' is not a schedule the planner searches"):
         _pipelined(("2f2b",))
+
+
+# ---- the exhaustive benchmark's arithmetic (benchmarks/planner_exhaustive.py) ------------------
+
+def test_exhaustive_benchmark_summary_ratio_rank_error_and_noise_verdict():
+    from benchmarks.planner_exhaustive import render, summarize
+
+    plans = [("a", 0.010, 1.0), ("b", 0.011, 1.0), ("c", 0.020, 1.0), ("d", 0.030, 1.0)]
+    runs = {0: [{"median_s": x} for x in (0.0120, 0.0118, 0.0121)],      # predicted best
+            1: [{"median_s": x} for x in (0.0110, 0.0112, 0.0111)],      # measured best
+            2: [{"median_s": 0.025}], 3: []}                              # 3 failed to run
+    s = summarize(plans, runs, auto_i=0)
+    assert s["best_measured"]["plan"] == 1 and s["auto"]["measured_rank"] == 2
+    assert s["ratio_auto_over_best"] == pytest.approx(0.0120 / 0.0111)
+    assert s["plans_measured"] == 3 and [r["plan"] for r in s["rows"]] == [0, 1, 2]
+    errs = sorted(abs(x) for x in ((0.010 - 0.012) / 0.012, (0.011 - 0.0111) / 0.0111, (0.020 - 0.025) / 0.025))
+    assert s["median_abs_error"] == pytest.approx(errs[1])
+    assert s["repeated_spread"]["max"] == pytest.approx((0.0121 - 0.0118) / 0.012)
+    assert s["verdict"].startswith("NOT MET")                    # 1.08 > 1.05 with a 2.5 % spread
+    noisy = summarize(plans, {**runs, 1: [{"median_s": 0.0111}, {"median_s": 0.0150}]}, auto_i=0)
+    assert noisy["verdict"].startswith("NOT DECIDED")            # spread > 5 %: no claim either way
+    met = summarize(plans, {**runs, 0: [{"median_s": 0.0112}, {"median_s": 0.0113}]}, auto_i=0)
+    assert met["verdict"].startswith("MET") and met["ratio_auto_over_best"] <= 1.05
+    with pytest.raises(RuntimeError, match="auto pick"):
+        summarize(plans, runs, auto_i=3)
+    out = {"case": {"model_args": {}, "seq_len": 32, "global_batch": 16, "hosts": 2, "devices_per_host": 2,
+                    "space": {"microbatches": [4], "schedules": ["1f1b"], "stages": [1, 2], "max_model": 2,
+                              "rulesets": {}, "remats": ["none"], "plans": 4},
+                    "protocol": {"steps": 12, "warmup_dropped": 4, "top_repeated": 2, "repeats": 2, "order": "x"}},
+           "machine": {"when": "now", "cpu": "cpu", "nproc": 2, "affinity": 2}, "load_avg": {"start": (1, 2, 3)},
+           "calibrated": {"device": {}, "links": {}}, "failed": {3: "boom"},
+           "wall_s": {"calibrate": 1, "plan": 1, "round1": 1, "round2": 1}, **s}
+    md = render(out)
+    assert "NOT MET" in md and "| 0 **auto** |" in md and "1 plan(s) failed to run" in md
