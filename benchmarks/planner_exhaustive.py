@@ -15,7 +15,7 @@ stage's devices with a model axis ≤ 2 (data × model, both axis orders on 2 ho
 rules `megatron` (heads, mlp, vocab → model); remat none. Every plan that fits device memory
 and divides its batch and sharded dims is in it.
 
-Protocol:
+Protocol (Ray's workers at niceness 0, as benchmarks/run.py does, recorded):
   0. `meshpipe calibrate` on that cluster (the same Ray), so predictions use this machine's figures;
   1. the pure search picks the `--auto` plan (the DP + simulator replay, not exhaustive) over
      the same bounded options; `legal_plans` lists the space with each plan's prediction;
@@ -63,6 +63,10 @@ def base_job(out_dir: str, steps: int) -> dict:
     return raw
 
 
+def _niceness() -> int:
+    return os.nice(0)
+
+
 def describe(c) -> str:
     return (f"{len(c.stages)} stage(s), m={c.microbatches} {c.schedule}: "
             + " ; ".join(f"[{s.layers[0]},{s.layers[1]}) h{s.hosts[0]}×{s.hosts[1]} {s.choice.label()}"
@@ -106,9 +110,11 @@ def main(argv=None) -> int:
         src = Path(tmp) / "cluster.yaml"
         src.write_text(yaml.safe_dump({"hosts": HOSTS, "devices_per_host": DPH, "cpus_per_host": 0.5}))
         with loopback_only():
+            # Ray's default worker niceness 15 starves the stage actors behind other load (benchmarks/run.py)
             ray.init(address="local", num_cpus=4, include_dashboard=False, namespace="meshpipe-exhaustive",
-                     logging_level="WARNING")
+                     logging_level="WARNING", _system_config={"worker_niceness": 0})
         try:
+            info["ray_worker_niceness"] = ray.get(ray.remote(num_cpus=0)(_niceness).remote(), timeout=120)
             t0 = time.perf_counter()
             cal = calibrate(str(src), echo=print)
             cluster = load_cluster(cal["written"])
@@ -149,7 +155,12 @@ def main(argv=None) -> int:
                 again.append(auto_i)
             for rep in range(args.repeats):
                 for i in (again if rep % 2 == 0 else again[::-1]):
-                    r = measure(raw, plans[i], cluster, f"{i}-r{rep + 2}", args.warmup)
+                    try:
+                        r = measure(raw, plans[i], cluster, f"{i}-r{rep + 2}", args.warmup)
+                    except Exception as e:  # noqa: BLE001 - recorded; its other runs still count
+                        failed[i] = f"repeat {rep + 1}: {type(e).__name__}: {e}"[:500]
+                        print(f"repeat {rep + 1}: #{i} FAILED {failed[i]}", flush=True)
+                        continue
                     runs[i].append(r)
                     print(f"repeat {rep + 1}: #{i} {r['median_s'] * 1e3:.2f} ms", flush=True)
             loads["end"] = os.getloadavg()
@@ -231,7 +242,8 @@ def render(out: dict) -> str:
           f"median of the rest; every plan once ({case['protocol']['order']}); the "
           f"{case['protocol']['top_repeated']} fastest plus the auto pick {case['protocol']['repeats']} more times; "
           "a plan's figure = median of its runs.", "",
-          f"machine: {info['cpu']}, {info['nproc']} CPUs, affinity {info['affinity']} cores; load average "
+          f"machine: {info['cpu']}, {info['nproc']} CPUs, affinity {info['affinity']} cores, Ray worker niceness "
+          f"{info.get('ray_worker_niceness', '?')}; load average "
           + ", ".join(f"{k} {load(v)}" for k, v in la.items())
           + (f". {out['label']}" if out.get("label") else ""), "",
           f"calibrated: device {out['calibrated']['device']}, links {out['calibrated']['links']}", "",
