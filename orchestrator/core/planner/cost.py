@@ -18,6 +18,14 @@ parameter's local shard over the `data` groups.
 Memory per device = parameters × (2 + optimizer slots) (parameters, gradient
 accumulator, optimizer state) + residuals × microbatches in flight (from the
 schedule) + the largest temporary buffer of any of its programs.
+
+Remat (`MeshChoice.remat`, the stage's `remat:`): under `full` each layer runs under
+`jax.checkpoint` (how `stages.program` applies it, part by part), so a microbatch
+keeps only each layer's input between F and B (b examples of the previous layer's
+activation; the first layer's token input is not described and counts 0), the
+backward first recomputes the forward — B grows by the layer's compiled forward
+cost and its forward collectives — and the recomputed residuals of one layer live
+as a temporary during its backward.
 """
 from __future__ import annotations
 
@@ -42,6 +50,7 @@ class MeshChoice:
     order: tuple[str, str]
     rules: tuple[tuple[str, str], ...]
     rules_name: str
+    remat: str = "none"          # none | full: the stage's rematerialisation (module docstring)
 
     @property
     def devices(self) -> int:
@@ -66,7 +75,7 @@ class MeshChoice:
 
     def label(self) -> str:
         mesh = "×".join(f"{a}={v}" for a, v in self.mesh().items())
-        return f"{mesh} {self.rules_name if self.model > 1 else 'dp'}"
+        return f"{mesh} {self.rules_name if self.model > 1 else 'dp'}" + (" remat" if self.remat != "none" else "")
 
 
 @dataclass(frozen=True)
@@ -148,8 +157,11 @@ def _group_class(topo: Topology, first_host: int, choice: MeshChoice, group: tup
 
 
 def layer_cost(layer: PlanLayer, choice: MeshChoice, micro: int, topo: Topology, first_host: int,
-               profiles: Mapping[ProfileRequest, LayerProfile]) -> Optional[LayerCost]:
-    """The layer's `LayerCost`, or None when the choice cannot run it (batch or a dim not divisible)."""
+               profiles: Mapping[ProfileRequest, LayerProfile], in_bytes: float = 0.0) -> Optional[LayerCost]:
+    """The layer's `LayerCost`, or None when the choice cannot run it (batch or a dim not divisible).
+
+    `in_bytes`: bytes per example of the layer's input (what `remat: full` keeps per microbatch).
+    """
     if micro % choice.data or not fits_layer(layer, choice):
         return None
     b = micro // choice.data
@@ -171,13 +183,22 @@ def layer_cost(layer: PlanLayer, choice: MeshChoice, micro: int, topo: Topology,
         dp = collective_time("all-reduce", pbytes, choice.data, topo.links[cls])
     fwd = compute["fwd"] + comm["fwd"]
     bwd = compute["bwd"] + comm["bwd"] + dp
-    return LayerCost(fwd, bwd, compute["fwd"] + compute["bwd"], comm["fwd"] + comm["bwd"], dp, pbytes,
-                     prof.residual_bytes, prof.temp_bytes, tp_bytes, pbytes if choice.data > 1 else 0.0)
+    compute_s, tp_s, resid, temp = compute["fwd"] + compute["bwd"], comm["fwd"] + comm["bwd"], \
+        prof.residual_bytes, prof.temp_bytes
+    if choice.remat == "full":      # keep the input only; recompute the forward inside the backward
+        bwd += fwd
+        compute_s += compute["fwd"]
+        tp_s += comm["fwd"]
+        resid, temp = b * in_bytes, max(temp, prof.residual_bytes)
+    elif choice.remat != "none":
+        raise ValueError(f"remat = {choice.remat!r}: the planner models none and full only")
+    return LayerCost(fwd, bwd, compute_s, tp_s, dp, pbytes, resid, temp, tp_bytes, pbytes if choice.data > 1 else 0.0)
 
 
 def mesh_choices(devices: int, max_model: int, rulesets: Mapping[str, tuple[tuple[str, str], ...]],
-                 multi_host: bool) -> list[MeshChoice]:
-    """Every (data, model) factorisation of `devices`, each rules set, both axis orders when it matters."""
+                 multi_host: bool, remats: tuple[str, ...] = ("none",)) -> list[MeshChoice]:
+    """Every (data, model) factorisation of `devices`, each rules set, both axis orders when it
+    matters, each remat in `remats`."""
     out = []
     for m in range(1, min(devices, max_model) + 1):
         if devices % m:
@@ -187,5 +208,5 @@ def mesh_choices(devices: int, max_model: int, rulesets: Mapping[str, tuple[tupl
         sets = rulesets.items() if m > 1 else [("dp", ())]
         for name, rules in sets:
             for order in orders:
-                out.append(MeshChoice(d, m, order, rules, name))
+                out += [MeshChoice(d, m, order, rules, name, r) for r in remats]
     return out

@@ -2,7 +2,7 @@
 
 `job_dict(raw_job, candidate, dph)` rewrites a job's `pipeline` and `layout`
 sections with the winner's stages (layers, hosts, mesh in axis order, per-stage
-layout), microbatches and schedule; everything else in the job is kept as written.
+layout and remat), microbatches and schedule; everything else in the job is kept as written.
 """
 from __future__ import annotations
 
@@ -82,6 +82,7 @@ def candidate_json(c: Candidate) -> dict[str, Any]:
             "schedule": c.schedule, "microbatches": c.microbatches, "edges": list(c.edges),
             "stages": [{"layers": list(s.layers), "first_host": s.hosts[0], "hosts": s.hosts[1],
                         "mesh": s.choice.mesh(), "layout": s.choice.layout(), "rules": s.choice.rules_name,
+                        "remat": s.choice.remat,
                         "fwd_s": s.fwd_s, "bwd_s": s.bwd_s, "opt_s": s.opt_s, "memory_bytes": s.memory_bytes,
                         "inflight": s.inflight, "tp_bytes": s.tp_bytes, "dp_bytes": s.dp_bytes,
                         "overhead_s": s.overhead_s,
@@ -97,8 +98,10 @@ def job_dict(raw_job: Mapping[str, Any], c: Candidate) -> dict[str, Any]:
     pipeline["schedule"] = c.schedule
     pipeline["microbatches"] = c.microbatches
     pipeline["virtual_stages"] = 1
+    inherited = pipeline.get("remat", "none")      # a stage without `remat:` takes pipeline.remat
     pipeline["stages"] = [{"layers": list(s.layers), "mesh": s.choice.mesh(), "hosts": s.hosts[1],
-                           **({"layout": s.choice.layout()} if s.choice.layout() else {})} for s in c.stages]
+                           **({"layout": s.choice.layout()} if s.choice.layout() else {}),
+                           **({"remat": s.choice.remat} if s.choice.remat != inherited else {})} for s in c.stages]
     out["pipeline"] = pipeline
     out["layout"] = {}
     return out

@@ -3,8 +3,9 @@
 Basic flow of `search(model, topo, global_batch, profile=...)`:
   1. choices: for every stage size k hosts, every (data, model) factorisation of its
      k × devices_per_host devices (model ≤ `max_model`), each layout rules set
-     (Mesh-TF granularity: logical axis → `model`, or replicated; batch → data)
-     and, on several hosts, both axis orders (which axis crosses hosts);
+     (Mesh-TF granularity: logical axis → `model`, or replicated; batch → data),
+     on several hosts both axis orders (which axis crosses hosts), and each remat
+     (`none`, `full`: memory down, B up by the recomputed forward; `cost.py`);
   2. profiles: every distinct (layer signature, model size, rules, b ∈ {1, 2}) is
      profiled once (`profile`, normally the compile subprocess through the cache);
   3. cost: per (k, choice, microbatch count) and layer, `cost.layer_cost`;
@@ -21,6 +22,11 @@ Basic flow of `search(model, topo, global_batch, profile=...)`:
      their per-stage F/B/OPT costs and per-edge transfer times; candidates are ranked
      by simulated step time. `SearchOptions.exhaustive` replays every legal plan
      instead (small spaces; the tests compare the two).
+
+Schedules: 1f1b and gpipe, and zb-h1 where this JAX runs it (≥ 0.10, as `check_job`
+requires; its I and W each cost half of B in the simulator's replay, its memory counts
+a microbatch from F to W). interleaved-1f1b is not searched: a candidate here has one
+layer range per stage, and asking for it is refused.
 
 Stages take whole consecutive hosts (as `check_job` requires); with node groups
 (`hosts_per_group`), a stage stays inside one group or takes whole aligned groups.
@@ -41,7 +47,7 @@ from orchestrator.core.planner.profile import LayerProfile, ProfileRequest
 from orchestrator.core.planner.topology import Topology
 
 __all__ = ["SearchOptions", "StageChoice", "Candidate", "SearchResult", "PlanningError", "search",
-           "DEFAULT_RULESETS", "rulesets_for", "evaluate"]
+           "DEFAULT_RULESETS", "rulesets_for", "evaluate", "legal_plans", "default_schedules"]
 
 ProfileFn = Callable[[Sequence[ProfileRequest]], Mapping[ProfileRequest, LayerProfile]]
 
@@ -63,7 +69,8 @@ class SearchOptions:
     """Bounds of the search space (None: defaults in `search`)."""
 
     microbatches: Optional[tuple[int, ...]] = None
-    schedules: tuple[str, ...] = ("1f1b", "gpipe")
+    schedules: Optional[tuple[str, ...]] = None     # None: `default_schedules()`
+    remats: tuple[str, ...] = ("none", "full")
     max_model: Optional[int] = None
     rulesets: Optional[Mapping[str, tuple[str, ...]]] = None
     optimizer_slots: int = 2
@@ -126,6 +133,38 @@ class SearchResult:
     @property
     def best(self) -> Candidate:
         return self.candidates[0]
+
+
+SEARCHABLE_SCHEDULES = ("1f1b", "gpipe", "zb-h1")
+
+
+def default_schedules() -> tuple[str, ...]:
+    """1f1b and gpipe, and zb-h1 where the installed JAX can run it (`check_job`'s rule)."""
+    from orchestrator.core.config.check import ZB_MIN_JAX, _jax_version
+
+    return ("1f1b", "gpipe") + (("zb-h1",) if _jax_version() >= ZB_MIN_JAX else ())
+
+
+def _schedules(options: SearchOptions) -> tuple[str, ...]:
+    """The schedules to search, refusing those the planner cannot (yet) plan or this JAX cannot run."""
+    from orchestrator.core.config.check import ZB_MIN_JAX, _jax_version
+
+    if options.schedules is None:
+        return default_schedules()
+    if not options.schedules:
+        raise PlanningError("schedules = []: name at least one of " + ", ".join(SEARCHABLE_SCHEDULES))
+    for s in options.schedules:
+        if s == "interleaved-1f1b":
+            raise PlanningError("schedules: interleaved-1f1b is not searched (a candidate has one layer "
+                                "range per stage; write virtual_stages by hand); use " + ", ".join(SEARCHABLE_SCHEDULES))
+        if s not in SEARCHABLE_SCHEDULES:
+            raise PlanningError(f"schedules: {s!r} is not a schedule the planner searches; use "
+                                + ", ".join(SEARCHABLE_SCHEDULES))
+        if s == "zb-h1" and _jax_version() < ZB_MIN_JAX:
+            raise PlanningError(f"schedules: zb-h1 needs JAX >= {'.'.join(map(str, ZB_MIN_JAX))} (its I/W split "
+                                f"reads jaxpr internals older JAX lacks); this is JAX "
+                                f"{'.'.join(map(str, _jax_version()))}: leave zb-h1 out")
+    return tuple(options.schedules)
 
 
 def rulesets_for(model: PlanModel, extra: Optional[Mapping[str, object]] = None,
@@ -196,6 +235,10 @@ def search(model: PlanModel, topo: Topology, global_batch: int, *, profile: Prof
     if model.num_layers < 1:
         raise PlanningError(f"model {model.name!r} has no layers; nothing to plan")
     L, H, dph = model.num_layers, topo.hosts, topo.devices_per_host
+    schedules = _schedules(options)
+    bad = [r for r in options.remats if r not in ("none", "full")]
+    if bad or not options.remats:
+        raise PlanningError(f"remats = {list(options.remats)}: the planner models 'none' and 'full' (give at least one)")
     max_model = options.max_model or dph * max(1, min(topo.hosts_per_group, H))
     rulesets = rulesets_for(model, extra_rules, options.rulesets)
     ms = options.microbatches or tuple(m for m in (1, 2, 4, 8, 16, 32, 64) if global_batch % m == 0)
@@ -203,7 +246,8 @@ def search(model: PlanModel, topo: Topology, global_batch: int, *, profile: Prof
     if not ms:
         raise PlanningError(f"no microbatch count divides data.global_batch = {global_batch} "
                             f"(tried {list(options.microbatches or ())})")
-    choices = {k: mesh_choices(k * dph, max_model, rulesets, k > 1) for k in range(1, H + 1)}
+    choices = {k: mesh_choices(k * dph, max_model, rulesets, k > 1, tuple(dict.fromkeys(options.remats)))
+               for k in range(1, H + 1)}
     # 2. profiles (one per distinct program; equal layers share)
     reqs = []
     reps = list({layer.signature: layer for layer in model.layers}.values())   # one layer per program
@@ -227,8 +271,9 @@ def search(model: PlanModel, topo: Topology, global_batch: int, *, profile: Prof
                 cols = []
                 for layer in model.layers:      # equal layers (same signature) cost the same
                     key = (layer.signature, c, micro)
-                    if key not in memo:
-                        memo[key] = layer_cost(layer, c, micro, topo, 0, profiles)
+                    if key not in memo:     # the signature covers the input's shape too
+                        in_bytes = model.layers[layer.index - 1].out_bytes(1) if layer.index else 0.0
+                        memo[key] = layer_cost(layer, c, micro, topo, 0, profiles, in_bytes)
                     cols.append(memo[key])
                 inf = float("inf")
                 f = np.array([x.fwd_s if x else inf for x in cols])
@@ -242,14 +287,14 @@ def search(model: PlanModel, topo: Topology, global_batch: int, *, profile: Prof
     found: dict[tuple, Candidate] = {}
     min_memory = float("inf")
     space = {"layers": L, "hosts": H, "devices_per_host": dph, "microbatch_counts": list(ms),
-             "schedules": list(options.schedules), "rulesets": {k: [a for a, _ in v] for k, v in rulesets.items()},
+             "schedules": list(schedules), "remats": list(dict.fromkeys(options.remats)), "rulesets": {k: [a for a, _ in v] for k, v in rulesets.items()},
              "mesh_choices": sum(len(v) for v in choices.values()), "profiles": len(reqs)}
     plans_considered = 0
     stage_memo: dict = {}
     for m in ms:
         micro = global_batch // m
         for p in range(1, min(H, L) + 1):
-            for sched in (options.schedules if p > 1 else options.schedules[:1]):  # one stage: no schedule choice
+            for sched in (schedules if p > 1 else schedules[:1]):  # one stage: no schedule choice
                 infl = _inflight(sched, p, m)
                 if infl is None:
                     continue
@@ -286,6 +331,24 @@ def search(model: PlanModel, topo: Topology, global_batch: int, *, profile: Prof
                             f"plan found is predicted at {ranked[0].step_s:.4g} s "
                             f"({len(ranked[0].stages)} stages, m={ranked[0].microbatches}, {ranked[0].schedule})")
     return SearchResult(ranked[: max(options.top, 1)] if options.top else ranked, space, timings, topo, ranked)
+
+
+def legal_plans(model: PlanModel, topo: Topology, global_batch: int, *, profile: ProfileFn,
+                options: SearchOptions, extra_rules: Optional[Mapping[str, object]] = None) -> list[Candidate]:
+    """Every legal plan of the bounded space `options` describes, each simulated, best predicted first.
+
+    Legal: consecutive layer ranges covering the model; each stage on whole consecutive
+    hosts from host 0 (hosts may be left unused at the end; node-group alignment kept);
+    a mesh choice per stage that divides its microbatch and the dims its rules shard;
+    within device memory; a schedule that lowers (one schedule when there is one stage).
+    The space: `options.microbatches` × `schedules` × stage counts 1..min(hosts, layers)
+    × cuts × host counts × mesh choices (`max_model`, `rulesets`, `remats`).
+    `benchmarks/planner_exhaustive.py` measures each of them.
+    """
+    import dataclasses
+
+    opts = dataclasses.replace(options, exhaustive=True, top=0)
+    return search(model, topo, global_batch, profile=profile, options=opts, extra_rules=extra_rules).ranked
 
 
 def _stage_tables(model, topo, choices, tables, m, ns, slots, memo):

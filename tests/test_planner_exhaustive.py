@@ -1,0 +1,230 @@
+"""Pure tests of the planner's bounded space (`legal_plans`, what benchmarks/planner_exhaustive.py
+measures), remat in the search and the schedules it searches (synthetic profiles, no jax)."""
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+import yaml
+
+from orchestrator.core.config import check_job, parse_cluster, parse_job
+from orchestrator.core.config import check as check_mod
+from orchestrator.core.model.registry import build_spec
+from orchestrator.core.planner.adapter import from_spec
+from orchestrator.core.planner.cost import MeshChoice, layer_cost
+from orchestrator.core.planner.report import job_dict
+from orchestrator.core.planner.search import (PlanningError, SearchOptions, default_schedules, legal_plans,
+                                              search)
+from orchestrator.core.planner.topology import LinkClass, Topology
+from tests.planner_fakes import FakeProfiles, fake_model
+
+ROOT = Path(__file__).resolve().parents[1]
+GPT = {"vocab": 128, "d_model": 64, "heads": 4, "d_mlp": 256, "blocks": 2}
+MEGATRON = {"megatron": ("heads", "mlp", "vocab")}
+
+
+def topo(hosts=2, dph=2, mem=1e12, inter_gbps=10.0, flops=1e9, hpg=1):
+    links = {"host": LinkClass("host", 1e-6, 10e9), "group": LinkClass("group", 1e-5, inter_gbps * 1e9),
+             "dcn": LinkClass("dcn", 1e-5, inter_gbps * 1e9)}
+    return Topology(hosts, dph, hpg, links, mem, flops, 1e12)
+
+
+def gpt_model():
+    return from_spec(build_spec("gpt", GPT, seq_len=32), "gpt", GPT, 32)
+
+
+def expected_plans(L, H, dph, ms, gb, max_model, schedules):
+    """The bounded space counted from first principles (independent of the search's code):
+    plan keys (schedule, m, ((layers), (first host, hosts), (data, model, order)) per stage)."""
+    out = set()
+    for m in ms:
+        micro = gb // m
+        for p in range(1, min(H, L) + 1):
+            for cuts in itertools.combinations(range(1, L), p - 1):
+                bounds = (0, *cuts, L)
+                for ks in itertools.product(range(1, H + 1), repeat=p):
+                    if sum(ks) > H:
+                        continue
+                    per_stage = []
+                    for k in ks:
+                        n = k * dph
+                        opts = []
+                        for mm in range(1, min(n, max_model) + 1):
+                            d = n // mm
+                            if n % mm or micro % d:
+                                continue
+                            orders = [("data", "model")] + ([("model", "data")] if k > 1 and d > 1 and mm > 1 else [])
+                            opts += [(d, mm, o) for o in orders]
+                        per_stage.append(opts)
+                    starts = [sum(ks[:s]) for s in range(p)]
+                    for pick in itertools.product(*per_stage):
+                        stages = tuple(((bounds[s], bounds[s + 1]), (starts[s], ks[s]), pick[s]) for s in range(p))
+                        for sched in (schedules if p > 1 else schedules[:1]):
+                            out.add((sched, m, stages))
+    return out
+
+
+def key(c):
+    return (c.schedule, c.microbatches,
+            tuple((s.layers, s.hosts, (s.choice.data, s.choice.model, s.choice.order)) for s in c.stages))
+
+
+@pytest.mark.parametrize("gb,ms,schedules", [(16, (2, 4), ("1f1b",)), (8, (4,), ("1f1b", "gpipe"))])
+def test_legal_plans_are_exactly_the_bounded_space_and_each_passes_check_job(gb, ms, schedules):
+    model = gpt_model()
+    L = model.num_layers
+    t = topo()
+    opts = SearchOptions(microbatches=ms, schedules=schedules, rulesets=MEGATRON, max_model=2, remats=("none",))
+    plans = legal_plans(model, t, gb, profile=FakeProfiles(model, [1e6] * L), options=opts)
+    want = expected_plans(L, 2, 2, ms, gb, 2, schedules)
+    got = [key(c) for c in plans]
+    assert len(got) == len(set(got)) == len(want)          # no plan twice, none missing, none extra
+    assert set(got) == want
+    if gb == 8:     # micro 2 at m = 4: a data axis of 4 cannot split it, so no such plan
+        assert all(s.choice.data <= 2 for c in plans for s in c.stages)
+    assert [c.step_s for c in plans] == sorted(c.step_s for c in plans)
+    raw = yaml.safe_load((ROOT / "examples" / "gpt.yaml").read_text())
+    raw["data"]["global_batch"] = gb
+    raw["data"]["path"] = str(ROOT / raw["data"]["path"])
+    cluster = parse_cluster({"hosts": 2, "devices_per_host": 2, "cpus_per_host": 0.5})
+    for c in plans:                       # legal = what `meshpipe run` accepts
+        checked = check_job(parse_job(job_dict(raw, c)), cluster)
+        assert len(checked.stages) == len(c.stages)
+
+
+def test_the_dp_pick_is_one_of_the_legal_plans_and_within_5_percent_of_the_best_simulated():
+    model = gpt_model()
+    opts = SearchOptions(microbatches=(2, 4), schedules=("1f1b",), rulesets=MEGATRON, max_model=2, remats=("none",))
+    prof = FakeProfiles(model, [1e6, 4e6, 4e6, 2e6])
+    plans = legal_plans(model, topo(), 16, profile=prof, options=opts)
+    auto = search(model, topo(), 16, profile=prof, options=opts).best
+    assert key(auto) in {key(c) for c in plans}
+    assert auto.step_s <= 1.05 * plans[0].step_s
+
+
+# ---- remat ----------------------------------------------------------------------------------
+
+def _choice(remat):
+    return MeshChoice(1, 1, ("data", "model"), (), "dp", remat)
+
+
+def test_full_remat_costs_the_forward_again_and_keeps_only_the_input():
+    model = fake_model([1e6, 1e6])
+    prof = FakeProfiles(model, [1e6, 1e6], resid_per_example=4096)
+    layer = model.layers[1]
+    from orchestrator.core.planner.cost import layer_request
+
+    profiles = prof([layer_request(layer, _choice("none"), b) for b in (1, 2)])
+    t = topo(hosts=1, dph=1)
+    none = layer_cost(layer, _choice("none"), 4, t, 0, profiles, in_bytes=256.0)
+    full = layer_cost(layer, _choice("full"), 4, t, 0, profiles, in_bytes=256.0)
+    assert full.fwd_s == none.fwd_s
+    assert full.bwd_s == pytest.approx(none.bwd_s + none.fwd_s)
+    assert full.residual_bytes == 4 * 256.0 < none.residual_bytes == 4 * 4096
+    assert full.temp_bytes >= none.residual_bytes         # one layer's residuals, recomputed, live in its B
+
+
+def _remat_case(mem, remats):
+    costs = [1e6] * 4
+    model = fake_model(costs)
+    prof = FakeProfiles(model, costs, act_bytes=256, resid_per_example=1 << 16)
+    # one device, gpipe: all 8 microbatches' residuals in flight, so they dominate memory
+    opts = SearchOptions(microbatches=(8,), schedules=("gpipe",), optimizer_slots=0, remats=remats, top=0)
+    return search(model, topo(hosts=1, dph=1, mem=mem), 16, profile=prof, options=opts)
+
+
+def test_a_tight_memory_limit_makes_the_search_pick_remat_and_no_plan_exceeds_it():
+    roomy = _remat_case(1e12, ("none", "full"))
+    assert all(s.choice.remat == "none" for s in roomy.best.stages)       # remat only costs time
+    need = min(c.memory_bytes for c in _remat_case(1e12, ("none",)).candidates)
+    with pytest.raises(PlanningError, match="does not fit"):
+        _remat_case(need * 0.5, ("none",))
+    tight = _remat_case(need * 0.5, ("none", "full"))
+    assert any(s.choice.remat == "full" for s in tight.best.stages)
+    assert tight.best.memory_bytes <= need * 0.5
+    assert tight.best.step_s > roomy.best.step_s
+    for frac in (1.0, 0.8, 0.6, 0.5, 0.4, 0.3):               # the winner never violates memory
+        try:
+            r = _remat_case(need * frac, ("none", "full"))
+        except PlanningError:
+            continue
+        assert all(c.memory_bytes <= need * frac for c in r.candidates)
+        for c in r.candidates:
+            assert all(s.memory_bytes <= need * frac for s in c.stages)
+    written = job_dict({"pipeline": {"microbatches": 1, "stages": []}}, tight.best)
+    assert any(st.get("remat") == "full" for st in written["pipeline"]["stages"])
+
+
+def test_remats_must_be_none_or_full():
+    with pytest.raises(PlanningError, match=r"remats = \['dots'\]"):
+        _remat_case(1e12, ("dots",))
+
+
+# ---- schedules ------------------------------------------------------------------------------
+
+def _pipelined(schedules, ms=(8,)):
+    costs = [1e6] * 4
+    model = fake_model(costs, param_scale=8)
+    t = topo(hosts=2, dph=1, inter_gbps=1e-3)          # data parallel across hosts is ruinous: pipeline
+    opts = SearchOptions(microbatches=ms, schedules=schedules, top=0)
+    return search(model, t, 32, profile=FakeProfiles(model, costs), options=opts)
+
+
+def test_zb_h1_is_searched_where_jax_runs_it_and_wins_a_balanced_pipeline(monkeypatch):
+    monkeypatch.setattr(check_mod, "_jax_version", lambda: (0, 10))   # CI's oldest step has 0.8
+    assert default_schedules() == ("1f1b", "gpipe", "zb-h1")
+    r = _pipelined(None)
+    assert r.best.schedule == "zb-h1" and len(r.best.stages) == 2
+    ones = [c for c in r.candidates if c.schedule == "1f1b" and key(c)[2] == key(r.best)[2]]
+    assert ones and r.best.step_s < ones[0].step_s                     # the smaller bubble
+    assert all(c.memory_bytes <= r.topology.memory_bytes for c in r.candidates)
+
+
+def test_zb_h1_is_refused_at_plan_time_on_older_jax(monkeypatch):
+    monkeypatch.setattr(check_mod, "_jax_version", lambda: (0, 8))
+    assert "zb-h1" not in default_schedules()
+    assert all(c.schedule != "zb-h1" for c in _pipelined(None).candidates)
+    with pytest.raises(PlanningError, match=r"zb-h1 needs JAX >= 0\.10 .*this is JAX 0\.8"):
+        _pipelined(("1f1b", "zb-h1"))
+
+
+def test_interleaved_and_unknown_schedules_are_refused_with_the_rule():
+    with pytest.raises(PlanningError, match="interleaved-1f1b is not searched"):
+        _pipelined(("interleaved-1f1b",))
+    with pytest.raises(PlanningError, match="'2f2b' is not a schedule the planner searches"):
+        _pipelined(("2f2b",))
+
+
+# ---- the exhaustive benchmark's arithmetic (benchmarks/planner_exhaustive.py) ------------------
+
+def test_exhaustive_benchmark_summary_ratio_rank_error_and_noise_verdict():
+    from benchmarks.planner_exhaustive import render, summarize
+
+    plans = [("a", 0.010, 1.0), ("b", 0.011, 1.0), ("c", 0.020, 1.0), ("d", 0.030, 1.0)]
+    runs = {0: [{"median_s": x} for x in (0.0120, 0.0118, 0.0121)],      # predicted best
+            1: [{"median_s": x} for x in (0.0110, 0.0112, 0.0111)],      # measured best
+            2: [{"median_s": 0.025}], 3: []}                              # 3 failed to run
+    s = summarize(plans, runs, auto_i=0)
+    assert s["best_measured"]["plan"] == 1 and s["auto"]["measured_rank"] == 2
+    assert s["ratio_auto_over_best"] == pytest.approx(0.0120 / 0.0111)
+    assert s["plans_measured"] == 3 and [r["plan"] for r in s["rows"]] == [0, 1, 2]
+    errs = sorted(abs(x) for x in ((0.010 - 0.012) / 0.012, (0.011 - 0.0111) / 0.0111, (0.020 - 0.025) / 0.025))
+    assert s["median_abs_error"] == pytest.approx(errs[1])
+    assert s["repeated_spread"]["max"] == pytest.approx((0.0121 - 0.0118) / 0.012)
+    assert s["verdict"].startswith("NOT MET")                    # 1.08 > 1.05 with a 2.5 % spread
+    noisy = summarize(plans, {**runs, 1: [{"median_s": 0.0111}, {"median_s": 0.0150}]}, auto_i=0)
+    assert noisy["verdict"].startswith("NOT DECIDED")            # spread > 5 %: no claim either way
+    met = summarize(plans, {**runs, 0: [{"median_s": 0.0112}, {"median_s": 0.0113}]}, auto_i=0)
+    assert met["verdict"].startswith("MET") and met["ratio_auto_over_best"] <= 1.05
+    with pytest.raises(RuntimeError, match="auto pick"):
+        summarize(plans, runs, auto_i=3)
+    out = {"case": {"model_args": {}, "seq_len": 32, "global_batch": 16, "hosts": 2, "devices_per_host": 2,
+                    "space": {"microbatches": [4], "schedules": ["1f1b"], "stages": [1, 2], "max_model": 2,
+                              "rulesets": {}, "remats": ["none"], "plans": 4},
+                    "protocol": {"steps": 12, "warmup_dropped": 4, "top_repeated": 2, "repeats": 2, "order": "x"}},
+           "machine": {"when": "now", "cpu": "cpu", "nproc": 2, "affinity": 2}, "load_avg": {"start": (1, 2, 3)},
+           "calibrated": {"device": {}, "links": {}}, "failed": {3: "boom"},
+           "wall_s": {"calibrate": 1, "plan": 1, "round1": 1, "round2": 1}, **s}
+    md = render(out)
+    assert "NOT MET" in md and "| 0 **auto** |" in md and "1 plan(s) failed to run" in md
