@@ -7,7 +7,9 @@ Basic flow (driven by `orchestrator.driver.executor`):
      world as the platform's backend planned it (`orchestrator.core.backends.jaxinit`:
      explicit coordinator on CPU/GPU, auto-detection on whole TPU slices;
      bounded timeout); builds the stage's
-     named `Mesh`, the jitted programs, parameters and optimizer state.
+     named `Mesh`, the jitted programs, parameters and optimizer state. With
+     `compile_cache` (`failure.compile_cache`) JAX's persistent compilation cache
+     is on first: a restarted stage loads its programs instead of compiling them.
   3. `connect(actors[, addresses])` — every stage's actor handles (interleaved
      schedules send from the last stage back to the first for the next chunk);
      with `transport: socket` also every actor's `transport_address()`.
@@ -79,6 +81,7 @@ class WorkerConfig:
     total_steps: int = 0                 # ... and after the last one
     checkpoint: dict | None = None  # {root, every, total, async[, restore]} (stages.checkpoint); None: off
     loss_scale: dict | None = None  # DynamicLossScale fields (orchestrator.core.model.policy); None: off
+    compile_cache: str | None = None   # JAX persistent compilation cache directory (recovery.compile_cache_dir)
 
     @property
     def layer_chunks(self) -> tuple[tuple[int, int], ...]:
@@ -87,6 +90,23 @@ class WorkerConfig:
     @property
     def who(self) -> str:
         return f"{self.run} stage {self.stage} host {self.host}"
+
+
+def use_compile_cache(jax, path: str, who: str) -> None:
+    """Turn on JAX's persistent compilation cache in `path` (created owner-only) for every program,
+    however quick its compile; a directory others may write is refused (its entries are loaded
+    as executables)."""
+    import stat
+
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    st = os.stat(path)
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) or st.st_uid != os.getuid():
+        raise RuntimeError(f"{who}: failure.compile_cache = {path!r}: the directory must belong to this user "
+                           f"and not be writable by others (mode {stat.S_IMODE(st.st_mode):o}); its entries "
+                           "are loaded as compiled programs")
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 class StageWorker:
@@ -138,6 +158,8 @@ class StageWorker:
             hook.on_setup(cfg)
         import jax
 
+        if cfg.compile_cache:
+            use_compile_cache(jax, cfg.compile_cache, cfg.who)
         from stages.telemetry import watch_compiles
 
         watch_compiles()   # sums jax compile time in this process, for stage_stats

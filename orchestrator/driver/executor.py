@@ -48,7 +48,8 @@ class StepResult:
 
 class PipelineExecutor:
     def __init__(self, checked, lowered, data_source, run: str, eval_schedule=None,
-                 hooks: Sequence[WorkerHook] = (), checkpoint: dict | None = None, deadline=None):
+                 hooks: Sequence[WorkerHook] = (), checkpoint: dict | None = None, deadline=None,
+                 placement_wait: float = 0.0, avoid_nodes: Sequence[str] = ()):
         self.checked, self.lowered, self.data, self.run = checked, lowered, data_source, run
         self.eval_schedule = eval_schedule
         self.hooks = tuple(hooks)       # stages.hooks.WorkerHook objects, passed to every actor
@@ -60,6 +61,9 @@ class PipelineExecutor:
 
         self.deadline = deadline if deadline is not None else ProgressDeadline(t.step_s)
         self.pg = None
+        # a restart's placement waits for the cluster to fit again (placement.reserve), avoiding lost nodes
+        self.placement_wait, self.avoid_nodes = float(placement_wait), tuple(avoid_nodes)
+        self.placement_s: float | None = None     # how long reserving the placement group took
         self.actors: list[list] = []     # [stage][host]
         self.labels: list[list[str]] = []
         self.info: list[dict] = []
@@ -71,6 +75,8 @@ class PipelineExecutor:
 
     # -- lifecycle ---------------------------------------------------------
     def worker_config(self, stage, host: int) -> WorkerConfig:
+        from orchestrator.core.recovery import compile_cache_dir
+
         job = self.checked.job
         grid = self.lowered.actions[stage.index]
         geoms = stage_geoms(self.checked)
@@ -90,6 +96,7 @@ class PipelineExecutor:
             eval_actions=() if self.eval_schedule is None else tuple(
                 str(a) for a in self.eval_schedule.actions[stage.index] if a is not None),
             eval_every=job.run.eval_every, total_steps=job.run.steps, checkpoint=self.checkpoint,
+            compile_cache=compile_cache_dir(job),
             loss_scale=None if job.precision.scaling() is None else job.precision.scaling().to_dict())
 
     def start(self) -> None:
@@ -97,7 +104,12 @@ class PipelineExecutor:
 
         from ray.util import placement_group_table
 
-        self.pg = placement.reserve(self.checked, f"{self.run}/pg", self.timeouts["init_s"])
+        import time
+
+        t0 = time.perf_counter()
+        self.pg = placement.reserve(self.checked, f"{self.run}/pg", self.timeouts["init_s"],
+                                    wait_for_fit=self.placement_wait, avoid=self.avoid_nodes)
+        self.placement_s = time.perf_counter() - t0
         bundle_nodes = placement_group_table(self.pg).get("bundles_to_node_id", {})
         # the mailbox ("io") accepts pushes while the default group runs the step
         remote = ray.remote(concurrency_groups={"io": 4})(StageWorker)
@@ -208,6 +220,10 @@ class PipelineExecutor:
         if self.dispatcher is None:    # an attempt's first call compiles: the configured deadline
             self.dispatcher = dispatch.make(self.kind, flat, labels, counts, self.timeouts["step_s"],
                                             self.checked.cluster.calls_of_steps)
+            if self.checked.job.failure.max_restarts > 0:     # a lost node is noticed in seconds
+                from orchestrator.driver.recovery import NodeWatch
+
+                self.dispatcher.watch = NodeWatch(self.info)
         measured = False
         self.dispatch_info = {"dispatcher": type(self.dispatcher).__name__,
                               "steps_per_call": getattr(self.dispatcher, "per_call", 1)}
