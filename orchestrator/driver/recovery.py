@@ -111,7 +111,8 @@ def lost_nodes(info: list[dict], timeout: float = 2.0) -> dict:
         n = known.get(node_id)
         if n is None or not n.get("Alive"):
             why = "Ray marks it dead"
-        elif not raylet_answers(n.get("NodeManagerAddress", ""), n.get("NodeManagerPort", 0), timeout):
+        elif (n.get("NodeManagerAddress") and n.get("NodeManagerPort")     # (a node without them is not probed)
+              and not raylet_answers(n["NodeManagerAddress"], n["NodeManagerPort"], timeout)):
             why = "its raylet does not accept connections"
         else:
             continue
@@ -139,8 +140,9 @@ class NodeWatch:
             if w.get("node_id"):
                 self.labels.setdefault(w["node_id"], []).append(f"stage {w['stage']} host {w['host']}")
         known = {n["NodeID"]: n for n in ray.nodes() if n.get("Alive")}
-        self.addr = {nid: (known[nid].get("NodeManagerAddress", ""), known[nid].get("NodeManagerPort", 0))
-                     for nid in self.labels if nid in known}
+        self.addr = {nid: (known[nid]["NodeManagerAddress"], known[nid]["NodeManagerPort"])
+                     for nid in self.labels
+                     if nid in known and known[nid].get("NodeManagerAddress") and known[nid].get("NodeManagerPort")}
         self.failed: dict[str, int] = {}
         self.due = time.monotonic() + every
 

@@ -307,6 +307,7 @@ def _run_pipeline(checked, plan, source, on_step, out: Path, echo, extra: dict, 
                 lost = recovery.lost_nodes(ex.info)      # a node of the run gone: the failure is its loss
                 failure = node_loss(failure, lost)
                 gone.update(lost)
+                hung += [lbl for n in lost.values() for lbl in n["labels"] if lbl not in hung]  # killed, not waited for
                 where = ex.node_of(failure.stage, failure.host)
                 committed = recovery.committed_step(checked)
                 decision = policy.decide(failure, committed)
