@@ -298,8 +298,9 @@ def _run_pipeline(checked, plan, source, on_step, out: Path, echo, extra: dict, 
                 committed = recovery.committed_step(checked)
                 why = Decision(False, f"the placement could not be reserved again within {wait_s:g} s "
                                       f"(failure.placement_timeout_s): {e}")
+                done = ckpt.start + (recovering or {}).get("steps_lost", 0)     # the steps done before the failure
                 raise recovery.RecoveryStopped.after(recovery.stop_message(
-                    failure, where, why, committed, ckpt.start + (recovering or {}).get("steps_lost", 0), resume_command), e) from e
+                    failure, where, why, committed, done, resume_command), e) from e
             except recovery.RECOVERABLE as e:
                 detected_at, waited = time.time(), time.monotonic() - progress_at
                 hung[:] = ex.unresponsive(getattr(e, "labels", [])) if recovery.is_hang(e) else []
