@@ -115,6 +115,9 @@ class StageWorker:
         self.inbox = Mailbox(cfg.who)
         self.actors: list[list] = []    # every stage's actor handles, set by connect()
         self._step_state = None         # the step run_action is in
+        # what a RECV (and the end-of-step flush) waits: timeouts.step_s until the driver has
+        # measured steps, then what it sets (`set_recv_deadline`: a multiple of its progress deadline)
+        self.recv_s = float(cfg.timeouts.get("step_s", 600.0))
         self.ckpt = None                # stages.checkpoint.StageCheckpointer when checkpointing
         from orchestrator.core.model.policy import DynamicLossScale
 
@@ -361,7 +364,13 @@ class StageWorker:
     def heartbeat(self) -> dict:
         """Called in the "io" group: answers while a step runs or waits; a stopped process does not
         (how the driver tells the hung actor from the ones waiting on it)."""
-        return {"pid": os.getpid(), "time": time.time()}
+        return {"pid": os.getpid(), "time": time.time(), "recv_s": self.recv_s}
+
+    def set_recv_deadline(self, seconds: float) -> float:
+        """Called in the "io" group once steps are measured: the seconds a RECV of a step that starts
+        from now on may wait (never above `timeouts.step_s`, never below 1 s); returns it."""
+        self.recv_s = min(max(float(seconds), 1.0), float(self.cfg.timeouts.get("step_s", 600.0)))
+        return self.recv_s
 
     def abort_step(self, reason: str) -> None:
         """A peer's step failed: whatever this actor waits for from it fails now, not at its deadline.
@@ -401,7 +410,7 @@ class StageWorker:
         for hook in self.cfg.hooks:
             hook.on_step(self.cfg, step)
         self._pin_thread()
-        st = StepState(step, self.cfg.timeouts.get("step_s", 600.0))
+        st = StepState(step, self.recv_s)
         if self.loader is not None:
             waited = self.loader.wait_s
             st.batch = self.loader.get(step, st.timeout)
@@ -473,13 +482,13 @@ class StageWorker:
             self._eval_batches = [None if loader is None else loader.load(b) for b in range(cfg.data.eval_batches)]
         losses = []
         for b, batch in enumerate(self._eval_batches):
-            st = StepState(step, cfg.timeouts.get("step_s", 600.0), tag=f"E{b}")   # its own mailbox keys
+            st = StepState(step, self.recv_s, tag=f"E{b}")   # its own mailbox keys
             st.batch = batch
             for a, _, handler in self.eval_program:
                 handler(self, st, a)
             if self.progs[-1].last:
                 losses.append(float(np.mean([float(st.losses[i]) for i in range(cfg.microbatches)])))
-        self.transport.flush(cfg.timeouts.get("step_s", 600.0))
+        self.transport.flush(self.recv_s)
         out["eval_s"] = time.perf_counter() - t0
         if self.progs[-1].last:
             out["eval_losses"] = losses

@@ -343,8 +343,9 @@ def test_restarts_used_up_stop_with_the_resume_command(tmp_path, no_leaks, unint
 def test_sigstop_hang_is_detected_by_the_progress_deadline_and_recovered(tmp_path, no_leaks, uninterrupted):
     """SIGSTOP of stage 1's actor in step 5: no result within the progress deadline (max(30 s, 3 x
     4 x the median step), the first call's steps measured), the stopped actor is the one that does
-    not answer a heartbeat (stage 0 waits on it and answers), it is killed first, and the run
-    restarts from step 4 and finishes equal to the uninterrupted run."""
+    not answer a heartbeat (stage 0 waits on it and answers, with its RECV deadline: twice the
+    driver's, not timeouts.step_s), it is killed first, and the run restarts from step 4 and
+    finishes equal to the uninterrupted run."""
     import os
     import signal
     import threading
@@ -380,6 +381,8 @@ def test_sigstop_hang_is_detected_by_the_progress_deadline_and_recovered(tmp_pat
     assert (rec["cause"], rec["stage"], rec["host"], rec["resumed_from"]) == ("hang", 1, 0, 4), rec
     assert "not answering a heartbeat: stage 1 host 0" in rec["error"], rec
     assert rec["progress_deadline_s"] == 30.0, rec          # tiny steps: the floor
+    # the waiting actor's RECV deadline follows the driver's (twice it: the driver calls the hang first)
+    assert rec["recv_deadline_s"] == {"stage 0 host 0": 2 * rec["progress_deadline_s"]}, rec
     detect = rec["detected_at"] - stopped["at"]
     assert 0 < detect < rec["progress_deadline_s"] + 10, rec  # the deadline, plus the heartbeat probe
     assert rec["teardown_s"] < 30, rec                      # the stopped actor was killed, not waited for

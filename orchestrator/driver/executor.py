@@ -20,7 +20,10 @@ Basic flow:
 The progress deadline (`orchestrator.core.recovery.ProgressDeadline`, shared by the
 recovery loop's attempts) bounds each call: `timeouts.step_s` until steps were measured,
 then max(30 s, 3 × n × the median step time) for a call of n steps, never above n × step_s;
-an attempt's first step (compilation) is not measured.
+an attempt's first step (compilation) is not measured. Once measured, every actor's RECV
+deadline follows it too (`RECV_FACTOR` × the call's deadline, never above `timeouts.step_s`):
+looser than the driver's, so the driver — which can tell the hung actor from the ones waiting
+on it — always calls a hang first.
 """
 from __future__ import annotations
 
@@ -33,6 +36,8 @@ from orchestrator.core.edges import stage_geoms
 from orchestrator.driver.waiting import wait_all
 from stages.hooks import WorkerHook
 from stages.worker import StageWorker, WorkerConfig
+
+RECV_FACTOR = 2.0    # an actor's RECV deadline: this × the driver's progress deadline for a call
 
 
 @dataclass
@@ -64,6 +69,8 @@ class PipelineExecutor:
         # a restart's placement waits for the cluster to fit again (placement.reserve), avoiding lost nodes
         self.placement_wait, self.avoid_nodes = float(placement_wait), tuple(avoid_nodes)
         self.placement_s: float | None = None     # how long reserving the placement group took
+        self.recv_s: float | None = None          # the RECV deadline last set on the actors (None: step_s)
+        self.heartbeats: dict[str, dict] = {}     # label -> the last heartbeat answer (`unresponsive`)
         self.actors: list[list] = []     # [stage][host]
         self.labels: list[list[str]] = []
         self.info: list[dict] = []
@@ -160,7 +167,7 @@ class PipelineExecutor:
             ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout)
             for r in ready:
                 try:
-                    ray.get(r, timeout=1.0)
+                    self.heartbeats[refs[r]] = ray.get(r, timeout=1.0)
                     answered.add(refs[r])
                 except Exception:  # noqa: BLE001 - dead counts as not answering
                     pass
@@ -236,9 +243,24 @@ class PipelineExecutor:
             if measured:
                 self.deadline.observe(wall)
                 self.dispatcher.call_s = self.deadline.call_s
+                self._follow_deadline(flat)
             measured = True
             yield StepResult(step=i, loss=sum(losses) / len(losses), wall_s=wall, spans=spans, stats=stats,
                              eval_loss=None if ev is None else sum(ev) / len(ev), checkpoints=saved)
+
+    def _follow_deadline(self, flat: list) -> None:
+        """Set every actor's RECV deadline to RECV_FACTOR × the progress deadline of a call (fire and
+        forget, in the "io" group) when it moved by more than a tenth since last set."""
+        per_call = getattr(self.dispatcher, "per_call", 1)
+        want = min(self.timeouts["step_s"], RECV_FACTOR * self.deadline.call_s(per_call))
+        if self.recv_s is not None and abs(want - self.recv_s) <= 0.1 * self.recv_s:
+            return
+        self.recv_s = want
+        for a in flat:
+            try:
+                a.set_recv_deadline.options(concurrency_group="io").remote(want)
+            except Exception:  # noqa: BLE001 - the actor keeps its deadline; a dead one fails its step anyway
+                pass
 
     def node_of(self, stage: int | None, host: int | None) -> dict:
         """Where (stage, host) ran: cluster host (bundle) index and Ray node id, as far as known."""

@@ -310,6 +310,7 @@ def _run_pipeline(checked, plan, source, on_step, out: Path, echo, extra: dict, 
                 gone.update(lost)
                 hung += [lbl for n in lost.values() for lbl in n["labels"] if lbl not in hung]  # killed, not waited for
                 where = ex.node_of(failure.stage, failure.host)
+                recv_deadlines = {lbl: h.get("recv_s") for lbl, h in ex.heartbeats.items()}   # as the actors said
                 committed = recovery.committed_step(checked)
                 decision = policy.decide(failure, committed)
                 if not decision.restart:
@@ -327,7 +328,8 @@ def _run_pipeline(checked, plan, source, on_step, out: Path, echo, extra: dict, 
                 ckpt = prepare(checked, "latest")    # as --resume: checks, removes uncommitted saves
                 rec = recovery.record(failure, where, ckpt.start, len(losses), detected_at, waited)
                 rec.update(restart=policy.restarts, teardown_s=teardown_s,
-                           progress_deadline_s=deadline.call_s(checked.cluster.calls_of_steps))
+                           progress_deadline_s=deadline.call_s(checked.cluster.calls_of_steps),
+                           recv_deadline_s=recv_deadlines)
                 recoveries.append(rec)
                 extra["restarts"] = policy.restarts
                 if metrics is not None:
