@@ -7,7 +7,9 @@ Basic flow (driven by `orchestrator.driver.executor`):
      world as the platform's backend planned it (`orchestrator.core.backends.jaxinit`:
      explicit coordinator on CPU/GPU, auto-detection on whole TPU slices;
      bounded timeout); builds the stage's
-     named `Mesh`, the jitted programs, parameters and optimizer state.
+     named `Mesh`, the jitted programs, parameters and optimizer state. With
+     `compile_cache` (`failure.compile_cache`) JAX's persistent compilation cache
+     is on first: a restarted stage loads its programs instead of compiling them.
   3. `connect(actors[, addresses])` — every stage's actor handles (interleaved
      schedules send from the last stage back to the first for the next chunk);
      with `transport: socket` also every actor's `transport_address()`.
@@ -79,6 +81,7 @@ class WorkerConfig:
     total_steps: int = 0                 # ... and after the last one
     checkpoint: dict | None = None  # {root, every, total, async[, restore]} (stages.checkpoint); None: off
     loss_scale: dict | None = None  # DynamicLossScale fields (orchestrator.core.model.policy); None: off
+    compile_cache: str | None = None   # JAX persistent compilation cache directory (recovery.compile_cache_dir)
 
     @property
     def layer_chunks(self) -> tuple[tuple[int, int], ...]:
@@ -89,12 +92,32 @@ class WorkerConfig:
         return f"{self.run} stage {self.stage} host {self.host}"
 
 
+def use_compile_cache(jax, path: str, who: str) -> None:
+    """Turn on JAX's persistent compilation cache in `path` (created owner-only) for every program,
+    however quick its compile; a directory others may write is refused (its entries are loaded
+    as executables)."""
+    import stat
+
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    st = os.stat(path)
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) or st.st_uid != os.getuid():
+        raise RuntimeError(f"{who}: failure.compile_cache = {path!r}: the directory must belong to this user "
+                           f"and not be writable by others (mode {stat.S_IMODE(st.st_mode):o}); its entries "
+                           "are loaded as compiled programs")
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
 class StageWorker:
     def __init__(self, cfg: WorkerConfig):
         self.cfg = cfg
         self.inbox = Mailbox(cfg.who)
         self.actors: list[list] = []    # every stage's actor handles, set by connect()
         self._step_state = None         # the step run_action is in
+        # what a RECV (and the end-of-step flush) waits: timeouts.step_s until the driver has
+        # measured steps, then what it sets (`set_recv_deadline`: a multiple of its progress deadline)
+        self.recv_s = float(cfg.timeouts.get("step_s", 600.0))
         self.ckpt = None                # stages.checkpoint.StageCheckpointer when checkpointing
         from orchestrator.core.model.policy import DynamicLossScale
 
@@ -138,6 +161,8 @@ class StageWorker:
             hook.on_setup(cfg)
         import jax
 
+        if cfg.compile_cache:
+            use_compile_cache(jax, cfg.compile_cache, cfg.who)
         from stages.telemetry import watch_compiles
 
         watch_compiles()   # sums jax compile time in this process, for stage_stats
@@ -339,7 +364,13 @@ class StageWorker:
     def heartbeat(self) -> dict:
         """Called in the "io" group: answers while a step runs or waits; a stopped process does not
         (how the driver tells the hung actor from the ones waiting on it)."""
-        return {"pid": os.getpid(), "time": time.time()}
+        return {"pid": os.getpid(), "time": time.time(), "recv_s": self.recv_s}
+
+    def set_recv_deadline(self, seconds: float) -> float:
+        """Called in the "io" group once steps are measured: the seconds a RECV of a step that starts
+        from now on may wait (never above `timeouts.step_s`, never below 1 s); returns it."""
+        self.recv_s = min(max(float(seconds), 1.0), float(self.cfg.timeouts.get("step_s", 600.0)))
+        return self.recv_s
 
     def abort_step(self, reason: str) -> None:
         """A peer's step failed: whatever this actor waits for from it fails now, not at its deadline.
@@ -379,7 +410,7 @@ class StageWorker:
         for hook in self.cfg.hooks:
             hook.on_step(self.cfg, step)
         self._pin_thread()
-        st = StepState(step, self.cfg.timeouts.get("step_s", 600.0))
+        st = StepState(step, self.recv_s)
         if self.loader is not None:
             waited = self.loader.wait_s
             st.batch = self.loader.get(step, st.timeout)
@@ -451,13 +482,13 @@ class StageWorker:
             self._eval_batches = [None if loader is None else loader.load(b) for b in range(cfg.data.eval_batches)]
         losses = []
         for b, batch in enumerate(self._eval_batches):
-            st = StepState(step, cfg.timeouts.get("step_s", 600.0), tag=f"E{b}")   # its own mailbox keys
+            st = StepState(step, self.recv_s, tag=f"E{b}")   # its own mailbox keys
             st.batch = batch
             for a, _, handler in self.eval_program:
                 handler(self, st, a)
             if self.progs[-1].last:
                 losses.append(float(np.mean([float(st.losses[i]) for i in range(cfg.microbatches)])))
-        self.transport.flush(cfg.timeouts.get("step_s", 600.0))
+        self.transport.flush(self.recv_s)
         out["eval_s"] = time.perf_counter() - t0
         if self.progs[-1].last:
             out["eval_losses"] = losses

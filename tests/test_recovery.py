@@ -40,6 +40,43 @@ def test_failure_section_keys_and_rules(tmp_path):
     assert parse_job(no_ckpt).checkpoint is None
 
 
+def test_placement_timeout_and_compile_cache_keys(tmp_path):
+    from orchestrator.core.recovery import compile_cache_dir
+
+    raw = gpt_job(tmp_path, "f", tmp_path / "ck")
+    job = parse_job(raw)
+    assert (job.failure.placement_timeout_s, job.failure.compile_cache) == (None, "auto")
+    assert compile_cache_dir(job) is None                       # auto: off without restarts
+    raw["failure"] = {"max_restarts": 1, "placement_timeout_s": 45}
+    job = parse_job(raw)
+    assert job.failure.placement_timeout_s == 45.0 and parse_job(job.to_dict()) == job
+    assert compile_cache_dir(job) == str((tmp_path / "runs" / "f" / "compile_cache").resolve())
+    raw["failure"] = {"max_restarts": 1, "compile_cache": None}
+    assert compile_cache_dir(parse_job(raw)) is None
+    raw["failure"] = {"compile_cache": str(tmp_path / "cc")}       # a path: on, restarts or not
+    assert compile_cache_dir(parse_job(raw)) == str(tmp_path / "cc")
+    for key, value, rule in [("placement_timeout_s", 0, "must be > 0"), ("placement_timeout_s", "x", ""),
+                             ("compile_cache", "", "a directory path"), ("compile_cache", 3, "")]:
+        raw["failure"] = {"max_restarts": 1, key: value}
+        has_all(error_of(parse_job, raw), f"failure.{key}", repr(value), rule)
+
+
+def test_compile_cache_directory_is_private(tmp_path):
+    """The worker refuses a cache directory others may write (its entries are loaded as programs)."""
+    import os
+
+    import jax
+
+    from stages.worker import use_compile_cache
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    with pytest.raises(RuntimeError, match="not be writable by others"):
+        use_compile_cache(jax, str(shared), "r stage 0 host 0")
+    assert jax.config.jax_compilation_cache_dir != str(shared)
+
+
 def test_restarts_refused_under_the_compiled_graph_executor(tmp_path):
     from orchestrator.core.config import check_job, parse_cluster
 
@@ -99,6 +136,34 @@ def test_classify_names_the_peer_that_failed_not_the_one_told_to_abort():
     assert (f.cause, f.stage, f.host, f.step) == (HANG, 1, 0, 6)
     f = classify(ProgressTimeout("no answer", ["stage 0 host 0", "stage 1 host 0"]), 6)
     assert (f.cause, f.stage) == (HANG, None)
+
+
+def test_a_failure_while_a_node_is_gone_is_that_nodes_loss():
+    from orchestrator.core.recovery import DIED, ERROR, NODE_LOST, Failure, RestartPolicy, node_loss
+
+    seen = Failure(ERROR, 0, 0, 5, "RuntimeError: Gloo: Connection reset by peer")
+    assert node_loss(seen, {}) is seen                          # no node gone: the failure as it was
+    f = node_loss(seen, {"ab" * 28: {"labels": ["stage 0 host 1", "stage 1 host 0"], "why": "Ray marks it dead",
+                                     "address": "10.1.2.3"}})
+    assert (f.cause, f.stage, f.host, f.step) == (NODE_LOST, 0, 1, 5)
+    assert f.text.startswith(f"node {'ab' * 6} (10.1.2.3) is gone (Ray marks it dead), with stage 0 host 1, "
+                             "stage 1 host 0; first error seen: error: stage 0 host 0: RuntimeError: Gloo")
+    p = RestartPolicy(2)                   # a node loss is never "the same failure", like a death
+    assert p.decide(f, committed=4).restart and p.decide(f, committed=4).restart
+    assert "used up" in p.decide(node_loss(Failure(DIED, 1, 0, 5, "x"), {"n": {"labels": [], "why": "w"}}), 4).reason
+
+
+def test_raylet_probe_tells_a_listening_port_from_a_closed_one():
+    import socket
+
+    from orchestrator.driver.recovery import raylet_answers
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        assert raylet_answers("127.0.0.1", port, 2.0)
+    assert not raylet_answers("127.0.0.1", port, 2.0)          # closed: refused at once
 
 
 def test_progress_deadline_follows_measured_steps():
@@ -278,8 +343,9 @@ def test_restarts_used_up_stop_with_the_resume_command(tmp_path, no_leaks, unint
 def test_sigstop_hang_is_detected_by_the_progress_deadline_and_recovered(tmp_path, no_leaks, uninterrupted):
     """SIGSTOP of stage 1's actor in step 5: no result within the progress deadline (max(30 s, 3 x
     4 x the median step), the first call's steps measured), the stopped actor is the one that does
-    not answer a heartbeat (stage 0 waits on it and answers), it is killed first, and the run
-    restarts from step 4 and finishes equal to the uninterrupted run."""
+    not answer a heartbeat (stage 0 waits on it and answers, with its RECV deadline: twice the
+    driver's, not timeouts.step_s), it is killed first, and the run restarts from step 4 and
+    finishes equal to the uninterrupted run."""
     import os
     import signal
     import threading
@@ -315,6 +381,8 @@ def test_sigstop_hang_is_detected_by_the_progress_deadline_and_recovered(tmp_pat
     assert (rec["cause"], rec["stage"], rec["host"], rec["resumed_from"]) == ("hang", 1, 0, 4), rec
     assert "not answering a heartbeat: stage 1 host 0" in rec["error"], rec
     assert rec["progress_deadline_s"] == 30.0, rec          # tiny steps: the floor
+    # the waiting actor's RECV deadline follows the driver's (twice it: the driver calls the hang first)
+    assert rec["recv_deadline_s"] == {"stage 0 host 0": 2 * rec["progress_deadline_s"]}, rec
     detect = rec["detected_at"] - stopped["at"]
     assert 0 < detect < rec["progress_deadline_s"] + 10, rec  # the deadline, plus the heartbeat probe
     assert rec["teardown_s"] < 30, rec                      # the stopped actor was killed, not waited for

@@ -24,7 +24,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional
 
-DIED, HANG, ERROR = "actor died", "hang", "error"
+DIED, NODE_LOST, HANG, ERROR = "actor died", "node lost", "hang", "error"
 STEP_NOTE = "meshpipe step failure: "   # + "<who> failed in step N: <error>", a note on a step's own error
 # "<who> failed in step N: <error>", inside "mailbox closed (...) while waiting for <key>" or at a line's end
 _ABORT = re.compile(r"(?:\S+ )?stage (\d+) host (\d+) failed in step (\d+): (.*?)(?:\) while waiting for .*)?$")
@@ -36,7 +36,8 @@ class Failure:
     """One failure as the driver saw it.
 
     Attributes:
-      cause: DIED (the actor's process is gone), HANG (no progress within the deadline) or ERROR.
+      cause: DIED (the actor's process is gone), NODE_LOST (a node that held actors of the run is
+        gone), HANG (no progress within the deadline) or ERROR.
       stage, host: the failed actor (None when unknown).
       step: the step it failed in (the first step the driver had no result for, unless the
         actor said which).
@@ -57,7 +58,7 @@ class Failure:
         """What makes two failures "the same": cause, actor, step, and for errors their text. A death
         has no key: a killed process or a lost node says nothing about the next attempt (a death
         that repeats counts against `max_restarts` only)."""
-        if self.cause == DIED:
+        if self.cause in (DIED, NODE_LOST):
             return None
         return (self.cause, self.stage, self.host, self.step, self.text if self.cause == ERROR else "")
 
@@ -79,6 +80,46 @@ def label_of(label: Optional[str]) -> tuple[Optional[int], Optional[int]]:
     """`"stage 1 host 0"` → (1, 0); anything else → (None, None)."""
     m = _LABEL.search(label or "")
     return (int(m[1]), int(m[2])) if m else (None, None)
+
+
+def node_loss(failure: Failure, lost: dict) -> Failure:
+    """`failure` as the loss of a node: `lost` maps each gone node's id to {"labels": the run's
+    actors it held ("stage 0 host 1"), "why": how the driver knows, "address": its IP}. The
+    failure then names the first actor of the first lost node (the record's node is that one's);
+    the error first seen stays in the text.
+
+    >>> f = node_loss(Failure(ERROR, 0, 0, 5, "Gloo: Connection reset by peer"),
+    ...               {"3f2a": {"labels": ["stage 0 host 1"], "why": "its raylet refuses connections",
+    ...                         "address": "10.0.0.2"}})
+    >>> (f.cause, f.stage, f.host, f.step)
+    ('node lost', 0, 1, 5)
+    >>> f.text
+    'node 3f2a (10.0.0.2) is gone (its raylet refuses connections), with stage 0 host 1; first error seen: error: stage 0 host 0: Gloo: Connection reset by peer'
+    """
+    if not lost:
+        return failure
+    parts = []
+    for node_id, n in lost.items():
+        at = f" ({n['address']})" if n.get("address") else ""
+        parts.append(f"node {node_id[:12]}{at} is gone ({n['why']}), with {', '.join(n['labels'])}")
+    first = next(iter(lost.values()))["labels"]
+    stage, host = label_of(first[0] if first else None)
+    seen = f"; first error seen: {failure.cause}: {failure.who}: {failure.text}" if failure.text else ""
+    return Failure(NODE_LOST, stage, host, failure.step, "; ".join(parts) + seen)
+
+
+def compile_cache_dir(job) -> Optional[str]:
+    """The stage actors' JAX persistent-compilation-cache directory for `job` (None: off):
+    `failure.compile_cache` "auto" is `<run.output_dir>/<run.name>/compile_cache` when restarts
+    are allowed (a restarted stage loads its programs instead of compiling them) and off
+    otherwise; a path is used as it is (made absolute against the driver's directory); null is off."""
+    import os
+
+    want = job.failure.compile_cache
+    if want is None or (want == "auto" and job.failure.max_restarts == 0):
+        return None
+    path = os.path.join(job.run.output_dir, job.run.name, "compile_cache") if want == "auto" else want
+    return os.path.abspath(os.path.expanduser(path))
 
 
 @dataclass(frozen=True)
@@ -159,4 +200,5 @@ class ProgressDeadline:
         return min(self.configured_s * n, max(self.floor_s, self.factor * n * statistics.median(self.times)))
 
 
-__all__ = ["DIED", "ERROR", "HANG", "Decision", "Failure", "ProgressDeadline", "RestartPolicy", "label_of", "origin"]
+__all__ = ["DIED", "ERROR", "HANG", "NODE_LOST", "Decision", "Failure", "ProgressDeadline", "RestartPolicy",
+           "compile_cache_dir", "label_of", "node_loss", "origin"]

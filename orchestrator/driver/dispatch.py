@@ -30,7 +30,7 @@ import sys
 import time
 from collections import deque
 
-from orchestrator.driver.waiting import ProgressTimeout, stage_failure, wait_all
+from orchestrator.driver.waiting import WATCH_SLICE_S, ProgressTimeout, stage_failure, wait_all
 
 KINDS = ("step_calls", "compiled_graph", "action_calls")
 
@@ -51,6 +51,7 @@ class _Batched:
     """Calls of `per_call` steps, one call queued ahead; subclasses submit and collect one call."""
 
     ahead = 1
+    watch = None     # called while a call is awaited (waiting.wait_all); the executor sets its node watch
 
     def __init__(self, labels: list[str], step_s: float, per_call: int):
         self.labels, self.step_s, self.per_call = labels, step_s, per_call
@@ -109,7 +110,7 @@ class StepCalls(_Batched):
         return [a.run_steps.remote(first, n) for a in self.actors]
 
     def _collect(self, first, n, refs):
-        return wait_all(refs, self.call_s(n), f"steps {first}-{first + n - 1}", self.labels)
+        return wait_all(refs, self.call_s(n), f"steps {first}-{first + n - 1}", self.labels, watch=self.watch)
 
 
 class CompiledGraph(_Batched):
@@ -183,6 +184,8 @@ class CompiledGraph(_Batched):
 
 
 class ActionCalls:
+    watch = None     # as _Batched.watch
+
     def __init__(self, actors, labels, step_s: float, action_counts: list[int]):
         self.actors, self.labels, self.step_s, self.counts = actors, labels, step_s, action_counts
 
@@ -199,7 +202,12 @@ class ActionCalls:
             outs: list = [None] * len(self.actors)
             pending = {self.actors[j].run_action.remote(i, 0): j for j in range(len(self.actors))}
             while pending:
-                ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+                left = max(0.0, deadline - time.monotonic())
+                ready, _ = ray.wait(list(pending), num_returns=1,
+                                    timeout=left if self.watch is None else min(left, WATCH_SLICE_S))
+                if not ready and self.watch is not None and left > WATCH_SLICE_S:
+                    self.watch()
+                    continue
                 if not ready:
                     stuck = [self.labels[j] for j in pending.values()]
                     raise ProgressTimeout(f"step {i}: no answer within {self.call_s(1):.0f} s from "

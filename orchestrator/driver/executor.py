@@ -20,7 +20,10 @@ Basic flow:
 The progress deadline (`orchestrator.core.recovery.ProgressDeadline`, shared by the
 recovery loop's attempts) bounds each call: `timeouts.step_s` until steps were measured,
 then max(30 s, 3 × n × the median step time) for a call of n steps, never above n × step_s;
-an attempt's first step (compilation) is not measured.
+an attempt's first step (compilation) is not measured. Once measured, every actor's RECV
+deadline follows it too (`RECV_FACTOR` × the call's deadline, never above `timeouts.step_s`):
+looser than the driver's, so the driver — which can tell the hung actor from the ones waiting
+on it — always calls a hang first.
 """
 from __future__ import annotations
 
@@ -33,6 +36,8 @@ from orchestrator.core.edges import stage_geoms
 from orchestrator.driver.waiting import wait_all
 from stages.hooks import WorkerHook
 from stages.worker import StageWorker, WorkerConfig
+
+RECV_FACTOR = 2.0    # an actor's RECV deadline: this × the driver's progress deadline for a call
 
 
 @dataclass
@@ -48,7 +53,8 @@ class StepResult:
 
 class PipelineExecutor:
     def __init__(self, checked, lowered, data_source, run: str, eval_schedule=None,
-                 hooks: Sequence[WorkerHook] = (), checkpoint: dict | None = None, deadline=None):
+                 hooks: Sequence[WorkerHook] = (), checkpoint: dict | None = None, deadline=None,
+                 placement_wait: float = 0.0, avoid_nodes: Sequence[str] = ()):
         self.checked, self.lowered, self.data, self.run = checked, lowered, data_source, run
         self.eval_schedule = eval_schedule
         self.hooks = tuple(hooks)       # stages.hooks.WorkerHook objects, passed to every actor
@@ -60,6 +66,11 @@ class PipelineExecutor:
 
         self.deadline = deadline if deadline is not None else ProgressDeadline(t.step_s)
         self.pg = None
+        # a restart's placement waits for the cluster to fit again (placement.reserve), avoiding lost nodes
+        self.placement_wait, self.avoid_nodes = float(placement_wait), tuple(avoid_nodes)
+        self.placement_s: float | None = None     # how long reserving the placement group took
+        self.recv_s: float | None = None          # the RECV deadline last set on the actors (None: step_s)
+        self.heartbeats: dict[str, dict] = {}     # label -> the last heartbeat answer (`unresponsive`)
         self.actors: list[list] = []     # [stage][host]
         self.labels: list[list[str]] = []
         self.info: list[dict] = []
@@ -71,6 +82,8 @@ class PipelineExecutor:
 
     # -- lifecycle ---------------------------------------------------------
     def worker_config(self, stage, host: int) -> WorkerConfig:
+        from orchestrator.core.recovery import compile_cache_dir
+
         job = self.checked.job
         grid = self.lowered.actions[stage.index]
         geoms = stage_geoms(self.checked)
@@ -90,6 +103,7 @@ class PipelineExecutor:
             eval_actions=() if self.eval_schedule is None else tuple(
                 str(a) for a in self.eval_schedule.actions[stage.index] if a is not None),
             eval_every=job.run.eval_every, total_steps=job.run.steps, checkpoint=self.checkpoint,
+            compile_cache=compile_cache_dir(job),
             loss_scale=None if job.precision.scaling() is None else job.precision.scaling().to_dict())
 
     def start(self) -> None:
@@ -97,7 +111,12 @@ class PipelineExecutor:
 
         from ray.util import placement_group_table
 
-        self.pg = placement.reserve(self.checked, f"{self.run}/pg", self.timeouts["init_s"])
+        import time
+
+        t0 = time.perf_counter()
+        self.pg = placement.reserve(self.checked, f"{self.run}/pg", self.timeouts["init_s"],
+                                    wait_for_fit=self.placement_wait, avoid=self.avoid_nodes)
+        self.placement_s = time.perf_counter() - t0
         bundle_nodes = placement_group_table(self.pg).get("bundles_to_node_id", {})
         # the mailbox ("io") accepts pushes while the default group runs the step
         remote = ray.remote(concurrency_groups={"io": 4})(StageWorker)
@@ -148,7 +167,7 @@ class PipelineExecutor:
             ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout)
             for r in ready:
                 try:
-                    ray.get(r, timeout=1.0)
+                    self.heartbeats[refs[r]] = ray.get(r, timeout=1.0)
                     answered.add(refs[r])
                 except Exception:  # noqa: BLE001 - dead counts as not answering
                     pass
@@ -208,6 +227,10 @@ class PipelineExecutor:
         if self.dispatcher is None:    # an attempt's first call compiles: the configured deadline
             self.dispatcher = dispatch.make(self.kind, flat, labels, counts, self.timeouts["step_s"],
                                             self.checked.cluster.calls_of_steps)
+            if self.checked.job.failure.max_restarts > 0:     # a lost node is noticed in seconds
+                from orchestrator.driver.recovery import NodeWatch
+
+                self.dispatcher.watch = NodeWatch(self.info)
         measured = False
         self.dispatch_info = {"dispatcher": type(self.dispatcher).__name__,
                               "steps_per_call": getattr(self.dispatcher, "per_call", 1)}
@@ -220,9 +243,24 @@ class PipelineExecutor:
             if measured:
                 self.deadline.observe(wall)
                 self.dispatcher.call_s = self.deadline.call_s
+                self._follow_deadline(flat)
             measured = True
             yield StepResult(step=i, loss=sum(losses) / len(losses), wall_s=wall, spans=spans, stats=stats,
                              eval_loss=None if ev is None else sum(ev) / len(ev), checkpoints=saved)
+
+    def _follow_deadline(self, flat: list) -> None:
+        """Set every actor's RECV deadline to RECV_FACTOR × the progress deadline of a call (fire and
+        forget, in the "io" group) when it moved by more than a tenth since last set."""
+        per_call = getattr(self.dispatcher, "per_call", 1)
+        want = min(self.timeouts["step_s"], RECV_FACTOR * self.deadline.call_s(per_call))
+        if self.recv_s is not None and abs(want - self.recv_s) <= 0.1 * self.recv_s:
+            return
+        self.recv_s = want
+        for a in flat:
+            try:
+                a.set_recv_deadline.options(concurrency_group="io").remote(want)
+            except Exception:  # noqa: BLE001 - the actor keeps its deadline; a dead one fails its step anyway
+                pass
 
     def node_of(self, stage: int | None, host: int | None) -> dict:
         """Where (stage, host) ran: cluster host (bundle) index and Ray node id, as far as known."""

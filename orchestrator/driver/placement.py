@@ -193,21 +193,45 @@ def check_fits(bundle: Mapping[str, float], count: int, strategy: str,
                              f"{sum(per_node)} in all (bundles cannot span nodes); {tail}")
 
 
-def reserve(checked, name: str, timeout: float):
-    """Create and wait for the job's placement group, or raise PlacementError (nothing left behind)."""
+def reserve(checked, name: str, timeout: float, wait_for_fit: float = 0.0, avoid: Sequence[str] = ()):
+    """Create and wait for the job's placement group, or raise PlacementError (nothing left behind).
+
+    Args:
+      timeout: how long Ray may take to place the group (`cluster.timeouts.init_s`).
+      wait_for_fit: a restart's placement (`failure.placement_timeout_s`): while the live nodes
+        cannot hold the job (e.g. a lost node not yet replaced), look again every second for up to
+        this long instead of failing at once; the group's own wait then gets what is left of it.
+      avoid: node ids known to be gone (a node Ray has not marked dead yet is not counted).
+    """
+    import time
+
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
     cl = checked.cluster
     backend = get_backend(cl)
     n = sum(len(s.hosts) for s in checked.stages)
-    nodes = live_nodes()
-    backend.check_live(n, nodes)           # platform rules against live resources/labels (names the key)
-    sites = backend.sites(n, nodes)
-    wanted = bundles(checked, sites)
+    key = "failure.placement_timeout_s" if wait_for_fit else "cluster.timeouts.init_s"
+    until = time.monotonic() + wait_for_fit
+    while True:
+        nodes = [x for x in live_nodes() if x.node_id not in avoid]
+        try:
+            backend.check_live(n, nodes)           # platform rules against live resources/labels (names the key)
+            sites = backend.sites(n, nodes)
+            wanted = bundles(checked, sites)
+            common = {k: min(b.get(k, 0.0) for b in wanted) for k in wanted[0]}   # e.g. without the TPU head resource
+            check_fits(common, len(wanted), cl.placement_strategy, [dict(x.resources) for x in nodes])  # before any group
+            break
+        except PlacementError as e:
+            if time.monotonic() >= until:
+                if wait_for_fit:
+                    raise PlacementError(f"{e} (still so after waiting {wait_for_fit:g} s for the cluster to "
+                                         f"fit the job again: {key})") from e
+                raise
+            time.sleep(1.0)
+    if wait_for_fit:
+        timeout = max(1.0, until - time.monotonic())
     selectors = [backend.label_selector(site) for site in sites]
-    common = {k: min(b.get(k, 0.0) for b in wanted) for k in wanted[0]}   # e.g. without the TPU head resource
-    check_fits(common, len(wanted), cl.placement_strategy, [dict(x.resources) for x in nodes])  # before any group
     extra = {"bundle_label_selector": selectors} if any(selectors) else {}
     pg = placement_group(wanted, strategy=cl.placement_strategy, name=name, **extra)
     ready, _ = ray.wait([pg.ready()], timeout=timeout)
@@ -220,7 +244,7 @@ def reserve(checked, name: str, timeout: float):
         nodes = [n for n in ray.nodes() if n.get("Alive")]
         raise PlacementError(
             f"Ray could not place {len(wanted)} host bundles {wanted[0]} with strategy "
-            f"{checked.cluster.placement_strategy} within {timeout:g} s (cluster.timeouts.init_s): "
+            f"{checked.cluster.placement_strategy} within {timeout:g} s ({key}): "
             f"required {total} in all; "
             f"the cluster has {ray.cluster_resources()} over {len(nodes)} node(s), "
             f"available now {ray.available_resources()}")

@@ -7,11 +7,16 @@ Basic flow (`orchestrator.driver.runner._run_pipeline` runs attempts in a loop):
   2. `classify` turns it into an `orchestrator.core.recovery.Failure` naming the actor that
      failed first (an aborted survivor's error names the peer it was told about; after a
      timeout, the pending actor that does not answer a heartbeat is the hung one);
+     — unless a node that held actors of the run is gone (`lost_nodes`: Ray marks it dead, or its
+     raylet no longer accepts a connection): then the failure is that node's loss
+     (`orchestrator.core.recovery.node_loss`), whichever error reached the driver first;
   3. the policy (`RestartPolicy.decide`) says restart or stop. Restart: the executor is shut
      down (survivors told to abort at once, actors killed, placement group removed,
      `wait_released` until Ray has let their names go), the newest committed checkpoint is
      prepared exactly as `--resume latest` would (`orchestrator.driver.checkpoint.prepare`),
-     and a new attempt reserves the placement again and restores it — data position and RNG
+     and a new attempt reserves the placement again — waiting up to `failure.placement_timeout_s`
+     (default `timeouts.init_s`) for the cluster to fit it again, e.g. a replacement for a lost
+     node; past that the run stops with the stop message — and restores it — data position and RNG
      state come with the checkpoint, so the run's losses and parameters are those of an
      uninterrupted run. Stop: `RecoveryStopped`, whose message says why, what was lost and
      the command that continues (`stop_message`).
@@ -68,6 +73,92 @@ def classify(e: BaseException, next_step: int, hung: Optional[list[str]] = None)
         return Failure(ERROR, stage, host, step, err.strip())
     stage, host = label_of(getattr(e, "label", None))
     return Failure(ERROR, stage, host, next_step, short)
+
+
+def raylet_answers(address: str, port: int, timeout: float) -> bool:
+    """Whether a node's raylet accepts a TCP connection (a node whose raylet is gone refuses it,
+    or, when the machine is gone, lets it time out)."""
+    import socket
+
+    try:
+        with socket.create_connection((address, int(port)), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def lost_nodes(info: list[dict], timeout: float = 2.0) -> dict:
+    """The nodes of the run's actors (`info`: the set-up records, with `node_id`) that are gone:
+    {node id: {"labels": ["stage 0 host 1", ...], "why": ..., "address": ip}}; {} when every one
+    is alive. A node is gone when Ray marks it dead, or when its raylet does not accept a
+    connection within `timeout` (Ray's own health check takes longer to mark it dead)."""
+    import ray
+
+    by_node: dict[str, list[str]] = {}
+    for w in info:
+        node_id = w.get("node_id") or w.get("bundle_node_id")
+        if node_id:
+            by_node.setdefault(node_id, []).append(f"stage {w['stage']} host {w['host']}")
+    if not by_node:
+        return {}
+    try:
+        known = {n["NodeID"]: n for n in ray.nodes()}
+    except Exception as e:  # noqa: BLE001 - the failure is reported as it is
+        log.warning("could not list Ray's nodes to check for a lost one: %s", e)
+        return {}
+    lost = {}
+    for node_id, labels in by_node.items():
+        n = known.get(node_id)
+        if n is None or not n.get("Alive"):
+            why = "Ray marks it dead"
+        elif (n.get("NodeManagerAddress") and n.get("NodeManagerPort")     # (a node without them is not probed)
+              and not raylet_answers(n["NodeManagerAddress"], n["NodeManagerPort"], timeout)):
+            why = "its raylet does not accept connections"
+        else:
+            continue
+        lost[node_id] = {"labels": sorted(labels), "why": why, "address": (n or {}).get("NodeManagerAddress", "")}
+    return lost
+
+
+class NodeWatch:
+    """While the driver waits on a step (`waiting.wait_all`'s `watch`), every `every` s: does each
+    node holding actors of the run still accept a connection at its raylet? Two failed probes in a
+    row (`every` apart) mean the node is gone: a `StageFailure` (a death) naming the node and its
+    actors — seconds after the loss, where Ray's actor-death error waits for its health check to
+    mark the node dead (tens of seconds). Runs in runs with restarts (`failure.max_restarts` > 0).
+
+    Args:
+      info: the attempt's set-up records (`node_id`, `stage`, `host`).
+    """
+
+    def __init__(self, info: list[dict], every: float = 1.0, timeout: float = 2.0):
+        import ray
+
+        self.every, self.timeout = every, timeout
+        self.labels: dict[str, list[str]] = {}
+        for w in info:
+            if w.get("node_id"):
+                self.labels.setdefault(w["node_id"], []).append(f"stage {w['stage']} host {w['host']}")
+        known = {n["NodeID"]: n for n in ray.nodes() if n.get("Alive")}
+        self.addr = {nid: (known[nid]["NodeManagerAddress"], known[nid]["NodeManagerPort"])
+                     for nid in self.labels
+                     if nid in known and known[nid].get("NodeManagerAddress") and known[nid].get("NodeManagerPort")}
+        self.failed: dict[str, int] = {}
+        self.due = time.monotonic() + every
+
+    def __call__(self) -> None:
+        if time.monotonic() < self.due:
+            return
+        for nid, (ip, port) in self.addr.items():
+            if raylet_answers(ip, port, self.timeout):
+                self.failed.pop(nid, None)
+                continue
+            self.failed[nid] = self.failed.get(nid, 0) + 1
+            if self.failed[nid] >= 2:
+                labels = sorted(self.labels[nid])
+                raise StageFailure(f"node {nid[:12]} ({ip}) is gone: its raylet has not accepted a connection "
+                                   f"for {self.every:g} s; it held {', '.join(labels)}", label=labels[0], died=True)
+        self.due = time.monotonic() + self.every
 
 
 def wait_released(names: list[str], namespace: str, timeout: float) -> None:
@@ -136,5 +227,5 @@ def record(f: Failure, where: dict, resumed_from: int, steps_done: int, detected
             "detected_at": detected_at, "since_last_progress_s": waited_s}
 
 
-__all__ = ["RECOVERABLE", "RecoveryStopped", "classify", "is_hang", "committed_step", "describe", "record",
-           "stop_message", "wait_released"]
+__all__ = ["RECOVERABLE", "RecoveryStopped", "classify", "is_hang", "committed_step", "describe", "lost_nodes", "NodeWatch",
+           "raylet_answers", "record", "stop_message", "wait_released"]

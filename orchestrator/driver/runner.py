@@ -220,7 +220,8 @@ def _run_pipeline(checked, plan, source, on_step, out: Path, echo, extra: dict, 
     which the commit markers record; `rollback(step, restart)`: drop the records after `step`.
     Attempts run in a loop while `failure.max_restarts` allows (module docstring). On
     Ctrl-C/SIGTERM the actors are told to abandon their step before they are shut down."""
-    from orchestrator.core.recovery import ProgressDeadline, RestartPolicy
+    from orchestrator.core.backends import PlacementError
+    from orchestrator.core.recovery import Decision, ProgressDeadline, RestartPolicy, node_loss
     from orchestrator.driver import placement, recovery
     from orchestrator.driver.checkpoint import Committer, prepare, remove_probe, write_probe
     from orchestrator.driver.executor import PipelineExecutor
@@ -247,15 +248,19 @@ def _run_pipeline(checked, plan, source, on_step, out: Path, echo, extra: dict, 
     recoveries: list[dict] = []
     extra.update(restarts=0, recoveries=recoveries)
     hung: list[str] = []       # after a timeout: the actors that did not answer a heartbeat (killed first)
+    gone: set[str] = set()     # ids of nodes lost during the run (a restart's placement avoids them)
+    wait_s = job.failure.placement_timeout_s or checked.cluster.timeouts.init_s   # a restart's placement
     ok = interrupted = False
     try:
         extra["ray"] = _ray_info(run, echo)
         tel = RunTelemetry(run, plan.schedule, plan.sim.bubble_fraction, job.data.global_batch)
         metrics = _metrics(run, plan.sim.bubble_fraction)
         recovering: dict | None = None      # the restart record waiting for its first step
+        last = None                         # (failure, where) of the newest restart
         while True:
             ex = PipelineExecutor(checked, plan.schedule, source, run, plan.eval_schedule, hooks=hooks,
-                                  checkpoint=ckpt.worker if ckpt else None, deadline=deadline)
+                                  checkpoint=ckpt.worker if ckpt else None, deadline=deadline,
+                                  placement_wait=wait_s if recovering is not None else 0.0, avoid_nodes=gone)
             progress_at = time.monotonic()
             try:
                 t0 = time.perf_counter()
@@ -266,11 +271,14 @@ def _run_pipeline(checked, plan, source, on_step, out: Path, echo, extra: dict, 
                 extra.setdefault("startup_s", time.perf_counter() - t0)
                 if recovering is not None:   # placement + actors + restore + setup (compiling is in step 1)
                     recovering["start_s"] = time.perf_counter() - t0
+                    recovering["placement_s"] = ex.placement_s
                     recovering["restore_s"] = max((w.get("restore_s") or 0.0 for w in ex.info), default=0.0)
                 for r in ex.steps(job.run.steps - first, first):
                     progress_at = time.monotonic()
                     if recovering is not None:     # noticed → training again
                         recovering["recovery_s"] = time.time() - recovering["detected_at"]
+                        recovering["first_step_s"] = r.wall_s    # with the recompilation
+                        recovering["compile_s"] = max((st.get("compile_s") or 0.0 for st in r.stats), default=0.0)
                         recovering = None
                     last_spans = r.spans     # only the last step's spans are kept (trace.json: telemetry's own)
                     st = tel.add(r.step, r.wall_s, r.loss, r.spans, r.stats)
@@ -283,11 +291,26 @@ def _run_pipeline(checked, plan, source, on_step, out: Path, echo, extra: dict, 
                         for done in committer.add(r.checkpoints):
                             log.info("checkpoint step %d committed", done)
                 break
+            except PlacementError as e:
+                if last is None:
+                    raise                           # the first placement: the error as it was
+                failure, where = last
+                committed = recovery.committed_step(checked)
+                why = Decision(False, f"the placement could not be reserved again within {wait_s:g} s "
+                                      f"(failure.placement_timeout_s): {e}")
+                done = ckpt.start + (recovering or {}).get("steps_lost", 0)     # the steps done before the failure
+                raise recovery.RecoveryStopped.after(recovery.stop_message(
+                    failure, where, why, committed, done, resume_command), e) from e
             except recovery.RECOVERABLE as e:
                 detected_at, waited = time.time(), time.monotonic() - progress_at
                 hung[:] = ex.unresponsive(getattr(e, "labels", [])) if recovery.is_hang(e) else []
                 failure = recovery.classify(e, len(losses), hung)
+                lost = recovery.lost_nodes(ex.info)      # a node of the run gone: the failure is its loss
+                failure = node_loss(failure, lost)
+                gone.update(lost)
+                hung += [lbl for n in lost.values() for lbl in n["labels"] if lbl not in hung]  # killed, not waited for
                 where = ex.node_of(failure.stage, failure.host)
+                recv_deadlines = {lbl: h.get("recv_s") for lbl, h in ex.heartbeats.items()}   # as the actors said
                 committed = recovery.committed_step(checked)
                 decision = policy.decide(failure, committed)
                 if not decision.restart:
@@ -305,7 +328,8 @@ def _run_pipeline(checked, plan, source, on_step, out: Path, echo, extra: dict, 
                 ckpt = prepare(checked, "latest")    # as --resume: checks, removes uncommitted saves
                 rec = recovery.record(failure, where, ckpt.start, len(losses), detected_at, waited)
                 rec.update(restart=policy.restarts, teardown_s=teardown_s,
-                           progress_deadline_s=deadline.call_s(checked.cluster.calls_of_steps))
+                           progress_deadline_s=deadline.call_s(checked.cluster.calls_of_steps),
+                           recv_deadline_s=recv_deadlines)
                 recoveries.append(rec)
                 extra["restarts"] = policy.restarts
                 if metrics is not None:
@@ -316,7 +340,7 @@ def _run_pipeline(checked, plan, source, on_step, out: Path, echo, extra: dict, 
                 echo(msg)
                 rollback(ckpt.start, policy.restarts)
                 committer.pending.clear()       # saves of the failed attempt never commit
-                first, recovering = ckpt.start, rec
+                first, recovering, last = ckpt.start, rec, (failure, where)
         if committer is not None:
             committer.add(ex.checkpoint_flush())
             if committer.incomplete():

@@ -19,6 +19,7 @@ import time
 SHORT_FRAMES_LINES = 16     # traceback lines kept in the short form (the ones nearest the error)
 ROOT_CAUSE_GRACE_S = 5.0    # how long a peer's "told to stop" failure waits for the failing actor's own
 DEATH_GRACE_S = 1.0         # after a survivor's own error: how long to look for a death among the rest
+WATCH_SLICE_S = 1.0         # with a `watch` (e.g. recovery.NodeWatch): it is called at least this often
 
 
 class StageFailure(RuntimeError):
@@ -90,8 +91,11 @@ def _tail(detail: str) -> str:
     return "\n".join(body[-SHORT_FRAMES_LINES:])
 
 
-def wait_all(refs: list, timeout: float, what: str, labels: list[str] | None = None) -> list:
+def wait_all(refs: list, timeout: float, what: str, labels: list[str] | None = None, watch=None) -> list:
     """ray.get all refs, failing fast on the first error and raising ProgressTimeout at the deadline.
+
+    `watch`: called at least every `WATCH_SLICE_S` while waiting; it raises to end the wait (the
+    run's node watch: a lost node is noticed in seconds, not when Ray's health check marks it dead).
 
     Errors name the label (e.g. "stage 1 host 0") of the call that failed or is stuck. An actor
     that failed only because it was told to stop (`stages.mailbox.MailboxClosed`: a peer failed
@@ -111,7 +115,10 @@ def wait_all(refs: list, timeout: float, what: str, labels: list[str] | None = N
         if remaining <= 0:
             stuck = [labels[index[r]] for r in pending]
             raise ProgressTimeout(f"{what}: no answer within {timeout:.0f} s from {', '.join(stuck)}", stuck)
-        ready, pending = ray.wait(pending, num_returns=1, timeout=remaining)
+        ready, pending = ray.wait(pending, num_returns=1,
+                                  timeout=remaining if watch is None else min(remaining, WATCH_SLICE_S))
+        if watch is not None and not ready:
+            watch()
         for r in ready:
             try:
                 results[index[r]] = ray.get(r, timeout=max(1.0, deadline - time.monotonic()))  # ready

@@ -439,9 +439,24 @@ class FailureConfig(Frozen):
     """`failure:` — automatic recovery (Ray Train's `FailureConfig` vocabulary): on an actor death, a
     stage error or a hang, tear the job down, re-place it and continue from the last committed
     checkpoint, at most `max_restarts` times (0: any failure ends the run, as without this section).
-    Needs `checkpoint:` when `max_restarts` > 0 (`orchestrator.driver.recovery`)."""
+    Needs `checkpoint:` when `max_restarts` > 0 (`orchestrator.driver.recovery`). A restart after a
+    node loss waits up to `placement_timeout_s` for the placement to fit again; `compile_cache`
+    (JAX's persistent compilation cache) spares a restarted stage most of its compilation."""
 
     max_restarts: Annotated[int, Field(ge=0, le=MAX_RESTARTS)] = 0
+    # how long a restart waits for the placement to fit again (a lost node replaced); null: timeouts.init_s
+    placement_timeout_s: Optional[PosFloat] = None
+    # JAX's persistent compilation cache for the stage actors (a restarted stage loads its programs
+    # instead of compiling them): "auto" = <run.output_dir>/<run.name>/compile_cache when
+    # max_restarts > 0, else off; a directory path = always there; null = off
+    compile_cache: Optional[str] = "auto"
+
+    @field_validator("compile_cache")
+    @classmethod
+    def _cache(cls, v: Optional[str]) -> Optional[str]:
+        if v is not None and (not v.strip() or "\x00" in v):
+            raise Problem("must be \"auto\", a directory path (not empty, no NUL byte) or null (off)")
+        return v
 
 
 class JobConfig(Frozen):
