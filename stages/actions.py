@@ -140,7 +140,10 @@ def forward(w, st: StepState, a) -> None:
     c, key, prog = a.chunk, (a.microbatch, a.chunk), w.progs[a.chunk]
     x, labels = _operands(w, st, a, prog)
     ids = np.array([w.cfg.seed, st.step, a.microbatch], np.int32)     # the parts' RNG keys derive from these
-    y, st.residuals[key] = prog.fwd(w.params[c], x, labels, ids)
+    if prog.stateful:      # mutable model state (BatchNorm): threaded through this chunk's forwards in order
+        y, st.residuals[key], w.mstate[c] = prog.fwd(w.params[c], x, labels, ids, w.mstate[c])
+    else:
+        y, st.residuals[key] = prog.fwd(w.params[c], x, labels, ids)
     jax.block_until_ready(y)
     st.stash.add(("r", key), st.residuals[key])
     _forward_output(w, st, a, prog, y)
@@ -152,7 +155,7 @@ def eval_forward(w, st: StepState, a) -> None:
 
     prog = w.progs[a.chunk]
     x, labels = _operands(w, st, a, prog)
-    y = jax.block_until_ready(prog.fwd_eval(w.params[a.chunk], x, labels))
+    y = jax.block_until_ready(prog.fwd_eval(w.params[a.chunk], x, labels, w.mstate[a.chunk]))
     _forward_output(w, st, a, prog, y)
 
 
@@ -222,7 +225,11 @@ def forward_backward(w, st: StepState, a) -> None:
     x, labels = _operands(w, st, a, prog)
     ids = np.array([w.cfg.seed, st.step, a.microbatch], np.int32)
     scale = None if w.scale_state is None else np.float32(w.scale_state[0])     # loss scaling: seed scale / m
-    loss, dx, w.grads[c] = prog.fwd_bwd_acc(w.params[c], x, labels, ids, w.grads[c], scale)
+    if prog.stateful:
+        loss, dx, w.grads[c], w.mstate[c] = prog.fwd_bwd_acc(w.params[c], x, labels, ids, w.grads[c], scale,
+                                                               w.mstate[c])
+    else:
+        loss, dx, w.grads[c] = prog.fwd_bwd_acc(w.params[c], x, labels, ids, w.grads[c], scale)
     jax.block_until_ready(w.grads[c])
     st.losses[a.microbatch] = loss
     st.fused[key] = dx

@@ -166,6 +166,7 @@ class StageWorker:
                                    mesh=self.mesh, layout=cfg.layout, remat=cfg.remat)
                       for start, stop in cfg.layer_chunks]
         self.params = [prog.init_params(cfg.seed) for prog in self.progs]
+        self.mstate = [prog.init_mstate(cfg.seed) for prog in self.progs]     # mutable model state (BatchNorm)
         states = [prog.init_state(p) for prog, p in zip(self.progs, self.params)]
         self.opt_state = [st[0] for st in states]
         self.grads = [st[1] for st in states]
@@ -469,8 +470,21 @@ class StageWorker:
                 for name, full in self._gathered().items()}
 
     def param_arrays(self) -> dict[str, np.ndarray]:
-        """Every parameter leaf of this stage as a whole numpy array (gathered across hosts)."""
-        return self._gathered()
+        """Every parameter leaf of this stage as a whole numpy array (gathered across hosts), and
+        every mutable-state leaf (`state_name`, e.g. BatchNorm's running mean)."""
+        import jax
+        from jax.experimental import multihost_utils
+
+        from orchestrator.core.model.pipeline import key_path
+        from stages.checkpoint import state_name
+
+        out = self._gathered()
+        for prog, mstate in zip(self.progs, self.mstate):
+            for i, (layer, s) in enumerate(zip(prog.layers, mstate), start=prog.start):
+                for path, leaf in jax.tree_util.tree_flatten_with_path(s)[0]:
+                    out[state_name(i, layer, key_path(path))] = np.asarray(
+                        multihost_utils.process_allgather(leaf, tiled=True))
+        return out
 
     def _gathered(self) -> dict[str, np.ndarray]:
         import jax

@@ -34,7 +34,7 @@ Axes = tuple  # tuple[str | None, ...]
 AxesFn = Callable[[str, tuple], Union[Axes, None]]
 
 __all__ = ["ArraySpec", "ModelError", "Part", "PipelineModel", "by_path", "batch_first", "describe",
-           "key_path", "DESCRIBE_BATCH"]
+           "key_path", "run_part", "DESCRIBE_BATCH"]
 
 DESCRIBE_BATCH = 2     # the batch size shapes are evaluated at (outputs must carry it first)
 
@@ -77,6 +77,12 @@ class Part:
       out_axes: (leaf path, batched shape) -> logical axes of an output leaf.
       paths: the model attribute paths this part holds, in order (the nnx, linen and
         equinox adapters fill it); a job's `pipeline.split_at` may name the first one.
+      state_init: None for a part without mutable state; else key -> the part's mutable
+        (non-parameter) state pytree, e.g. BatchNorm's running statistics. Such a part's
+        apply takes `state=` and returns (y, new state): in train mode the state as the
+        microbatch updated it, in eval mode the state unchanged. The state is not
+        differentiated or optimised; the stage threads it through its forwards in
+        microbatch order and checkpoints it with the parameters.
     """
 
     name: str
@@ -85,6 +91,14 @@ class Part:
     axes: AxesFn = replicated
     out_axes: AxesFn = batch_first
     paths: tuple[str, ...] = ()
+    state_init: Callable[[Any], Any] | None = None
+
+
+def run_part(part: Part, params, x, state=None, *, rng=None, train: bool = True):
+    """(y, new state) of one part; a stateless part gives (y, None)."""
+    if part.state_init is None:
+        return part.apply(params, x, rng=rng, train=train), None
+    return part.apply(params, x, rng=rng, train=train, state=state)
 
 
 @dataclass(frozen=True)
@@ -185,10 +199,21 @@ def describe(model: Any, *, name: str, factory: str, args: Mapping[str, Any]) ->
             p = key_path(path)
             pdefs[p] = ParamDef(tuple(leaf.shape), _axes_ok(f"{what} parameter {p}", part.axes(p, tuple(leaf.shape)),
                                                              leaf.shape), str(leaf.dtype))
+        state = None
+        if part.state_init is not None:
+            try:
+                state = jax.eval_shape(lambda: part.state_init(jax.random.key(0)))
+            except Exception as e:  # noqa: BLE001 - the user's code
+                raise ModelError(f"{what}: state init failed: {type(e).__name__}: {e}") from None
         try:
-            y = jax.eval_shape(lambda p, x: part.apply(p, x, rng=jax.random.key(0), train=True), params, x)
+            y, new = jax.eval_shape(lambda p, x, s: run_part(part, p, x, s, rng=jax.random.key(0), train=True),
+                                    params, x, state)
         except Exception as e:  # noqa: BLE001
             raise ModelError(f"{what} cannot take {came_from}: {type(e).__name__}: {e}") from None
+        if part.state_init is not None and (jax.tree.structure(new) != jax.tree.structure(state) or any(
+                (a.shape, a.dtype) != (b.shape, b.dtype) for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(state)))):
+            raise ModelError(f"{what}: the state it returns {_struct(new)} is not the state it takes {_struct(state)} "
+                             "(a stateful part must return its state with the same structure, shapes and dtypes)")
         outs = []
 
         def leaf_spec(path, leaf, what=what, outs=outs, part=part):
