@@ -318,9 +318,17 @@ def optimizer_step(w, st: StepState, a) -> None:
             w.grads = [p.zero_grads(g) for p, g in zip(w.progs, w.grads)]
             jax.block_until_ready(w.grads)
             return
+    ties = w.cfg.spec.ties
+    if ties:      # tied weights: each copy's gradient := the sum of both (stages.ties)
+        from stages.ties import sum_tied
+
+        sum_tied(w.grads, w.progs, ties, exchange=lambda t, mine: w.exchange_tie(st.step, t, mine, st.timeout))
     gnorm = np.float32(0.0)
     if w.progs[0].clip is not None:
-        local = sum(float(p.sq_norm(g)) for p, g in zip(w.progs, w.grads))
+        from stages.ties import for_norm
+
+        normed = for_norm(w.grads, w.progs, ties) if ties else w.grads     # a tied array counts once
+        local = sum(float(p.sq_norm(g)) for p, g in zip(w.progs, normed))
         gnorm = np.float32(np.sqrt(w.sum_over_stages(st.step, local, st.timeout)))
     for i, p in enumerate(w.progs):
         w.params[i], w.opt_state[i], w.grads[i] = p.update(w.params[i], w.opt_state[i], w.grads[i], gnorm)

@@ -40,6 +40,15 @@ Invariants:
     fold_in(microbatch_key(seed, step, microbatch), i) with train=True (dropout is
     deterministic in (seed, step, microbatch, part), the same on any layout); without
     `ids` parts get rng=None.
+  - Mutable model state (`Part.state_init`: BatchNorm's running statistics): a stateful
+    stage's `fwd(params, xs, labels, ids, mstate)` returns (ys, res, new mstate) and
+    `fwd_bwd_acc(..., scale, mstate)` the new mstate last; `mstate` is a list per part (None
+    for a stateless part), replicated over the mesh, never differentiated or optimised. The
+    worker threads it through the chunk's forwards, which every schedule runs in microbatch
+    order, so microbatch i sees the state microbatch i − 1 left. The backward reads the state
+    the forward saw from the residuals (the recompute fallback keeps it with the inputs).
+    `fwd_eval(params, xs, labels, mstate)` uses it in eval mode and returns no new state.
+    A step skipped under loss scaling keeps the state its forwards produced (so does `--reference`).
   - Zero-bubble I and W are one backward cut in two (`stages.zb_split`): each equation of
     `bwd` runs once, in I (the input-gradient chain) or in W (weight gradients only); `held`
     is what W reads (per layer: its inputs' residuals and output cotangents), kept from I to W.

@@ -79,6 +79,7 @@ class WorkerConfig:
     total_steps: int = 0                 # ... and after the last one
     checkpoint: dict | None = None  # {root, every, total, async[, restore]} (stages.checkpoint); None: off
     loss_scale: dict | None = None  # DynamicLossScale fields (orchestrator.core.model.policy); None: off
+    tie_stages: tuple = ()          # per spec.ties entry: (stage of its earlier side, of its later side)
 
     @property
     def layer_chunks(self) -> tuple[tuple[int, int], ...]:
@@ -414,6 +415,24 @@ class StageWorker:
 
             ray.get(refs, timeout=timeout)
         return total
+
+    def exchange_tie(self, step: int, tie: int, mine: np.ndarray, timeout: float) -> np.ndarray:
+        """A tied array's gradient swapped with the stage holding the tie's other side
+        (`stages.ties`): host 0 sends this stage's (global) array to every host of that stage,
+        every host takes the one that stage's host 0 sent (bounded wait)."""
+        cfg = self.cfg
+        a, b = cfg.tie_stages[tie]
+        peer = b if cfg.stage == a else a
+        refs = []
+        if cfg.host == 0:
+            refs = [h.deliver.options(concurrency_group="io").remote((step, "TIE", tie, cfg.stage), mine)
+                    for h in self.actors[peer]]
+        got = self.inbox.take((step, "TIE", tie, peer), timeout)
+        if refs:
+            import ray
+
+            ray.get(refs, timeout=timeout)
+        return got
 
     def _finish(self, st: StepState) -> dict:
         cfg = self.cfg

@@ -66,7 +66,15 @@ def train_reference(spec: ModelSpec, source, *, steps: int, seed: int, microbatc
             finite = float(bad) == 0
             scale_state = loss_scale.next(scale_state, finite)
         if finite:
-            gnorm = np.float32(np.sqrt(float(prog.sq_norm(grads))))
+            if spec.ties:       # both copies of a tied array are here: each gets the sum (stages.ties)
+                from stages.ties import for_norm, sum_tied
+
+                box = [grads]
+                sum_tied(box, [prog], spec.ties)
+                grads = box[0]
+                gnorm = np.float32(np.sqrt(float(prog.sq_norm(for_norm([grads], [prog], spec.ties)[0]))))
+            else:
+                gnorm = np.float32(np.sqrt(float(prog.sq_norm(grads))))
             params, opt_state, grads = prog.update(params, opt_state, grads, gnorm)
         else:
             grads = prog.zero_grads(grads)

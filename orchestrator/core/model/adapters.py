@@ -63,7 +63,8 @@ def _out_rules(out_axes) -> AxesFn:
 # ----------------------------------------------------------------------------- plain JAX
 
 def plain(init: Callable[[Any], Mapping[str, Any]], parts: Sequence[tuple[str, Callable]], *,
-          loss: Callable, input, label, axes=None, out_axes=None, vocab: int = 0) -> PipelineModel:
+          loss: Callable, input, label, axes=None, out_axes=None, vocab: int = 0,
+          ties: Sequence[tuple[str, str]] = ()) -> PipelineModel:
     """A plain-JAX model: one init for the whole model and one apply per part.
 
     Args:
@@ -75,6 +76,8 @@ def plain(init: Callable[[Any], Mapping[str, Any]], parts: Sequence[tuple[str, C
       axes: parameter axes, a callable (path, shape) -> axes or path rules for `by_path`,
         matched against "part name/leaf path" (e.g. ``("block*/w1", ("embed", "mlp"))``).
       out_axes: output axes, the same way ("part name/leaf path"; default `batch` first).
+      ties: pairs of parameter names ("part name/leaf path") that are one array held by two parts
+        (`init` must give both the same value), e.g. ``[("embed/table", "head/table")]``.
 
     Example:
         >>> import jax.numpy as jnp
@@ -108,7 +111,8 @@ def plain(init: Callable[[Any], Mapping[str, Any]], parts: Sequence[tuple[str, C
         built.append(Part(name, part_init, apply,
                           axes=lambda path, shape, name=name: rules(f"{name}/{path}", shape),
                           out_axes=lambda path, shape, name=name: outs(f"{name}/{path}", shape)))
-    return PipelineModel(tuple(built), loss, as_spec(input), as_spec(label), vocab)
+    return PipelineModel(tuple(built), loss, as_spec(input), as_spec(label), vocab,
+                         ties=tuple(tuple(t) for t in ties))
 
 
 # ----------------------------------------------------------------------------- flax.nnx
@@ -166,6 +170,12 @@ def nnx_model(make: Callable, parts: Sequence[Union[str, tuple]], *, loss: Calla
     (`Part.state_init`): "<attribute path>" -> pure dict, passed in on every call and read back
     after it (in train mode as the call updated them; `eval()` uses them unchanged). Other
     variable kinds (e.g. `nnx.Cache`, `nnx.Intermediate`, a user's own) are refused at plan time.
+
+    Tied weights: a submodule named by two parts (the embedding in the first part and in the
+    head, ``("head", ("norm", "embed"), lambda norm, embed, x: embed.attend(norm(x)))``) is one
+    array of the model held by both: each part keeps a copy (equal at init: both come from the
+    same model's init) and every Param leaf under it is tied (`PipelineModel.ties`), so their
+    gradients are summed at the step's end and the copies stay identical.
     """
     import jax
     from flax import nnx
@@ -177,6 +187,8 @@ def nnx_model(make: Callable, parts: Sequence[Union[str, tuple]], *, loss: Calla
         abstract = nnx.eval_shape(lambda: make(nnx.Rngs(0)))
     outs = _out_rules(out_axes)
     built = []
+    holders: dict[str, list[str]] = {}      # attribute path -> the parts holding it (two or more: tied)
+    leaves: dict[str, list[str]] = {}       # attribute path -> its Param leaf paths
     for entry in parts:
         name, paths, call = _entry(entry)
         subs = {}
@@ -198,6 +210,8 @@ def nnx_model(make: Callable, parts: Sequence[Union[str, tuple]], *, loss: Calla
             subs[path] = (graph, jax.tree.structure(state), jax.tree.structure(stats) if has_stats else None,
                           rngs, streams)
             axes.update({f"{path}/{k}": v for k, v in _nnx_axes(state).items()})
+            holders.setdefault(path, []).append(name)
+            leaves[path] = list(_nnx_axes(state))
 
         def part_init(key, paths=paths):
             with nnx.use_eager_sharding(False):
@@ -235,7 +249,9 @@ def nnx_model(make: Callable, parts: Sequence[Union[str, tuple]], *, loss: Calla
                           axes=lambda path, shape, axes=axes: axes.get(path) or (None,) * len(shape),
                           out_axes=lambda path, shape, name=name: outs(f"{name}/{path}", shape), paths=paths,
                           state_init=state_init if stateful else None))
-    return PipelineModel(tuple(built), loss, as_spec(input), as_spec(label), vocab)
+    ties = tuple((f"{names[0]}/{path}/{leaf}", f"{other}/{path}/{leaf}")
+                 for path, names in holders.items() for other in names[1:] for leaf in leaves[path])
+    return PipelineModel(tuple(built), loss, as_spec(input), as_spec(label), vocab, ties=ties)
 
 
 def _keywords(fn) -> set:

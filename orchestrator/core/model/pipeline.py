@@ -107,7 +107,9 @@ class PipelineModel:
 
     `loss(y, labels)` takes the last part's output and returns the scalar mean loss of the
     microbatch (computed in float32). `vocab`: for token inputs, the data source draws ids
-    below it.
+    below it. `ties`: pairs of parameter names "<part name>/<leaf path>" that are one array of
+    the model held by two parts (a GPT's embedding reused as its unembedding); the parts' inits
+    must give them equal values (the nnx adapter finds ties itself: a submodule two parts name).
     """
 
     parts: tuple[Part, ...]
@@ -116,6 +118,7 @@ class PipelineModel:
     label: ArraySpec
     vocab: int = 0
     meta: Mapping[str, Any] = field(default_factory=dict)
+    ties: tuple[tuple[str, str], ...] = ()
 
 
 def by_path(rules: Union[Mapping[str, Axes], Iterable[tuple[str, Axes]]], default: AxesFn = replicated) -> AxesFn:
@@ -240,4 +243,37 @@ def describe(model: Any, *, name: str, factory: str, args: Mapping[str, Any]) ->
                          f"{type(e).__name__}: {e}") from None
     if getattr(loss, "shape", None) != ():
         raise ModelError(f"the loss must return a scalar, got {_struct(loss)}")
-    return ModelSpec(name, tuple(layers), factory, inp, lab, int(model.vocab), dict(args))
+    ties = resolve_ties(model.ties, layers)
+    return ModelSpec(name, tuple(layers), factory, inp, lab, int(model.vocab), dict(args), ties=ties)
+
+
+def resolve_ties(ties, layers: Sequence[LayerSpec]) -> tuple:
+    """Tie names ("<part name>/<leaf path>") as ((layer, path), (layer, path)), the earlier side first.
+    Raises ModelError naming the tie when a name is unknown, both name the same leaf, the two
+    differ in shape or dtype, or a parameter is tied twice."""
+    index = {layer.name: i for i, layer in enumerate(layers)}
+    out, seen = [], {}
+    for t, pair in enumerate(ties):
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2 or not all(isinstance(n, str) for n in pair):
+            raise ModelError(f"ties[{t}] = {pair!r}: a tie is two parameter names \"<part>/<leaf path>\"")
+        sides = []
+        for name in pair:
+            part, _, path = name.partition("/")
+            if part not in index or path not in layers[index[part]].params:
+                have = ", ".join(f"{layer.name}/{p}" for layer in layers for p in layer.params)
+                raise ModelError(f"ties[{t}]: {name!r} is not a parameter of the model (parameters: {have})")
+            sides.append((index[part], path))
+        a, b = sorted(sides)
+        if a == b:
+            raise ModelError(f"ties[{t}] = {tuple(pair)!r}: ties a parameter to itself")
+        pa, pb = layers[a[0]].params[a[1]], layers[b[0]].params[b[1]]
+        if (pa.shape, pa.dtype) != (pb.shape, pb.dtype):
+            raise ModelError(f"ties[{t}] = {tuple(pair)!r}: {pa.dtype}{list(pa.shape)} and {pb.dtype}{list(pb.shape)} "
+                             "differ; tied parameters are one array (same shape and dtype)")
+        for side in (a, b):
+            if side in seen:
+                raise ModelError(f"ties[{t}]: {layers[side[0]].name + '/' + side[1]!r} is already tied "
+                                 f"(ties[{seen[side]}]); each parameter may be in one tie (two copies of an array)")
+            seen[side] = t
+        out.append((a, b))
+    return tuple(out)
