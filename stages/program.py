@@ -426,12 +426,6 @@ class StageProgram:
             out.append(fn(model_key(seed)))
         return out
 
-    def state_names(self, mstate):
-        """The mutable state (a list per part) with each leaf's name "<part name>/<leaf path>"."""
-        return [None if tree is None else jax.tree_util.tree_map_with_path(
-            lambda path, _, part=part: f"{part.name}/{key_path(path)}", tree)
-            for part, tree in zip(self.parts, mstate)]
-
     def init_params(self, seed: int):
         """Parameters of this stage's parts, created directly with their shardings."""
         params = []

@@ -269,3 +269,20 @@ def test_batchnorm_state_resumes_bit_exact(tmp_path, no_leaks):
     assert sorted(resumed["params"]) == sorted(full["params"])
     for name, arr in full["params"].items():
         np.testing.assert_array_equal(resumed["params"][name], arr, err_msg=name)
+
+
+def test_a_stateful_part_must_return_its_state_as_it_took_it():
+    """describe(): a part whose returned state differs in structure or dtype is refused at plan time."""
+    import jax.numpy as jnp
+
+    from orchestrator.core.model.pipeline import ModelError, Part, PipelineModel, describe
+    from orchestrator.core.model.adapters import as_spec
+
+    def apply(p, x, *, rng=None, train=True, state=None):
+        return x * p["w"], {"count": (state["count"] + 1).astype(jnp.float32)}     # int32 in, float32 out
+
+    part = Part("p", lambda key: {"w": jnp.ones(4)}, apply, state_init=lambda key: {"count": jnp.zeros((), jnp.int32)})
+    model = PipelineModel((part,), lambda y, t: jnp.mean((y - t) ** 2), as_spec(((4,), "float32")),
+                          as_spec(((4,), "float32")))
+    with pytest.raises(ModelError, match=r"part 0 \(p\): the state it returns .* is not the state it takes"):
+        describe(model, name="m", factory="f", args={})

@@ -7,6 +7,7 @@ embedding, each block, the head) and a loss. Each part is a pure pair, as optax'
     params = part.init(key)                       # key: the run's model key, the same for every part
     y      = part.apply(params, x, rng=rng, train=True)   # x, y: pytrees of arrays, batch first
 
+(a part with mutable state, `Part.state_init`, also takes `state=` and returns (y, new state)),
 plus the logical axes of each parameter leaf (`part.axes(path, shape)`) and of each
 output leaf (`part.out_axes(path, shape)`, `batch` first). Every part is initialised
 from the same model key, so the parts together hold exactly the parameters the
@@ -20,7 +21,8 @@ that does (`model: {factory: "pkg.module:fn", args: {...}}`).
 `describe(model, ...)` turns a PipelineModel into the pure `ModelSpec` the planner
 uses, by `jax.eval_shape` only (no devices, no arrays): each part's parameter leaves,
 each part's output leaves fed to the next part (a mismatch is reported here, at plan
-time), and the loss (a scalar). jax is imported inside functions only.
+time), the loss (a scalar), a stateful part's state (it must come back as it went in) and
+the model's tied parameters (`PipelineModel.ties`, resolved to layer indices). jax is imported inside functions only.
 """
 from __future__ import annotations
 
