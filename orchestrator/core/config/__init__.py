@@ -10,7 +10,9 @@ Every problem raises `ConfigError` (a ValueError) whose lines read
 `key.path = value: rule`, e.g.
 `pipeline.stages[1].mesh = {'model': 4}: mesh has 4 devices (product of axis sizes) ...`.
 
-Modules: `schema` (pydantic models: per-value rules), `overrides` (`key.path=value`),
+Modules: `schema` (the job's pydantic models: per-value rules; re-exports the rest),
+`cluster_schema` (the cluster's), `fields` (shared base and value types), `walk` (schema walking,
+error conversion), `overrides` (`key.path=value`),
 `load` (files), `check` (cross-checks against the model and the cluster),
 `errors` (ConfigError and message helpers).
 

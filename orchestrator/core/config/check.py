@@ -26,7 +26,7 @@ import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Mapping, Optional
 
 from orchestrator.core.backends import get_backend
 from orchestrator.core.config.errors import ConfigError, problem, suggest

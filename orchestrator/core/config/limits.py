@@ -101,8 +101,6 @@ def memory_problems(job, cluster, model, layouts: list, mb: int) -> list[str]:
     host_cap = machine if machine else MAX_HOST_BYTES
     where = ("this machine's memory" if machine else
              f"the most any device has ({_gib(MAX_DEVICE_BYTES)})")
-    seq = job.data.seq_len
-    sizes = {"batch": mb, **({"seq": seq} if seq else {})}
     total = 0
     for i, (st, layout) in enumerate(zip(job.pipeline.stages, layouts)):
         params = acts = 0
