@@ -7,7 +7,12 @@ threaded through the microbatches of every step in order (microbatch 0, 1, …),
 mean loss summed in that order, the same optax optimizer. Pipelined training on 2 stages (state
 on both; stage 1 tensor-parallel) must match it on every per-step loss, EVERY parameter array and
 EVERY state array: float32, rtol 1e-5 / atol 1e-6 (`tests.test_byo_models`' tolerance and
-reasons). A resumed run must reproduce the uninterrupted run's parameters and state bit for bit.
+reasons) for the nnx model. The linen model's own float32 rounding is wider than that: its
+oracle under `jit` and op by op (`use_jit=False`) already differ by 1.56× that tolerance (measured:
+1.13e-5 of an array's largest value; the nnx model's 0.38×), so its arrays are compared, as the
+fp16 tests are, at 5× that measured spread: |pipeline − oracle| ≤ 5.7e-5 × max|oracle array|
+(`LINEN_SPREAD`), losses still at rtol 1e-5. A resumed run must reproduce the uninterrupted run's
+parameters and state bit for bit.
 """
 from __future__ import annotations
 
@@ -19,6 +24,17 @@ from tests.test_byo_models import (ATOL, RTOL, assert_params_equal, checked_of, 
                                    pipeline_name_to_path)
 
 
+LINEN_SPREAD = 1.13e-5      # linen oracle, jit vs op by op: max |difference| / max |array| over all arrays
+
+
+def assert_within_spread(pipe: dict, ref: dict, rename, spread=LINEN_SPREAD):
+    got = {rename(k): v for k, v in pipe.items()}
+    assert sorted(got) == sorted(ref), (sorted(got), sorted(ref))
+    for name in sorted(ref):
+        bound = 5 * spread * float(np.max(np.abs(ref[name])))
+        np.testing.assert_allclose(got[name], ref[name], rtol=0, atol=bound, err_msg=name)
+
+
 def bn_job(tmp_path, factory, schedule="1f1b"):
     job = framework_job(tmp_path, factory)
     job["model"]["factory"] = f"tests.byo_state_models:{factory}"
@@ -26,7 +42,7 @@ def bn_job(tmp_path, factory, schedule="1f1b"):
     return job
 
 
-def stateful_oracle(checked, loss_of, params0, state0):
+def stateful_oracle(checked, loss_of, params0, state0, use_jit=True):
     """Plain single-process training with state: loss_of(params, state, x, y) -> (loss, new state);
     microbatches in order, the state of microbatch i feeding microbatch i + 1. Returns (losses,
     params, state)."""
@@ -40,7 +56,8 @@ def stateful_oracle(checked, loss_of, params0, state0):
     m = job.pipeline.microbatches
     tx = getattr(optax, job.optimizer.name)(**job.optimizer.args)
     reader = open_reader(checked.data)
-    grad = jax.jit(jax.value_and_grad(loss_of, has_aux=True))
+    grad = jax.value_and_grad(loss_of, has_aux=True)
+    grad = jax.jit(grad) if use_jit else grad
     params, opt, state = params0, tx.init(params0), state0
     losses = []
     for step in range(job.run.steps):
@@ -73,7 +90,7 @@ def nnx_parts():
     return build
 
 
-def nnx_oracle(checked):
+def nnx_oracle(checked, use_jit=True):
     import jax
     from flax import nnx
 
@@ -96,11 +113,11 @@ def nnx_oracle(checked):
         model.eval()
         return mse(model(x), y)
 
-    losses, p, s = stateful_oracle(checked, loss_of, nnx.to_pure_dict(params), nnx.to_pure_dict(stats))
+    losses, p, s = stateful_oracle(checked, loss_of, nnx.to_pure_dict(params), nnx.to_pure_dict(stats), use_jit)
     return losses, p, s, eval_loss
 
 
-def linen_oracle(checked):
+def linen_oracle(checked, use_jit=True):
     import jax
     import flax.linen as nn
 
@@ -114,7 +131,7 @@ def linen_oracle(checked):
         out, upd = module.apply({"params": p, "batch_stats": s}, x, train=True, mutable=["batch_stats"])
         return mse(out, y), upd["batch_stats"]
 
-    losses, p, s = stateful_oracle(checked, loss_of, v0["params"], v0["batch_stats"])
+    losses, p, s = stateful_oracle(checked, loss_of, v0["params"], v0["batch_stats"], use_jit)
     return losses, p, s, None
 
 
@@ -239,7 +256,10 @@ def test_batchnorm_two_stages_match_oracle_every_param_and_state_array(tmp_path,
     np.testing.assert_allclose(pipe["losses"], losses, rtol=RTOL, atol=ATOL)
     want = expected(params, state)
     assert sum(k.startswith("state:") for k in want) == 4           # mean and var of two BatchNorms
-    assert_params_equal(pipe["params"], want, nnx_name if factory.startswith("nnx") else linen_name)
+    if factory.startswith("nnx"):
+        assert_params_equal(pipe["params"], want, nnx_name)
+    else:       # the linen model's own measured float32 spread (module docstring)
+        assert_within_spread(pipe["params"], want, linen_name)
 
 
 @pytest.mark.ray
@@ -286,3 +306,14 @@ def test_a_stateful_part_must_return_its_state_as_it_took_it():
                           as_spec(((4,), "float32")))
     with pytest.raises(ModelError, match=r"part 0 \(p\): the state it returns .* is not the state it takes"):
         describe(model, name="m", factory="f", args={})
+
+
+@pytest.mark.slow
+def test_linen_spread_behind_its_tolerance_is_what_this_jax_measures():
+    """The linen tolerance rests on a measurement: its oracle under jit vs op by op. If a JAX release
+    narrows the spread, the tolerance should narrow too; this fails when it is far off either way."""
+    checked = checked_of(bn_job("/tmp", "linen_bn_mlp"))
+    a, b = linen_oracle(checked, True), linen_oracle(checked, False)
+    wa, wb = expected(a[1], a[2]), expected(b[1], b[2])
+    spread = max(float(np.max(np.abs(wa[k] - wb[k])) / np.max(np.abs(wb[k]))) for k in wb)
+    assert LINEN_SPREAD / 10 < spread <= 2 * LINEN_SPREAD, spread
