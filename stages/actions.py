@@ -140,7 +140,10 @@ def forward(w, st: StepState, a) -> None:
     c, key, prog = a.chunk, (a.microbatch, a.chunk), w.progs[a.chunk]
     x, labels = _operands(w, st, a, prog)
     ids = np.array([w.cfg.seed, st.step, a.microbatch], np.int32)     # the parts' RNG keys derive from these
-    y, st.residuals[key] = prog.fwd(w.params[c], x, labels, ids)
+    if prog.stateful:      # mutable model state (BatchNorm): threaded through this chunk's forwards in order
+        y, st.residuals[key], w.mstate[c] = prog.fwd(w.params[c], x, labels, ids, w.mstate[c])
+    else:
+        y, st.residuals[key] = prog.fwd(w.params[c], x, labels, ids)
     jax.block_until_ready(y)
     st.stash.add(("r", key), st.residuals[key])
     _forward_output(w, st, a, prog, y)
@@ -152,7 +155,7 @@ def eval_forward(w, st: StepState, a) -> None:
 
     prog = w.progs[a.chunk]
     x, labels = _operands(w, st, a, prog)
-    y = jax.block_until_ready(prog.fwd_eval(w.params[a.chunk], x, labels))
+    y = jax.block_until_ready(prog.fwd_eval(w.params[a.chunk], x, labels, w.mstate[a.chunk]))
     _forward_output(w, st, a, prog, y)
 
 
@@ -222,7 +225,11 @@ def forward_backward(w, st: StepState, a) -> None:
     x, labels = _operands(w, st, a, prog)
     ids = np.array([w.cfg.seed, st.step, a.microbatch], np.int32)
     scale = None if w.scale_state is None else np.float32(w.scale_state[0])     # loss scaling: seed scale / m
-    loss, dx, w.grads[c] = prog.fwd_bwd_acc(w.params[c], x, labels, ids, w.grads[c], scale)
+    if prog.stateful:
+        loss, dx, w.grads[c], w.mstate[c] = prog.fwd_bwd_acc(w.params[c], x, labels, ids, w.grads[c], scale,
+                                                               w.mstate[c])
+    else:
+        loss, dx, w.grads[c] = prog.fwd_bwd_acc(w.params[c], x, labels, ids, w.grads[c], scale)
     jax.block_until_ready(w.grads[c])
     st.losses[a.microbatch] = loss
     st.fused[key] = dx
@@ -311,9 +318,17 @@ def optimizer_step(w, st: StepState, a) -> None:
             w.grads = [p.zero_grads(g) for p, g in zip(w.progs, w.grads)]
             jax.block_until_ready(w.grads)
             return
+    ties = w.cfg.spec.ties
+    if ties:      # tied weights: each copy's gradient := the sum of both (stages.ties)
+        from stages.ties import sum_tied
+
+        sum_tied(w.grads, w.progs, ties, exchange=lambda t, mine: w.exchange_tie(st.step, t, mine, st.timeout))
     gnorm = np.float32(0.0)
     if w.progs[0].clip is not None:
-        local = sum(float(p.sq_norm(g)) for p, g in zip(w.progs, w.grads))
+        from stages.ties import for_norm
+
+        normed = for_norm(w.grads, w.progs, ties) if ties else w.grads     # a tied array counts once
+        local = sum(float(p.sq_norm(g)) for p, g in zip(w.progs, normed))
         gnorm = np.float32(np.sqrt(w.sum_over_stages(st.step, local, st.timeout)))
     for i, p in enumerate(w.progs):
         w.params[i], w.opt_state[i], w.grads[i] = p.update(w.params[i], w.opt_state[i], w.grads[i], gnorm)

@@ -76,8 +76,14 @@ def profile_one(source: dict, req: dict) -> dict:
     args = [params, xs]
     if prog.last:
         args.append(sds(spec.label.batched(b), spec.label.dtype, prog.label_sharding()))
+    if prog.stateful:       # labels (None off the last stage), ids, the parts' mutable state
+        key = jax.eval_shape(lambda: jax.random.key(0))
+        mstate = [None if part.state_init is None else jax.tree.map(
+            lambda s: sds(s.shape, s.dtype, prog.state_sharding()), jax.eval_shape(part.state_init, key))
+            for part in prog.parts]
+        args = args + ([None] if not prog.last else []) + [None, mstate]
     fwd = prog.jitted_fwd().lower(*args).compile()
-    y_info, res_info = fwd.out_info
+    y_info, res_info = fwd.out_info[:2]
     dy = sds((), "float32", None) if prog.last else [y_info[i] for i in prog.out_diff]
     bwd = prog.bwd_acc.lower(params, res_info, dy, param_structs()).compile()
     f, g = _figures(fwd, m), _figures(bwd, m)

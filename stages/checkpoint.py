@@ -3,7 +3,8 @@
 Basic flow (the worker calls it; `orchestrator.core.checkpoint` is the on-disk layout and
 `orchestrator.driver.checkpoint` the commit protocol above it):
   - after a step, `due(steps_done)` → `save(steps_done, worker)`: the stage's state as one
-    pytree — {"arrays": params and optimizer state, one leaf per model-wide name
+    pytree — {"arrays": params, optimizer state and mutable model state (BatchNorm's running
+    statistics, `state_name`), one leaf per model-wide name
     (`named_state`; under loss scaling also the scale state, `SCALE_NAMES`, the same on every
     stage), "step", "data": {"next_step"}, "rng": {"seed"}} — goes to an orbax
     `AsyncCheckpointer` (PyTree handler). The call blocks only for the device→host copy; the
@@ -28,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from orchestrator.core.checkpoint import file_table, opt_name, stage_dir, step_dir
+from orchestrator.core.checkpoint import file_table, opt_name, stage_dir, state_name as _state_name, step_dir
 from orchestrator.core.model.pipeline import key_path
 from orchestrator.core.model.spec import param_name
 
@@ -73,6 +74,39 @@ def named_state(progs, params, opt_state) -> list[tuple[Any, list[str], Any, lis
     return out
 
 
+def state_name(layer_index: int, layer, path: str) -> str:
+    """The checkpoint (and `param_arrays`) name of a mutable-state leaf: `state:02.bn/bn/mean`."""
+    return _state_name(param_name(layer_index, layer, path))
+
+
+def named_mstate(progs, mstate) -> list[tuple[Any, list[str]]]:
+    """Per chunk: (mutable-state treedef, a name per leaf, `state_name`); no leaves when stateless."""
+    import jax
+
+    out = []
+    for prog, s in zip(progs, mstate):
+        leaves, tree = jax.tree_util.tree_flatten_with_path(s)
+        names = []
+        for path, _ in leaves:
+            keys = _keys(path)
+            j = int(keys[0])
+            names.append(state_name(prog.start + j, prog.layers[j], "/".join(keys[1:])))
+        out.append((tree, names))
+    return out
+
+
+def _all_named(worker):
+    """Per chunk: (names, leaves) of its params, optimizer state and mutable model state."""
+    import jax
+
+    out = []
+    for (_, pn, _, on), (_, sn), p, o, s in zip(named_state(worker.progs, worker.params, worker.opt_state),
+                                                 named_mstate(worker.progs, worker.mstate),
+                                                 worker.params, worker.opt_state, worker.mstate):
+        out.append((pn + on + sn, jax.tree.leaves(p) + jax.tree.leaves(o) + jax.tree.leaves(s)))
+    return out
+
+
 class StageCheckpointer:
     """Saves and restores one stage host's state (see the module docstring).
 
@@ -108,9 +142,8 @@ class StageCheckpointer:
         self._wait_previous()
         t0 = time.perf_counter()
         tree, names, seen = {}, {}, set()
-        for (_, pn, _, on), p, o in zip(named_state(worker.progs, worker.params, worker.opt_state),
-                                        worker.params, worker.opt_state):
-            for name, leaf in zip(pn + on, jax.tree.leaves(p) + jax.tree.leaves(o)):
+        for names_, leaves in _all_named(worker):
+            for name, leaf in zip(names_, leaves):
                 if name in seen:
                     continue                  # a shared leaf (count) of a second chunk
                 key = f"a{len(tree):05d}"
@@ -185,7 +218,8 @@ class StageCheckpointer:
 
 
 def restore(worker, plan: dict) -> None:
-    """Replace `worker.params` / `worker.opt_state` by the checkpoint's arrays, by name, in place.
+    """Replace `worker.params` / `worker.opt_state` / `worker.mstate` by the checkpoint's arrays, by
+    name, in place.
 
     `plan`: {"root", "step", "stages": [{"path", "arrays": {name: {"shape", "dtype", "key"}}}]} (the
     commit marker's records, `orchestrator.driver.checkpoint.restore_plan`). Each array lands
@@ -208,9 +242,10 @@ def restore(worker, plan: dict) -> None:
         for name, meta in rec["arrays"].items():
             where.setdefault(name, (i, meta["key"]))
     named = named_state(worker.progs, worker.params, worker.opt_state)
+    named_s = named_mstate(worker.progs, worker.mstate)
     want: dict[int, dict] = {}
-    for (_, pn, _, on), p, o in zip(named, worker.params, worker.opt_state):
-        for name, leaf in zip(pn + on, jax.tree.leaves(p) + jax.tree.leaves(o)):
+    for names_, leaves in _all_named(worker):
+        for name, leaf in zip(names_, leaves):
             if name not in where:
                 raise RuntimeError(f"{worker.cfg.who}: checkpoint step {plan['step']} has no array {name!r}")
             i, key = where[name]
@@ -234,7 +269,9 @@ def restore(worker, plan: dict) -> None:
     for c, (ptree, pn, otree, on) in enumerate(named):
         worker.params[c] = jax.tree_util.tree_unflatten(ptree, [got[n] for n in pn])
         worker.opt_state[c] = jax.tree_util.tree_unflatten(otree, [got[n] for n in on])
-    jax.block_until_ready((worker.params, worker.opt_state))
+        stree, sn = named_s[c]
+        worker.mstate[c] = jax.tree_util.tree_unflatten(stree, [got[n] for n in sn])
+    jax.block_until_ready((worker.params, worker.opt_state, worker.mstate))
 
 
 def _restore_scale(worker, plan: dict, where: dict) -> tuple[float, int]:

@@ -40,6 +40,15 @@ Invariants:
     fold_in(microbatch_key(seed, step, microbatch), i) with train=True (dropout is
     deterministic in (seed, step, microbatch, part), the same on any layout); without
     `ids` parts get rng=None.
+  - Mutable model state (`Part.state_init`: BatchNorm's running statistics): a stateful
+    stage's `fwd(params, xs, labels, ids, mstate)` returns (ys, res, new mstate) and
+    `fwd_bwd_acc(..., scale, mstate)` the new mstate last; `mstate` is a list per part (None
+    for a stateless part), replicated over the mesh, never differentiated or optimised. The
+    worker threads it through the chunk's forwards, which every schedule runs in microbatch
+    order, so microbatch i sees the state microbatch i − 1 left. The backward reads the state
+    the forward saw from the residuals (the recompute fallback keeps it with the inputs).
+    `fwd_eval(params, xs, labels, mstate)` uses it in eval mode and returns no new state.
+    A step skipped under loss scaling keeps the state its forwards produced (so does `--reference`).
   - Zero-bubble I and W are one backward cut in two (`stages.zb_split`): each equation of
     `bwd` runs once, in I (the input-gradient chain) or in W (weight gradients only); `held`
     is what W reads (per layer: its inputs' residuals and output cotangents), kept from I to W.
@@ -59,7 +68,7 @@ from stages import sharding
 from stages.residuals import forwarded_params
 from stages.zb_split import Held, ZeroBubble, split_backward
 from orchestrator.core.model.optim import build as build_optimizer
-from orchestrator.core.model.pipeline import PipelineModel, key_path
+from orchestrator.core.model.pipeline import PipelineModel, key_path, run_part
 from orchestrator.core.model.policy import remat_policy
 from orchestrator.core.model.spec import LeafSpec, ModelSpec
 
@@ -114,6 +123,7 @@ class StageProgram:
         self.in_diff = tuple(i for i, leaf in enumerate(self.in_leaves) if _inexact(leaf))
         self.out_diff = tuple(i for i, leaf in enumerate(self.out_leaves) if _inexact(leaf))
         self._vjp_meta: dict[str, Any] = {"recompute": recompute}   # see stages.residuals
+        self.stateful = any(part.state_init is not None for part in self.parts)
         self._build()
 
     # -- shardings ---------------------------------------------------------
@@ -154,29 +164,41 @@ class StageProgram:
 
     def _part_fn(self, part, layer, train: bool):
         """One part as the stage runs it: compute-dtype params and inputs, outputs in the compute
-        dtype and constrained to their logical axes; under jax.checkpoint when remat is on."""
-        def run(p, x, rng):
-            y = part.apply(self._cast(p, self.compute), self._cast(x, self.compute), rng=rng, train=train)
+        dtype and constrained to their logical axes; under jax.checkpoint when remat is on.
+        Returns (y, new state); the state (a stateful part's, else None) keeps its own dtypes."""
+        def run(p, x, rng, state):
+            y, new = run_part(part, self._cast(p, self.compute), self._cast(x, self.compute), state,
+                              rng=rng, train=train)
+            if state is not None:
+                new = jax.tree.map(lambda n, o: n.astype(o.dtype), new, state)
             leaves, treedef = jax.tree.flatten(self._cast(y, self.compute))
             leaves = [sharding.constrain(leaf, spec.axes) for leaf, spec in zip(leaves, layer.outputs)]
-            return jax.tree.unflatten(treedef, leaves)
+            return jax.tree.unflatten(treedef, leaves), new
 
         return jax.checkpoint(run, policy=self.remat_policy) if self.remat else run
 
-    def _apply(self, params, xs, key=None, train: bool = True):
+    def _apply(self, params, xs, key=None, train: bool = True, mstate=None):
+        """(the stage's output, its parts' new mutable state: a list, None per stateless part)."""
         x = xs[0] if self.first else jax.tree.unflatten(self.in_tree, xs)
+        mstate = [None] * len(self.parts) if mstate is None else mstate
+        new = []
         with sharding.use(self.mesh, self.layout):
             for j, (part, layer, p) in enumerate(zip(self.parts, self.layers, params)):
                 rng = None if key is None else jax.random.fold_in(key, self.start + j)
-                x = self._part_fn(part, layer, train)(p, x, rng)
-            return x
+                x, s = self._part_fn(part, layer, train)(p, x, rng, mstate[j])
+                new.append(s)
+            return x, new
 
     def _build(self):
         meta = self._vjp_meta
         in_diff, out_diff = self.in_diff, self.out_diff
 
-        def objective(xs, labels, ids):
-            """The stage as a function of (params, floating inputs) for jax.vjp, and its primals."""
+        stateful = self.stateful
+        aux = stateful or not self.last        # does the objective return auxiliary outputs?
+
+        def objective(xs, labels, ids, mstate=None):
+            """The stage as a function of (params, floating inputs) for jax.vjp, and its primals.
+            A stateful stage's objective also returns the parts' new mutable state (aux)."""
             xs = list(xs)
             key = None if ids is None else microbatch_key(ids[0], ids[1], ids[2])
 
@@ -184,33 +206,48 @@ class StageProgram:
                 full = list(xs)
                 for i, v in zip(in_diff, dx):
                     full[i] = v
-                y = self._apply(p, full, key)
+                y, new = self._apply(p, full, key, mstate=mstate)
                 if self.last:
                     with sharding.use(self.mesh, self.layout):
-                        return self.model.loss(self._cast(y, jnp.float32), labels).astype(jnp.float32)
+                        loss = self.model.loss(self._cast(y, jnp.float32), labels).astype(jnp.float32)
+                    return (loss, new) if stateful else loss
                 leaves = jax.tree.leaves(y)
-                return [leaves[i] for i in out_diff], [leaf for i, leaf in enumerate(leaves) if i not in out_diff]
+                rest = [leaf for i, leaf in enumerate(leaves) if i not in out_diff]
+                return [leaves[i] for i in out_diff], ((rest, new) if stateful else rest)
 
             return f, [xs[i] for i in in_diff]
 
-        def fwd(params, xs, labels=None, ids=None):
-            f, dx = objective(xs, labels, ids)
+        def split_aux(a):
+            """(the rest of the outputs, the new state) from the objective's aux."""
+            if self.last:
+                return [], a
+            return a if stateful else (a, None)
+
+        def fwd(params, xs, labels=None, ids=None, mstate=None):
+            """(outputs, residuals), and for a stateful stage (outputs, residuals, new state)."""
+            f, dx = objective(xs, labels, ids, mstate)
             primals = (params,) if self.first else (params, *dx)
             if meta["recompute"]:      # fallback (stages.residuals): keep the inputs, rerun in the backward
                 out = f(*primals)
-                outs = out if self.last else _merge(out[0], out[1], out_diff, len(self.out_leaves))
+                if aux:
+                    out, (rest, new) = out[0], split_aux(out[1])
+                outs = out if self.last else _merge(out, rest, out_diff, len(self.out_leaves))
                 meta["has_ids"] = ids is not None
-                return outs, list(xs) + ([labels] if self.last else []) + ([ids] if ids is not None else [])
-            if self.last:
-                outs, vjp = jax.vjp(f, *primals)
+                res = (list(xs) + ([labels] if self.last else []) + ([ids] if ids is not None else [])
+                       + ([mstate] if stateful else []))
+                return (outs, res, new) if stateful else (outs, res)
+            if aux:
+                diff, vjp, a = jax.vjp(f, *primals, has_aux=True)
+                rest, new = split_aux(a)
+                outs = diff if self.last else _merge(diff, rest, out_diff, len(self.out_leaves))
             else:
-                diff, vjp, rest = jax.vjp(f, *primals, has_aux=True)
-                outs = _merge(diff, rest, out_diff, len(self.out_leaves))
+                outs, vjp = jax.vjp(f, *primals)
             leaves, treedef = jax.tree.flatten(vjp)
             where = {id(leaf): i for i, leaf in enumerate(jax.tree.leaves(params))}
             slots = tuple(where.get(id(leaf)) for leaf in leaves)
             meta["treedef"], meta["slots"] = treedef, slots
-            return outs, [leaf for leaf, s in zip(leaves, slots) if s is None]
+            res = [leaf for leaf, s in zip(leaves, slots) if s is None]
+            return (outs, res, new) if stateful else (outs, res)
 
         def pullback(params, res, dys):
             if meta["recompute"]:
@@ -218,9 +255,10 @@ class StageProgram:
                 xs, rest = list(res[:n]), list(res[n:])
                 labels = rest.pop(0) if self.last else None
                 ids = rest.pop(0) if meta.get("has_ids") else None
-                f, dx = objective(xs, labels, ids)
+                mstate = rest.pop(0) if stateful else None
+                f, dx = objective(xs, labels, ids, mstate)
                 primals = (params,) if self.first else (params, *dx)
-                vjp = jax.vjp(f, *primals)[1] if self.last else jax.vjp(f, *primals, has_aux=True)[1]
+                vjp = jax.vjp(f, *primals, has_aux=True)[1] if aux else jax.vjp(f, *primals)[1]
                 grads = vjp(dys)
             else:
                 plist, it = jax.tree.leaves(params), iter(res)
@@ -237,8 +275,8 @@ class StageProgram:
                 return jnp.float32(1.0 / self.m)
             return jnp.asarray(dys, jnp.float32) / jnp.float32(self.m)     # loss scaling: S / m
 
-        def fwd_eval(params, xs, labels=None):     # evaluation: no VJP, nothing kept, train=False
-            y = self._apply(params, list(xs), None, train=False)
+        def fwd_eval(params, xs, labels=None, mstate=None):     # evaluation: no VJP, nothing kept, train=False
+            y, _ = self._apply(params, list(xs), None, train=False, mstate=mstate)
             if self.last:
                 with sharding.use(self.mesh, self.layout):
                     return self.model.loss(self._cast(y, jnp.float32), labels).astype(jnp.float32)
@@ -248,7 +286,8 @@ class StageProgram:
             fwd_eval, out_shardings=self.output_shardings())
 
         psh = self.param_shardings() if self.mesh is not None else None
-        out_sh = (None if self.last else self.output_shardings(), None)
+        ssh = self.state_sharding()
+        out_sh = (None if self.last else self.output_shardings(), None) + ((ssh,) if stateful else ())
 
         def jit_fwd():
             return jax.jit(fwd, out_shardings=out_sh) if self.mesh is not None else jax.jit(fwd)
@@ -307,15 +346,20 @@ class StageProgram:
         self.zero_bubble = zero_bubble
         self.bwd_i = bwd_i
 
-        def fwd_bwd_acc(params, xs, labels, ids, acc, scale=None):
+        def fwd_bwd_acc(params, xs, labels, ids, acc, scale=None, mstate=None):
             """The loss stage's F and B as one program (schedules that run them back to back);
-            `scale`: the loss scale under loss scaling (seed scale / m), else None (1 / m)."""
-            f, dx = objective(list(xs), labels, ids)
+            `scale`: the loss scale under loss scaling (seed scale / m), else None (1 / m).
+            A stateful stage also returns the parts' new mutable state."""
+            f, dx = objective(list(xs), labels, ids, mstate)
             primals = (params,) if self.first else (params, *dx)
             with sharding.use(self.mesh, self.layout):
-                loss, vjp = jax.vjp(f, *primals)
+                if stateful:
+                    loss, vjp, new = jax.vjp(f, *primals, has_aux=True)
+                else:
+                    loss, vjp = jax.vjp(f, *primals)
                 grads = vjp(seed(scale))
-            return loss, None if self.first else list(grads[1:]), jax.tree.map(jnp.add, acc, grads[0])
+            out = (loss, None if self.first else list(grads[1:]), jax.tree.map(jnp.add, acc, grads[0]))
+            return out + (new,) if stateful else out
 
         if self.last:
             # the accumulator is donated where its layout is the parameters' by construction (no mesh or
@@ -323,7 +367,7 @@ class StageProgram:
             # GSPMD may lay it out otherwise and XLA refuses the alias (see bwd_acc above)
             donate = (4,) if self.mesh is None or self.mesh.size == 1 else ()
             self.fwd_bwd_acc = jax.jit(fwd_bwd_acc, donate_argnums=donate) if self.mesh is None else jax.jit(
-                fwd_bwd_acc, out_shardings=(None, xsh, psh), donate_argnums=donate)
+                fwd_bwd_acc, out_shardings=(None, xsh, psh) + ((ssh,) if stateful else ()), donate_argnums=donate)
 
         def accumulate(acc, g):
             return jax.tree.map(jnp.add, acc, g)
@@ -365,6 +409,23 @@ class StageProgram:
                 for part, tree in zip(self.parts, params)]
 
     # -- state -------------------------------------------------------------
+    def state_sharding(self):
+        """Where mutable model state lives: replicated over the stage's mesh (None: no mesh)."""
+        return None if self.mesh is None else sharding.named(self.mesh, {}, ())
+
+    def init_mstate(self, seed: int):
+        """The parts' mutable (non-parameter) state, a list with None per stateless part, from the
+        model's own init (`Part.state_init`, the same model key as the parameters)."""
+        out = []
+        for part in self.parts:
+            if part.state_init is None:
+                out.append(None)
+                continue
+            fn = jax.jit(part.state_init) if self.mesh is None else jax.jit(part.state_init,
+                                                                             out_shardings=self.state_sharding())
+            out.append(fn(model_key(seed)))
+        return out
+
     def init_params(self, seed: int):
         """Parameters of this stage's parts, created directly with their shardings."""
         params = []

@@ -82,6 +82,7 @@ class WorkerConfig:
     checkpoint: dict | None = None  # {root, every, total, async[, restore]} (stages.checkpoint); None: off
     loss_scale: dict | None = None  # DynamicLossScale fields (orchestrator.core.model.policy); None: off
     compile_cache: str | None = None   # JAX persistent compilation cache directory (recovery.compile_cache_dir)
+    tie_stages: tuple = ()          # per spec.ties entry: (stage of its earlier side, of its later side)
 
     @property
     def layer_chunks(self) -> tuple[tuple[int, int], ...]:
@@ -191,6 +192,7 @@ class StageWorker:
                                    mesh=self.mesh, layout=cfg.layout, remat=cfg.remat)
                       for start, stop in cfg.layer_chunks]
         self.params = [prog.init_params(cfg.seed) for prog in self.progs]
+        self.mstate = [prog.init_mstate(cfg.seed) for prog in self.progs]     # mutable model state (BatchNorm)
         states = [prog.init_state(p) for prog, p in zip(self.progs, self.params)]
         self.opt_state = [st[0] for st in states]
         self.grads = [st[1] for st in states]
@@ -445,6 +447,24 @@ class StageWorker:
             ray.get(refs, timeout=timeout)
         return total
 
+    def exchange_tie(self, step: int, tie: int, mine: np.ndarray, timeout: float) -> np.ndarray:
+        """A tied array's gradient swapped with the stage holding the tie's other side
+        (`stages.ties`): host 0 sends this stage's (global) array to every host of that stage,
+        every host takes the one that stage's host 0 sent (bounded wait)."""
+        cfg = self.cfg
+        a, b = cfg.tie_stages[tie]
+        peer = b if cfg.stage == a else a
+        refs = []
+        if cfg.host == 0:
+            refs = [h.deliver.options(concurrency_group="io").remote((step, "TIE", tie, cfg.stage), mine)
+                    for h in self.actors[peer]]
+        got = self.inbox.take((step, "TIE", tie, peer), timeout)
+        if refs:
+            import ray
+
+            ray.get(refs, timeout=timeout)
+        return got
+
     def _finish(self, st: StepState) -> dict:
         cfg = self.cfg
         self.transport.flush(st.timeout)
@@ -500,8 +520,21 @@ class StageWorker:
                 for name, full in self._gathered().items()}
 
     def param_arrays(self) -> dict[str, np.ndarray]:
-        """Every parameter leaf of this stage as a whole numpy array (gathered across hosts)."""
-        return self._gathered()
+        """Every parameter leaf of this stage as a whole numpy array (gathered across hosts), and
+        every mutable-state leaf (`state_name`, e.g. BatchNorm's running mean)."""
+        import jax
+        from jax.experimental import multihost_utils
+
+        from orchestrator.core.model.pipeline import key_path
+        from stages.checkpoint import state_name
+
+        out = self._gathered()
+        for prog, mstate in zip(self.progs, self.mstate):
+            for i, (layer, s) in enumerate(zip(prog.layers, mstate), start=prog.start):
+                for path, leaf in jax.tree_util.tree_flatten_with_path(s)[0]:
+                    out[state_name(i, layer, key_path(path))] = np.asarray(
+                        multihost_utils.process_allgather(leaf, tiled=True))
+        return out
 
     def _gathered(self) -> dict[str, np.ndarray]:
         import jax

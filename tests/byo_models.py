@@ -238,22 +238,6 @@ def nnx_dropout_mlp(d=16, blocks=2):
                      loss=mse, input=((D_IN,), "float32"), label=((D_OUT,), "float32"), out_axes=OUT_AXES)
 
 
-def nnx_batchnorm():
-    """An nnx model with BatchNorm (BatchStat state): refused at plan time."""
-    from flax import nnx
-    from orchestrator.core.model.adapters import nnx_model
-
-    class BN(nnx.Module):
-        def __init__(self, rngs):
-            self.lin = nnx.Linear(D_IN, D_OUT, rngs=rngs)
-            self.bn = nnx.BatchNorm(D_OUT, rngs=rngs)
-
-        def __call__(self, x):
-            return self.bn(self.lin(x))
-
-    return nnx_model(BN, ["lin", "bn"], loss=mse, input=((D_IN,), "float32"), label=((D_OUT,), "float32"))
-
-
 # ----------------------------------------------------------------------------- flax.linen with dropout
 
 def _linen_dropout_class():

@@ -416,14 +416,6 @@ def test_linen_dropout_rngs_per_microbatch_match_oracle(tmp_path, no_leaks):
     assert abs(evals[0] - losses[0]) > 1e-3, (evals[0], losses[0])
 
 
-def test_nnx_batch_stats_refused_at_plan_time():
-    job = {**pytree_job("/tmp"), "model": {"factory": "tests.byo_models:nnx_batchnorm"}}
-    with pytest.raises(ConfigError) as e:
-        checked_of(job)
-    for needle in ("model.factory", "split point 'bn'", "BatchStat", "not supported yet"):
-        assert needle in str(e.value), str(e.value)
-
-
 @pytest.mark.ray
 @pytest.mark.slow
 def test_nnx_dropout_rng_state_reseeded_per_microbatch_matches_oracle(tmp_path, no_leaks):

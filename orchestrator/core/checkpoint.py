@@ -16,8 +16,10 @@ Invariants:
   - The marker is JSON only (never pickle) and lists every file of the step with its
     size and sha256, so a missing or corrupted shard is refused by name before restore.
   - Each stored array has a model-wide name (`param_name`, e.g. `03.block2/wq`; optimizer
-    leaves `opt:<path in the optimizer state>|<param name>`), with its global (logical)
-    shape and dtype in the marker: the model check names the first parameter that differs.
+    leaves `opt:<path in the optimizer state>|<param name>`; mutable model state such as
+    BatchNorm's running statistics `state:<layer>/<leaf path>`, `state_name`), with its global
+    (logical) shape and dtype in the marker: the model check names the first parameter that
+    differs (optimizer and mutable-state leaves are checked when a stage restores them by name).
 """
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ _MARKER_KEYS = {"format": str, "step": int, "time": float, "run": str, "model": 
 
 __all__ = ["FORMAT", "MARKER", "CheckpointError", "step_dir", "stage_dir", "file_table", "write_marker",
            "read_marker", "committed", "select", "verify_files", "check_model", "layout_of", "stale_dirs",
-           "gc_dirs", "opt_name", "PROBE", "check_probe"]
+           "gc_dirs", "opt_name", "state_name", "is_param_name", "PROBE", "check_probe"]
 
 
 class CheckpointError(ValueError):
@@ -57,6 +59,17 @@ def opt_name(prefix: str, param: Optional[str]) -> str:
     """Name of an optimizer-state leaf: its path in the state, then the parameter it follows
     (`opt:0/mu|03.block2/wq`), or `*` for a leaf shared by all parameters (adam's `count`)."""
     return f"opt:{prefix}|{param if param is not None else '*'}"
+
+
+def state_name(param: str) -> str:
+    """Name of a mutable model-state leaf (not trained, e.g. BatchNorm's running mean), after the
+    parameter-style name of its leaf: `state:02.bn/bn/mean`."""
+    return f"state:{param}"
+
+
+def is_param_name(name: str) -> bool:
+    """A parameter's name (not an optimizer-state `opt:` or mutable-state `state:` leaf)."""
+    return not name.startswith(("opt:", "state:"))
 
 
 def file_table(directory: Path | str) -> dict[str, list]:
@@ -187,7 +200,7 @@ def check_model(marker: Mapping[str, Any], arrays: Mapping[str, Mapping[str, Any
     """The checkpoint holds exactly these parameters with these shapes and dtypes (`arrays`:
     name -> {"shape", "dtype"}, as `orchestrator.driver.checkpoint.model_arrays` gives them);
     raises naming the first parameter (in model order) that is missing, extra or different."""
-    saved = {k: v for k, v in marker["arrays"].items() if not k.startswith("opt:")}
+    saved = {k: v for k, v in marker["arrays"].items() if is_param_name(k)}
     for name, want in arrays.items():
         have = saved.get(name)
         if have is None:

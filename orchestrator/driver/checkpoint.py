@@ -228,7 +228,7 @@ def export(ckpt: Path | str, to: Path | str) -> dict:
     import numpy as np
     import orbax.checkpoint as ocp
 
-    from orchestrator.core.checkpoint import MARKER, read_marker
+    from orchestrator.core.checkpoint import MARKER, is_param_name, read_marker
     from orchestrator.core.private_fs import private_dir, write_private
 
     ckpt, to = Path(ckpt), Path(to)
@@ -238,11 +238,11 @@ def export(ckpt: Path | str, to: Path | str) -> dict:
         raise CheckpointError(f"--to {to}: exists already (export writes a new directory)")
     marker = read_marker(ckpt / MARKER)
     verify_files(ckpt.parent, marker)
-    names = sorted(n for n in marker["arrays"] if not n.startswith("opt:"))
+    names = sorted(n for n in marker["arrays"] if is_param_name(n))
     parts: dict[int, dict] = {}
     with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as ckptr:
         for rec in marker["stages"]:
-            mine = {n: m for n, m in rec["arrays"].items() if not n.startswith("opt:")}
+            mine = {n: m for n, m in rec["arrays"].items() if is_param_name(n)}
             if not mine:
                 continue
             item = {"arrays": {m["key"]: np.zeros(m["shape"], m["dtype"]) for m in mine.values()}}

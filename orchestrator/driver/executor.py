@@ -35,6 +35,7 @@ from orchestrator.driver import placement
 from orchestrator.core.edges import stage_geoms
 from orchestrator.driver.waiting import wait_all
 from stages.hooks import WorkerHook
+from stages.ties import tie_stages
 from stages.worker import StageWorker, WorkerConfig
 
 RECV_FACTOR = 2.0    # an actor's RECV deadline: this × the driver's progress deadline for a call
@@ -104,7 +105,8 @@ class PipelineExecutor:
                 str(a) for a in self.eval_schedule.actions[stage.index] if a is not None),
             eval_every=job.run.eval_every, total_steps=job.run.steps, checkpoint=self.checkpoint,
             compile_cache=compile_cache_dir(job),
-            loss_scale=None if job.precision.scaling() is None else job.precision.scaling().to_dict())
+            loss_scale=None if job.precision.scaling() is None else job.precision.scaling().to_dict(),
+            tie_stages=tie_stages(self.checked.model.ties, [s.chunks for s in self.checked.stages]))
 
     def start(self) -> None:
         import ray

@@ -13,6 +13,7 @@ from typing import Callable
 import numpy as np
 
 from stages.data import global_batch, microbatch, open_reader
+from orchestrator.core.checkpoint import is_param_name, state_name
 from orchestrator.core.model.spec import ModelSpec, param_name
 
 
@@ -38,6 +39,7 @@ def train_reference(spec: ModelSpec, source, *, steps: int, seed: int, microbatc
     prog = StageProgram(spec, build_model(spec.factory, spec.args), 0, spec.num_layers,
                         microbatches=microbatches, optimizer=optimizer)
     params = prog.init_params(seed)
+    mstate = prog.init_mstate(seed)      # mutable model state (BatchNorm), threaded in microbatch order
     opt_state, grads = prog.init_state(params)
     losses, times, evals = [], [], []
     ev_reader = open_reader(source.eval) if source.eval is not None else None
@@ -48,8 +50,12 @@ def train_reference(spec: ModelSpec, source, *, steps: int, seed: int, microbatc
         x, y = global_batch(reader, source, step)
         mb_losses = []
         for i in range(microbatches):
-            loss, res = prog.fwd(params, [jnp.asarray(microbatch(x, i, microbatches))],
-                                 jnp.asarray(microbatch(y, i, microbatches)), np.array([seed, step, i], np.int32))
+            args = (params, [jnp.asarray(microbatch(x, i, microbatches))],
+                    jnp.asarray(microbatch(y, i, microbatches)), np.array([seed, step, i], np.int32))
+            if prog.stateful:
+                loss, res, mstate = prog.fwd(*args, mstate)
+            else:
+                loss, res = prog.fwd(*args)
             _, g = prog.bwd(params, res, None if scale_state is None else np.float32(scale_state[0]))
             grads = prog.accumulate(grads, g)
             mb_losses.append(loss)
@@ -60,7 +66,15 @@ def train_reference(spec: ModelSpec, source, *, steps: int, seed: int, microbatc
             finite = float(bad) == 0
             scale_state = loss_scale.next(scale_state, finite)
         if finite:
-            gnorm = np.float32(np.sqrt(float(prog.sq_norm(grads))))
+            if spec.ties:       # both copies of a tied array are here: each gets the sum (stages.ties)
+                from stages.ties import for_norm, sum_tied
+
+                box = [grads]
+                sum_tied(box, [prog], spec.ties)
+                grads = box[0]
+                gnorm = np.float32(np.sqrt(float(prog.sq_norm(for_norm([grads], [prog], spec.ties)[0]))))
+            else:
+                gnorm = np.float32(np.sqrt(float(prog.sq_norm(grads))))
             params, opt_state, grads = prog.update(params, opt_state, grads, gnorm)
         else:
             grads = prog.zero_grads(grads)
@@ -72,7 +86,8 @@ def train_reference(spec: ModelSpec, source, *, steps: int, seed: int, microbatc
         if used is not None:
             rec.update(loss_scale=float(used), skipped=not finite)
         if ev_reader is not None and ((eval_every and (step + 1) % eval_every == 0) or step + 1 == steps):
-            rec["eval_loss"] = eval_loss(spec, params, ev_reader, source.eval, source.eval_batches, microbatches)
+            rec["eval_loss"] = eval_loss(spec, params, ev_reader, source.eval, source.eval_batches, microbatches,
+                                         mstate)
             evals.append([step, rec["eval_loss"]])
         if on_step:
             on_step(rec)
@@ -80,24 +95,31 @@ def train_reference(spec: ModelSpec, source, *, steps: int, seed: int, microbatc
     for i, (layer, p) in enumerate(zip(spec.layers, params)):
         for path, leaf in jax.tree_util.tree_flatten_with_path(p)[0]:
             arrays[param_name(i, layer, key_path(path))] = np.asarray(leaf)
-    norms = {k: float(np.linalg.norm(np.asarray(v, dtype=np.float64))) for k, v in arrays.items()}
+    for i, (layer, s) in enumerate(zip(spec.layers, mstate)):
+        for path, leaf in jax.tree_util.tree_flatten_with_path(s)[0]:
+            arrays[state_name(param_name(i, layer, key_path(path)))] = np.asarray(leaf)
+    norms = {k: float(np.linalg.norm(np.asarray(v, dtype=np.float64))) for k, v in arrays.items()
+             if is_param_name(k)}
     return {"losses": losses, "step_times_s": times, "param_norms": norms, "params": arrays,
             "eval_losses": evals}
 
 
-def eval_loss(spec: ModelSpec, params, reader, plan, batches: int, microbatches: int) -> float:
-    """Mean over `batches` eval batches of the mean microbatch loss of the whole model, plain JAX."""
+def eval_loss(spec: ModelSpec, params, reader, plan, batches: int, microbatches: int, mstate=None) -> float:
+    """Mean over `batches` eval batches of the mean microbatch loss of the whole model, plain JAX
+    (eval mode: stateful parts use `mstate`, a list with None per stateless part, unchanged)."""
     import jax
     import jax.numpy as jnp
 
+    from orchestrator.core.model.pipeline import run_part
     from orchestrator.core.model.registry import build_model
 
     model = build_model(spec.factory, spec.args)
+    mstate = [None] * len(model.parts) if mstate is None else mstate
 
     @jax.jit
     def loss(ps, x, y):
-        for part, p in zip(model.parts, ps):
-            x = part.apply(p, x, rng=None, train=False)
+        for part, p, s in zip(model.parts, ps, mstate):
+            x, _ = run_part(part, p, x, s, rng=None, train=False)
         return model.loss(x, y)
 
     per_batch = []

@@ -63,7 +63,8 @@ def _out_rules(out_axes) -> AxesFn:
 # ----------------------------------------------------------------------------- plain JAX
 
 def plain(init: Callable[[Any], Mapping[str, Any]], parts: Sequence[tuple[str, Callable]], *,
-          loss: Callable, input, label, axes=None, out_axes=None, vocab: int = 0) -> PipelineModel:
+          loss: Callable, input, label, axes=None, out_axes=None, vocab: int = 0,
+          ties: Sequence[tuple[str, str]] = ()) -> PipelineModel:
     """A plain-JAX model: one init for the whole model and one apply per part.
 
     Args:
@@ -75,6 +76,8 @@ def plain(init: Callable[[Any], Mapping[str, Any]], parts: Sequence[tuple[str, C
       axes: parameter axes, a callable (path, shape) -> axes or path rules for `by_path`,
         matched against "part name/leaf path" (e.g. ``("block*/w1", ("embed", "mlp"))``).
       out_axes: output axes, the same way ("part name/leaf path"; default `batch` first).
+      ties: pairs of parameter names ("part name/leaf path") that are one array held by two parts
+        (`init` must give both the same value), e.g. ``[("embed/table", "head/table")]``.
 
     Example:
         >>> import jax.numpy as jnp
@@ -108,7 +111,8 @@ def plain(init: Callable[[Any], Mapping[str, Any]], parts: Sequence[tuple[str, C
         built.append(Part(name, part_init, apply,
                           axes=lambda path, shape, name=name: rules(f"{name}/{path}", shape),
                           out_axes=lambda path, shape, name=name: outs(f"{name}/{path}", shape)))
-    return PipelineModel(tuple(built), loss, as_spec(input), as_spec(label), vocab)
+    return PipelineModel(tuple(built), loss, as_spec(input), as_spec(label), vocab,
+                         ties=tuple(tuple(t) for t in ties))
 
 
 # ----------------------------------------------------------------------------- flax.nnx
@@ -161,59 +165,93 @@ def nnx_model(make: Callable, parts: Sequence[Union[str, tuple]], *, loss: Calla
     replicated). RNG state (`nnx.Dropout(..., rngs=rngs)`'s stream) is not trained or carried:
     on every call each stream a part holds is reseeded (`nnx.reseed`) with fold_in(rng, j), j
     the stream's index among the part's stream names sorted, rng meshpipe's key for (seed,
-    step, microbatch, part); and the part is put in `train()` / `eval()` mode. Other variable
-    kinds (BatchNorm's `BatchStat`) are refused at plan time.
+    step, microbatch, part); and the part is put in `train()` / `eval()` mode. `nnx.BatchStat`
+    variables (BatchNorm's running mean and variance) are the part's mutable state
+    (`Part.state_init`): "<attribute path>" -> pure dict, passed in on every call and read back
+    after it (in train mode as the call updated them; `eval()` uses them unchanged). Other
+    variable kinds (e.g. `nnx.Cache`, `nnx.Intermediate`, a user's own) are refused at plan time.
+
+    Tied weights: a submodule named by two parts (the embedding in the first part and in the
+    head, ``("head", ("norm", "embed"), lambda norm, embed, x: embed.attend(norm(x)))``) is one
+    array of the model held by both: each part keeps a copy (equal at init: both come from the
+    same model's init) and every Param leaf under it is tied (`PipelineModel.ties`), so their
+    gradients are summed at the step's end and the copies stay identical.
     """
     import jax
     from flax import nnx
+
+    def kinds_of(tree):
+        return sorted({type(v).__name__ for v in jax.tree.leaves(tree, is_leaf=lambda v: isinstance(v, nnx.Variable))})
 
     with nnx.use_eager_sharding(False):
         abstract = nnx.eval_shape(lambda: make(nnx.Rngs(0)))
     outs = _out_rules(out_axes)
     built = []
+    holders: dict[str, list[str]] = {}      # attribute path -> the parts holding it (two or more: tied)
+    leaves: dict[str, list[str]] = {}       # attribute path -> its Param leaf paths
     for entry in parts:
         name, paths, call = _entry(entry)
         subs = {}
         axes: dict[str, tuple] = {}
+        stateful = []
         for path in paths:
             sub = _walk(abstract, path, type(abstract).__name__)
             if not isinstance(sub, nnx.Module):
                 raise ModelError(f"split point {path!r} is a {type(sub).__name__}, not an nnx.Module")
-            graph, state, rngs, rest = nnx.split(sub, nnx.Param, nnx.RngState, ...)
+            graph, state, stats, rngs, rest = nnx.split(sub, nnx.Param, nnx.BatchStat, nnx.RngState, ...)
             if jax.tree.leaves(rest):
-                kinds = sorted({type(v).__name__ for v in jax.tree.leaves(
-                    rest, is_leaf=lambda v: isinstance(v, nnx.Variable))})
-                raise ModelError(f"split point {path!r} holds nnx variables other than nnx.Param and RNG "
-                                 f"state ({kinds}); mutable state such as BatchNorm's BatchStat is not "
-                                 "supported yet")
+                raise ModelError(f"split point {path!r} holds nnx variables {kinds_of(rest)}: only nnx.Param "
+                                 "(trained), nnx.BatchStat (mutable state, carried per stage) and RNG state "
+                                 "are supported")
             streams = sorted({v.tag for v in jax.tree.leaves(rngs, is_leaf=lambda v: isinstance(v, nnx.Variable))})
-            subs[path] = (graph, jax.tree.structure(state), rngs, streams)
+            has_stats = bool(jax.tree.leaves(stats))
+            if has_stats:
+                stateful.append(path)
+            subs[path] = (graph, jax.tree.structure(state), jax.tree.structure(stats) if has_stats else None,
+                          rngs, streams)
             axes.update({f"{path}/{k}": v for k, v in _nnx_axes(state).items()})
+            holders.setdefault(path, []).append(name)
+            leaves[path] = list(_nnx_axes(state))
 
         def part_init(key, paths=paths):
             with nnx.use_eager_sharding(False):
                 whole = make(nnx.Rngs(key))
             return {p: nnx.to_pure_dict(nnx.state(_walk(whole, p, "model"), nnx.Param)) for p in paths}
 
-        def apply(params, x, *, rng=None, train=True, subs=subs, call=call, paths=paths):
+        def state_init(key, stateful=tuple(stateful)):
+            with nnx.use_eager_sharding(False):
+                whole = make(nnx.Rngs(key))
+            return {p: nnx.to_pure_dict(nnx.state(_walk(whole, p, "model"), nnx.BatchStat)) for p in stateful}
+
+        def apply(params, x, *, rng=None, train=True, state=None, subs=subs, call=call, paths=paths,
+                  stateful=tuple(stateful)):
             mods = []
             for p in paths:
-                graph, treedef, rngs, streams = subs[p]
-                state = jax.tree.unflatten(treedef, jax.tree.leaves(params[p]))
-                if not streams:
-                    mods.append(nnx.merge(graph, state))
-                    continue
-                mod = nnx.merge(graph, state, _rng_values(rngs))
-                if rng is not None:
+                graph, treedef, stats_def, rngs, streams = subs[p]
+                pieces = [jax.tree.unflatten(treedef, jax.tree.leaves(params[p]))]
+                if stats_def is not None:
+                    pieces.append(jax.tree.unflatten(stats_def, jax.tree.leaves(state[p])))
+                if streams:
+                    pieces.append(_rng_values(rngs))
+                mod = nnx.merge(graph, *pieces)
+                if streams and rng is not None:
                     nnx.reseed(mod, **{name: jax.random.fold_in(rng, j) for j, name in enumerate(streams)})
-                mod.train() if train else mod.eval()
+                if streams or stats_def is not None:
+                    mod.train() if train else mod.eval()
                 mods.append(mod)
-            return mods[0](x) if call is None else call(*mods, x)
+            y = mods[0](x) if call is None else call(*mods, x)
+            if not stateful:
+                return y
+            new = {p: nnx.to_pure_dict(nnx.state(m, nnx.BatchStat)) for p, m in zip(paths, mods) if p in stateful}
+            return y, new
 
         built.append(Part(name, part_init, apply,
                           axes=lambda path, shape, axes=axes: axes.get(path) or (None,) * len(shape),
-                          out_axes=lambda path, shape, name=name: outs(f"{name}/{path}", shape), paths=paths))
-    return PipelineModel(tuple(built), loss, as_spec(input), as_spec(label), vocab)
+                          out_axes=lambda path, shape, name=name: outs(f"{name}/{path}", shape), paths=paths,
+                          state_init=state_init if stateful else None))
+    ties = tuple((f"{names[0]}/{path}/{leaf}", f"{other}/{path}/{leaf}")
+                 for path, names in holders.items() for other in names[1:] for leaf in leaves[path])
+    return PipelineModel(tuple(built), loss, as_spec(input), as_spec(label), vocab, ties=ties)
 
 
 def _keywords(fn) -> set:
@@ -262,8 +300,12 @@ def linen_model(module, parts: Sequence[tuple], *, loss: Callable, input, label,
         gets the mode.
 
     Logical axes come from `nn.with_logical_partitioning` metadata (`nn.get_partition_spec`).
-    Parameters are named "<part>/<key>/<leaf path>". Only the `params` collection is supported
-    (no mutable collections such as `batch_stats`).
+    Parameters are named "<part>/<key>/<leaf path>". The `batch_stats` collection (BatchNorm's
+    running statistics) is the mutable state of the part whose params keys have the same
+    top-level names (`Part.state_init`): in train mode the method runs with
+    `mutable=["batch_stats"]` and the updated entries come back; in eval mode they are used
+    as they are (the method must pass `use_running_average=not train` itself). Any other
+    collection is refused at plan time.
     """
     import jax
     import flax.linen as nn
@@ -272,11 +314,18 @@ def linen_model(module, parts: Sequence[tuple], *, loss: Callable, input, label,
     spec_in = as_spec(input)
     example = jax.ShapeDtypeStruct((2, *spec_in.shape), np.dtype(spec_in.dtype))
     abstract = jax.eval_shape(lambda x: module.init(jax.random.key(0), x), example)
-    extra = sorted(set(abstract) - {"params"})
+    extra = sorted(set(abstract) - {"params", "batch_stats"})
     if extra:
-        raise ModelError(f"linen variable collections other than 'params' are not supported yet: {extra}")
+        raise ModelError(f"linen variable collections {extra} are not supported: only 'params' (trained) and "
+                         "'batch_stats' (mutable state, carried per stage)")
     names = nn.get_partition_spec(abstract)["params"]
     have = sorted(abstract["params"])
+    stats = abstract.get("batch_stats", {})
+    owned = {k for _, keys, _ in parts for k in ((keys,) if isinstance(keys, str) else keys)}
+    orphan = sorted(set(stats) - owned)
+    if orphan:
+        raise ModelError(f"batch_stats entry {orphan[0]!r} belongs to no part: a part owns the batch_stats entry "
+                         f"of the same top-level name as its params keys (parts own {sorted(owned)})")
     outs = _out_rules(out_axes)
     built = []
     for name, keys, method in parts:
@@ -289,21 +338,38 @@ def linen_model(module, parts: Sequence[tuple], *, loss: Callable, input, label,
             flat = jax.tree_util.tree_flatten_with_path(names[k], is_leaf=lambda v: isinstance(
                 v, jax.sharding.PartitionSpec))[0]
             axes.update({f"{k}/{key_path(p)}": tuple(v) for p, v in flat})
+        stateful = tuple(k for k in keys if k in stats)
+
+        def whole_init(key):
+            return nn.unbox(module.init(key, jax.numpy.zeros(example.shape, example.dtype)))
 
         def part_init(key, keys=keys):
-            whole = nn.unbox(module.init(key, jax.numpy.zeros(example.shape, example.dtype)))["params"]
+            whole = whole_init(key)["params"]
             return {k: whole[k] for k in keys}
+
+        def state_init(key, stateful=stateful):
+            whole = whole_init(key)["batch_stats"]
+            return {k: whole[k] for k in stateful}
 
         takes_train = "train" in _keywords(method)
 
-        def apply(params, x, *, rng=None, train=True, method=method, takes_train=takes_train):
+        def apply(params, x, *, rng=None, train=True, state=None, method=method, takes_train=takes_train,
+                  stateful=stateful):
             keys = None if rng is None or not rngs else {c: jax.random.fold_in(rng, j) for j, c in enumerate(rngs)}
             kw = {"train": train} if takes_train else {}
-            return module.apply({"params": dict(params)}, x, method=method, rngs=keys, **kw)
+            if not stateful:
+                return module.apply({"params": dict(params)}, x, method=method, rngs=keys, **kw)
+            variables = {"params": dict(params), "batch_stats": dict(state)}
+            if not train:
+                return module.apply(variables, x, method=method, rngs=keys, **kw), state
+            y, upd = module.apply(variables, x, method=method, rngs=keys, mutable=["batch_stats"], **kw)
+            got = upd.get("batch_stats", {})
+            return y, {k: got.get(k, state[k]) for k in stateful}
 
         built.append(Part(name, part_init, apply,
                           axes=lambda path, shape, axes=axes: _padded(axes.get(path), shape),
-                          out_axes=lambda path, shape, name=name: outs(f"{name}/{path}", shape), paths=keys))
+                          out_axes=lambda path, shape, name=name: outs(f"{name}/{path}", shape), paths=keys,
+                          state_init=state_init if stateful else None))
     return PipelineModel(tuple(built), loss, spec_in, as_spec(label), vocab)
 
 
@@ -323,7 +389,7 @@ def eqx_model(make: Callable, parts: Sequence[Union[str, tuple]], *, loss: Calla
       loss, input, label, out_axes, vocab: as for `plain`.
 
     The part's parameters are its submodules' array leaves (`eqx.partition(sub, eqx.is_array)`);
-    everything else is static. Parameters are named "<part>/<attribute path>/<leaf path>".
+    everything else is static. Mutable state (`eqx.nn.State`, `eqx.nn.StateIndex`) is refused. Parameters are named "<part>/<attribute path>/<leaf path>".
     """
     import jax
     import equinox as eqx
@@ -332,6 +398,14 @@ def eqx_model(make: Callable, parts: Sequence[Union[str, tuple]], *, loss: Calla
         return eqx.is_array(v) or isinstance(v, jax.ShapeDtypeStruct)
 
     abstract = eqx.filter_eval_shape(make, jax.random.key(0))
+    if not isinstance(abstract, eqx.Module):
+        raise ModelError(f"make(key) returned {type(abstract).__name__}, not an eqx.Module (a model built with "
+                         "eqx.nn.make_with_state returns (model, state): equinox state is not supported)")
+    indexed = [key_path(p) for p, _ in jax.tree_util.tree_flatten_with_path(
+        abstract, is_leaf=lambda v: isinstance(v, eqx.nn.StateIndex))[0] if isinstance(_, eqx.nn.StateIndex)]
+    if indexed:
+        raise ModelError(f"the equinox model holds eqx.nn.State ({indexed[0]!r}, e.g. eqx.nn.BatchNorm): mutable "
+                         "state is supported for flax.nnx (nnx.BatchStat) and flax.linen (batch_stats), not equinox")
     rules, outs = _rules(axes), _out_rules(out_axes)
     built = []
     for entry in parts:

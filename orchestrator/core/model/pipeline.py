@@ -7,6 +7,7 @@ embedding, each block, the head) and a loss. Each part is a pure pair, as optax'
     params = part.init(key)                       # key: the run's model key, the same for every part
     y      = part.apply(params, x, rng=rng, train=True)   # x, y: pytrees of arrays, batch first
 
+(a part with mutable state, `Part.state_init`, also takes `state=` and returns (y, new state)),
 plus the logical axes of each parameter leaf (`part.axes(path, shape)`) and of each
 output leaf (`part.out_axes(path, shape)`, `batch` first). Every part is initialised
 from the same model key, so the parts together hold exactly the parameters the
@@ -20,7 +21,8 @@ that does (`model: {factory: "pkg.module:fn", args: {...}}`).
 `describe(model, ...)` turns a PipelineModel into the pure `ModelSpec` the planner
 uses, by `jax.eval_shape` only (no devices, no arrays): each part's parameter leaves,
 each part's output leaves fed to the next part (a mismatch is reported here, at plan
-time), and the loss (a scalar). jax is imported inside functions only.
+time), the loss (a scalar), a stateful part's state (it must come back as it went in) and
+the model's tied parameters (`PipelineModel.ties`, resolved to layer indices). jax is imported inside functions only.
 """
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ Axes = tuple  # tuple[str | None, ...]
 AxesFn = Callable[[str, tuple], Union[Axes, None]]
 
 __all__ = ["ArraySpec", "ModelError", "Part", "PipelineModel", "by_path", "batch_first", "describe",
-           "key_path", "DESCRIBE_BATCH"]
+           "key_path", "run_part", "DESCRIBE_BATCH"]
 
 DESCRIBE_BATCH = 2     # the batch size shapes are evaluated at (outputs must carry it first)
 
@@ -77,6 +79,12 @@ class Part:
       out_axes: (leaf path, batched shape) -> logical axes of an output leaf.
       paths: the model attribute paths this part holds, in order (the nnx, linen and
         equinox adapters fill it); a job's `pipeline.split_at` may name the first one.
+      state_init: None for a part without mutable state; else key -> the part's mutable
+        (non-parameter) state pytree, e.g. BatchNorm's running statistics. Such a part's
+        apply takes `state=` and returns (y, new state): in train mode the state as the
+        microbatch updated it, in eval mode the state unchanged. The state is not
+        differentiated or optimised; the stage threads it through its forwards in
+        microbatch order and checkpoints it with the parameters.
     """
 
     name: str
@@ -85,6 +93,14 @@ class Part:
     axes: AxesFn = replicated
     out_axes: AxesFn = batch_first
     paths: tuple[str, ...] = ()
+    state_init: Callable[[Any], Any] | None = None
+
+
+def run_part(part: Part, params, x, state=None, *, rng=None, train: bool = True):
+    """(y, new state) of one part; a stateless part gives (y, None)."""
+    if part.state_init is None:
+        return part.apply(params, x, rng=rng, train=train), None
+    return part.apply(params, x, rng=rng, train=train, state=state)
 
 
 @dataclass(frozen=True)
@@ -93,7 +109,9 @@ class PipelineModel:
 
     `loss(y, labels)` takes the last part's output and returns the scalar mean loss of the
     microbatch (computed in float32). `vocab`: for token inputs, the data source draws ids
-    below it.
+    below it. `ties`: pairs of parameter names "<part name>/<leaf path>" that are one array of
+    the model held by two parts (a GPT's embedding reused as its unembedding); the parts' inits
+    must give them equal values (the nnx adapter finds ties itself: a submodule two parts name).
     """
 
     parts: tuple[Part, ...]
@@ -102,6 +120,7 @@ class PipelineModel:
     label: ArraySpec
     vocab: int = 0
     meta: Mapping[str, Any] = field(default_factory=dict)
+    ties: tuple[tuple[str, str], ...] = ()
 
 
 def by_path(rules: Union[Mapping[str, Axes], Iterable[tuple[str, Axes]]], default: AxesFn = replicated) -> AxesFn:
@@ -185,10 +204,21 @@ def describe(model: Any, *, name: str, factory: str, args: Mapping[str, Any]) ->
             p = key_path(path)
             pdefs[p] = ParamDef(tuple(leaf.shape), _axes_ok(f"{what} parameter {p}", part.axes(p, tuple(leaf.shape)),
                                                              leaf.shape), str(leaf.dtype))
+        state = None
+        if part.state_init is not None:
+            try:
+                state = jax.eval_shape(lambda: part.state_init(jax.random.key(0)))
+            except Exception as e:  # noqa: BLE001 - the user's code
+                raise ModelError(f"{what}: state init failed: {type(e).__name__}: {e}") from None
         try:
-            y = jax.eval_shape(lambda p, x: part.apply(p, x, rng=jax.random.key(0), train=True), params, x)
+            y, new = jax.eval_shape(lambda p, x, s: run_part(part, p, x, s, rng=jax.random.key(0), train=True),
+                                    params, x, state)
         except Exception as e:  # noqa: BLE001
             raise ModelError(f"{what} cannot take {came_from}: {type(e).__name__}: {e}") from None
+        if part.state_init is not None and (jax.tree.structure(new) != jax.tree.structure(state) or any(
+                (a.shape, a.dtype) != (b.shape, b.dtype) for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(state)))):
+            raise ModelError(f"{what}: the state it returns {_struct(new)} is not the state it takes {_struct(state)} "
+                             "(a stateful part must return its state with the same structure, shapes and dtypes)")
         outs = []
 
         def leaf_spec(path, leaf, what=what, outs=outs, part=part):
@@ -215,4 +245,37 @@ def describe(model: Any, *, name: str, factory: str, args: Mapping[str, Any]) ->
                          f"{type(e).__name__}: {e}") from None
     if getattr(loss, "shape", None) != ():
         raise ModelError(f"the loss must return a scalar, got {_struct(loss)}")
-    return ModelSpec(name, tuple(layers), factory, inp, lab, int(model.vocab), dict(args))
+    ties = resolve_ties(model.ties, layers)
+    return ModelSpec(name, tuple(layers), factory, inp, lab, int(model.vocab), dict(args), ties=ties)
+
+
+def resolve_ties(ties, layers: Sequence[LayerSpec]) -> tuple:
+    """Tie names ("<part name>/<leaf path>") as ((layer, path), (layer, path)), the earlier side first.
+    Raises ModelError naming the tie when a name is unknown, both name the same leaf, the two
+    differ in shape or dtype, or a parameter is tied twice."""
+    index = {layer.name: i for i, layer in enumerate(layers)}
+    out, seen = [], {}
+    for t, pair in enumerate(ties):
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2 or not all(isinstance(n, str) for n in pair):
+            raise ModelError(f"ties[{t}] = {pair!r}: a tie is two parameter names \"<part>/<leaf path>\"")
+        sides = []
+        for name in pair:
+            part, _, path = name.partition("/")
+            if part not in index or path not in layers[index[part]].params:
+                have = ", ".join(f"{layer.name}/{p}" for layer in layers for p in layer.params)
+                raise ModelError(f"ties[{t}]: {name!r} is not a parameter of the model (parameters: {have})")
+            sides.append((index[part], path))
+        a, b = sorted(sides)
+        if a == b:
+            raise ModelError(f"ties[{t}] = {tuple(pair)!r}: ties a parameter to itself")
+        pa, pb = layers[a[0]].params[a[1]], layers[b[0]].params[b[1]]
+        if (pa.shape, pa.dtype) != (pb.shape, pb.dtype):
+            raise ModelError(f"ties[{t}] = {tuple(pair)!r}: {pa.dtype}{list(pa.shape)} and {pb.dtype}{list(pb.shape)} "
+                             "differ; tied parameters are one array (same shape and dtype)")
+        for side in (a, b):
+            if side in seen:
+                raise ModelError(f"ties[{t}]: {layers[side[0]].name + '/' + side[1]!r} is already tied "
+                                 f"(ties[{seen[side]}]); each parameter may be in one tie (two copies of an array)")
+            seen[side] = t
+        out.append((a, b))
+    return tuple(out)

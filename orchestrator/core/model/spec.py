@@ -102,6 +102,9 @@ class ModelSpec:
       args: the factory's keyword arguments.
       compute_dtype: the dtype parts compute in and floating activations cross in
         (`orchestrator.core.model.policy`); parameters stay float32.
+      ties: tied parameters, each ((layer, leaf path), (layer, leaf path)) with the first side
+        earlier: two copies of one array (e.g. a GPT's token embedding and its unembedding),
+        initialised equal; their gradients are summed at the step's end (`stages.ties`).
     """
 
     name: str
@@ -112,6 +115,7 @@ class ModelSpec:
     vocab: int = 0
     args: Mapping[str, Any] = field(default_factory=dict)
     compute_dtype: str = "float32"
+    ties: tuple = ()
 
     @property
     def num_layers(self) -> int:

@@ -1,0 +1,168 @@
+"""Model factories with mutable (non-parameter) state for `tests.test_byo_state`: BatchNorm.
+
+`nnx_bn_mlp`: a flax.nnx MLP whose residual blocks hold an `nnx.BatchNorm` (running mean and
+variance are `nnx.BatchStat` variables); `linen_bn_mlp`: the same in flax.linen (`batch_stats`
+collection). Both are split into in / block0 / block1 / out, so a two-stage job has BatchNorm
+state on each stage. `nnx_counter` holds a variable kind meshpipe refuses.
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from tests.byo_models import D_IN, D_OUT, OUT_AXES, mse
+
+MOMENTUM = 0.8      # running statistics move visibly in a few steps
+
+
+def _nnx_classes():
+    from flax import nnx
+
+    class BNBlock(nnx.Module):
+        def __init__(self, d, rngs):
+            init = nnx.initializers.lecun_normal()
+            self.up = nnx.Linear(d, 2 * d, kernel_init=nnx.with_partitioning(init, ("embed", "mlp")), rngs=rngs)
+            self.bn = nnx.BatchNorm(2 * d, momentum=MOMENTUM, rngs=rngs)
+            self.down = nnx.Linear(2 * d, d, kernel_init=nnx.with_partitioning(init, ("mlp", "embed")), rngs=rngs)
+
+        def __call__(self, x):
+            return x + self.down(jnp.tanh(self.bn(self.up(x))))
+
+    class BNMLP(nnx.Module):
+        def __init__(self, d, blocks, rngs):
+            self.inp = nnx.Linear(D_IN, d, rngs=rngs)
+            self.blocks = nnx.List([BNBlock(d, rngs) for _ in range(blocks)])
+            self.out = nnx.Linear(d, D_OUT, rngs=rngs)
+
+        def __call__(self, x):
+            h = self.inp(x)
+            for b in self.blocks:
+                h = b(h)
+            return self.out(h)
+
+    return BNMLP
+
+
+def nnx_bn_make(d=16, blocks=2):
+    cls = _nnx_classes()
+    return lambda rngs: cls(d, blocks, rngs)
+
+
+def nnx_bn_mlp(d=16, blocks=2):
+    from orchestrator.core.model.adapters import nnx_model
+
+    return nnx_model(nnx_bn_make(d, blocks), ["inp", *[f"blocks.{i}" for i in range(blocks)], "out"],
+                     loss=mse, input=((D_IN,), "float32"), label=((D_OUT,), "float32"), out_axes=OUT_AXES)
+
+
+def _linen_class():
+    import flax.linen as nn
+
+    class LinenBNBlock(nn.Module):
+        d: int
+
+        @nn.compact
+        def __call__(self, x, train=False):
+            w = self.param("w", nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", "mlp")),
+                           (self.d, 2 * self.d))
+            v = self.param("v", nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("mlp", "embed")),
+                           (2 * self.d, self.d))
+            h = nn.BatchNorm(use_running_average=not train, momentum=MOMENTUM)(x @ w)
+            return x + jnp.tanh(h) @ v
+
+    class LinenBNMLP(nn.Module):
+        d: int = 16
+        blocks: int = 2
+
+        def setup(self):
+            self.inp = nn.Dense(self.d)
+            self.body = [LinenBNBlock(self.d) for _ in range(self.blocks)]
+            self.out = nn.Dense(D_OUT)
+
+        def __call__(self, x, train=False):
+            h = self.inp(x)
+            for b in self.body:
+                h = b(h, train=train)
+            return self.out(h)
+
+    return LinenBNMLP
+
+
+def linen_bn_module(d=16, blocks=2):
+    return _linen_class()(d=d, blocks=blocks)
+
+
+def linen_bn_mlp(d=16, blocks=2):
+    from orchestrator.core.model.adapters import linen_model
+
+    parts = ([("in", ("inp",), lambda m, x: m.inp(x))]
+             + [(f"block{i}", (f"body_{i}",), lambda m, x, train, i=i: m.body[i](x, train=train))
+                for i in range(blocks)]
+             + [("out", ("out",), lambda m, x: m.out(x))])
+    return linen_model(linen_bn_module(d, blocks), parts, loss=mse, input=((D_IN,), "float32"),
+                       label=((D_OUT,), "float32"), out_axes=OUT_AXES)
+
+
+def nnx_counter(**_):
+    """An nnx model holding a variable of the user's own kind (not Param / BatchStat / RNG): refused."""
+    from flax import nnx
+    from orchestrator.core.model.adapters import nnx_model
+
+    class Counter(nnx.Variable):
+        pass
+
+    class Counted(nnx.Module):
+        def __init__(self, rngs):
+            self.lin = nnx.Linear(D_IN, D_OUT, rngs=rngs)
+            self.calls = Counter(jnp.zeros((), jnp.int32))
+
+        def __call__(self, x):
+            return self.lin(x)
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.inp = nnx.Linear(D_IN, D_IN, rngs=rngs)
+            self.head = Counted(rngs)
+
+        def __call__(self, x):
+            return self.head(self.inp(x))
+
+    return nnx_model(Model, ["inp", "head"], loss=mse, input=((D_IN,), "float32"), label=((D_OUT,), "float32"))
+
+
+def linen_orphan_stats(**_):
+    """A linen model whose batch_stats entry no part owns (parts name other keys): refused."""
+    import flax.linen as nn
+    from orchestrator.core.model.adapters import linen_model
+
+    class M(nn.Module):
+        def setup(self):
+            self.inp = nn.Dense(D_IN)
+            self.bn = nn.BatchNorm(use_running_average=False, use_scale=False, use_bias=False)
+            self.out = nn.Dense(D_OUT)
+
+        def __call__(self, x):
+            return self.out(self.bn(self.inp(x)))
+
+    return linen_model(M(), [("in", ("inp",), lambda m, x: m.bn(m.inp(x))), ("out", ("out",), lambda m, x: m.out(x))],
+                       loss=mse, input=((D_IN,), "float32"), label=((D_OUT,), "float32"))
+
+
+def eqx_stateful(**_):
+    """An equinox model with eqx.nn.BatchNorm (eqx.nn.State): refused (equinox state is not supported)."""
+    import equinox as eqx
+    import jax
+    from orchestrator.core.model.adapters import eqx_model
+
+    class M(eqx.Module):
+        inp: eqx.nn.Linear
+        bn: eqx.nn.BatchNorm
+        out: eqx.nn.Linear
+
+        def __init__(self, key):
+            k1, k2 = jax.random.split(key)
+            self.inp = eqx.nn.Linear(D_IN, D_IN, key=k1)
+            self.bn = eqx.nn.BatchNorm(D_IN, axis_name="batch", mode="batch")
+            self.out = eqx.nn.Linear(D_IN, D_OUT, key=k2)
+
+    return eqx_model(lambda key: eqx.nn.make_with_state(M)(key)[0], ["inp", "bn", "out"], loss=mse,
+                     input=((D_IN,), "float32"), label=((D_OUT,), "float32"))
