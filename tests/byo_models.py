@@ -211,10 +211,17 @@ def _nnx_dropout_class():
         def __call__(self, x):
             return x + self.drop(self.down(jnp.tanh(self.up(x))))
 
-    class DropMLP(nnx.Module):
+    return nnx_blocks_mlp(DropBlock)
+
+
+def nnx_blocks_mlp(block):
+    """An nnx MLP: a D_IN → d input layer, `blocks` residual blocks `block(d, rngs)`, a d → D_OUT head."""
+    from flax import nnx
+
+    class BlocksMLP(nnx.Module):
         def __init__(self, d, blocks, rngs):
             self.inp = nnx.Linear(D_IN, d, rngs=rngs)
-            self.blocks = nnx.List([DropBlock(d, rngs) for _ in range(blocks)])
+            self.blocks = nnx.List([block(d, rngs) for _ in range(blocks)])
             self.out = nnx.Linear(d, D_OUT, rngs=rngs)
 
         def __call__(self, x):
@@ -223,7 +230,15 @@ def _nnx_dropout_class():
                 h = b(h)
             return self.out(h)
 
-    return DropMLP
+    return BlocksMLP
+
+
+def nnx_blocks_adapter(make, blocks):
+    """`nnx_model` of a `nnx_blocks_mlp` model, split into inp / blocks.0 … / out, loss mse."""
+    from orchestrator.core.model.adapters import nnx_model
+
+    return nnx_model(make, ["inp", *[f"blocks.{i}" for i in range(blocks)], "out"],
+                     loss=mse, input=((D_IN,), "float32"), label=((D_OUT,), "float32"), out_axes=OUT_AXES)
 
 
 def nnx_dropout_make(d=16, blocks=2):
@@ -232,10 +247,7 @@ def nnx_dropout_make(d=16, blocks=2):
 
 
 def nnx_dropout_mlp(d=16, blocks=2):
-    from orchestrator.core.model.adapters import nnx_model
-
-    return nnx_model(nnx_dropout_make(d, blocks), ["inp", *[f"blocks.{i}" for i in range(blocks)], "out"],
-                     loss=mse, input=((D_IN,), "float32"), label=((D_OUT,), "float32"), out_axes=OUT_AXES)
+    return nnx_blocks_adapter(nnx_dropout_make(d, blocks), blocks)
 
 
 # ----------------------------------------------------------------------------- flax.linen with dropout

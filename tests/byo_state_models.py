@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from tests.byo_models import D_IN, D_OUT, OUT_AXES, mse
+from tests.byo_models import D_IN, D_OUT, OUT_AXES, mse, nnx_blocks_adapter, nnx_blocks_mlp
 
 MOMENTUM = 0.8      # running statistics move visibly in a few steps
 
@@ -27,19 +27,7 @@ def _nnx_classes():
         def __call__(self, x):
             return x + self.down(jnp.tanh(self.bn(self.up(x))))
 
-    class BNMLP(nnx.Module):
-        def __init__(self, d, blocks, rngs):
-            self.inp = nnx.Linear(D_IN, d, rngs=rngs)
-            self.blocks = nnx.List([BNBlock(d, rngs) for _ in range(blocks)])
-            self.out = nnx.Linear(d, D_OUT, rngs=rngs)
-
-        def __call__(self, x):
-            h = self.inp(x)
-            for b in self.blocks:
-                h = b(h)
-            return self.out(h)
-
-    return BNMLP
+    return nnx_blocks_mlp(BNBlock)
 
 
 def nnx_bn_make(d=16, blocks=2):
@@ -48,10 +36,7 @@ def nnx_bn_make(d=16, blocks=2):
 
 
 def nnx_bn_mlp(d=16, blocks=2):
-    from orchestrator.core.model.adapters import nnx_model
-
-    return nnx_model(nnx_bn_make(d, blocks), ["inp", *[f"blocks.{i}" for i in range(blocks)], "out"],
-                     loss=mse, input=((D_IN,), "float32"), label=((D_OUT,), "float32"), out_axes=OUT_AXES)
+    return nnx_blocks_adapter(nnx_bn_make(d, blocks), blocks)
 
 
 def _linen_class():

@@ -352,7 +352,7 @@ def test_fp16_resume_restores_the_loss_scale_state_bit_exact(tmp_path, no_leaks)
 # ----------------------------------------------------------------------------- RNG state inside nnx / linen models
 
 def nnx_dropout_oracle(checked, train=True):
-    """The nnx DropMLP itself under plain value_and_grad; before each microbatch every block's RNG
+    """The nnx dropout MLP itself under plain value_and_grad; before each microbatch every block's RNG
     streams are reseeded by the documented rule: stream j (sorted names) of part 1 + i gets
     fold_in(fold_in(microbatch key, 1 + i), j)."""
     import jax

@@ -75,7 +75,7 @@ def stateful_oracle(checked, loss_of, params0, state0, use_jit=True):
 
 
 def nnx_parts():
-    """The nnx BNMLP itself: (graph, param treedef, stats treedef, params0, stats0)."""
+    """The nnx BatchNorm MLP itself: (graph, param treedef, stats treedef, params0, stats0)."""
     import jax
     from flax import nnx
 
