@@ -121,6 +121,21 @@ def flat(tree) -> dict:
     return {key_path(p): np.asarray(v) for p, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
+def llama_split(checked):
+    """The job's nnx Llama, built as its factory builds it: (graph, Param state, state's treedef)."""
+    import jax
+    from flax import nnx
+
+    from examples.llama_model import Llama
+
+    a = checked.job.model.args
+    with nnx.use_eager_sharding(False):
+        model = Llama(a["vocab"], a["d_model"], a["heads"], a["kv_heads"], a["d_mlp"], a["blocks"],
+                      nnx.Rngs(jax.random.key(checked.job.run.seed)))
+    graph, state = nnx.split(model, nnx.Param)
+    return graph, state, jax.tree.structure(state)
+
+
 def llama_oracle(checked, tx=None, norms=None):
     """The nnx Llama itself; under a bfloat16 job the same policy written out by hand: float32
     parameters cast to bfloat16 for the forward, activations in bfloat16 between the pieces (as
@@ -130,15 +145,10 @@ def llama_oracle(checked, tx=None, norms=None):
     import jax.numpy as jnp
     from flax import nnx
 
-    from examples.llama_model import Llama, next_token_loss
+    from examples.llama_model import next_token_loss
 
-    a = checked.job.model.args
     compute = jnp.dtype(checked.job.precision.compute)
-    with nnx.use_eager_sharding(False):
-        model = Llama(a["vocab"], a["d_model"], a["heads"], a["kv_heads"], a["d_mlp"], a["blocks"],
-                      nnx.Rngs(jax.random.key(checked.job.run.seed)))
-    graph, state = nnx.split(model, nnx.Param)
-    treedef = jax.tree.structure(state)
+    graph, state, treedef = llama_split(checked)
 
     def loss_of(pure, x, y):
         st = jax.tree.unflatten(treedef, [v.astype(compute) for v in jax.tree.leaves(pure)])

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from orchestrator.core.config import ConfigError
-from tests.test_byo_models import (ATOL, CHAIN, MAX_NORM, RTOL, checked_of, flat, llama_job, oracle,
+from tests.test_byo_models import (ATOL, CHAIN, MAX_NORM, RTOL, checked_of, flat, llama_job, llama_split, oracle,
                                    oracle_chain, pipeline_name_to_path, pytree_job)
 
 EMBED = ("00.embed/embed/embedding", "03.head/embed/embedding")
@@ -32,14 +32,9 @@ def tied_oracle(checked, norms=None):
     import jax
     from flax import nnx
 
-    from examples.llama_model import Llama, next_token_loss
+    from examples.llama_model import next_token_loss
 
-    a = checked.job.model.args
-    with nnx.use_eager_sharding(False):
-        model = Llama(a["vocab"], a["d_model"], a["heads"], a["kv_heads"], a["d_mlp"], a["blocks"],
-                      nnx.Rngs(jax.random.key(checked.job.run.seed)))
-    graph, state = nnx.split(model, nnx.Param)
-    treedef = jax.tree.structure(state)
+    graph, state, treedef = llama_split(checked)
 
     def loss_of(pure, x, y):
         m = nnx.merge(graph, jax.tree.unflatten(treedef, jax.tree.leaves(pure)))
