@@ -29,10 +29,10 @@ from typing import Any
 
 import numpy as np
 
-from orchestrator.core.checkpoint import file_table, opt_name, stage_dir, state_name as _state_name, step_dir
+from orchestrator.core.checkpoint import file_table, opt_name, stage_dir, step_dir
+from orchestrator.core.checkpoint import state_name as _state_name
 from orchestrator.core.model.pipeline import key_path
 from orchestrator.core.model.spec import param_name
-
 
 # precision.loss_scale's state (scale, finite steps in a row): host numpy scalars, not model arrays
 SCALE_NAMES = ("opt:loss_scale|scale", "opt:loss_scale|good")
@@ -107,6 +107,24 @@ def _all_named(worker):
     return out
 
 
+def _save_registry():
+    """Orbax's standard handlers for what a stage saves, with replica-parallel saving off.
+
+    On CPU orbax splits a shard replicated over R devices into R slices, one written by each
+    replica (`use_replica_parallel`, on by default off GPU): each slice is a jitted
+    `slice_in_dim` per distinct shape, compiled on the step thread during the first save
+    (measured at `large`: 0.6-0.9 s of the first save's blocking, and device work on every later
+    save). A stage's replicas are its own devices, so the slices buy no parallel writing here:
+    replica 0 writes each shard whole. Multi-host stages still write only their own shards.
+    """
+    import jax
+    from orbax.checkpoint import type_handlers as th
+
+    return th.create_type_handler_registry(
+        (int, th.ScalarHandler()), (float, th.ScalarHandler()), (np.number, th.ScalarHandler()),
+        (np.ndarray, th.NumpyHandler()), (jax.Array, th.ArrayHandler(use_replica_parallel=False)))
+
+
 class StageCheckpointer:
     """Saves and restores one stage host's state (see the module docstring).
 
@@ -124,7 +142,7 @@ class StageCheckpointer:
 
         self.root, self.every, self.total = Path(root), every, total
         self.asynchronous, self.stage, self.host, self.timeout = asynchronous, stage, host, timeout
-        self._ckptr = ocp.AsyncCheckpointer(ocp.PyTreeCheckpointHandler())
+        self._ckptr = ocp.AsyncCheckpointer(ocp.PyTreeCheckpointHandler(type_handler_registry=_save_registry()))
         self._thread: threading.Thread | None = None
         self._done: list[dict] = []
         self._error: BaseException | None = None
@@ -136,7 +154,6 @@ class StageCheckpointer:
 
     def save(self, steps_done: int, worker) -> float:
         """Start saving the state after `steps_done` steps; returns the blocking seconds."""
-        import jax
         import orbax.checkpoint as ocp
 
         self._wait_previous()
