@@ -93,10 +93,11 @@ All times are medians; a run's first `warmup` steps (compilation) are dropped. p
 - **honest bound** = plain₁ × (m + p − 1) ÷ (m · p), plain₁ = the plain program's step on ONE core: the
   step of a perfect p-stage pipeline of that program; **of honest bound** = honest bound ÷ step.
   **vs plain, all cores** = plain step on all cores ÷ pipeline step (a separate comparison, not a bound).
-- **loss breakdown** of one pipelined step T (shares of T, summing to 1): *useful* = m × f₁ ÷ p, f₁ = plain
-  JAX fused forward+backward of one microbatch on ONE core; *split penalty* = m × (Σₛ(Fₛ + Bₛ) − f₁) ÷ p,
+- **loss breakdown** of one pipelined step T (shares of T, summing to 1): *useful* = m × f₁ ÷ p, f₁ = one
+  microbatch's forward+backward as one unsplit plain-JAX program on ONE core (the faster of the scanned
+  step's share, (step − update) ÷ m, and one microbatch's value_and_grad timed alone); *split penalty* = m × (Σₛ(Fₛ + Bₛ) − f₁) ÷ p,
   the cost of compiling forward and backward separately per stage instead of one fused program
-  (zb-h1: Bₛ = Iₛ + Wₛ); *imbalance* = busiest stage's compute − mean stage compute; *bubble* =
+  (zb-h1: Bₛ = Iₛ + Wₛ; interleaved: every chunk of the stage); a negative one is refused as mis-measured; *imbalance* = busiest stage's compute − mean stage compute; *bubble* =
   ideal without OPT − busiest stage's compute; *optimizer* = ideal − ideal without OPT; *transfers* = mean
   over stages of (SEND + RECV span time − the stage's idle time in the ideal schedule), clipped to
   [0, T − ideal] — RECV spans include waiting caused by the peer's own delays, so this is an upper bound

@@ -140,6 +140,35 @@ def test_the_honest_bound_is_left_out_for_schedules_that_shrink_the_bubble(monke
     assert all(d["vs_plain_all"] == pytest.approx(1.5) for d in out["pipeline"])
 
 
+def test_the_split_penalty_is_measured_against_the_faster_unsplit_program(monkeypatch):
+    """The unsplit baseline is the faster of the scanned 1-core step's share per microbatch and one
+    microbatch's program alone; stage programs beating it cannot be true and are refused."""
+    from benchmarks import derive, run
+
+    monkeypatch.setattr(derive.os, "cpu_count", lambda: 2)
+    plain1 = {**_plain(1, 0.25), "fused_mb_s": 0.05}       # (0.25 - 0.01) / 8 = 0.03 s per microbatch
+    d = run.derive({"pipeline": {"records": [_record(step_s=1.0, ideal_s=0.9)]},
+                    "jax": {"records": [_plain(2, 0.2), plain1]}})["pipeline"][0]
+    assert d["fused_mb_1core_s"] == pytest.approx(0.03)
+    assert d["split_fb_sum_s"] == pytest.approx(0.064)       # (10 + 20) + (12 + 22) ms
+    assert d["breakdown_s"]["split"] == pytest.approx(8 * (0.064 - 0.03) / 2)
+    plain1["step_s"] = 8 * 0.07 + 0.01                      # both unsplit programs now take 70 ms per
+    plain1["fused_mb_s"] = 0.07                             # microbatch: slower than the stages' 64 ms
+    with pytest.raises(formulas.ImplausibleMeasurement, match="split penalty"):
+        run.derive({"pipeline": {"records": [_record(step_s=1.0, ideal_s=0.9)]},
+                    "jax": {"records": [_plain(2, 0.2), plain1]}})
+
+
+def test_interleaved_stages_count_every_chunk_in_their_compute():
+    """Standalone costs are per-chunk means: a stage of v chunks computes v times that per microbatch."""
+    from benchmarks import run
+
+    rec = _record(step_s=1.0, ideal_s=0.9, schedule="interleaved-1f1b")
+    rec["standalone"]["chunks"] = [{}] * 4                  # 2 stages x 2 chunks
+    d = run.derive({"pipeline": {"records": [rec]}})["pipeline"][0]
+    assert d["split_fb_sum_s"] == pytest.approx(2 * 0.064)
+
+
 @pytest.mark.parametrize("section", ["pipeline", "overhead"])
 def test_derive_refuses_an_efficiency_above_one(section):
     from benchmarks import run
@@ -180,7 +209,7 @@ def test_stage_chunks_follow_the_job():
     assert stage_chunks(SIZES["large"], "1f1b") == [[(0, cut)], [(cut, n)]]
     inter = stage_chunks(SIZES["large"], "interleaved-1f1b")
     assert [len(c) for c in inter] == [2, 2]
-    assert sorted(r for cs in inter for r in cs)[0][0] == 0 and max(b for cs in inter for _, b in cs) == n
+    assert min(r for cs in inter for r in cs)[0] == 0 and max(b for cs in inter for _, b in cs) == n
 
 
 def test_kept_sections_from_before_standalone_costs_are_dropped_not_rendered():
