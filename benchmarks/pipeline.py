@@ -222,7 +222,7 @@ def measure_pipeline(size: Size, schedule: str, m: int, *, steps: int, warmup: i
                              fuse=checked.job.pipeline.fuse_loss_chunk)
     source = checked.data
     ex = PipelineExecutor(checked, plan.schedule, source, f"bench-{size.name}-{schedule}-m{m}")
-    walls, spans, losses, stash, observed = [], [], [], {}, {}
+    walls, spans, losses, stash, observed, live = [], [], [], {}, {}, {}
     t0 = time.perf_counter()
     try:
         ex.start()
@@ -235,6 +235,7 @@ def measure_pipeline(size: Size, schedule: str, m: int, *, steps: int, warmup: i
                     if st.get("host") == 0 and "stash_peak_bytes" in st:
                         s_ = st["stage"]
                         stash[s_] = max(stash.get(s_, (0, 0)), (st["stash_peak_bytes"], st["stash_peak_items"]))
+                        live[s_] = max(live.get(s_, 0), st.get("live_peak_bytes", 0))
                     if "affinity" in st:     # read back on the actor's step thread
                         observed[(st["stage"], st.get("host", 0))] = {"affinity": st["affinity"],
                                                                       "os_threads": st.get("os_threads")}
@@ -266,6 +267,8 @@ def measure_pipeline(size: Size, schedule: str, m: int, *, steps: int, warmup: i
         "losses": losses,
         "stash_peak_bytes": [stash.get(s, (None, None))[0] for s in range(p)],
         "stash_peak_items": [stash.get(s, (None, None))[1] for s in range(p)],
+        # the runtime's own list of live device buffers (jax.live_arrays) at the steps' peak, busiest device
+        "live_peak_bytes": [live.get(s) for s in range(p)],
         "example_spans": [list(s) for s in spans[len(spans) // 2]] if spans else [],
         "ideal_spans": [(a.stage, str(a), start, end) for a, start, end in sim.spans],
     }

@@ -566,21 +566,29 @@ def _render_memory(raw) -> list[str]:
         peak = got["stash_peak_bytes"][r["stage"]] if got else None
         items = got["stash_peak_items"][r["stage"]] if got else None
         pred = r["peak_activation_bytes"]
+        live = (got.get("live_peak_bytes") or [None] * (r["stage"] + 1))[r["stage"]] if got else None
+        live_pred = 4 * r["param_bytes"] + pred        # params, adam's two moments, the gradient sum, residuals
         rows.append([r["size"], r["m"], r["schedule"], r["stage"], r["peak_inflight"],
                      items if items is not None else "–", fmt(r["residual_bytes"] / 2**20, 2),
                      fmt(pred / 2**20, 1), fmt(peak / 2**20, 1) if peak is not None else "–",
-                     fmt(peak / pred, 2) if peak is not None and pred else "–", fmt(r["param_bytes"] / 2**20, 1)])
+                     fmt(peak / pred, 2) if peak is not None and pred else "–", fmt(r["param_bytes"] / 2**20, 1),
+                     fmt(live_pred / 2**20, 1), fmt(live / 2**20, 1) if live else "–",
+                     fmt(live / live_pred, 2) if live else "–"])
     return ["## 6. Peak activation memory per stage: predicted and measured on the actors", "",
             ("predicted = peak in-flight microbatches (simulator) × residual bytes per microbatch "
              "(`jax.eval_shape` of the stage's forward). measured = on the actor, the peak over a step of the "
              "bytes per device held between actions — forward residuals, and for zb-h1 from I to W what W "
              "reads (per layer: layer inputs and output cotangents) — counted from the arrays themselves (shard "
              "shape × itemsize); "
-             "the largest over the measured steps. XLA:CPU reports no allocator statistics, so this counts "
-             "what the runtime keeps alive, not allocator slack."), "",
+             "the largest over the measured steps. *live* = every live device buffer the runtime lists "
+             "(`jax.live_arrays()`, each counted by its shard on each device) at the moments the kept bytes "
+             "reach a new high, busiest device; predicted live = 4 × params (parameters, adam's two moments, "
+             "the gradient sum) + predicted activations. XLA:CPU reports no allocator statistics, so neither "
+             "counts XLA's temporaries or allocator slack."), "",
             md_table(["size", "m", "schedule", "stage", "predicted in-flight", "measured in-flight",
-                      "residual MiB/mb", "predicted MiB", "measured MiB", "measured ÷ predicted", "params MiB"],
-                     rows, "lrlrrrrrrrr"), ""]
+                      "residual MiB/mb", "predicted MiB", "measured MiB", "measured ÷ predicted", "params MiB",
+                      "predicted live MiB", "live MiB", "live ÷ predicted"],
+                     rows, "lrlrrrrrrrrrrr"), ""]
 
 
 # ----------------------------------------------------------------------------- main

@@ -51,7 +51,7 @@ class StepState:
       stash: bytes per device of what is kept between actions.
     """
 
-    def __init__(self, step: int, timeout: float, tag: str = "F"):
+    def __init__(self, step: int, timeout: float, tag: str = "F", on_peak=None):
         self.step, self.done, self.timeout, self.tag = step, 0, timeout, tag
         self.batch = None
         self.data_wait_s = 0.0
@@ -61,7 +61,7 @@ class StepState:
         self.losses: dict[int, Any] = {}
         self.loss_scale, self.skipped = None, None
         self.spans: list = []
-        self.stash = Stash()
+        self.stash = Stash(on_peak)
 
 
 class Stash:
@@ -72,9 +72,10 @@ class Stash:
     Measured from the arrays themselves: each leaf counts its per-device shard size.
     """
 
-    def __init__(self):
+    def __init__(self, on_peak=None):
         self.held: dict = {}
         self.now = self.peak = self.peak_items = 0
+        self.on_peak = on_peak       # called with the bytes when they pass the step's peak (`LivePeak`)
 
     def add(self, key, tree) -> None:
         import jax
@@ -82,7 +83,10 @@ class Stash:
         n = sum(_shard_bytes(leaf) for leaf in jax.tree_util.tree_leaves(tree))
         self.now += n - self.held.get(key, 0)
         self.held[key] = n
-        self.peak = max(self.peak, self.now)
+        if self.now > self.peak:
+            self.peak = self.now
+            if self.on_peak is not None:
+                self.on_peak(self.now)
         self.peak_items = max(self.peak_items, sum(1 for k in self.held if k[0] in ("r", "w")))
 
     def drop(self, key) -> None:

@@ -6,9 +6,8 @@ each step; the driver aggregates them (`orchestrator.driver.telemetry`).
 """
 from __future__ import annotations
 
+import math
 import os
-
-
 
 _COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
                    "/jax/core/compile/jaxpr_to_mlir_module_duration",
@@ -57,6 +56,37 @@ def memory_in_use(devices) -> tuple[int, str]:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "process_peak_rss"
 
 
+def live_device_bytes() -> int:
+    """Bytes of live device buffers on this process's busiest device, from the runtime's own list
+    (`jax.live_arrays()`: every array not yet freed — parameters, optimizer state, accumulators,
+    residuals, inputs — each counted by its shard on every device holding one)."""
+    import jax
+
+    per: dict = {}
+    for a in jax.live_arrays():
+        n = int(math.prod(a.sharding.shard_shape(a.shape))) * a.dtype.itemsize
+        for d in a.sharding.addressable_devices:
+            per[d] = per.get(d, 0) + n
+    return max(per.values(), default=0)
+
+
+class LivePeak:
+    """The live device bytes at the moments a step's kept bytes reach a new high for this process.
+
+    `Stash` calls it when a step's stash passes its own peak; it measures only when that also
+    passes every earlier step's (so after the first steps it costs nothing: steady steps repeat
+    the same peak). `bytes` is the largest measured.
+    """
+
+    def __init__(self):
+        self.stash_high, self.bytes = -1, 0
+
+    def __call__(self, stash_now: int) -> None:
+        if stash_now > self.stash_high:
+            self.stash_high = stash_now
+            self.bytes = max(self.bytes, live_device_bytes())
+
+
 def stage_stats(worker) -> dict:
     """Per-host numbers a stage worker returns with each step (cumulative where it says so)."""
     import jax
@@ -70,6 +100,7 @@ def stage_stats(worker) -> dict:
         "memory_bytes": int(mem),
         "memory_source": source,
         "compile_s": float(_compile_s[0]),                           # cumulative
+        "live_peak_bytes": int(getattr(getattr(worker, "live_peak", None), "bytes", 0)),  # busiest device
         **conditions(),
     }
 

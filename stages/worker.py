@@ -44,6 +44,7 @@ import numpy as np
 from stages.actions import EVAL_HANDLERS, StepState, handler_for, program_of
 from stages.data import HostLoader, rows_array, rows_of
 from stages.mailbox import Mailbox, MailboxClosed
+from stages.telemetry import LivePeak
 from orchestrator.core.recovery import STEP_NOTE
 from orchestrator.core.model.spec import ModelSpec, param_name
 
@@ -119,6 +120,7 @@ class StageWorker:
         # what a RECV (and the end-of-step flush) waits: timeouts.step_s until the driver has
         # measured steps, then what it sets (`set_recv_deadline`: a multiple of its progress deadline)
         self.recv_s = float(cfg.timeouts.get("step_s", 600.0))
+        self.live_peak = LivePeak()      # live device bytes at the training steps' peak (telemetry)
         self.ckpt = None                # stages.checkpoint.StageCheckpointer when checkpointing
         from orchestrator.core.model.policy import DynamicLossScale
 
@@ -412,7 +414,7 @@ class StageWorker:
         for hook in self.cfg.hooks:
             hook.on_step(self.cfg, step)
         self._pin_thread()
-        st = StepState(step, self.recv_s)
+        st = StepState(step, self.recv_s, on_peak=self.live_peak)
         if self.loader is not None:
             waited = self.loader.wait_s
             st.batch = self.loader.get(step, st.timeout)

@@ -281,3 +281,43 @@ def test_driver_memory_per_step_is_bounded():
     grown = sum(d.size_diff for d in after.compare_to(before, "filename"))
     assert grown / 2000 < 800, f"{grown / 2000:.0f} bytes a step"
     assert tel.summary()["hosts_last"]["stage1/host0"]["recv_wait_s"] == 0.01 * 2499   # the last step kept whole
+
+
+LIVE_BYTES_SCRIPT = r"""
+import json, jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from stages.telemetry import LivePeak, live_device_bytes
+mesh = Mesh(np.array(jax.devices()), ("d",))
+base = live_device_bytes()
+rep = jax.device_put(jnp.zeros((256, 1024), jnp.float32), NamedSharding(mesh, P()))       # 1 MiB on each
+split = jax.device_put(jnp.zeros((256, 1024), jnp.float32), NamedSharding(mesh, P("d")))  # 0.5 MiB on each
+one = jax.device_put(jnp.zeros((64, 1024), jnp.float32), jax.devices()[0])               # 256 KiB on device 0
+got = [live_device_bytes() - base]
+del one
+got.append(live_device_bytes() - base)
+peak = LivePeak()
+peak(10)
+first = peak.bytes
+extra = jax.device_put(jnp.zeros((256, 1024), jnp.float32), NamedSharding(mesh, P()))
+peak(5)                      # not a new high: not measured again
+got += [first - base, peak.bytes - base]
+peak(11)
+got.append(peak.bytes - base)
+print(json.dumps(got))
+"""
+
+
+def test_live_device_bytes_counts_each_devices_shards_of_the_live_arrays():
+    """Real JAX on 2 simulated devices: replicated arrays count whole on each device, sharded ones
+    by their shard, the busiest device is reported, a freed array stops counting; `LivePeak`
+    measures only when the kept bytes pass every earlier high."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, "-c", LIVE_BYTES_SCRIPT], env=env, cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    mib = 1 << 20
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == [
+        mib + mib // 2 + mib // 4, mib + mib // 2, mib + mib // 2, mib + mib // 2, 2 * mib + mib // 2]
