@@ -113,8 +113,8 @@ def _save_registry():
     On CPU orbax splits a shard replicated over R devices into R slices, one written by each
     replica (`use_replica_parallel`, on by default off GPU): each slice is a jitted
     `slice_in_dim` per distinct shape, compiled on the step thread during the first save
-    (measured at `large`: 0.6-0.9 s of the first save's blocking, and device work on every later
-    save). A stage's replicas are its own devices, so the slices buy no parallel writing here:
+    (measured: the first save blocked 0.59 s at `large` and 0.92 s at `tiny` with it, 0.09 s and
+    0.18 s without), and device work on every later save. A stage's replicas are its own devices, so the slices buy no parallel writing here:
     replica 0 writes each shard whole. Multi-host stages still write only their own shards.
     """
     import jax
