@@ -194,7 +194,14 @@ class Listener:
                 self._drop_pending(next(iter(self._pending)), f"more than {self.max_pending} handshakes pending")
             conn.setblocking(False)
             if self.tls is not None and conn.family != socket.AF_UNIX:
-                conn = self.tls.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
+                try:
+                    conn = self.tls.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
+                except OSError as e:   # (reset before we got to it): this listener goes on
+                    conn.close()
+                    self.refused += 1
+                    if self.refused <= 5 or self.refused % 1000 == 0:
+                        log.warning("%s: dropped an unauthenticated connection (TLS: %s)", self.name, e)
+                    continue
             shake = ServerHandshake(conn, self.token, time.monotonic() + self.handshake_s)
             self._pending[conn] = shake
             self._selector.register(conn, selectors.EVENT_READ, shake)

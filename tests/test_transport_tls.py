@@ -14,6 +14,7 @@ import socket
 import ssl
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -70,7 +71,7 @@ def test_files_are_checked_before_anything_starts_naming_the_key(pki, tmp_path):
 
     from cryptography.hazmat.primitives import serialization
 
-    pem = open(ours["key_file"], "rb").read()
+    pem = Path(ours["key_file"]).read_bytes()
     locked = serialization.load_pem_private_key(pem, None).private_bytes(
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.BestAvailableEncryption(b"pw"))
     (tmp_path / "locked.key").write_bytes(locked)
@@ -88,7 +89,7 @@ def tls_listener(pki):
     server, _ = contexts(pki[0])
     box, errors = Mailbox("tls"), []
     lst = Listener("127.0.0.1", TOKEN, lambda frame, conn: box.put(frame.key, frame.arrays), errors.append,
-                   io_timeout=5, name="tls listener", handshake_s=2.0, tls=server)
+                   io_timeout=10, name="tls listener", tls=server)      # (the default 5 s handshake deadline)
     lst.box, lst.errors = box, errors
     yield lst
     lst.close()
@@ -103,7 +104,7 @@ def test_tensors_cross_a_tls_link_exactly(pki, tls_listener):
         big = rng.standard_normal((300, 257)).astype(np.float32)        # > one TLS record, odd row length
         arrays = [big, big[:, 3:200:2], np.arange(5, dtype=np.int8), np.float16(1.5) * np.ones((0, 3), np.float16)]
         conn.send(encode_frame((0, "F", 1, 0, 0), arrays))
-        got = tls_listener.box.take((0, "F", 1, 0, 0), timeout=5)
+        got = tls_listener.box.take((0, "F", 1, 0, 0), timeout=30)
         for a, b in zip(arrays, got, strict=True):
             assert a.dtype == b.dtype and a.shape == b.shape
             np.testing.assert_array_equal(a, b)
@@ -134,7 +135,7 @@ def test_a_tls_listener_refuses_plaintext_strangers_and_a_wrong_key_with_a_logge
     ours, theirs = pki
     caplog.set_level(logging.WARNING, logger="stages.socket_transport")
     plain = _plain_hello(tls_listener.address)                        # the plaintext handshake
-    assert _closed_within(plain, 3), "a plaintext connector was not dropped"
+    assert _closed_within(plain, 10), "a plaintext connector was not dropped"
     plain.close()
     _, stranger = contexts({**theirs, "ca_file": ours["ca_file"]})   # trusts us, but another CA signed its cert
     with pytest.raises((ssl.SSLError, ConnectionError)):
@@ -143,16 +144,24 @@ def test_a_tls_listener_refuses_plaintext_strangers_and_a_wrong_key_with_a_logge
     _, client = contexts(ours)                                        # our CA, but not this run's key
     with pytest.raises(HandshakeRefused):
         _Conn(tls_listener.address, b"x" * 32, io_timeout=3, tls=client)
-    deadline = time.monotonic() + 5
-    while tls_listener.refused < 3 and time.monotonic() < deadline:
+    def reasons():
+        return [r.getMessage() for r in caplog.records if "dropped an unauthenticated connection" in r.getMessage()]
+
+    def kinds():
+        return [k for r in reasons() for k in ("WRONG_VERSION_NUMBER", "CERTIFICATE_VERIFY_FAILED",
+                                               "closed during the handshake") if k in r]
+
+    deadline = time.monotonic() + 15      # (the listener logs on its own thread, in its own order)
+    while len(set(kinds())) < 3 and time.monotonic() < deadline:
         time.sleep(0.05)
-    reasons = [r.getMessage() for r in caplog.records if "dropped an unauthenticated connection" in r.getMessage()]
-    assert len(reasons) == tls_listener.refused == 3, reasons
-    assert "TLS handshake failed" in reasons[0] and "TLS handshake failed" in reasons[1], reasons
-    assert "closed during the handshake" in reasons[2], reasons     # the connector found the listener out first
+    got = kinds()
+    # plaintext: OpenSSL's reason; the stranger: its certificate (it may try again while its io_timeout
+    # lasts: an EOF mid-handshake is worth a retry); no run key: the connector found us out first
+    assert (got.count("WRONG_VERSION_NUMBER"), got.count("closed during the handshake")) == (1, 1), reasons()
+    assert got.count("CERTIFICATE_VERIFY_FAILED") >= 1 and len(got) == len(reasons()) == tls_listener.refused, reasons()
     ok = _Conn(tls_listener.address, TOKEN, io_timeout=3, tls=client)  # and a genuine peer still gets in
     ok.send(encode_frame((7,), [np.ones(3, np.float32)]))
-    np.testing.assert_array_equal(tls_listener.box.take((7,), timeout=5)[0], np.ones(3, np.float32))
+    np.testing.assert_array_equal(tls_listener.box.take((7,), timeout=30)[0], np.ones(3, np.float32))
     ok.close()
     assert not tls_listener.errors
 
@@ -220,7 +229,7 @@ def _steady(times: list[float]) -> float:
 def test_a_tls_run_trains_as_the_plain_tcp_run_while_strangers_are_refused(pki, tmp_path, no_leaks):
     from orchestrator.core.config import check_job, parse_job
     from orchestrator.driver.runner import run_job
-    from tests.test_pipeline_numerics import CLUSTER, gpt_job
+    from tests.test_pipeline_numerics import CLUSTER, assert_same_training, gpt_job
 
     ours, theirs = pki
     tcp = {**CLUSTER, "transport_same_machine": "tcp"}      # one machine: force the TCP links
@@ -234,7 +243,10 @@ def test_a_tls_run_trains_as_the_plain_tcp_run_while_strangers_are_refused(pki, 
     finally:
         knock.stop.set()
         knocker.join(60)
-    assert secure["losses"] == plain["losses"]          # exactly: the same bytes arrived
+    ref = run_job(check_job(parse_job(gpt_job(tmp_path / "ref", steps=8)), parse_cluster(tcp)),
+                  reference=True, echo=lambda s: None)
+    assert_same_training(secure, ref)                   # the single-process oracle, rtol 1e-5 / atol 1e-6
+    assert secure["losses"] == plain["losses"]          # and exactly the plain run: the same bytes arrived
     assert secure["param_norms"] == plain["param_norms"]
     assert {w["transport_tls"] for w in secure["workers"]} == {True}
     assert {w["transport_tls"] for w in plain["workers"]} == {False}
