@@ -19,6 +19,9 @@
 
 Arrays are written straight from their memory (strided ones as a gather list of their
 contiguous runs, `sendmsg`) and read straight into their destinations (`recvmsg_into`).
+Over TLS (`ssl.SSLSocket`, cluster `transport_tls`) the same bytes go through `sendall` /
+`recv_into` (TLS has no gather I/O): short runs are joined into records of TLS_RECORD bytes,
+and the listener runs the TLS handshake, without a thread, before its half of the HMAC one.
 Every read takes a stop flag and a deadline: nothing blocks forever. A frame that breaks
 the protocol (bad magic, a header that is not the expected JSON, more bytes than allowed)
 raises `PeerError`, before anything is allocated from its header.
@@ -31,6 +34,7 @@ import json
 import os
 import secrets
 import socket
+import ssl
 import struct
 import time
 from typing import NamedTuple
@@ -59,6 +63,8 @@ IOV_MAX = 1024          # buffers per sendmsg / recvmsg_into call (Linux's limit
 MIN_RUN = 4096          # strided arrays with shorter contiguous runs are copied before sending
 RECV_BATCH = 4 << 20    # bytes of destination views offered to one recvmsg_into call
 MAX_FDS = 250           # file descriptors one grant may carry (Linux: SCM_MAX_FD = 253)
+TLS_RECORD = 16 << 10   # bytes of one TLS record: shorter buffers are joined up to this before sending
+_WOULD_BLOCK = (BlockingIOError, InterruptedError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
 
 
 class FrameError(ConnectionError):
@@ -175,9 +181,31 @@ def send_buffers(sock: socket.socket, buffers) -> None:
     """Write every buffer, in order, with as few syscalls as the kernel allows (gather writes)."""
     views = [memoryview(b).cast("B") if not isinstance(b, memoryview) else b for b in buffers]
     views = [v for v in views if v.nbytes]
+    if isinstance(sock, ssl.SSLSocket):
+        _send_tls(sock, views)
+        return
     i = 0
     while i < len(views):
         i = _advance(views, i, sock.sendmsg(views[i:i + IOV_MAX]))
+
+
+def _send_tls(sock: ssl.SSLSocket, views: list) -> None:
+    """`send_buffers` over TLS: long buffers as they are, runs of short ones joined into a record."""
+    pending, size = [], 0
+    for v in views:
+        if v.nbytes >= TLS_RECORD:
+            if pending:
+                sock.sendall(b"".join(pending))
+                pending, size = [], 0
+            sock.sendall(v)
+            continue
+        pending.append(v)
+        size += v.nbytes
+        if size >= TLS_RECORD:
+            sock.sendall(b"".join(pending))
+            pending, size = [], 0
+    if pending:
+        sock.sendall(b"".join(pending))
 
 
 def _poll_timeout(stop, deadline: float | None, what: str) -> None:
@@ -193,14 +221,14 @@ def _poll_timeout(stop, deadline: float | None, what: str) -> None:
 def _recv_views(sock: socket.socket, views: list, stop=None, deadline: float | None = None) -> None:
     """Fill every writable memoryview in `views`, in order (scatter reads, RECV_BATCH bytes offered a call)."""
     views = [v for v in views if v.nbytes]
-    got, i = 0, 0
+    got, i, tls = 0, 0, isinstance(sock, ssl.SSLSocket)
     while i < len(views):
         j, offered = i, 0
         while j < len(views) and j - i < IOV_MAX and offered < RECV_BATCH:
             offered += views[j].nbytes
             j += 1
         try:
-            k = sock.recvmsg_into(views[i:j])[0]
+            k = sock.recvmsg_into(views[i:j])[0] if not tls else sock.recv_into(views[i])
         except TimeoutError:
             _poll_timeout(stop, deadline, f"{got} data bytes")
             continue
@@ -330,13 +358,17 @@ class ServerHandshake:
 
     Only fixed-size messages are read (HELLO, then PROOF), so a connector can make the
     listener hold at most HELLO.size + PROOF bytes; `deadline` (monotonic) is the caller's
-    to enforce (close the socket once it passes).
+    to enforce (close the socket once it passes). On an `ssl.SSLSocket` (wrapped with
+    `do_handshake_on_connect=False`) the TLS handshake comes first, driven the same way; a
+    connector that does not complete it (plaintext, no certificate, one the CA did not sign)
+    is refused with OpenSSL's reason.
     """
 
     def __init__(self, sock: socket.socket, key: bytes, deadline: float):
         self.sock, self.key, self.deadline = sock, key, deadline
         self.buf, self.got = bytearray(HELLO.size), 0
         self.nonce_c = self.nonce_s = None
+        self.tls_pending = isinstance(sock, ssl.SSLSocket)
 
     def step(self) -> bool:
         """Read what has arrived; True once the connector is authenticated (ACK sent).
@@ -345,11 +377,19 @@ class ServerHandshake:
           PeerError: the connector broke the protocol or its proof is wrong.
           OSError: the connection broke.
         """
+        if self.tls_pending:
+            try:
+                self.sock.do_handshake()
+            except _WOULD_BLOCK:
+                return False
+            except ssl.SSLError as e:
+                raise PeerError(f"TLS handshake failed: {e.reason or e}") from None
+            self.tls_pending = False
         while True:
             while self.got < len(self.buf):
                 try:
                     k = self.sock.recv_into(memoryview(self.buf)[self.got:])
-                except (BlockingIOError, InterruptedError):
+                except _WOULD_BLOCK:
                     return False
                 if k == 0:
                     raise PeerError(f"closed during the handshake after {self.got} bytes")
@@ -371,7 +411,7 @@ class ServerHandshake:
     def _send(self, data: bytes) -> None:
         try:
             n = self.sock.send(data)     # a few bytes into a fresh socket's buffer: never partial
-        except BlockingIOError:
+        except _WOULD_BLOCK:
             n = 0
         if n != len(data):
             raise PeerError("the connector does not read its handshake")

@@ -5,7 +5,11 @@ only the hop differs. Every actor listens on TCP and, on Linux, on an abstract U
 socket; its address is (ip, port, machine, unix name), `machine` being the kernel's
 boot id. A sender reaches a peer on the same machine over the Unix socket, any other
 over TCP; both connections start with the mutual challenge-response handshake over the
-run key (`stages.frames`). A receiver accepts only tensors it announced (`expect`) and
+run key (`stages.frames`). With cluster `transport_tls` every TCP connection is TLS with
+mutual certificate checks against the cluster's CA (`orchestrator.core.tls`), the HMAC
+handshake inside it; the Unix socket and shared memory never leave the machine and are not
+wrapped. Cluster `transport_same_machine: tcp` sends same-machine peers over TCP too (no
+Unix socket, no shared memory: `shared_memory=False`). A receiver accepts only tensors it announced (`expect`) and
 checks every frame against its own plan; a peer that breaks the protocol loses its
 connection (`PeerError`, logged), not the run.
 
@@ -42,6 +46,7 @@ import secrets
 import select
 import selectors
 import socket
+import ssl
 import threading
 import time
 import weakref
@@ -103,13 +108,16 @@ class Listener:
     authenticated connections are served. A peer that breaks the protocol after
     authenticating (`PeerError`) loses its connection, with the reason logged and counted in
     `rejected`; any other reader failure goes to `on_error(reason)`. `refused` counts
-    connections dropped before authentication.
+    connections dropped before authentication. With `tls` (a server `ssl.SSLContext`) every
+    TCP connection must complete a TLS handshake first, within the same deadline; Unix
+    connections are not wrapped.
     """
 
     def __init__(self, host: str, token: bytes, on_frame, on_error, io_timeout: float, name: str = "",
                  destinations=None, unix: str | None = None, max_pending: int = MAX_PENDING,
-                 max_peers: int = MAX_PEERS, handshake_s: float = HANDSHAKE_S):
+                 max_peers: int = MAX_PEERS, handshake_s: float = HANDSHAKE_S, tls: ssl.SSLContext | None = None):
         self.token, self.on_frame, self.on_error, self.io_timeout = token, on_frame, on_error, io_timeout
+        self.tls = tls
         self.destinations = destinations
         self.name = name
         self.max_pending, self.max_peers, self.handshake_s = max_pending, max_peers, handshake_s
@@ -185,6 +193,15 @@ class Listener:
             if len(self._pending) >= self.max_pending:
                 self._drop_pending(next(iter(self._pending)), f"more than {self.max_pending} handshakes pending")
             conn.setblocking(False)
+            if self.tls is not None and conn.family != socket.AF_UNIX:
+                try:
+                    conn = self.tls.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
+                except OSError as e:   # (reset before we got to it): this listener goes on
+                    conn.close()
+                    self.refused += 1
+                    if self.refused <= 5 or self.refused % 1000 == 0:
+                        log.warning("%s: dropped an unauthenticated connection (TLS: %s)", self.name, e)
+                    continue
             shake = ServerHandshake(conn, self.token, time.monotonic() + self.handshake_s)
             self._pending[conn] = shake
             self._selector.register(conn, selectors.EVENT_READ, shake)
@@ -282,11 +299,14 @@ class _Arrival:
 
 # -- sending -------------------------------------------------------------------------
 class _Conn:
-    """One outgoing connection (TCP, or Unix to a same-machine peer); `maps` caches the
-    peer's shared-memory blocks this connection was granted (block id -> mmap)."""
+    """One outgoing connection (TCP — over TLS with a client `tls` context — or Unix to a
+    same-machine peer); `maps` caches the peer's shared-memory blocks this connection was
+    granted (block id -> mmap)."""
 
-    def __init__(self, address: tuple, token: bytes, io_timeout: float, unix: str | None = None):
+    def __init__(self, address: tuple, token: bytes, io_timeout: float, unix: str | None = None,
+                 tls: ssl.SSLContext | None = None):
         self.address = tuple(address)
+        self.tls = tls if unix is None else None
         self.lock = threading.Lock()
         self.maps: dict[int, mmap.mmap] = {}
         self.io_timeout = io_timeout
@@ -295,8 +315,8 @@ class _Conn:
             try:
                 self.sock = self._open(token, min(io_timeout, HANDSHAKE_S), unix)
                 break
-            except (FrameError, ConnectionResetError, BrokenPipeError, TimeoutError, BlockingIOError):
-                # (a Unix connect whose backlog is full fails with EAGAIN at once)
+            except (FrameError, ConnectionResetError, BrokenPipeError, TimeoutError, BlockingIOError, ssl.SSLEOFError):
+                # (a Unix connect whose backlog is full fails with EAGAIN at once; an evicted TLS handshake ends in EOF)
                 if time.monotonic() + 0.1 > deadline:
                     raise
                 time.sleep(0.1)
@@ -310,6 +330,8 @@ class _Conn:
         try:
             if unix is None:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                if self.tls is not None:     # (a failed certificate check raises ssl.SSLError: no retry)
+                    sock = self.tls.wrap_socket(sock)
             else:
                 sock.settimeout(timeout)
                 sock.connect("\0" + unix)
@@ -362,16 +384,23 @@ class SocketTransport(TiledTransport):
     the plan of an incoming tensor by its sending stage), `host` (the IP to listen on:
     the node IP; None asks Ray), `io_timeout` (seconds a connect, handshake, grant,
     blocked write or started frame may take), `shared_memory` (False: streams only),
-    `shm_min_bytes` and `shm_pool_bytes` (see SHM_MIN_BYTES, SHM_POOL_BYTES).
+    `shm_min_bytes` and `shm_pool_bytes` (see SHM_MIN_BYTES, SHM_POOL_BYTES), `tls`
+    (cluster `transport_tls`: {cert_file, key_file, ca_file}; None: plain TCP).
     After construction `address` is (ip, port, machine, unix name); `connect(addresses)`
     takes every stage's hosts' addresses ([stage][host]) before the first send.
     """
 
     def __init__(self, *, me, geom, mesh, inbox, peers, token: bytes, stage: int = 0, geoms=(),
                  host: str | None = None, io_timeout: float = 60.0, shared_memory: bool = True,
-                 shm_min_bytes: int = SHM_MIN_BYTES, shm_pool_bytes: int = SHM_POOL_BYTES):
+                 shm_min_bytes: int = SHM_MIN_BYTES, shm_pool_bytes: int = SHM_POOL_BYTES,
+                 tls: dict | None = None):
         if not token:
             raise ValueError("SocketTransport needs the run token")
+        self.tls_server = self.tls_client = None
+        if tls is not None:
+            from orchestrator.core.tls import contexts
+
+            self.tls_server, self.tls_client = contexts(tls)    # TlsError names the cluster key
         super().__init__(me=me, geom=geom, mesh=mesh, inbox=inbox, peers=peers)
         if host is None:
             import ray
@@ -398,7 +427,8 @@ class SocketTransport(TiledTransport):
         self._conns_lock = threading.Lock()
         unix = f"meshpipe-{secrets.token_hex(8)}" if self.machine else None
         self.listener = Listener(host, self.token, self._on_frame, self._on_error, io_timeout,
-                                 name=f"transport host {me}", destinations=self._destinations, unix=unix)
+                                 name=f"transport host {me}", destinations=self._destinations, unix=unix,
+                                 tls=self.tls_server)
         self.address = (*self.listener.address, self.machine, unix)
 
     def expect(self, edge: Edge, shape, dtype) -> None:
@@ -537,7 +567,7 @@ class SocketTransport(TiledTransport):
                 return _Conn(address, self.token, self.io_timeout, unix)
             except (FileNotFoundError, ConnectionRefusedError):
                 pass    # same machine id but another network namespace (containers): use TCP
-        return _Conn(address, self.token, self.io_timeout)
+        return _Conn(address, self.token, self.io_timeout, tls=self.tls_client)
 
     def _push(self, key, edge, dst_host, plan, shards):
         if not self._addresses:

@@ -75,6 +75,8 @@ class WorkerConfig:
     hooks: tuple = ()               # stages.hooks.WorkerHook objects, called at setup and each step's start
     transport: str = "ray"          # "ray" (actor calls) or "socket" (stages.socket_transport)
     transport_token: bytes | None = field(default=None, repr=False)   # per-run secret for "socket"
+    transport_same_machine: str = "unix"   # "socket": same-machine peers over "unix" (+ shared memory) or "tcp"
+    transport_tls: dict | None = None      # "socket": {cert_file, key_file, ca_file} paths on this node, or None
     remat: str = "none"             # rematerialisation of this stage's parts (orchestrator.core.model.policy)
     fuse_loss_chunk: bool = False   # pipeline.fuse_loss_chunk (stages.actions.fused_chunks)
     eval_actions: tuple[str, ...] = ()   # this stage's forward-only eval list (data.eval), else ()
@@ -202,10 +204,16 @@ class StageWorker:
         args = {"me": cfg.hosts[cfg.host], "geom": cfg.geoms[cfg.stage], "mesh": self.mesh,
                 "inbox": self.inbox, "peers": lambda stage: self.actors[stage]}
         if cfg.transport == "socket":
+            from orchestrator.core.tls import TlsError
             from stages.socket_transport import SocketTransport
 
-            self.transport = SocketTransport(**args, token=cfg.transport_token, stage=cfg.stage, geoms=cfg.geoms,
-                                             io_timeout=cfg.timeouts.get("step_s", 600.0))
+            try:
+                self.transport = SocketTransport(**args, token=cfg.transport_token, stage=cfg.stage, geoms=cfg.geoms,
+                                                 io_timeout=cfg.timeouts.get("step_s", 600.0),
+                                                 shared_memory=cfg.transport_same_machine == "unix",
+                                                 tls=cfg.transport_tls)
+            except TlsError as e:        # the driver checked its own copy; this node's differs
+                raise RuntimeError(f"{cfg.who} on {socket.gethostname()}: {e}") from None
         else:
             from stages.transport import RayTransport
 
@@ -222,6 +230,7 @@ class StageWorker:
                 "node_id": ray.get_runtime_context().get_node_id(),
                 "devices": int(devices.size), "local_devices": len(jax.local_devices()),
                 "transport": type(self.transport).__name__, "setup_s": time.perf_counter() - t0,
+                "transport_tls": getattr(self.transport, "tls_server", None) is not None,
                 "restore_s": restore_s}
 
     def _setup_checkpoint(self) -> float | None:

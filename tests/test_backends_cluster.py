@@ -20,10 +20,11 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.driver import placement
 from orchestrator.core.backends import JaxInit, PlacementError
 from orchestrator.core.backends.jaxinit import ENV_KEY
 from orchestrator.core.config import check_job, load_raw, parse_cluster
+from orchestrator.driver import placement
+from tests.clusters import simulated_cluster
 from tests.test_backends import gpt_job
 
 pytestmark = pytest.mark.multinode
@@ -49,23 +50,15 @@ class Probe:
 @pytest.fixture(scope="module")
 def nodes():
     import ray
-    from ray.cluster_utils import Cluster
 
-    if ray.is_initialized():
-        pytest.fail("the multinode tests need a pytest process of their own: run `pytest -m multinode`")
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])   # workers cannot import tests/
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-    for _ in range(2):                                                  # nodes start in parallel
-        c.add_node(wait=False, num_cpus=2, num_gpus=8, resources={"accelerator_type:H100": 1})
-    for w in range(4):
-        c.add_node(wait=False, num_cpus=2, resources={"TPU": 4, SLICE: 1, **({f"TPU-{POD}-head": 1} if w == 0 else {})},
-                   labels={"ray.io/tpu-slice-name": SLICE, "ray.io/tpu-worker-id": str(w),
-                           "ray.io/tpu-pod-type": POD, "ray.io/tpu-topology": "4x4"})
-    ray.init(address=c.address, namespace="meshpipe-backend-tests", logging_level="WARNING")
-    c.wait_for_nodes(timeout=120)
-    yield {n["NodeID"]: n for n in ray.nodes() if n["Alive"]}
-    ray.shutdown()
-    c.shutdown()
+    gpu_nodes = [{"num_cpus": 2, "num_gpus": 8, "resources": {"accelerator_type:H100": 1}}] * 2
+    tpu_vms = [{"num_cpus": 2, "resources": {"TPU": 4, SLICE: 1, **({f"TPU-{POD}-head": 1} if w == 0 else {})},
+                "labels": {"ray.io/tpu-slice-name": SLICE, "ray.io/tpu-worker-id": str(w),
+                           "ray.io/tpu-pod-type": POD, "ray.io/tpu-topology": "4x4"}} for w in range(4)]
+    with simulated_cluster("meshpipe-backend-tests", head={"num_cpus": 1, "include_dashboard": False},
+                           nodes=gpu_nodes + tpu_vms, logging_level="WARNING"):
+        yield {n["NodeID"]: n for n in ray.nodes() if n["Alive"]}
 
 
 def cluster_cfg(name: str, **change):
@@ -145,7 +138,7 @@ def test_tpu_whole_slice_pins_host_i_to_worker_i_and_takes_the_head(nodes):
 
 def test_tpu_subslice_and_single_hosts_on_their_workers(nodes):
     ck = check_job(gpt_job([2, 1, 1], 4, blocks=4), cluster_cfg("tpu-v5e-16"))
-    plan, probes, _ = place(ck, "tpu-split")
+    _plan, probes, _ = place(ck, "tpu-split")
     assert [_worker(nodes, p["node_id"]) for p in probes] == [0, 1, 2, 3]
     ips = [nodes[p["node_id"]]["NodeManagerAddress"] for p in probes]
     assert probes[0]["env"]["TPU_PROCESS_ADDRESSES"] == f"{ips[0]}:8471,{ips[1]}:8471"

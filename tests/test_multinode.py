@@ -17,6 +17,7 @@ import pytest
 from orchestrator.core.config import check_job, parse_cluster, parse_job
 from orchestrator.driver.runner import run_job
 from orchestrator.driver.waiting import StageFailure
+from tests.clusters import LoopbackWatch, simulated_cluster
 from tests.conftest import _address, free_port, wait_until
 from tests.faults import FailSetup
 
@@ -27,21 +28,10 @@ RTOL, ATOL = 1e-5, 1e-6
 
 @pytest.fixture(scope="module")
 def cluster():
-    import ray
-    from ray.cluster_utils import Cluster
-
-    if ray.is_initialized():
-        pytest.fail("the multinode tests need a pytest process of their own: run `pytest -m multinode`")
-    c = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 1, "include_dashboard": True, "dashboard_host": "127.0.0.1",
-        "dashboard_port": free_port()})
-    for _ in range(3):
-        c.add_node(num_cpus=2)
-    ray.init(address=c.address, namespace="meshpipe-multinode-tests")
-    c.wait_for_nodes()
-    yield c
-    ray.shutdown()
-    c.shutdown()
+    with simulated_cluster("meshpipe-multinode-tests", nodes=[{"num_cpus": 2}] * 3, head={
+            "num_cpus": 1, "include_dashboard": True, "dashboard_host": "127.0.0.1",
+            "dashboard_port": free_port()}) as c:
+        yield c
 
 
 CLUSTER = {"address": "auto", "platform": "cpu", "hosts": 4, "devices_per_host": 2, "cpus_per_host": 0.5,
@@ -80,8 +70,11 @@ def test_two_host_stage_matches_reference_and_spans_nodes(cluster, tmp_path):
     from ray.util.state import list_actors
 
     checked = check_job(parse_job(job(tmp_path)), parse_cluster(CLUSTER))
-    pipe = run_job(checked, echo=lambda s: None)
+    with LoopbackWatch() as watch:      # the actors, their TCP listeners, the jax.distributed coordinator
+        pipe = run_job(checked, echo=lambda s: None)
     ref = run_job(checked, reference=True, echo=lambda s: None)
+    assert watch.samples >= 3, (watch.samples, watch.error)
+    assert not watch.bad, f"listening beyond loopback during the run: {sorted(watch.bad)}"
     np.testing.assert_allclose(pipe["losses"], ref["losses"], rtol=RTOL, atol=ATOL)
     names = sorted(ref["param_norms"])
     np.testing.assert_allclose([pipe["param_norms"][n] for n in names],

@@ -19,6 +19,7 @@ import time
 
 import pytest
 
+from tests.clusters import simulated_cluster
 from tests.conftest import _address, free_port, wait_until
 from tests.test_checkpoint import gpt_job
 from tests.test_recovery import STEPS, _assert_same_run
@@ -32,20 +33,10 @@ CLUSTER = {"address": "auto", "platform": "cpu", "hosts": 3, "devices_per_host":
 
 @pytest.fixture(scope="module")
 def cluster():
-    import ray
-    from ray.cluster_utils import Cluster
-
-    if ray.is_initialized():
-        pytest.fail("the multinode tests need a pytest process of their own: run `pytest -m multinode`")
-    c = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 0, "include_dashboard": True, "dashboard_host": "127.0.0.1", "dashboard_port": free_port()})
-    for _ in range(4):
-        c.add_node(num_cpus=1)
-    ray.init(address=c.address, namespace="meshpipe-recovery-multinode-tests")
-    c.wait_for_nodes()
-    yield c
-    ray.shutdown()
-    c.shutdown()
+    with simulated_cluster("meshpipe-recovery-multinode-tests", nodes=[{"num_cpus": 1}] * 4, head={
+            "num_cpus": 0, "include_dashboard": True, "dashboard_host": "127.0.0.1",
+            "dashboard_port": free_port()}) as c:
+        yield c
 
 
 def node_job(tmp_path, name: str, ckpt_dir, placement_timeout_s: float | None = None) -> dict:

@@ -177,6 +177,7 @@ def run(job, cluster, overrides, reference, address, overwrite, resume):
     """Train JOB on the cluster (or, with --reference, in this process)."""
     from orchestrator.core.checkpoint import CheckpointError
     from orchestrator.core.config import ConfigError, check_checkpoint_dir
+    from orchestrator.core.tls import check_transport_tls
     from orchestrator.driver.runner import existing_record, run_job
 
     if resume is not None and resume != "latest" and not (resume.isdigit() and int(resume) > 0):
@@ -187,6 +188,8 @@ def run(job, cluster, overrides, reference, address, overwrite, resume):
     try:
         check_output_dir(checked.job)
         check_checkpoint_dir(checked.job)
+        if not reference:
+            check_transport_tls(checked.cluster)
     except ConfigError as e:
         click.echo(f"meshpipe: invalid configuration:\n{e}", err=True)
         sys.exit(2)

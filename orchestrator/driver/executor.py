@@ -100,6 +100,9 @@ class PipelineExecutor:
             hosts=tuple(stage.hosts), devices_per_host=stage.devices_per_host,
             geoms=tuple(geoms), chunks=tuple(tuple(c) for c in stage.chunks),
             transport=self.checked.cluster.transport, transport_token=self.token, remat=stage.remat,
+            transport_same_machine=self.checked.cluster.transport_same_machine,
+            transport_tls=(None if self.checked.cluster.transport_tls is None
+                           else self.checked.cluster.transport_tls.model_dump()),
             fuse_loss_chunk=self.checked.job.pipeline.fuse_loss_chunk,
             eval_actions=() if self.eval_schedule is None else tuple(
                 str(a) for a in self.eval_schedule.actions[stage.index] if a is not None),

@@ -97,6 +97,10 @@ def run_job(checked, *, reference: bool = False, echo: Callable[[str], None] = p
     job = checked.job
     if reference and resume is not None:    # the reference run saves nothing (checkpoint: is for the pipeline)
         raise CheckpointError("--resume applies to pipeline runs, not --reference")
+    if not reference:                 # the TLS files load and pass a handshake before Ray starts
+        from orchestrator.core.tls import check_transport_tls
+
+        check_transport_tls(checked.cluster)
     ckpt = None if reference else prepare(checked, resume)
     plan = make_plan(checked)
     out = output_dir(checked)

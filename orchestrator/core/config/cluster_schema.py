@@ -100,6 +100,23 @@ class DeviceConfig(Frozen):
     transfer_overhead_us: Optional[NonNegFloat] = None
 
 
+class TransportTlsConfig(Frozen):
+    """`transport_tls:` (optional; `transport: socket`) — TLS with mutual certificate checks on the
+    transport's TCP links (`orchestrator.core.tls`). Absolute paths, the same on every node: each
+    stage actor opens them where it runs. The files are checked before any actor starts."""
+
+    cert_file: str    # this node's certificate (PEM), signed by ca_file
+    key_file: str     # its private key (PEM, unencrypted; readable only by the user running Ray)
+    ca_file: str      # the cluster's own CA (PEM): a peer must present a certificate it signed
+
+    @field_validator("cert_file", "key_file", "ca_file")
+    @classmethod
+    def _path(cls, v: str) -> str:
+        if not v.startswith("/") or any(ord(c) < 32 for c in v):
+            raise Problem("must be an absolute path (each stage actor opens it on its own node)")
+        return v
+
+
 class ClusterConfig(Frozen):
     """A cluster (`cluster.yaml`): which Ray, what platform, how many hosts of how many devices."""
 
@@ -116,6 +133,10 @@ class ClusterConfig(Frozen):
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
     pin_cpus: bool = False   # pin each host actor to one core of its node (host index mod cores)
     transport: Literal["ray", "socket"] = "socket"   # stage-to-stage tensors: framed TCP (default) or Ray actor calls
+    # socket transport, peers on the same machine: "unix" (abstract Unix socket + shared memory, the
+    # default) or "tcp" (the same TCP links as between machines, and so TLS when transport_tls is set)
+    transport_same_machine: Literal["unix", "tcp"] = "unix"
+    transport_tls: TransportTlsConfig | None = None   # socket transport: TLS on its TCP links (null: none)
     # how the driver triggers steps (orchestrator.driver.dispatch): a Ray call per actor per steps_per_call
     # steps (default), the same as a Ray Compiled Graph, or a Ray call per action (the slow reference)
     executor: Literal["step_calls", "compiled_graph", "action_calls"] = "step_calls"
@@ -196,6 +217,15 @@ class ClusterConfig(Frozen):
             raise Problem(f"too few CPUs: hosts × cpus_per_host = {self.hosts} × {self.cpus_per_host} "
                           f"= {need:g} CPUs do not fit in num_cpus = {self.num_cpus}; the placement "
                           "group would wait forever", ("num_cpus",), self.num_cpus)
+        return self
+
+    @model_validator(mode="after")
+    def _transport_options(self) -> ClusterConfig:
+        for key, value, default in (("transport_same_machine", self.transport_same_machine, "unix"),
+                                    ("transport_tls", self.transport_tls, None)):
+            if self.transport != "socket" and value != default:
+                raise Problem(f"only for transport: socket (this cluster is transport: {self.transport}); "
+                              "remove it", (key,), value if not hasattr(value, "model_dump") else value.model_dump())
         return self
 
     @model_validator(mode="after")
