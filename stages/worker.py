@@ -310,8 +310,18 @@ class StageWorker:
     def deliver(self, key, payload) -> None:
         self.inbox.put(key, payload)
 
-    def shutdown(self) -> None:
+    def shutdown(self, after_failure: bool = False) -> None:
+        """Close what this actor holds. `after_failure`: the attempt is thrown away and the driver
+        kills this process next, so nothing is waited for — not a checkpoint save in flight (it
+        never commits), not the data loader's thread, and not `jax.distributed.shutdown`, whose
+        barrier waits for every process of the stage's world, a dead peer's too (it held the
+        driver's whole `timeouts.shutdown_s` after a node loss); the inbox and the transport's
+        sockets are closed, so nothing of this actor still waits or listens."""
         self.inbox.close("shutdown")
+        if after_failure:
+            if getattr(self, "transport", None) is not None:
+                self.transport.close()
+            return
         if getattr(self, "ckpt", None) is not None:
             self.ckpt.close()
         if getattr(self, "loader", None) is not None:
