@@ -203,7 +203,7 @@ class StageWorker:
             from stages.socket_transport import SocketTransport
 
             self.transport = SocketTransport(**args, token=cfg.transport_token, stage=cfg.stage, geoms=cfg.geoms,
-                                             io_timeout=cfg.timeouts.get("step_s", 600.0))
+                                             io_timeout=self.recv_s)    # then set_recv_deadline's
         else:
             from stages.transport import RayTransport
 
@@ -380,8 +380,11 @@ class StageWorker:
 
     def set_recv_deadline(self, seconds: float) -> float:
         """Called in the "io" group once steps are measured: the seconds a RECV of a step that starts
-        from now on may wait (never above `timeouts.step_s`, never below 1 s); returns it."""
+        from now on may wait (never above `timeouts.step_s`, never below 1 s), and the transport's
+        own waits (a frame under way, a blocked write: `Transport.set_io_timeout`); returns it."""
         self.recv_s = min(max(float(seconds), 1.0), float(self.cfg.timeouts.get("step_s", 600.0)))
+        if getattr(self, "transport", None) is not None:
+            self.transport.set_io_timeout(self.recv_s)
         return self.recv_s
 
     def abort_step(self, reason: str) -> None:
