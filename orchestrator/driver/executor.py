@@ -87,6 +87,7 @@ class PipelineExecutor:
         self.token = secrets.token_bytes(32) if checked.cluster.transport == "socket" else None
         self.kind = checked.cluster.executor
         self.dispatcher = None      # made by the first steps() call
+        self.beats = None           # recovery.HeartbeatWatch while steps run (runs with restarts)
         self.dispatch_info: dict = {}
 
     # -- lifecycle ---------------------------------------------------------
@@ -248,10 +249,17 @@ class PipelineExecutor:
         if self.dispatcher is None:    # an attempt's first call compiles: the configured deadline
             self.dispatcher = dispatch.make(self.kind, flat, labels, counts, self.timeouts["step_s"],
                                             self.checked.cluster.calls_of_steps)
-            if self.checked.job.failure.max_restarts > 0:     # a lost node is noticed in seconds
-                from orchestrator.driver.recovery import NodeWatch
+            if self.checked.job.failure.max_restarts > 0:     # a lost node or a hang noticed in seconds
+                from orchestrator.driver.recovery import HeartbeatWatch, NodeWatch
 
-                self.dispatcher.watch = NodeWatch(self.info)
+                nodes = NodeWatch(self.info)
+                self.beats = HeartbeatWatch(dict(zip(labels, flat)), self.timeouts["step_s"])
+
+                def watch() -> None:
+                    nodes()
+                    self.beats()
+
+                self.dispatcher.watch = watch
         measured = False
         self.dispatch_info = {"dispatcher": type(self.dispatcher).__name__,
                               "steps_per_call": getattr(self.dispatcher, "per_call", 1)}
@@ -264,6 +272,11 @@ class PipelineExecutor:
             if measured:
                 self.deadline.observe(wall)
                 self.dispatcher.call_s = self.deadline.call_s
+                if self.beats is not None:       # one step's deadline, for the heartbeats
+                    self.beats.step_s = self.deadline.step_s()
+                    # the heartbeats see a hang one step deadline after the step stopped moving; the
+                    # call's deadline (from when the driver began to wait) is their backstop
+                    self.dispatcher.call_s = lambda n: self.deadline.call_s(n) + self.deadline.step_s()
                 self._follow_deadline(flat)
             measured = True
             yield StepResult(step=i, loss=sum(losses) / len(losses), wall_s=wall, spans=spans, stats=stats,

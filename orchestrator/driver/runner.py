@@ -330,6 +330,7 @@ def _run_pipeline(checked, plan, source, on_step, out: Path, echo, extra: dict, 
                 rec.update(restart=policy.restarts, teardown_s=teardown_s, teardown_graceful_s=torn["graceful_s"],
                            teardown_stuck=torn["stuck"],
                            progress_deadline_s=deadline.call_s(checked.cluster.calls_of_steps),
+                           step_deadline_s=deadline.step_s(),     # the heartbeats' (recovery.HeartbeatWatch)
                            recv_deadline_s=recv_deadlines)
                 recoveries.append(rec)
                 extra["restarts"] = policy.restarts
