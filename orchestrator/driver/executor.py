@@ -22,7 +22,9 @@ Basic flow:
 The progress deadline (`orchestrator.core.recovery.ProgressDeadline`, shared by the
 recovery loop's attempts) bounds each call: `timeouts.step_s` until steps were measured,
 then max(30 s, 3 × n × the median step time) for a call of n steps, never above n × step_s;
-an attempt's first step (compilation) is not measured. Once measured, every actor's RECV
+an attempt's first step (compilation) is not measured. In runs with restarts the heartbeats
+(`recovery.HeartbeatWatch`) see a hang one step's deadline after the step stopped moving, and
+the call's deadline (plus one step's) is their backstop. Once measured, every actor's RECV
 deadline follows it too (`RECV_FACTOR` × the call's deadline, never above `timeouts.step_s`):
 looser than the driver's, so the driver — which can tell the hung actor from the ones waiting
 on it — always calls a hang first.

@@ -2,8 +2,9 @@
 
 Basic flow (`orchestrator.driver.runner._run_pipeline` runs attempts in a loop):
   1. an attempt (executor start → steps) raises `StageFailure` (an actor's error, or its
-     death: Ray's actor-death error on the pending call) or `ProgressTimeout` (no step result
-     within the progress deadline: a hang);
+     death: Ray's actor-death error on the pending call; a lost node: `NodeWatch`) or
+     `ProgressTimeout` (a hang: `HeartbeatWatch` — an actor silent, or at one action, for one
+     step's progress deadline — or, as its backstop, no call result within the call's deadline);
   2. `classify` turns it into an `orchestrator.core.recovery.Failure` naming the actor that
      failed first (an aborted survivor's error names the peer it was told about; after a
      timeout, the pending actor that does not answer a heartbeat is the hung one);
@@ -11,7 +12,7 @@ Basic flow (`orchestrator.driver.runner._run_pipeline` runs attempts in a loop):
      raylet no longer accepts a connection): then the failure is that node's loss
      (`orchestrator.core.recovery.node_loss`), whichever error reached the driver first;
   3. the policy (`RestartPolicy.decide`) says restart or stop. Restart: the executor is shut
-     down (survivors told to abort at once, actors killed, placement group removed,
+     down (survivors told to abort at once and killed after a short grace, placement group removed,
      `wait_released` until Ray has let their names go), the newest committed checkpoint is
      prepared exactly as `--resume latest` would (`orchestrator.driver.checkpoint.prepare`),
      and a new attempt reserves the placement again — waiting up to `failure.placement_timeout_s`
