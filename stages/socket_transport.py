@@ -35,7 +35,9 @@ of the key is done, the shards go into the mailbox under `(*key, ASSEMBLED)`.
 Every blocking socket operation has a timeout: handshakes HANDSHAKE_S (the listener
 drives them on one selector thread, see `Listener`), connects and grants `io_timeout`,
 sends `io_timeout` per blocked write; reader threads poll their stop flag between frames
-and give up mid-frame after `io_timeout`.
+and give up mid-frame after `io_timeout`. `io_timeout` is the worker's RECV deadline: the
+configured `timeouts.step_s` at first, then what the driver's measured progress deadline
+makes it (`set_io_timeout`), so no socket wait outlasts the step's.
 """
 from __future__ import annotations
 
@@ -342,8 +344,15 @@ class _Conn:
             raise
         return sock
 
+    def retime(self) -> None:
+        """Give the socket the current `io_timeout` (`SocketTransport.set_io_timeout` may have moved
+        it since the last send). Call with `lock` held."""
+        if self.sock.gettimeout() != self.io_timeout:
+            self.sock.settimeout(self.io_timeout)
+
     def send(self, buffers) -> None:
         with self.lock:
+            self.retime()
             send_buffers(self.sock, buffers)
 
     def grant(self, request: bytes) -> dict:
@@ -430,6 +439,16 @@ class SocketTransport(TiledTransport):
                                  name=f"transport host {me}", destinations=self._destinations, unix=unix,
                                  tls=self.tls_server)
         self.address = (*self.listener.address, self.machine, unix)
+
+    def set_io_timeout(self, seconds: float) -> None:
+        """`io_timeout` from now on (the worker's RECV deadline, see the module docstring): a frame
+        a reader starts, a grant, a connect and each open connection's next send get it; a frame
+        already under way keeps the deadline it started with."""
+        self.io_timeout = self.listener.io_timeout = float(seconds)
+        with self._conns_lock:
+            conns = list(self._conns.values())
+        for conn in conns:
+            conn.io_timeout = self.io_timeout
 
     def expect(self, edge: Edge, shape, dtype) -> None:
         """Accept tensors of `shape`/`dtype` from `edge.stage` along `edge` (call before the
@@ -579,6 +598,7 @@ class SocketTransport(TiledTransport):
         try:
             conn = self._conn(address)
             with conn.lock:
+                conn.retime()
                 if conn.unix and self._bytes_to(plan, dst_host) >= self.shm_min_bytes:
                     if self._write_shared(conn, header, plan, dst_host, shards):
                         self.shm_sends += 1

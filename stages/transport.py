@@ -58,6 +58,12 @@ class Transport:
     def flush(self, timeout: float) -> None:
         raise NotImplementedError
 
+    def set_io_timeout(self, seconds: float) -> None:
+        """The seconds any wait of the transport's own (a frame under way, a blocked write) may take
+        from now on: the worker's RECV deadline, which follows the driver's progress deadline
+        (`StageWorker.set_recv_deadline`). A transport whose only waits are the RECVs' (the Ray
+        transport: their `timeout`) ignores it."""
+
     def expect(self, edge: Edge, shape: tuple, dtype) -> None:
         """Announce a tensor that may arrive along `edge` (before any peer sends it). A transport
         that reads headers from the network accepts only announced tensors; the default ignores it."""

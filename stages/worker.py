@@ -46,6 +46,7 @@ from stages.data import HostLoader, rows_array, rows_of
 from stages.mailbox import Mailbox, MailboxClosed
 from stages.telemetry import LivePeak
 from orchestrator.core.recovery import STEP_NOTE
+from orchestrator.core.schedule.ir import RECVS
 from orchestrator.core.model.spec import ModelSpec, param_name
 
 
@@ -119,6 +120,9 @@ class StageWorker:
         self.inbox = Mailbox(cfg.who)
         self.actors: list[list] = []    # every stage's actor handles, set by connect()
         self._step_state = None         # the step run_action is in
+        # what this actor is at, for `heartbeat`: (step, action text or None between steps, whether it
+        # is a RECV, since when on this process's clock); set before each action (`_doing`)
+        self.doing: tuple = (None, None, False, time.monotonic())
         # what a RECV (and the end-of-step flush) waits: timeouts.step_s until the driver has
         # measured steps, then what it sets (`set_recv_deadline`: a multiple of its progress deadline)
         self.recv_s = float(cfg.timeouts.get("step_s", 600.0))
@@ -209,7 +213,7 @@ class StageWorker:
 
             try:
                 self.transport = SocketTransport(**args, token=cfg.transport_token, stage=cfg.stage, geoms=cfg.geoms,
-                                                 io_timeout=cfg.timeouts.get("step_s", 600.0),
+                                                 io_timeout=self.recv_s,    # then set_recv_deadline's
                                                  shared_memory=cfg.transport_same_machine == "unix",
                                                  tls=cfg.transport_tls)
             except TlsError as e:        # the driver checked its own copy; this node's differs
@@ -321,8 +325,18 @@ class StageWorker:
     def deliver(self, key, payload) -> None:
         self.inbox.put(key, payload)
 
-    def shutdown(self) -> None:
+    def shutdown(self, after_failure: bool = False) -> None:
+        """Close what this actor holds. `after_failure`: the attempt is thrown away and the driver
+        kills this process next, so nothing is waited for — not a checkpoint save in flight (it
+        never commits), not the data loader's thread, and not `jax.distributed.shutdown`, whose
+        barrier waits for every process of the stage's world, a dead peer's too (it held the
+        driver's whole `timeouts.shutdown_s` after a node loss); the inbox and the transport's
+        sockets are closed, so nothing of this actor still waits or listens."""
         self.inbox.close("shutdown")
+        if after_failure:
+            if getattr(self, "transport", None) is not None:
+                self.transport.close()
+            return
         if getattr(self, "ckpt", None) is not None:
             self.ckpt.close()
         if getattr(self, "loader", None) is not None:
@@ -345,6 +359,8 @@ class StageWorker:
         except Exception as e:
             self._fail(step, e)
             raise
+        finally:
+            self._doing(None, None)
 
     def run_steps(self, first: int, count: int) -> list[dict]:
         """Steps first .. first+count-1 in one call (no Ray task boundary between them); each
@@ -373,16 +389,28 @@ class StageWorker:
         except Exception as e:
             self._fail(step, e)
             raise
+        finally:
+            self._doing(None, None)      # between actions the driver is the one at work
 
     def heartbeat(self) -> dict:
         """Called in the "io" group: answers while a step runs or waits; a stopped process does not
-        (how the driver tells the hung actor from the ones waiting on it)."""
-        return {"pid": os.getpid(), "time": time.time(), "recv_s": self.recv_s}
+        (how the driver tells the hung actor from the ones waiting on it). Says what the actor is at
+        (`doing`: the action under way, None between steps; `waiting`: it is a RECV; `busy_s`:
+        seconds at it, this process's clock) — `orchestrator.core.recovery.stalled` reads it."""
+        step, doing, waiting, since = self.doing
+        return {"pid": os.getpid(), "time": time.time(), "recv_s": self.recv_s, "step": step, "doing": doing,
+                "waiting": waiting, "busy_s": time.monotonic() - since}
+
+    def _doing(self, step, what: str | None, waiting: bool = False) -> None:
+        self.doing = (step, what, waiting, time.monotonic())
 
     def set_recv_deadline(self, seconds: float) -> float:
         """Called in the "io" group once steps are measured: the seconds a RECV of a step that starts
-        from now on may wait (never above `timeouts.step_s`, never below 1 s); returns it."""
+        from now on may wait (never above `timeouts.step_s`, never below 1 s), and the transport's
+        own waits (a frame under way, a blocked write: `Transport.set_io_timeout`); returns it."""
         self.recv_s = min(max(float(seconds), 1.0), float(self.cfg.timeouts.get("step_s", 600.0)))
+        if getattr(self, "transport", None) is not None:
+            self.transport.set_io_timeout(self.recv_s)
         return self.recv_s
 
     def abort_step(self, reason: str) -> None:
@@ -420,6 +448,7 @@ class StageWorker:
     def _begin(self, step: int) -> StepState:
         if self.inbox.closed:
             raise MailboxClosed(f"{self.cfg.who}: not starting step {step}: {self.inbox.closed}")
+        self._doing(step, "start of step (hooks, data)")
         for hook in self.cfg.hooks:
             hook.on_step(self.cfg, step)
         self._pin_thread()
@@ -432,6 +461,7 @@ class StageWorker:
 
     def _act(self, st: StepState, a, text: str, handler) -> None:
         """One action of the list (`stages.actions`: its kind's handler), with its span."""
+        self._doing(st.step, text, a.kind in RECVS)
         t0 = time.time()
         handler(self, st, a)
         st.spans.append((text, t0, time.time()))
@@ -478,6 +508,7 @@ class StageWorker:
 
     def _finish(self, st: StepState) -> dict:
         cfg = self.cfg
+        self._doing(st.step, "end of step (flush, checkpoint)")
         self.transport.flush(st.timeout)
         from stages.telemetry import stage_stats
 
@@ -515,7 +546,8 @@ class StageWorker:
         for b, batch in enumerate(self._eval_batches):
             st = StepState(step, self.recv_s, tag=f"E{b}")   # its own mailbox keys
             st.batch = batch
-            for a, _, handler in self.eval_program:
+            for a, text, handler in self.eval_program:
+                self._doing(step, f"eval {b} {text}", a.kind in RECVS)
                 handler(self, st, a)
             if self.progs[-1].last:
                 losses.append(float(np.mean([float(st.losses[i]) for i in range(cfg.microbatches)])))

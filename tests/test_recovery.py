@@ -183,6 +183,28 @@ def test_progress_deadline_follows_measured_steps():
     assert capped.step_s() == 10.0                 # never above the configured step_s
 
 
+def test_heartbeats_name_the_hung_actor_within_one_step_deadline():
+    """`stalled` (what HeartbeatWatch asks each second while a step runs): a silent actor, one stuck at
+    a computation, a stopped actor the others wait on in RECVs, a lost message; never a slow driver."""
+    from orchestrator.core.recovery import stalled
+
+    def beat(doing, busy, waiting=False):
+        return {"doing": doing, "waiting": waiting, "busy_s": busy}
+
+    quiet = {"s0": 0.0, "s1": 0.0}
+    assert stalled({"s0": beat("0F3", 29.0), "s1": beat("1RECV_F3", 29.5, True)}, quiet, 30.0) is None
+    assert stalled({"s0": beat(None, 500.0), "s1": beat(None, 500.0)}, quiet, 30.0) is None   # between steps
+    assert stalled({"s0": None, "s1": None}, {"s0": 30.0, "s1": 2.0}, 30.0) is None            # not yet 30 s
+    who, why = stalled({"s0": beat("0F3", 1.0), "s1": None}, {"s0": 0.0, "s1": 30.5}, 30.0)
+    assert who == ["s1"] and "not answering a heartbeat for 30 s" in why
+    who, why = stalled({"s0": beat("0RECV_B2", 50.0, True), "s1": beat("1B2", 40.0)}, quiet, 30.0)
+    assert who == ["s1"] and why.startswith("at 1B2 for 40 s")       # not the one waiting on it, though longer
+    who, why = stalled({"s0": beat("0RECV_B2", 31.0, True), "s1": beat("1F2", 3.0)}, {"s0": 0.0, "s1": 6.0}, 30.0)
+    assert who == ["s1"] and "while the others wait in a RECV" in why   # stopped after s0 began to wait
+    who, why = stalled({"s0": beat("0RECV_B2", 31.0, True), "s1": beat("1RECV_F3", 35.0, True)}, quiet, 30.0)
+    assert who == ["s0", "s1"] and why.startswith("every busy actor waits in a RECV")
+
+
 # ----------------------------------------------------------------------------- on Ray
 # The default suite runs the deterministic-failure test (one run, two attempts, ~50 s here under
 # load); the tests that also need the uninterrupted run to compare with are `chaos` (own CI step).
@@ -380,11 +402,12 @@ def test_sigstop_hang_is_detected_by_the_progress_deadline_and_recovered(tmp_pat
     print("recovery:", {**rec, "detection_s": rec["detected_at"] - stopped["at"]})    # pytest -rP shows it
     assert (rec["cause"], rec["stage"], rec["host"], rec["resumed_from"]) == ("hang", 1, 0, 4), rec
     assert "not answering a heartbeat: stage 1 host 0" in rec["error"], rec
-    assert rec["progress_deadline_s"] == 30.0, rec          # tiny steps: the floor
+    assert rec["progress_deadline_s"] == rec["step_deadline_s"] == 30.0, rec     # tiny steps: the floor
+    assert "no progress within the step deadline" in rec["error"], rec     # the heartbeats saw it first
     # the waiting actor's RECV deadline follows the driver's (twice it: the driver calls the hang first)
     assert rec["recv_deadline_s"] == {"stage 0 host 0": 2 * rec["progress_deadline_s"]}, rec
     detect = rec["detected_at"] - stopped["at"]
-    assert 0 < detect < rec["progress_deadline_s"] + 10, rec  # the deadline, plus the heartbeat probe
+    assert 0 < detect < rec["step_deadline_s"] + 10, rec  # one step's deadline, plus the heartbeat probe
     assert rec["teardown_s"] < 30, rec                      # the stopped actor was killed, not waited for
     _assert_same_run(got, uninterrupted)
 

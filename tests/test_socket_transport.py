@@ -167,3 +167,54 @@ def test_same_machine_peers_share_memory_and_fall_back_to_tcp(unix_reachable):
     finally:
         a.close()
         b.close()
+
+
+def test_io_timeout_follows_the_recv_deadline_set_by_the_driver():
+    """`set_io_timeout` (what `StageWorker.set_recv_deadline` passes on: the RECV deadline that follows
+    the driver's progress deadline) moves every wait of the transport's own: a frame a reader starts
+    (a stalled one fails after the new deadline, not the 5 s the transport was built with) and an open
+    connection's sends."""
+    import time
+    from types import SimpleNamespace
+
+    import jax
+
+    from stages.frames import dtype_tag, frame_header
+    from stages.transport import Edge
+    from stages.worker import StageWorker
+
+    (a, b), geoms, sharding = _pair()
+    try:
+        for t in (a, b):
+            t.connect([[a.address], [b.address]])
+        axes = ("batch", "embed")
+        x = np.arange(8 * 4, dtype=np.float32).reshape(8, 4)
+        b.expect(Edge(0, geoms[0], axes), x.shape, np.float32)
+        a.send((0, "F", 0, 0), jax.device_put(x, sharding), Edge(1, geoms[1], axes))
+        b.recv((0, "F", 0, 0), x.shape, np.float32, sharding, Edge(0, geoms[0], axes), timeout=5)
+        conn = next(iter(a._conns.values()))
+        assert conn.sock.gettimeout() == 5
+        worker = SimpleNamespace(cfg=SimpleNamespace(timeouts={"step_s": 600.0}), transport=a, recv_s=600.0)
+        assert StageWorker.set_recv_deadline(worker, 0.7) == 1.0        # the RECV deadline's floor
+        assert a.io_timeout == a.listener.io_timeout == conn.io_timeout == 1.0
+        a.send((1, "F", 0, 0), jax.device_put(x, sharding), Edge(1, geoms[1], axes))
+        assert conn.sock.gettimeout() == 1.0                            # taken up at the next send
+        b.recv((1, "F", 0, 0), x.shape, np.float32, sharding, Edge(0, geoms[0], axes), timeout=5)
+
+        b.set_io_timeout(0.5)
+        stall = _Conn(b.address, TOKEN, io_timeout=5)
+        try:
+            header = {"key": [2, "F", 0, 0, 0], "arrays": [],
+                      "tensor": {"stage": 0, "axes": list(axes), "shape": list(x.shape), "dtype": dtype_tag(np.float32)}}
+            t0 = time.monotonic()
+            stall.send([frame_header(header, x.nbytes), x.tobytes()[:16]])   # then nothing more
+            while not b.inbox.closed and time.monotonic() - t0 < 10:
+                time.sleep(0.02)
+            took = time.monotonic() - t0
+        finally:
+            stall.close()
+        assert b.inbox.closed and "stalled" in b.inbox.closed, b.inbox.closed
+        assert 0.5 <= took < 3.0, took       # the new deadline (+ the reader's poll), not the 5 s it had
+    finally:
+        a.close()
+        b.close()

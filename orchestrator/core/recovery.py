@@ -15,6 +15,9 @@ these questions; the answers depend only on the values passed in, so they test i
     the configured `timeouts.step_s` until steps have been measured, then
     min(step_s, max(30 s, 3 × the median measured step time)); a call of n steps (the driver
     learns results a call at a time) gets min(n × step_s, max(30 s, 3 × n × the median)).
+  - `stalled(beats, silent_s, deadline_s)`: whether the actors' heartbeats (taken while a step
+    runs, `orchestrator.driver.recovery.HeartbeatWatch`) say the step hangs, and whose hang it
+    is: one step's deadline, not a call's.
 """
 from __future__ import annotations
 
@@ -200,5 +203,51 @@ class ProgressDeadline:
         return min(self.configured_s * n, max(self.floor_s, self.factor * n * statistics.median(self.times)))
 
 
+def stalled(beats: dict, silent_s: dict, deadline_s: float, slow_s: float = 5.0) -> tuple[list, str] | None:
+    """Whether the actors' heartbeats say the step hangs, pure: (culprits, why) or None.
+
+    Args:
+      beats: label -> the actor's newest heartbeat answer (`StageWorker.heartbeat`: `doing`, the
+        action under way or None between steps; `waiting`, whether that is a RECV; `busy_s`, the
+        seconds it has been at it, on its own clock), or None before its first answer.
+      silent_s: label -> seconds its oldest unanswered heartbeat has waited (0: none waits).
+      deadline_s: the per-step progress deadline (`ProgressDeadline.step_s`).
+      slow_s: an answer this late marks the actor as the likely culprit of a hang found otherwise.
+
+    An actor that has not answered for the deadline is hung (a stopped process: its "io" thread
+    does not run); else an actor at one action for longer than the deadline means the step
+    hangs: the culprit is the one longest at an action that is not a RECV (a deadlock in a
+    collective, a stuck computation — the actors waiting on it sit in RECVs); when every busy
+    actor waits in a RECV, the actors whose answers are `slow_s` late (a process stopped after
+    the others began to wait on it), else all the busy ones (a message that never comes). Between
+    steps an actor is never busy (the driver is the slow one).
+
+    >>> stalled({"a": {"doing": "0F1", "waiting": False, "busy_s": 2.0}}, {"a": 0.0}, 30.0) is None
+    True
+    >>> stalled({"a": {"doing": "0RECV_B0", "waiting": True, "busy_s": 41.0},
+    ...          "b": {"doing": "1B0", "waiting": False, "busy_s": 45.0}}, {"a": 0.0, "b": 0.0}, 30.0)
+    (['b'], 'at 1B0 for 45 s (deadline 30 s)')
+    >>> stalled({"a": None, "b": {"doing": None, "waiting": False, "busy_s": 99.0}}, {"a": 31.0, "b": 0.0}, 30.0)
+    (['a'], 'not answering a heartbeat for 31 s (deadline 30 s)')
+    """
+    silent = sorted(lbl for lbl, t in silent_s.items() if t > deadline_s)
+    if silent:
+        longest = max(silent_s[lbl] for lbl in silent)
+        return silent, f"not answering a heartbeat for {longest:.0f} s (deadline {deadline_s:g} s)"
+    busy = {lbl: b for lbl, b in beats.items() if b and b.get("doing") is not None and b["busy_s"] > deadline_s}
+    if not busy:
+        return None
+    working = {lbl: b for lbl, b in busy.items() if not b.get("waiting")}
+    if working:
+        lbl = max(working, key=lambda k: working[k]["busy_s"])
+        return [lbl], f"at {working[lbl]['doing']} for {working[lbl]['busy_s']:.0f} s (deadline {deadline_s:g} s)"
+    longest = max(b["busy_s"] for b in busy.values())
+    slow = sorted(lbl for lbl, t in silent_s.items() if t >= slow_s and lbl not in busy)
+    if slow:
+        return slow, (f"not answering a heartbeat for {max(silent_s[lbl] for lbl in slow):.0f} s while the "
+                      f"others wait in a RECV for {longest:.0f} s (deadline {deadline_s:g} s)")
+    return sorted(busy), f"every busy actor waits in a RECV, the longest for {longest:.0f} s (deadline {deadline_s:g} s)"
+
+
 __all__ = ["DIED", "ERROR", "HANG", "NODE_LOST", "Decision", "Failure", "ProgressDeadline", "RestartPolicy",
-           "compile_cache_dir", "label_of", "node_loss", "origin"]
+           "compile_cache_dir", "label_of", "node_loss", "origin", "stalled"]

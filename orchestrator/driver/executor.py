@@ -16,11 +16,15 @@ Basic flow:
   shutdown(): every actor told to abort its step at once (the "io" group: a
             survivor blocked in a RECV on a dead peer returns now, not at its
             deadline), a bounded `shutdown` call, then kill every actor and remove
-            the placement group — also after errors and Ctrl-C.
+            the placement group — also after errors and Ctrl-C. After a failure the
+            survivors get only `ABORT_GRACE_S` (the attempt is thrown away: they wait
+            for nothing, not jax.distributed's barrier with a dead peer) and are killed.
 The progress deadline (`orchestrator.core.recovery.ProgressDeadline`, shared by the
 recovery loop's attempts) bounds each call: `timeouts.step_s` until steps were measured,
 then max(30 s, 3 × n × the median step time) for a call of n steps, never above n × step_s;
-an attempt's first step (compilation) is not measured. Once measured, every actor's RECV
+an attempt's first step (compilation) is not measured. In runs with restarts the heartbeats
+(`recovery.HeartbeatWatch`) see a hang one step's deadline after the step stopped moving, and
+the call's deadline (plus one step's) is their backstop. Once measured, every actor's RECV
 deadline follows it too (`RECV_FACTOR` × the call's deadline, never above `timeouts.step_s`):
 looser than the driver's, so the driver — which can tell the hung actor from the ones waiting
 on it — always calls a hang first.
@@ -28,6 +32,7 @@ on it — always calls a hang first.
 from __future__ import annotations
 
 import secrets
+import time
 from dataclasses import dataclass, field
 from collections.abc import Sequence
 
@@ -39,6 +44,11 @@ from stages.ties import tie_stages
 from stages.worker import StageWorker, WorkerConfig
 
 RECV_FACTOR = 2.0    # an actor's RECV deadline: this × the driver's progress deadline for a call
+# After a failure: the seconds the survivors (told to abort) get to end their step and close before they
+# are killed. Measured on the 2-core machine at load ~10: an aborted survivor's step ended and its
+# transport closed within 0.4 s of the abort; what it waited for after that (jax.distributed's shutdown
+# barrier, with a dead peer) held the whole timeouts.shutdown_s (30 s) and is no longer waited for.
+ABORT_GRACE_S = 5.0
 
 
 @dataclass
@@ -79,6 +89,7 @@ class PipelineExecutor:
         self.token = secrets.token_bytes(32) if checked.cluster.transport == "socket" else None
         self.kind = checked.cluster.executor
         self.dispatcher = None      # made by the first steps() call
+        self.beats = None           # recovery.HeartbeatWatch while steps run (runs with restarts)
         self.dispatch_info: dict = {}
 
     # -- lifecycle ---------------------------------------------------------
@@ -115,8 +126,6 @@ class PipelineExecutor:
         import ray
 
         from ray.util import placement_group_table
-
-        import time
 
         t0 = time.perf_counter()
         self.pg = placement.reserve(self.checked, f"{self.run}/pg", self.timeouts["init_s"],
@@ -186,9 +195,15 @@ class PipelineExecutor:
             except Exception:  # noqa: BLE001 - best effort; shutdown kills them anyway
                 pass
 
-    def shutdown(self, unresponsive: Sequence[str] = ()) -> None:
+    def shutdown(self, unresponsive: Sequence[str] = (), after_failure: bool = False) -> dict:
         """Tear everything down (bounded); `unresponsive`: labels of actors killed first, without
-        waiting for them (a hung process would hold the bounded `shutdown` wait to its end)."""
+        waiting for them (a hung process would hold the bounded `shutdown` wait to its end).
+        `after_failure`: the attempt failed and is thrown away — the survivors, told to abort,
+        get `ABORT_GRACE_S` (not `timeouts.shutdown_s`) to end their step and close
+        (`StageWorker.shutdown(after_failure=True)`: nothing waited for), then they are killed;
+        one still in its step then (e.g. inside an XLA collective with a dead peer, which no
+        abort reaches) is among `stuck`. Returns {"graceful_s": the seconds the survivors'
+        shutdown was waited for, "stuck": labels of the survivors killed without it}."""
         import ray
         from ray.util.placement_group import remove_placement_group
 
@@ -196,8 +211,9 @@ class PipelineExecutor:
             for a, lbl in zip(row, names):
                 if lbl in unresponsive:
                     ray.kill(a, no_restart=True)
-        flat = [a for row, names in zip(self.actors, self.labels) for a, lbl in zip(row, names)
+        kept = [(a, lbl) for row, names in zip(self.actors, self.labels) for a, lbl in zip(row, names)
                 if lbl not in unresponsive]
+        flat = [a for a, _ in kept]
         dispatcher, self.dispatcher = self.dispatcher, None
         if dispatcher is not None:
             try:   # a compiled graph is torn down before its actors die
@@ -206,18 +222,24 @@ class PipelineExecutor:
                 pass
         # before `shutdown`, which queues behind a step that waits on a dead peer
         self.abort("the driver is shutting the run down")
+        grace = min(ABORT_GRACE_S, self.timeouts["shutdown_s"]) if after_failure else self.timeouts["shutdown_s"]
+        t0 = time.perf_counter()
+        stuck = []
         if flat:
             try:
-                ray.wait([a.shutdown.remote() for a in flat], num_returns=len(flat),
-                         timeout=self.timeouts["shutdown_s"])
+                refs = [a.shutdown.remote(after_failure) for a in flat]
+                _, left = ray.wait(refs, num_returns=len(refs), timeout=grace)
+                stuck = [lbl for (_, lbl), r in zip(kept, refs) if r in left]
             except Exception:  # noqa: BLE001 - best effort; the kill below is what counts
                 pass
+        graceful_s = time.perf_counter() - t0
         for a in flat:
             ray.kill(a, no_restart=True)
         self.actors = []
         if self.pg is not None:
             remove_placement_group(self.pg)
             self.pg = None
+        return {"graceful_s": graceful_s, "stuck": stuck}
 
     # -- running -----------------------------------------------------------
     def steps(self, count: int, start: int = 0):
@@ -232,10 +254,17 @@ class PipelineExecutor:
         if self.dispatcher is None:    # an attempt's first call compiles: the configured deadline
             self.dispatcher = dispatch.make(self.kind, flat, labels, counts, self.timeouts["step_s"],
                                             self.checked.cluster.calls_of_steps)
-            if self.checked.job.failure.max_restarts > 0:     # a lost node is noticed in seconds
-                from orchestrator.driver.recovery import NodeWatch
+            if self.checked.job.failure.max_restarts > 0:     # a lost node or a hang noticed in seconds
+                from orchestrator.driver.recovery import HeartbeatWatch, NodeWatch
 
-                self.dispatcher.watch = NodeWatch(self.info)
+                nodes = NodeWatch(self.info)
+                self.beats = HeartbeatWatch(dict(zip(labels, flat)), self.timeouts["step_s"])
+
+                def watch() -> None:
+                    nodes()
+                    self.beats()
+
+                self.dispatcher.watch = watch
         measured = False
         self.dispatch_info = {"dispatcher": type(self.dispatcher).__name__,
                               "steps_per_call": getattr(self.dispatcher, "per_call", 1)}
@@ -248,6 +277,11 @@ class PipelineExecutor:
             if measured:
                 self.deadline.observe(wall)
                 self.dispatcher.call_s = self.deadline.call_s
+                if self.beats is not None:       # one step's deadline, for the heartbeats
+                    self.beats.step_s = self.deadline.step_s()
+                    # the heartbeats see a hang one step deadline after the step stopped moving; the
+                    # call's deadline (from when the driver began to wait) is their backstop
+                    self.dispatcher.call_s = lambda n: self.deadline.call_s(n) + self.deadline.step_s()
                 self._follow_deadline(flat)
             measured = True
             yield StepResult(step=i, loss=sum(losses) / len(losses), wall_s=wall, spans=spans, stats=stats,

@@ -2,8 +2,9 @@
 
 Basic flow (`orchestrator.driver.runner._run_pipeline` runs attempts in a loop):
   1. an attempt (executor start → steps) raises `StageFailure` (an actor's error, or its
-     death: Ray's actor-death error on the pending call) or `ProgressTimeout` (no step result
-     within the progress deadline: a hang);
+     death: Ray's actor-death error on the pending call; a lost node: `NodeWatch`) or
+     `ProgressTimeout` (a hang: `HeartbeatWatch` — an actor silent, or at one action, for one
+     step's progress deadline — or, as its backstop, no call result within the call's deadline);
   2. `classify` turns it into an `orchestrator.core.recovery.Failure` naming the actor that
      failed first (an aborted survivor's error names the peer it was told about; after a
      timeout, the pending actor that does not answer a heartbeat is the hung one);
@@ -11,7 +12,7 @@ Basic flow (`orchestrator.driver.runner._run_pipeline` runs attempts in a loop):
      raylet no longer accepts a connection): then the failure is that node's loss
      (`orchestrator.core.recovery.node_loss`), whichever error reached the driver first;
   3. the policy (`RestartPolicy.decide`) says restart or stop. Restart: the executor is shut
-     down (survivors told to abort at once, actors killed, placement group removed,
+     down (survivors told to abort at once and killed after a short grace, placement group removed,
      `wait_released` until Ray has let their names go), the newest committed checkpoint is
      prepared exactly as `--resume latest` would (`orchestrator.driver.checkpoint.prepare`),
      and a new attempt reserves the placement again — waiting up to `failure.placement_timeout_s`
@@ -57,7 +58,7 @@ def classify(e: BaseException, next_step: int, hung: Optional[list[str]] = None)
     — when exactly one did not, the hang is its."""
     if is_hang(e):
         labels = getattr(e, "labels", [])
-        culprits = hung if hung else labels
+        culprits = hung or getattr(e, "culprits", None) or labels
         stage, host = label_of(culprits[0] if len(culprits) == 1 else None)
         text = str(e) + (f"; not answering a heartbeat: {', '.join(hung)}" if hung else "")
         return Failure(HANG, stage, host, next_step, text)
@@ -161,6 +162,57 @@ class NodeWatch:
         self.due = time.monotonic() + self.every
 
 
+class HeartbeatWatch:
+    """While the driver waits on a step (`waiting.wait_all`'s `watch`, beside `NodeWatch`), every
+    `every` s: a heartbeat to each actor (in its "io" group, so it answers while its step runs),
+    and the answers checked (`orchestrator.core.recovery.stalled`) against the per-step progress
+    deadline `step_s` — an actor silent for it (a stopped process), or at one action for longer
+    (a deadlock, a computation stuck in a collective): `ProgressTimeout` naming the culprits, one
+    step's deadline after the step stopped moving instead of a whole call's. `step_s` is set by
+    the executor: `timeouts.step_s` while an attempt's first step compiles, then the measured one.
+    Runs in runs with restarts (`failure.max_restarts` > 0).
+
+    Args:
+      actors: label ("stage 1 host 0") -> actor handle.
+    """
+
+    def __init__(self, actors: dict, step_s: float, every: float = 1.0):
+        self.actors, self.step_s, self.every = dict(actors), float(step_s), every
+        self.beats: dict[str, dict | None] = {lbl: None for lbl in self.actors}
+        self.asked: dict = {}        # ref of an unanswered heartbeat -> (label, driver time it was sent)
+        self.due = time.monotonic()
+
+    def __call__(self) -> None:
+        import ray
+
+        from orchestrator.core.recovery import stalled
+
+        now = time.monotonic()
+        if now < self.due:
+            return
+        if self.asked:
+            ready, _ = ray.wait(list(self.asked), num_returns=len(self.asked), timeout=0)
+            for r in ready:
+                lbl, _ = self.asked.pop(r)
+                try:
+                    self.beats[lbl] = ray.get(r, timeout=1.0)
+                except Exception as e:  # noqa: BLE001 - a dead actor fails its step call: Ray says so there
+                    log.debug("heartbeat of %s failed: %s", lbl, e)
+        waiting = {lbl for lbl, _ in self.asked.values()}
+        for lbl, actor in self.actors.items():
+            if lbl not in waiting:      # one heartbeat in flight per actor
+                self.asked[actor.heartbeat.options(concurrency_group="io").remote()] = (lbl, now)
+        silent = {lbl: 0.0 for lbl in self.actors}
+        for lbl, sent in self.asked.values():
+            silent[lbl] = max(silent[lbl], now - sent)
+        found = stalled(self.beats, silent, self.step_s)
+        self.due = now + self.every
+        if found is not None:
+            culprits, why = found
+            raise ProgressTimeout(f"no progress within the step deadline: {', '.join(culprits)} {why}",
+                                  list(self.actors), culprits)
+
+
 def wait_released(names: list[str], namespace: str, timeout: float) -> None:
     """Wait (bounded) until Ray no longer knows live actors by these names (killed ones free
     their names asynchronously; the next attempt's actors take the same names)."""
@@ -227,5 +279,6 @@ def record(f: Failure, where: dict, resumed_from: int, steps_done: int, detected
             "detected_at": detected_at, "since_last_progress_s": waited_s}
 
 
-__all__ = ["RECOVERABLE", "RecoveryStopped", "classify", "is_hang", "committed_step", "describe", "lost_nodes", "NodeWatch",
+__all__ = ["RECOVERABLE", "HeartbeatWatch", "RecoveryStopped", "classify", "is_hang", "committed_step", "describe",
+           "lost_nodes", "NodeWatch",
            "raylet_answers", "record", "stop_message", "wait_released"]

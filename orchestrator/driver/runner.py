@@ -323,7 +323,7 @@ def _run_pipeline(checked, plan, source, on_step, out: Path, echo, extra: dict, 
                     raise recovery.RecoveryStopped.after(recovery.stop_message(
                         failure, where, decision, committed, len(losses), resume_command), e) from e
                 t1 = time.perf_counter()
-                _shutdown(ex, extra, ckpt, committer, resumed_from, hung)
+                torn = _shutdown(ex, extra, ckpt, committer, resumed_from, hung, after_failure=True)
                 ex, hung[:] = None, []
                 recovery.wait_released([f"{run}/stage{s.index}/host{h}" for s in checked.stages
                                         for h in range(len(s.hosts))], namespace,
@@ -331,8 +331,10 @@ def _run_pipeline(checked, plan, source, on_step, out: Path, echo, extra: dict, 
                 teardown_s = time.perf_counter() - t1
                 ckpt = prepare(checked, "latest")    # as --resume: checks, removes uncommitted saves
                 rec = recovery.record(failure, where, ckpt.start, len(losses), detected_at, waited)
-                rec.update(restart=policy.restarts, teardown_s=teardown_s,
+                rec.update(restart=policy.restarts, teardown_s=teardown_s, teardown_graceful_s=torn["graceful_s"],
+                           teardown_stuck=torn["stuck"],
                            progress_deadline_s=deadline.call_s(checked.cluster.calls_of_steps),
+                           step_deadline_s=deadline.step_s(),     # the heartbeats' (recovery.HeartbeatWatch)
                            recv_deadline_s=recv_deadlines)
                 recoveries.append(rec)
                 extra["restarts"] = policy.restarts
@@ -359,7 +361,7 @@ def _run_pipeline(checked, plan, source, on_step, out: Path, echo, extra: dict, 
         if ex is not None:
             if interrupted:   # (a failed step has told every actor already: worker._fail)
                 ex.abort("the driver stopped the run")   # a step still running ends now, not at its deadline
-            _shutdown(ex, extra, ckpt, committer, resumed_from, hung)
+            _shutdown(ex, extra, ckpt, committer, resumed_from, hung, after_failure=not ok and not interrupted)
         remove_probe(ckpt)
         if tel is not None:
             try:
@@ -389,15 +391,17 @@ def _scaling(step: int, stats: list) -> dict:
     return {"loss_scale": scale, "skipped": skipped}
 
 
-def _shutdown(ex, extra: dict, ckpt, committer, resumed_from: int, unresponsive=()) -> None:
+def _shutdown(ex, extra: dict, ckpt, committer, resumed_from: int, unresponsive=(),
+              after_failure: bool = False) -> dict:
     """Record what the attempt's executor knows into summary.json's fields, then shut it down
-    (`unresponsive` actors killed first)."""
+    (`unresponsive` actors killed first; `after_failure`: the survivors get a short grace, not
+    `timeouts.shutdown_s`). Returns `PipelineExecutor.shutdown`'s record."""
     extra.update(workers=ex.info, executor=ex.dispatch_info)
     if ckpt is not None:
         extra["checkpoint"] = {"dir": ex.checked.job.checkpoint.dir, "resumed_from": resumed_from or None,
                                "commits": committer.commits,
                                "restore_s": max((w.get("restore_s") or 0.0 for w in ex.info), default=0.0)}
-    ex.shutdown(unresponsive)
+    return ex.shutdown(unresponsive, after_failure=after_failure)
 
 
 def _ray_info(run: str, echo) -> dict:

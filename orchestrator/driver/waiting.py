@@ -67,11 +67,13 @@ def stage_failure(what: str, label: str, e: BaseException) -> StageFailure:
 
 
 class ProgressTimeout(TimeoutError):
-    """No answer within the deadline; `labels`: the actors whose calls were still pending."""
+    """No answer within the deadline; `labels`: the actors whose calls were still pending;
+    `culprits`: those the heartbeats name as hung (`orchestrator.core.recovery.stalled`), if any."""
 
-    def __init__(self, message: str, labels: list[str] | None = None):
+    def __init__(self, message: str, labels: list[str] | None = None, culprits: list[str] | None = None):
         super().__init__(message)
         self.labels = list(labels or [])
+        self.culprits = list(culprits or [])
 
 
 def _died(e: BaseException) -> bool:
