@@ -408,7 +408,7 @@ def _eqx_made(make: Callable) -> Callable:
     return made
 
 
-def eqx_model(make: Callable, parts: Sequence[Union[str, tuple]], *, loss: Callable, input, label,
+def eqx_model(make: Callable, parts: Sequence[str | tuple], *, loss: Callable, input, label,
               axes=None, out_axes=None, vocab: int = 0, axis_name: str = "batch") -> PipelineModel:
     """An equinox model, unchanged, split at submodules named by attribute path.
 
