@@ -1,5 +1,7 @@
 """Bring your own model: mutable (non-parameter) model state — BatchNorm's running statistics as
-flax.nnx `nnx.BatchStat` variables and flax.linen's `batch_stats` collection.
+flax.nnx `nnx.BatchStat` variables, flax.linen's `batch_stats` collection and equinox's
+`eqx.nn.State` (`eqx.nn.BatchNorm`; its oracle: the equinox model vmapped over the batch with its
+state, the same threading and tolerance as nnx).
 
 The oracle is the user's whole model in one process: `jax.value_and_grad(..., has_aux=True)` of
 the nnx module itself (or the linen module's `apply(..., mutable=["batch_stats"])`), the state
