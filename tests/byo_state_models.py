@@ -185,13 +185,28 @@ EQX_BN_AXES = [("blocks.*/up/weight", ("mlp", "embed")), ("blocks.*/up/bias", ("
                ("blocks.*/down/weight", ("embed", "mlp"))]
 
 
-def eqx_bn_mlp(d=16, blocks=2):
+def eqx_block_call(block, x, state):
+    """A stateful part's own call: (submodule, batch, eqx.nn.State) -> (y, state)."""
+    import jax
+
+    return jax.vmap(block, axis_name="batch", in_axes=(0, None), out_axes=(0, None))(x, state)
+
+
+def eqx_bn_mlp(d=16, blocks=2, bare=False):
     """The equinox BatchNorm MLP split into inp / blocks.0 / blocks.1 / out (default calls: each
-    block is vmapped over the batch with its state)."""
+    block is vmapped over the batch with its state). `bare`: `make` returns the model alone (the
+    adapter applies `eqx.nn.make_with_state` itself) and the blocks are parts with their own call
+    (`eqx_block_call`)."""
     from orchestrator.core.model.adapters import eqx_model
 
-    return eqx_model(eqx_bn_make(d, blocks), ["inp", *[f"blocks.{i}" for i in range(blocks)], "out"], loss=mse,
-                     input=((D_IN,), "float32"), label=((D_OUT,), "float32"), axes=EQX_BN_AXES, out_axes=OUT_AXES)
+    if bare:
+        cls = _eqx_classes()
+        make = lambda key: cls(d, blocks, key)
+        body = [(f"blocks.{i}", f"blocks.{i}", eqx_block_call) for i in range(blocks)]
+    else:
+        make, body = eqx_bn_make(d, blocks), [f"blocks.{i}" for i in range(blocks)]
+    return eqx_model(make, ["inp", *body, "out"], loss=mse, input=((D_IN,), "float32"),
+                     label=((D_OUT,), "float32"), axes=EQX_BN_AXES, out_axes=OUT_AXES)
 
 
 def eqx_stateful(**_):

@@ -215,6 +215,12 @@ def test_batchnorm_state_is_described_per_part_and_other_kinds_are_refused():
     assert not any("index" in p for layer in eqx_spec.layers for p in layer.params)   # state is not
     eqx = build_model("tests.byo_state_models:eqx_bn_mlp", {"d": 16, "blocks": 2})
     assert [p.state_init is not None for p in eqx.parts] == [False, True, True, False]
+    bare = checked_of({**bn_job("/tmp", "eqx_bn_mlp"), "model": {"factory": "tests.byo_state_models:eqx_bn_mlp",
+                                                                "args": {"d": 16, "blocks": 2, "bare": True}}}).model
+    assert [(layer.params, layer.state) for layer in bare.layers] == [
+        (layer.params, layer.state) for layer in eqx_spec.layers]        # make_with_state applied by the adapter
+    assert sorted(eqx_spec.layers[1].state) == ["blocks.0/bn/ema_first_time_index",
+                                                "blocks.0/bn/ema_state_index/0", "blocks.0/bn/ema_state_index/1"]
 
     for factory, needles in [
         ("nnx_counter", ["model.factory", "split point 'head'", "Counter", "only nnx.Param"]),
@@ -388,13 +394,17 @@ def test_linen_spread_behind_its_tolerance_is_what_this_jax_measures():
 # ----------------------------------------------------------------------------- equinox, one process
 
 @pytest.mark.slow          # 14-23 s on 2 loaded cores (two compiles)
-def test_equinox_state_reference_run_matches_the_model_itself():
+@pytest.mark.parametrize("bare", [False, True])
+def test_equinox_state_reference_run_matches_the_model_itself(bare):
     """`--reference` (one process, meshpipe's whole-model program) threads the equinox BatchNorm
     state through the microbatches in order: losses, every parameter and every state array equal
-    the equinox model under plain `jax.value_and_grad(has_aux=True)`, rtol 1e-5 / atol 1e-6."""
+    the equinox model under plain `jax.value_and_grad(has_aux=True)`, rtol 1e-5 / atol 1e-6.
+    `bare`: the factory returns the model alone and the blocks are parts with their own call."""
     from orchestrator.driver.reference import train_reference
 
-    checked = checked_of(bn_job("/tmp", "eqx_bn_mlp"))
+    job = bn_job("/tmp", "eqx_bn_mlp")
+    job["model"]["args"]["bare"] = bare
+    checked = checked_of(job)
     job = checked.job
     ref = train_reference(checked.model, checked.data, steps=job.run.steps, seed=job.run.seed,
                           microbatches=job.pipeline.microbatches, optimizer=job.optimizer.spec())
