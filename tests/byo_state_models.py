@@ -2,8 +2,9 @@
 
 `nnx_bn_mlp`: a flax.nnx MLP whose residual blocks hold an `nnx.BatchNorm` (running mean and
 variance are `nnx.BatchStat` variables); `linen_bn_mlp`: the same in flax.linen (`batch_stats`
-collection). Both are split into in / block0 / block1 / out, so a two-stage job has BatchNorm
-state on each stage. `nnx_counter` holds a variable kind meshpipe refuses.
+collection); `eqx_bn_mlp`: the same in equinox (`eqx.nn.BatchNorm`, `eqx.nn.State`). Each is split
+into in / block0 / block1 / out, so a two-stage job has BatchNorm state on each stage.
+`nnx_counter` holds a variable kind meshpipe refuses.
 """
 from __future__ import annotations
 
@@ -132,22 +133,86 @@ def linen_orphan_stats(**_):
                        loss=mse, input=((D_IN,), "float32"), label=((D_OUT,), "float32"))
 
 
-def eqx_stateful(**_):
-    """An equinox model with eqx.nn.BatchNorm (eqx.nn.State): refused (equinox state is not supported)."""
+def _eqx_classes():
     import equinox as eqx
     import jax
-    from orchestrator.core.model.adapters import eqx_model
 
-    class M(eqx.Module):
-        inp: eqx.nn.Linear
+    class EqxBNBlock(eqx.Module):
+        up: eqx.nn.Linear
         bn: eqx.nn.BatchNorm
+        down: eqx.nn.Linear
+
+        def __init__(self, d, key):
+            k1, k2 = jax.random.split(key)
+            self.up = eqx.nn.Linear(d, 2 * d, key=k1)
+            self.bn = eqx.nn.BatchNorm(2 * d, axis_name="batch", momentum=MOMENTUM, mode="ema")
+            self.down = eqx.nn.Linear(2 * d, d, key=k2)
+
+        def __call__(self, x, state):         # one example, equinox's convention
+            h, state = self.bn(self.up(x), state)
+            return x + self.down(jnp.tanh(h)), state
+
+    class EqxBNMLP(eqx.Module):
+        inp: eqx.nn.Linear
+        blocks: list
         out: eqx.nn.Linear
 
-        def __init__(self, key):
-            k1, k2 = jax.random.split(key)
-            self.inp = eqx.nn.Linear(D_IN, D_IN, key=k1)
-            self.bn = eqx.nn.BatchNorm(D_IN, axis_name="batch", mode="batch")
-            self.out = eqx.nn.Linear(D_IN, D_OUT, key=k2)
+        def __init__(self, d, blocks, key):
+            ks = jax.random.split(key, blocks + 2)
+            self.inp = eqx.nn.Linear(D_IN, d, key=ks[0])
+            self.blocks = [EqxBNBlock(d, k) for k in ks[1:-1]]
+            self.out = eqx.nn.Linear(d, D_OUT, key=ks[-1])
 
-    return eqx_model(lambda key: eqx.nn.make_with_state(M)(key)[0], ["inp", "bn", "out"], loss=mse,
+        def __call__(self, x, state):
+            h = self.inp(x)
+            for b in self.blocks:
+                h, state = b(h, state)
+            return self.out(h), state
+
+    return EqxBNMLP
+
+
+def eqx_bn_make(d=16, blocks=2):
+    """key -> (model, state): the equinox BatchNorm MLP as `eqx.nn.make_with_state` builds it."""
+    import equinox as eqx
+
+    cls = _eqx_classes()
+    return lambda key: eqx.nn.make_with_state(cls)(d, blocks, key)
+
+
+EQX_BN_AXES = [("blocks.*/up/weight", ("mlp", "embed")), ("blocks.*/up/bias", ("mlp",)),
+               ("blocks.*/bn/weight", ("mlp",)), ("blocks.*/bn/bias", ("mlp",)),
+               ("blocks.*/down/weight", ("embed", "mlp"))]
+
+
+def eqx_block_call(block, x, state):
+    """A stateful part's own call: (submodule, batch, eqx.nn.State) -> (y, state)."""
+    import jax
+
+    return jax.vmap(block, axis_name="batch", in_axes=(0, None), out_axes=(0, None))(x, state)
+
+
+def eqx_bn_mlp(d=16, blocks=2, bare=False):
+    """The equinox BatchNorm MLP split into inp / blocks.0 / blocks.1 / out (default calls: each
+    block is vmapped over the batch with its state). `bare`: `make` returns the model alone (the
+    adapter applies `eqx.nn.make_with_state` itself) and the blocks are parts with their own call
+    (`eqx_block_call`)."""
+    from orchestrator.core.model.adapters import eqx_model
+
+    if bare:
+        cls = _eqx_classes()
+        make = lambda key: cls(d, blocks, key)
+        body = [(f"blocks.{i}", f"blocks.{i}", eqx_block_call) for i in range(blocks)]
+    else:
+        make, body = eqx_bn_make(d, blocks), [f"blocks.{i}" for i in range(blocks)]
+    return eqx_model(make, ["inp", *body, "out"], loss=mse, input=((D_IN,), "float32"),
+                     label=((D_OUT,), "float32"), axes=EQX_BN_AXES, out_axes=OUT_AXES)
+
+
+def eqx_stateful(**_):
+    """An equinox model made by eqx.nn.make_with_state whose factory drops the state: refused."""
+    from orchestrator.core.model.adapters import eqx_model
+
+    make = eqx_bn_make(D_IN, 1)
+    return eqx_model(lambda key: make(key)[0], ["inp", "blocks.0", "out"], loss=mse,
                      input=((D_IN,), "float32"), label=((D_OUT,), "float32"))

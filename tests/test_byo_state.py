@@ -1,5 +1,7 @@
 """Bring your own model: mutable (non-parameter) model state — BatchNorm's running statistics as
-flax.nnx `nnx.BatchStat` variables and flax.linen's `batch_stats` collection.
+flax.nnx `nnx.BatchStat` variables, flax.linen's `batch_stats` collection and equinox's
+`eqx.nn.State` (`eqx.nn.BatchNorm`; its oracle: the equinox model vmapped over the batch with its
+state, the same threading and tolerance as nnx).
 
 The oracle is the user's whole model in one process: `jax.value_and_grad(..., has_aux=True)` of
 the nnx module itself (or the linen module's `apply(..., mutable=["batch_stats"])`), the state
@@ -135,6 +137,50 @@ def linen_oracle(checked, use_jit=True):
     return losses, p, s, None
 
 
+def eqx_state_dict(model, state) -> dict:
+    """An eqx.nn.State as {index path: value} ('blocks/0/bn/ema_state_index': (mean, var))."""
+    from orchestrator.core.model.adapters import _eqx_indices
+
+    return {path: state.get(idx) for path, idx in _eqx_indices(model)}
+
+
+def eqx_whole(seed):
+    """The equinox BatchNorm MLP itself: (params0, state0, static, run) with
+    run(params, state, x, train) -> (y, new state), the whole model vmapped over the batch."""
+    import equinox as eqx
+    import jax
+
+    from tests.byo_state_models import eqx_bn_make
+
+    model, state0 = eqx_bn_make(16, 2)(jax.random.key(seed))
+    params0, static = eqx.partition(model, eqx.is_array)
+
+    def run(p, s, x, train=True):
+        mod = eqx.combine(p, static)
+        mod = mod if train else eqx.nn.inference_mode(mod, True)
+        return jax.vmap(mod, axis_name="batch", in_axes=(0, None), out_axes=(0, None))(x, s)
+
+    return params0, state0, model, run
+
+
+def eqx_oracle(checked, use_jit=True):
+    from tests.byo_models import mse
+
+    params0, state0, model, run = eqx_whole(checked.job.run.seed)
+
+    def loss_of(p, s, x, y):
+        out, s = run(p, s, x)
+        return mse(out, y), s
+
+    losses, p, s = stateful_oracle(checked, loss_of, params0, state0, use_jit)
+    return losses, p, eqx_state_dict(model, s), None
+
+
+def exact_ints(arrays: dict) -> dict:
+    """Bool state leaves (equinox's first-time flag) as int8, so the float comparison is exact on them."""
+    return {k: v.astype(np.int8) if v.dtype == bool else v for k, v in arrays.items()}
+
+
 def expected(params, state) -> dict:
     return {**flat(params), **{f"state:{k}": v for k, v in flat(state).items()}}
 
@@ -164,11 +210,23 @@ def test_batchnorm_state_is_described_per_part_and_other_kinds_are_refused():
     assert [p.state_init is not None for p in built.parts] == [False, True, True, False]
     linen = build_model("tests.byo_state_models:linen_bn_mlp", {"d": 16, "blocks": 2})
     assert [p.state_init is not None for p in linen.parts] == [False, True, True, False]
+    eqx_spec = checked_of(bn_job("/tmp", "eqx_bn_mlp")).model
+    assert "blocks.0/bn/weight" in eqx_spec.layers[1].params                  # trained
+    assert not any("index" in p for layer in eqx_spec.layers for p in layer.params)   # state is not
+    eqx = build_model("tests.byo_state_models:eqx_bn_mlp", {"d": 16, "blocks": 2})
+    assert [p.state_init is not None for p in eqx.parts] == [False, True, True, False]
+    bare = checked_of({**bn_job("/tmp", "eqx_bn_mlp"), "model": {"factory": "tests.byo_state_models:eqx_bn_mlp",
+                                                                "args": {"d": 16, "blocks": 2, "bare": True}}}).model
+    assert [(layer.params, layer.state) for layer in bare.layers] == [
+        (layer.params, layer.state) for layer in eqx_spec.layers]        # make_with_state applied by the adapter
+    assert sorted(eqx_spec.layers[1].state) == ["blocks.0/bn/ema_first_time_index",
+                                                "blocks.0/bn/ema_state_index/0", "blocks.0/bn/ema_state_index/1"]
 
     for factory, needles in [
         ("nnx_counter", ["model.factory", "split point 'head'", "Counter", "only nnx.Param"]),
         ("linen_orphan_stats", ["model.factory", "batch_stats entry 'bn' belongs to no part"]),
-        ("eqx_stateful", ["model.factory", "eqx.nn.State", "not equinox"]),
+        ("eqx_stateful", ["model.factory", "eqx.nn.make_with_state without its state",
+                          "'blocks/0/bn/ema_first_time_index'", "return (model, state)"]),
     ]:
         with pytest.raises(ConfigError) as e:
             checked_of(bn_job("/tmp", factory))
@@ -245,16 +303,30 @@ def test_stage_programs_thread_state_like_the_whole_model_and_eval_uses_it(recom
 
 @pytest.mark.ray
 @pytest.mark.slow
-@pytest.mark.parametrize("factory,schedule", [("nnx_bn_mlp", "1f1b"), ("linen_bn_mlp", "zb-h1")])
+@pytest.mark.parametrize("factory,schedule", [("nnx_bn_mlp", "1f1b"), ("linen_bn_mlp", "zb-h1"),
+                                              ("eqx_bn_mlp", "1f1b")])
 def test_batchnorm_two_stages_match_oracle_every_param_and_state_array(tmp_path, no_leaks, factory, schedule):
+    from orchestrator.core import checkpoint as ck
     from orchestrator.driver.runner import run_job
 
-    checked = checked_of(bn_job(tmp_path, factory, schedule))
+    job = bn_job(tmp_path, factory, schedule)
+    if factory.startswith("eqx"):       # equinox state is checkpointed by name, as the flax state is
+        job["checkpoint"] = {"dir": str(tmp_path / "ck"), "every_steps": job["run"]["steps"], "keep": 1}
+    checked = checked_of(job)
     assert checked.stages[1].layout.get("mlp") == "model"
     pipe = run_job(checked, echo=lambda s: None, keep_params=True)
-    losses, params, state, _ = (nnx_oracle if factory.startswith("nnx") else linen_oracle)(checked)
+    oracle_of = {"nnx": nnx_oracle, "linen": linen_oracle, "eqx": eqx_oracle}[factory.split("_")[0]]
+    losses, params, state, _ = oracle_of(checked)
     np.testing.assert_allclose(pipe["losses"], losses, rtol=RTOL, atol=ATOL)
     want = expected(params, state)
+    if factory.startswith("eqx"):       # (mean, var) and the first-time flag of two BatchNorms
+        assert sum(k.startswith("state:") for k in want) == 6
+        marker = ck.read_marker(ck.step_dir(tmp_path / "ck", job["run"]["steps"]) / ck.MARKER)
+        assert sorted(n for n in marker["arrays"] if n.startswith("state:")) == sorted(
+            n for n in pipe["params"] if n.startswith("state:"))
+        assert "state:01.blocks.0/blocks.0/bn/ema_state_index/0" in marker["arrays"]
+        assert_params_equal(exact_ints(pipe["params"]), exact_ints(want), nnx_name)
+        return
     assert sum(k.startswith("state:") for k in want) == 4           # mean and var of two BatchNorms
     if factory.startswith("nnx"):
         assert_params_equal(pipe["params"], want, nnx_name)
@@ -317,3 +389,79 @@ def test_linen_spread_behind_its_tolerance_is_what_this_jax_measures():
     wa, wb = expected(a[1], a[2]), expected(b[1], b[2])
     spread = max(float(np.max(np.abs(wa[k] - wb[k])) / np.max(np.abs(wb[k]))) for k in wb)
     assert LINEN_SPREAD / 10 < spread <= 2 * LINEN_SPREAD, spread
+
+
+# ----------------------------------------------------------------------------- equinox, one process
+
+@pytest.mark.slow          # 14-23 s on 2 loaded cores (two compiles)
+@pytest.mark.parametrize("bare", [False, True])
+def test_equinox_state_reference_run_matches_the_model_itself(bare):
+    """`--reference` (one process, meshpipe's whole-model program) threads the equinox BatchNorm
+    state through the microbatches in order: losses, every parameter and every state array equal
+    the equinox model under plain `jax.value_and_grad(has_aux=True)`, rtol 1e-5 / atol 1e-6.
+    `bare`: the factory returns the model alone and the blocks are parts with their own call."""
+    from orchestrator.driver.reference import train_reference
+
+    job = bn_job("/tmp", "eqx_bn_mlp")
+    job["model"]["args"]["bare"] = bare
+    checked = checked_of(job)
+    job = checked.job
+    ref = train_reference(checked.model, checked.data, steps=job.run.steps, seed=job.run.seed,
+                          microbatches=job.pipeline.microbatches, optimizer=job.optimizer.spec())
+    losses, params, state, _ = eqx_oracle(checked)
+    np.testing.assert_allclose(ref["losses"], losses, rtol=RTOL, atol=ATOL)
+    want = expected(params, state)
+    assert sum(k.startswith("state:") for k in want) == 6
+    assert_params_equal(exact_ints(ref["params"]), exact_ints(want), nnx_name)
+    assert not np.allclose(want["state:blocks/1/bn/ema_state_index/1"], 0)       # the statistics moved
+
+
+@pytest.mark.slow          # 10-33 s on 2 loaded cores
+def test_equinox_stage_programs_thread_state_and_eval_uses_it_unchanged():
+    """Two StagePrograms (state on both), three microbatch forwards: each stage's state equals
+    the equinox model's own after the same forwards; eval (`eqx.nn.inference_mode`) gives the
+    model's own eval loss and leaves the state as it was (rtol 1e-5 / atol 1e-6). Eval runs on a new
+    batch: in equinox's "ema" mode a training call normalises with the statistics it stores, so on
+    the batch it last saw eval and train give the same loss."""
+    import jax.numpy as jnp
+    import optax
+
+    from orchestrator.core.model.registry import build_model
+    from stages.program import StageProgram
+    from tests.byo_models import mse
+
+    checked = checked_of(bn_job("/tmp", "eqx_bn_mlp"))
+    spec, seed = checked.model, checked.job.run.seed
+    model = build_model(spec.factory, spec.args)
+    progs = [StageProgram(spec, model, a, b, microbatches=2, optimizer=optax.sgd(0.1)) for a, b in ((0, 2), (2, 4))]
+    params = [p.init_params(seed) for p in progs]
+    mstate = [p.init_mstate(seed) for p in progs]
+    p0, ref_s, whole, run = eqx_whole(seed)
+    rng = np.random.default_rng(0)
+    for i in range(3):
+        x = jnp.asarray(rng.normal(size=(8, 8)), jnp.float32)
+        y = jnp.asarray(rng.normal(size=(8, 4)), jnp.float32)
+        ids = np.array([seed, 0, i], np.int32)
+        h, _, mstate[0] = progs[0].fwd(params[0], [x], None, ids, mstate[0])
+        loss, _, mstate[1] = progs[1].fwd(params[1], h, y, ids, mstate[1])
+        out, ref_s = run(p0, ref_s, x)
+        np.testing.assert_allclose(float(loss), float(mse(out, y)), rtol=RTOL, atol=ATOL)
+    got = {"state:" + k: v for k, v in flat(mstate[0][1]).items()}
+    got.update({"state:" + k: v for k, v in flat(mstate[1][0]).items()})
+    want = {f"state:{k}": v for k, v in flat(eqx_state_dict(whole, ref_s)).items()}
+    assert_params_equal(exact_ints(got), exact_ints(want), lambda n: "state:" + _blocks(n[len("state:"):]))
+    x = jnp.asarray(rng.normal(size=(8, 8)), jnp.float32)
+    h = progs[0].fwd_eval(params[0], [x], None, mstate[0])
+    ev = progs[1].fwd_eval(params[1], h, y, mstate[1])
+    out, same = run(p0, ref_s, x, train=False)
+    np.testing.assert_allclose(float(ev), float(mse(out, y)), rtol=RTOL, atol=ATOL)
+    loss = mse(run(p0, ref_s, x)[0], y)
+    assert_params_equal(exact_ints({f"state:{k}": v for k, v in flat(eqx_state_dict(whole, same)).items()}),
+                        exact_ints(want))                                    # eval leaves the state alone
+    assert abs(float(ev) - float(loss)) > 1e-4                               # and is not the train-mode loss
+
+
+def _blocks(path: str) -> str:
+    """'blocks.0/bn/ema_state_index/0' (a part's state path) -> 'blocks/0/bn/ema_state_index/0'."""
+    head, _, rest = path.partition("/")
+    return f"{head.replace('.', '/')}/{rest}"

@@ -96,10 +96,15 @@ def test_tie_stages_and_local_sum_keep_copies_identical():
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_tied_embedding_across_two_stages_matches_oracle_and_copies_stay_identical(tmp_path, no_leaks):
+@pytest.mark.parametrize("executor", ["step_calls", "compiled_graph"])
+def test_tied_embedding_across_two_stages_matches_oracle_and_copies_stay_identical(tmp_path, no_leaks, executor):
+    """Under either executor: the tie's gradient exchange goes through the actors' `deliver`
+    mailbox (their io group), beside a Compiled Graph's execution loop as beside a step call."""
     from orchestrator.driver.runner import run_job
+    from tests.test_byo_models import CLUSTER
 
-    checked = checked_of(tied_job(tmp_path))
+    checked = checked_of(tied_job(tmp_path), {**CLUSTER, "executor": executor})
+    assert checked.cluster.executor == executor
     assert checked.stages[1].layout.get("vocab") == "model"        # stage 1 holds its copy vocab-sharded
     pipe = run_job(checked, echo=lambda s: None, keep_params=True)
     norms: list = []

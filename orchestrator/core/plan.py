@@ -4,7 +4,10 @@
 with per-stage costs proportional to each stage's parameter count (a forward is
 ~2 flops per parameter per token, a backward twice that), so `meshpipe plan`
 answers "what will this job look like" before any Ray process exists.
-`plan_json` is what `meshpipe plan --json` prints and what summary.json embeds.
+`plan_json` is what `meshpipe plan --json` prints and what summary.json embeds: with
+each stage's per-device memory lower bound (`stage_memory`: a tied array's copy and the
+mutable state count on the stage holding them), the tied parameter groups (which stage
+holds each copy, bytes per copy) and the parameter count with each tied array once.
 """
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from orchestrator.core.config.limits import stage_memory
 from orchestrator.core.edges import edges_json
 from orchestrator.core.hosts import describe
 from orchestrator.core.redact import redact
@@ -67,10 +71,30 @@ def cross_host_axes(mesh: dict[str, int], devices_per_host: int) -> list[str]:
     return [name for i, name in enumerate(mesh) if shape[i] > 1 and np.any(np.diff(hosts, axis=i) != 0)]
 
 
+def stage_of_layer(checked, layer: int) -> int:
+    """The stage whose chunks hold `layer`."""
+    for s in checked.stages:
+        if any(a <= layer < b for a, b in _chunks(s)):
+            return s.index
+    raise ValueError(f"layer {layer} is on no stage")
+
+
+def ties_json(checked) -> list[dict]:
+    """Tied parameter groups: both names, the stage holding each copy, shape, dtype, bytes per copy."""
+    return [{**t, "stages": [stage_of_layer(checked, la) for la in t["layers"]]}
+            for t in checked.model.tie_groups()]
+
+
+def memory_json(checked, s) -> dict:
+    """Per-device lower-bound bytes of stage `s` (`stage_memory`: tie copies and state counted here)."""
+    return stage_memory(checked.model, _chunks(s), dict(s.mesh), s.layout, checked.microbatch_size)
+
+
 def plan_json(plan: Plan) -> dict:
     checked, job = plan.checked, plan.checked.job
     stages = []
     p = len(checked.stages)
+    ties = ties_json(checked)
     for s in checked.stages:
         chunks = [{"chunk": j, "virtual_stage": j * p + s.index, "layers": [a, b],
                    "layer_names": [checked.model.layers[i].name for i in range(a, b)],
@@ -86,9 +110,14 @@ def plan_json(plan: Plan) -> dict:
             "cross_host_axes": cross_host_axes(dict(s.mesh), s.devices_per_host),
             "layout": {k: (list(v) if isinstance(v, tuple) else v) for k, v in s.layout.items()},
             "params": sum(c["params"] for c in chunks),
+            "state_bytes": sum(checked.model.layers[i].state_bytes() for a, b in _chunks(s) for i in range(a, b)),
+            "tied_copies": [t["params"][k] for t in ties for k in (0, 1) if t["stages"][k] == s.index],
+            "memory_per_device": memory_json(checked, s),
         })
     return {
         "model": checked.model.name,
+        "parameters": {"held": checked.model.param_count(), "unique": checked.model.unique_param_count()},
+        "ties": ties,
         "stages": stages,
         "schedule": {
             "name": job.pipeline.schedule,
@@ -108,10 +137,19 @@ def plan_json(plan: Plan) -> dict:
     }
 
 
+def _bytes(n: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:,.1f} {unit}"
+    return f"{int(n)} B"
+
+
 def plan_text(plan: Plan) -> str:
     checked, job = plan.checked, plan.checked.job
-    lines = [f"model {checked.model.name}: {checked.model.num_layers} layers, "
-             f"{checked.model.param_count():,} parameters; global batch {job.data.global_batch} = "
+    model = checked.model
+    held, unique = model.param_count(), model.unique_param_count()
+    counted = f"{unique:,} parameters" + (f" ({held:,} held: tied copies counted per stage)" if held != unique else "")
+    lines = [f"model {model.name}: {model.num_layers} layers, {counted}; global batch {job.data.global_batch} = "
              f"{job.pipeline.microbatches} microbatches × {checked.microbatch_size}", "", "placement:"]
     p = len(checked.stages)
     for s in checked.stages:
@@ -126,9 +164,19 @@ def plan_text(plan: Plan) -> str:
         crossing = cross_host_axes(dict(s.mesh), s.devices_per_host)
         lines.append(f"    hosts {list(s.hosts)} × {s.devices_per_host} devices  mesh {mesh}  "
                      f"layout {format_layout(s.layout) or '(replicated)'}")
+        mem = memory_json(checked, s)
+        lines.append(f"    per device ≥ {_bytes(mem['per_device'])}: parameters {_bytes(mem['params'])} + gradients "
+                     f"{_bytes(mem['grads'])} + state {_bytes(mem['state'])} + activations "
+                     f"{_bytes(mem['activations'])} (one microbatch)")
         if len(s.hosts) > 1:
             lines.append(f"    multi-host submesh: {len(s.hosts)} jax processes; axes crossing hosts: "
                          f"{', '.join(crossing) or 'none'}")
+    ties = ties_json(checked)
+    if ties:
+        lines += ["", "tied parameters (one array, a copy on each stage holding it; gradients summed):"]
+    for t in ties:
+        lines.append(f"  {t['params'][0]} (stage {t['stages'][0]}) = {t['params'][1]} (stage {t['stages'][1]}): "
+                     f"{t['dtype']}{t['shape']}, {_bytes(t['bytes'])} per copy")
     lines += ["", "host actors (bundle: Ray resources; jax init):"]
     for h in describe(checked):
         lines.append(f"  stage {h['stage']} host {h['host']}: bundle {h['bundle']} {h['bundle_resources']}; "

@@ -10,7 +10,8 @@ the others, before Ray starts:
   (Data files: `orchestrator.core.data.shards.regular_file` — regular, non-empty, and not
     a symlink out of its own directory.)
   - `memory_problems`: a lower bound of what each device and each host must hold
-    (parameters, their gradients, one microbatch of activations; the global batch on
+    (`stage_memory`: parameters, their gradients, mutable state, one microbatch of
+    activations; the global batch on
     every host), against what the cluster can have: this machine's memory for an
     embedded CPU cluster, otherwise the largest memory any device / server has
     (MAX_DEVICE_BYTES / MAX_HOST_BYTES) — so an impossible plan is refused, a tight one
@@ -27,7 +28,7 @@ from orchestrator.core.config.errors import problem
 from orchestrator.core.edges import leaf_dtype
 from orchestrator.core.model.layout import partition_spec, shard_count
 
-__all__ = ["optimizer_problems", "memory_problems", "MAX_LEARNING_RATE", "MAX_DEVICE_BYTES", "MAX_HOST_BYTES"]
+__all__ = ["optimizer_problems", "memory_problems", "stage_memory", "MAX_LEARNING_RATE", "MAX_DEVICE_BYTES", "MAX_HOST_BYTES"]
 
 MAX_LEARNING_RATE = 100.0
 MAX_DEVICE_BYTES = 288 << 30      # the largest accelerator memory shipping (288 GB HBM)
@@ -92,6 +93,32 @@ def _machine_bytes() -> Optional[int]:
         return None
 
 
+def stage_memory(model, chunks, mesh: dict, layout, mb: int) -> dict:
+    """A lower bound of what each device of a stage holds, in bytes: its shard of every parameter
+    its layers hold (a tied array's copy counts on each stage holding one: it is an array there),
+    as much again for the gradients, the mutable state (replicated: all of it on every device) and
+    its share of one microbatch of outputs.
+
+    Returns {"params", "grads", "state", "activations", "per_device", "devices"}.
+    """
+    params = acts = state = 0
+    for a, b in chunks:
+        for li in range(a, b):
+            layer = model.layers[li]
+            for pdef in layer.params.values():
+                pieces = 1
+                for entry in partition_spec(pdef.axes, layout):
+                    if entry is not None:
+                        pieces *= shard_count(entry, mesh)
+                params += _nbytes(pdef.shape, leaf_dtype(pdef.dtype).itemsize) // max(1, pieces)
+            state += sum(_nbytes(d.shape, leaf_dtype(d.dtype).itemsize) for d in layer.state.values())
+            acts += sum(_nbytes(leaf.batched(mb), leaf_dtype(leaf.dtype).itemsize) for leaf in layer.outputs)
+    devices = math.prod(mesh.values())
+    per_device = 2 * params + state + acts // devices
+    return {"params": params, "grads": params, "state": state, "activations": acts // devices,
+            "per_device": per_device, "devices": devices}
+
+
 def memory_problems(job, cluster, model, layouts: list, mb: int) -> list[str]:
     """Refuse a plan whose lower-bound memory cannot fit (see the module docstring)."""
     out = []
@@ -103,24 +130,13 @@ def memory_problems(job, cluster, model, layouts: list, mb: int) -> list[str]:
              f"the most any device has ({_gib(MAX_DEVICE_BYTES)})")
     total = 0
     for i, (st, layout) in enumerate(zip(job.pipeline.stages, layouts)):
-        params = acts = 0
-        for a, b in st.chunks:
-            for li in range(a, b):
-                layer = model.layers[li]
-                for pdef in layer.params.values():
-                    pieces = 1
-                    for entry in partition_spec(pdef.axes, layout):
-                        if entry is not None:
-                            pieces *= shard_count(entry, st.mesh)
-                    params += _nbytes(pdef.shape) // max(1, pieces)
-                acts += sum(_nbytes(leaf.batched(mb), leaf_dtype(leaf.dtype).itemsize) for leaf in layer.outputs)
-        devices = math.prod(st.mesh.values())
-        per_device = 2 * params + acts // devices      # parameters + gradients + one microbatch's outputs
-        total += per_device * devices
+        mem = stage_memory(model, st.chunks, dict(st.mesh), layout, mb)
+        params, per_device = mem["params"], mem["per_device"]
+        total += per_device * mem["devices"]
         if per_device > device_cap:
             out.append(problem(f"pipeline.stages[{i}]", {"layers": [list(c) for c in st.chunks], "mesh": dict(st.mesh)},
                                f"cannot fit: each device needs at least {_gib(per_device)} (parameters "
-                               f"{_gib(params)} + gradients + one microbatch of activations), more than "
+                               f"{_gib(params)} + gradients + mutable state + one microbatch of activations), more than "
                                f"{where}; shard the stage over more devices or use a smaller model"))
     per_example = sum(_nbytes(leaf.shape, leaf_dtype(leaf.dtype).itemsize) for leaf in (model.input, model.label))
     batch = per_example * job.data.global_batch

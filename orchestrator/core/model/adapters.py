@@ -13,8 +13,9 @@ else from path patterns (`by_path`).
                                 nnx.Param's partitioning metadata.
   linen_model(module, parts)    flax.linen: parts own top-level `params` entries and call
                                 a method; axes from `nn.with_logical_partitioning`.
-  eqx_model(make, parts, ...)   equinox: `make(key) -> eqx.Module`; parts by attribute
-                                path (applied per example, vmapped); axes by path pattern.
+  eqx_model(make, parts, ...)   equinox: `make(key) -> eqx.Module` (or make_with_state's
+                                (model, state)); parts by attribute path (applied per
+                                example, vmapped); axes by path pattern.
 
 Parts are initialised from one model key, so the pipelined parameters are those
 of the whole model's own init (`make(nnx.Rngs(key))`, `init(key)`). jax and flax
@@ -375,54 +376,113 @@ def linen_model(module, parts: Sequence[tuple], *, loss: Callable, input, label,
 
 # ----------------------------------------------------------------------------- equinox
 
-def eqx_model(make: Callable, parts: Sequence[Union[str, tuple]], *, loss: Callable, input, label,
-              axes=None, out_axes=None, vocab: int = 0) -> PipelineModel:
+def _eqx_indices(tree) -> list[tuple[str, Any]]:
+    """(path, eqx.nn.StateIndex) of every state index in `tree`, in equinox's traversal order."""
+    import equinox as eqx
+    import jax
+
+    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda v: isinstance(v, eqx.nn.StateIndex))[0]
+    return [(key_path(p), v) for p, v in flat if isinstance(v, eqx.nn.StateIndex)]
+
+
+def _eqx_made(make: Callable) -> Callable:
+    """key -> (model, eqx.nn.State or None) from the user's `make`, which returns the model or
+    `eqx.nn.make_with_state`'s (model, state); a bare model holding state indices is made so here."""
+    import equinox as eqx
+
+    def made(key):
+        out = make(key)
+        if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], eqx.nn.State):
+            return out
+        if not isinstance(out, eqx.Module):
+            raise ModelError(f"make(key) returned {type(out).__name__}, not an eqx.Module or "
+                             "eqx.nn.make_with_state's (model, state)")
+        indices = _eqx_indices(out)
+        if not indices:
+            return out, None
+        if any(type(v.init).__name__ == "_Sentinel" for _, v in indices):
+            raise ModelError(f"make(key) returned a model made by eqx.nn.make_with_state without its state "
+                             f"(state index {indices[0][0]!r} has no initial value): return (model, state)")
+        return eqx.nn.make_with_state(lambda: out)()
+
+    return made
+
+
+def eqx_model(make: Callable, parts: Sequence[str | tuple], *, loss: Callable, input, label,
+              axes=None, out_axes=None, vocab: int = 0, axis_name: str = "batch") -> PipelineModel:
     """An equinox model, unchanged, split at submodules named by attribute path.
 
     Args:
-      make: key -> the whole eqx.Module.
+      make: key -> the whole eqx.Module, or (model, state) for a model with state
+        (``eqx.nn.make_with_state(Model)(key)``, e.g. one holding `eqx.nn.BatchNorm`).
       parts: in pipeline order; each a path ("embed", "blocks.0"; the submodule is applied
-        per example, `jax.vmap(sub)(x)`, equinox's convention) or (name, paths, call) with
-        call(*submodules, x) -> y over the batch.
+        per example, `jax.vmap(sub, axis_name=axis_name)(x)`, equinox's convention; a
+        submodule with state as ``jax.vmap(sub, axis_name=axis_name, in_axes=(0, None),
+        out_axes=(0, None))(x, state)``) or (name, paths, call) with call(*submodules, x) -> y
+        over the batch, or call(*submodules, x, state) -> (y, state) for a part with state.
       axes: path rules (`by_path`) matched against "<attribute path>/<leaf path>", e.g.
         ``("blocks.*/weight", ("mlp", "embed"))``; unmatched leaves are replicated.
       loss, input, label, out_axes, vocab: as for `plain`.
+      axis_name: the vmapped batch axis's name (what `eqx.nn.BatchNorm(axis_name=...)` reduces over).
 
     The part's parameters are its submodules' array leaves (`eqx.partition(sub, eqx.is_array)`);
-    everything else is static. Mutable state (`eqx.nn.State`, `eqx.nn.StateIndex`) is refused. Parameters are named "<part>/<attribute path>/<leaf path>".
+    everything else is static. Parameters are named "<part>/<attribute path>/<leaf path>".
+    State (`eqx.nn.StateIndex` values in `eqx.nn.State`, e.g. BatchNorm's running statistics)
+    is the mutable state of the part holding the index (`Part.state_init`): "<attribute path>"
+    -> {"<index path>": value}, an `eqx.nn.State` of the part's indices rebuilt on each call and
+    read back after it. Eval calls the submodules under `eqx.nn.inference_mode` (BatchNorm uses
+    its running statistics and leaves them unchanged); training calls them as `make` built them.
     """
-    import jax
     import equinox as eqx
+    import jax
 
     def is_param(v):
         return eqx.is_array(v) or isinstance(v, jax.ShapeDtypeStruct)
 
-    abstract = eqx.filter_eval_shape(make, jax.random.key(0))
+    made = _eqx_made(make)
+    abstract, abstract_state = eqx.filter_eval_shape(made, jax.random.key(0))
     if not isinstance(abstract, eqx.Module):
-        raise ModelError(f"make(key) returned {type(abstract).__name__}, not an eqx.Module (a model built with "
-                         "eqx.nn.make_with_state returns (model, state): equinox state is not supported)")
-    indexed = [key_path(p) for p, _ in jax.tree_util.tree_flatten_with_path(
-        abstract, is_leaf=lambda v: isinstance(v, eqx.nn.StateIndex))[0] if isinstance(_, eqx.nn.StateIndex)]
-    if indexed:
-        raise ModelError(f"the equinox model holds eqx.nn.State ({indexed[0]!r}, e.g. eqx.nn.BatchNorm): mutable "
-                         "state is supported for flax.nnx (nnx.BatchStat) and flax.linen (batch_stats), not equinox")
+        raise ModelError(f"make(key) returned {type(abstract).__name__}, not an eqx.Module")
     rules, outs = _rules(axes), _out_rules(out_axes)
     built = []
     for entry in parts:
         name, paths, call = _entry(entry)
-        statics = {}
+        statics, index = {}, {}
         for path in paths:
             sub = _walk(abstract, path, type(abstract).__name__)
             statics[path] = eqx.partition(sub, is_param)[1]
+            if _eqx_indices(sub):
+                index[path] = _eqx_indices(sub)
+        stateful = tuple(p for p in paths if p in index)
+        sdef = (jax.tree.structure(abstract_state.substate(tuple(_walk(abstract, p, "model") for p in stateful)))
+                if stateful else None)
 
         def part_init(key, paths=paths):
-            whole = make(key)
+            whole = made(key)[0]
             return {p: eqx.filter(_walk(whole, p, "model"), eqx.is_array) for p in paths}
 
-        def apply(params, x, *, rng=None, train=True, paths=paths, call=call, statics=statics):
+        def state_init(key, stateful=stateful, index=index):
+            st = made(key)[1]
+            return {p: {ip: st.get(idx) for ip, idx in index[p]} for p in stateful}
+
+        def apply(params, x, *, rng=None, train=True, state=None, paths=paths, call=call, statics=statics,
+                  stateful=stateful, index=index, sdef=sdef, name=name):
             mods = [eqx.combine(params[p], statics[p]) for p in paths]
-            return jax.vmap(mods[0])(x) if call is None else call(*mods, x)
+            if not train:
+                mods = [eqx.nn.inference_mode(m, True) for m in mods]
+            if not stateful:
+                return jax.vmap(mods[0], axis_name=axis_name)(x) if call is None else call(*mods, x)
+            st = jax.tree.unflatten(sdef, jax.tree.leaves([state[p][ip] for p in stateful for ip, _ in index[p]]))
+            if call is None:
+                y, st = jax.vmap(mods[0], axis_name=axis_name, in_axes=(0, None), out_axes=(0, None))(x, st)
+            else:
+                y, st = call(*mods, x, st)
+            if not isinstance(st, eqx.nn.State):
+                raise ModelError(f"part {name!r} holds equinox state: its call must return (y, eqx.nn.State), "
+                                 f"got (y, {type(st).__name__})")
+            return y, {p: {ip: st.get(idx) for ip, idx in index[p]} for p in stateful}
 
         built.append(Part(name, part_init, apply, axes=rules,
-                          out_axes=lambda path, shape, name=name: outs(f"{name}/{path}", shape), paths=paths))
+                          out_axes=lambda path, shape, name=name: outs(f"{name}/{path}", shape), paths=paths,
+                          state_init=state_init if stateful else None))
     return PipelineModel(tuple(built), loss, as_spec(input), as_spec(label), vocab)

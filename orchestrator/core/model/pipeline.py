@@ -235,7 +235,10 @@ def describe(model: Any, *, name: str, factory: str, args: Mapping[str, Any]) ->
         out_tree = jax.tree_util.tree_map_with_path(leaf_spec, y)
         if not outs:
             raise ModelError(f"{what}: outputs no arrays")
-        layers.append(LayerSpec(part.name, pdefs, tuple(outs), out_tree, tuple(part.paths)))
+        sdefs = {} if state is None else {
+            key_path(path): ParamDef(tuple(leaf.shape), (None,) * len(leaf.shape), str(leaf.dtype))
+            for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]}
+        layers.append(LayerSpec(part.name, pdefs, tuple(outs), out_tree, tuple(part.paths), sdefs))
         x, came_from = y, f"the output of part {i} ({part.name}) {_struct(y)}"
     labels = jax.ShapeDtypeStruct(lab.batched(b), np.dtype(lab.dtype))
     try:

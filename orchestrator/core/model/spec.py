@@ -66,6 +66,8 @@ class LayerSpec:
     that pytree with `LeafSpec`s as leaves (workers unflatten received leaves with it).
     `paths`: the model attribute paths the part holds, in order (nnx / equinox submodules,
     linen `params` keys; empty for plain JAX), so a split point may name the first one.
+    `state`: the part's mutable (non-parameter) state leaves by path (BatchNorm's running
+    statistics; checkpointed as `state:<layer>/<path>`), replicated over the stage's mesh.
     """
 
     name: str
@@ -73,6 +75,11 @@ class LayerSpec:
     outputs: tuple[LeafSpec, ...]
     out_tree: Any = None
     paths: tuple[str, ...] = ()
+    state: Mapping[str, ParamDef] = field(default_factory=dict)
+
+    def state_bytes(self) -> int:
+        """Bytes of the part's mutable state (each stage device holds all of it: it is replicated)."""
+        return sum(_nbytes(d.shape, d.dtype) for d in self.state.values())
 
     @property
     def out_axes(self) -> tuple[str | None, ...]:
@@ -156,6 +163,8 @@ class ModelSpec:
         return names
 
     def param_count(self, start: int = 0, stop: int | None = None) -> int:
+        """Parameter elements held by layers [start, stop): each copy of a tied array counts
+        where it is held (it is memory there); `unique_param_count` counts the model's own."""
         total = 0
         for layer in self.layers[start:stop]:
             for p in layer.params.values():
@@ -164,6 +173,43 @@ class ModelSpec:
                     n *= d
                 total += n
         return total
+
+
+    def unique_param_count(self) -> int:
+        """The model's parameters, each tied array once (its later copy left out)."""
+        dup = 0
+        for _, (layer, path) in self.ties:
+            n = 1
+            for d in self.layers[layer].params[path].shape:
+                n *= d
+            dup += n
+        return self.param_count() - dup
+
+    def tie_groups(self) -> list[dict]:
+        """Per tie: the two parameter names, the layers holding them, the array's shape, dtype and
+        bytes (each copy is that many bytes, on the stage holding its layer)."""
+        out = []
+        for (la, pa), (lb, pb) in self.ties:
+            d = self.layers[la].params[pa]
+            out.append({"params": [param_name(la, self.layers[la], pa), param_name(lb, self.layers[lb], pb)],
+                        "layers": [la, lb], "shape": list(d.shape), "dtype": d.dtype,
+                        "bytes": _nbytes(d.shape, d.dtype)})
+        return out
+
+
+def _nbytes(shape, dtype: str) -> int:
+    import numpy as np
+
+    try:
+        itemsize = np.dtype(dtype).itemsize
+    except TypeError:       # bfloat16 and friends: ml_dtypes (jax's own)
+        import ml_dtypes
+
+        itemsize = np.dtype(getattr(ml_dtypes, dtype)).itemsize
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n * itemsize
 
 
 def param_name(layer_index: int, layer: LayerSpec, param: str) -> str:
