@@ -16,6 +16,29 @@ ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
+def _session_compile_cache() -> None:
+    """One JAX persistent compilation cache for this pytest session, shared by every process it
+    starts (the driver, the Ray workers and nodes, which inherit this environment): the suites
+    compile the same small stage programs in test after test, and compiling was a third of a
+    pipeline test's time on a slow day. A fresh owner-only directory per session, removed at its
+    end, so no run reads another's entries; a process that sets its own cache (the product's
+    `failure.compile_cache`) still does."""
+    import atexit
+    import shutil
+    import tempfile
+
+    if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return
+    path = tempfile.mkdtemp(prefix="meshpipe-test-jax-cache-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = path
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+    atexit.register(shutil.rmtree, path, True)
+
+
+_session_compile_cache()
+
+
 def free_port() -> int:
     import socket
 
