@@ -1,7 +1,8 @@
 """Checkpoint resume with a multi-host stage on a simulated multi-node cluster (`-m multinode`).
 
 Stage 0 spans 2 hosts × 2 devices ({data: 2, model: 2}, one jax.distributed world): each host
-saves only its own shards into the stage's one orbax directory, host 0 finalises; the resumed
+saves its own shards, and its share of the shards replicated over the hosts (orbax replica-parallel
+saving, on only across hosts), into the stage's one orbax directory, host 0 finalises; the resumed
 run's losses and parameters equal the uninterrupted run's exactly. Own pytest process (as
 tests/test_multinode.py: it connects to its own cluster).
 """
