@@ -159,6 +159,25 @@ def test_the_split_penalty_is_measured_against_the_faster_unsplit_program(monkey
                     "jax": {"records": [_plain(2, 0.2), plain1]}})
 
 
+def test_a_negative_split_within_the_passes_noise_is_left_unresolved(monkeypatch):
+    """Stage programs beating the unsplit one by less than their two standalone passes disagree is
+    noise: that row's breakdown is not published (and says why); by more, the run is refused."""
+    from benchmarks import derive, run
+
+    monkeypatch.setattr(derive.os, "cpu_count", lambda: 2)
+    plain1 = {**_plain(1, 8 * 0.07 + 0.01), "fused_mb_s": 0.07}       # unsplit: 70 ms per microbatch
+    rec = _record(step_s=1.0, ideal_s=0.9)                              # stage programs: 64 ms
+    slower = [{k: 1.2 * x for k, x in c.items()} for c in rec["standalone"]["stages"]]
+    rec["standalone"]["passes"] = [{"stages": rec["standalone"]["stages"]}, {"stages": slower}]   # 20 % apart
+    d = run.derive({"pipeline": {"records": [rec]}, "jax": {"records": [_plain(2, 0.2), plain1]}})["pipeline"][0]
+    assert "within the 20%" in d["breakdown_unresolved"]
+    assert set(d["breakdown_share"].values()) == {None}
+    rec["standalone"]["passes"][1] = {"stages": [{k: 1.05 * x for k, x in c.items()}
+                                                 for c in rec["standalone"]["stages"]]}
+    with pytest.raises(formulas.ImplausibleMeasurement, match="by more than the 5%"):
+        run.derive({"pipeline": {"records": [rec]}, "jax": {"records": [_plain(2, 0.2), plain1]}})
+
+
 def test_interleaved_stages_count_every_chunk_in_their_compute():
     """Standalone costs are per-chunk means: a stage of v chunks computes v times that per microbatch."""
     from benchmarks import run
