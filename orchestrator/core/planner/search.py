@@ -363,8 +363,7 @@ def _solve(stage_tab, edge, infl, m, L, H, topo, n_thresholds, keep=3):
     qs = np.unique(np.quantile(above, np.linspace(0, 1, n_thresholds))) if above.size else np.zeros(0)
     bounds = [t_star * (1 + 1e-9)] + list(qs) + [np.inf]
     plans, seen = [], set()
-    for bound in bounds:
-        plan = _dp(stage_tab, edge, infl, L, H, topo, bound)
+    for plan in _dp_many(stage_tab, edge, infl, L, H, topo, bounds):
         if plan is not None and tuple(plan) not in seen:
             seen.add(tuple(plan))
             plans.append(plan)
@@ -381,45 +380,65 @@ def _solve(stage_tab, edge, infl, m, L, H, topo, n_thresholds, keep=3):
 
 def _dp(stage_tab, edge, infl, L, H, topo, bound):
     """The least Σ stage time plan with every stage ≤ bound: [(i, j, h, k, choice index)] per stage, or None."""
-    p = len(infl)
+    return _dp_many(stage_tab, edge, infl, L, H, topo, [bound])[0]
+
+
+@functools.lru_cache(maxsize=256)
+def _starts(k: int, hpg: int, H: int) -> np.ndarray:
+    """First hosts a stage of k hosts may take (whole aligned node groups)."""
+    return np.array([h for h in range(H - k + 1) if _aligned(h, k, hpg, H)], dtype=np.int64)
+
+
+def _dp_many(stage_tab, edge, infl, L, H, topo, bounds):
+    """`_dp` for every bound at once (one vectorised pass over a leading bounds axis)."""
+    p, nb = len(infl), len(bounds)
     inf = np.inf
+    bnd = np.asarray(bounds, dtype=float)[:, None, None]
     ks = sorted({k for k, _ in stage_tab})
-    # nxt[i, h]: least Σ time of stages s+1.. starting at layer i, host h (all fitting and ≤ bound)
-    nxt = np.full((L + 1, H + 1), inf)
-    nxt[L, :] = 0.0
+    # nxt[b, i, h]: least Σ time of stages s+1.. starting at layer i, host h (all fitting and ≤ bounds[b])
+    nxt = np.full((nb, L + 1, H + 1), inf)
+    nxt[:, L, :] = 0.0
     back = []
     for s in range(p - 1, -1, -1):
         n = infl[s]
-        vals = np.full((len(ks), L + 1, H + 1), inf)
-        js = np.zeros((len(ks), L + 1, H + 1), dtype=np.int64)
+        # stage s starts at layer i ∈ [s, L - (p - s)] and host h ≥ s (every stage takes ≥ 1 of each);
+        # entries outside are unreachable from (0, 0), so they are left at inf
+        lo, hi = s, L - (p - s) + 1
+        vals = np.full((len(ks), nb, L + 1, H + 1), inf)
+        js = np.zeros((len(ks), nb, L + 1, H + 1), dtype=np.int64)
         for ki, k in enumerate(ks):
             if (k, n) not in stage_tab:
                 continue
-            t = stage_tab[(k, n)][0]
-            t = np.where(t <= bound, t, inf)
-            hs = np.array([h for h in range(0, H - k + 1) if _aligned(h, k, topo.hosts_per_group, H)], dtype=np.int64)
-            if hs.size == 0:
+            hs = _starts(k, topo.hosts_per_group, H)
+            hs = hs[(hs >= s) & (hs <= (0 if s == 0 else H))]
+            if hs.size == 0 or hi <= lo:
                 continue
-            tail = nxt[:, hs + k] + (edge[:, hs + k] if s < p - 1 else 0.0)     # (j, h)
-            tot = t[:, :, None] + tail[None, :, :]                               # (i, j, h)
-            j = tot.argmin(axis=1)                                               # (i, h)
-            vals[ki][:, hs] = np.take_along_axis(tot, j[:, None, :], 1)[:, 0, :]
-            js[ki][:, hs] = j
+            t = stage_tab[(k, n)][0][lo:hi]
+            t = np.where(t[None] <= bnd, t[None], inf)                           # (b, i, j)
+            tail = nxt[:, :, hs + k] + (edge[None, :, hs + k] if s < p - 1 else 0.0)   # (b, j, h)
+            tot = t[:, :, :, None] + tail[:, None, :, :]                         # (b, i, j, h)
+            j = tot.argmin(axis=2)
+            vals[ki][:, lo:hi, hs] = np.take_along_axis(tot, j[:, :, None, :], 2)[:, :, 0, :]
+            js[ki][:, lo:hi, hs] = j
         kbest = vals.argmin(axis=0)
         back.append((kbest, js))
-        nxt = np.take_along_axis(vals, kbest[None], 0)[0]
+        nxt = vals.min(axis=0)
     back.reverse()
-    if not np.isfinite(nxt[0, 0]):
-        return None
-    plan, i, h = [], 0, 0
-    for s in range(p):
-        kbest, js = back[s]
-        ki = int(kbest[i, h])
-        k, j = ks[ki], int(js[ki, i, h])
-        c = int(stage_tab[(k, infl[s])][1][i, j])
-        plan.append((i, j, h, k, c))
-        i, h = j, h + k
-    return plan
+    plans = []
+    for b in range(nb):
+        if not np.isfinite(nxt[b, 0, 0]):
+            plans.append(None)
+            continue
+        plan, i, h = [], 0, 0
+        for s in range(p):
+            kbest, js = back[s]
+            ki = int(kbest[b, i, h])
+            k, j = ks[ki], int(js[ki, b, i, h])
+            c = int(stage_tab[(k, infl[s])][1][i, j])
+            plan.append((i, j, h, k, c))
+            i, h = j, h + k
+        plans.append(plan)
+    return plans
 
 
 def _enumerate(choices, tables, m, L, H, topo, p, limit=200_000):
