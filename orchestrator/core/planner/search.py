@@ -12,9 +12,11 @@ Basic flow of `search(model, topo, global_batch, profile=...)`:
   4. solve: for each microbatch count m, stage count p and schedule, a dynamic
      programme over (stage, first layer, first host) picks for each stage its
      layers, its hosts and its best choice under the device-memory limit (with
-     the schedule's in-flight microbatches at that stage), minimising
+     the schedule's in-flight microbatches at that stage; the memory sum and the
+     stage tables are `tables.py`'s, the sum plain `meshpipe plan` uses too), minimising
      Σ stage time + (m − 1) · max stage time (Alpa's stage DP: enumerate the
-     bottleneck bound, minimise the sum under it) plus stage-edge transfers; a
+     bottleneck bound, minimise the sum under it; all sampled bounds in one vectorised
+     pass, `_dp_many`) plus stage-edge transfers; a
      stage's time per microbatch includes the runtime's fixed cost of its F and B
      (`Topology.action_overhead_s`), an edge's the per-transfer one;
   5. the DP's three best plans per (m, p, schedule) — by its own estimate — are
