@@ -142,3 +142,49 @@ def test_fuse_loss_chunk_can_make_a_plan_fit():
         run(model, costs, t, gb=8, prof_kw=kw, **opts)
     ok = run(model, costs, t, gb=8, prof_kw=kw, fuse_loss_chunk=True, **opts)
     assert ok.best.memory_bytes <= limit and ok.best.stages[-1].fused
+
+
+def test_batched_stage_dp_finds_the_brute_force_optimum_under_every_bound():
+    # the DP over (stage, first layer, first host), all bounds in one pass, against enumerating every plan
+    import itertools
+
+    import numpy as np
+
+    from orchestrator.core.planner.search import _dp_many
+
+    rng = np.random.default_rng(0)
+    L, H, p = 6, 4, 3
+    t = topo(hosts=H, dph=1, hpg=2)
+    tab = {}
+    c = np.concatenate([[0], np.cumsum(rng.uniform(1, 5, L))])
+    for k in (1, 2, 3, 4):       # a range's time: its layers' sum, faster on more hosts, plus noise
+        T = (c[None, :] - c[:, None]) * (1 + 0.3 * k) / k + rng.uniform(0, 1, (L + 1, L + 1))
+        T = np.where(np.triu(np.ones((L + 1, L + 1), bool), 1), T, np.inf)
+        tab[(k, 1)] = (T, np.zeros((L + 1, L + 1), int), T)
+    edge = rng.uniform(0, 2, (L + 1, H + 1))
+
+    def brute(bound):
+        best = np.inf
+        for cuts in itertools.combinations(range(1, L), p - 1):
+            b = (0, *cuts, L)
+            for ks in itertools.product((1, 2, 3, 4), repeat=p):
+                starts = np.concatenate([[0], np.cumsum(ks)[:-1]])
+                if sum(ks) > H or not all((h % 2 + k <= 2) if k <= 2 else (k % 2 == 0 and h % 2 == 0)
+                                          for h, k in zip(starts, ks)):
+                    continue
+                ts = [tab[(ks[s], 1)][0][b[s], b[s + 1]] for s in range(p)]
+                if max(ts) <= bound:
+                    best = min(best, sum(ts) + sum(edge[b[s + 1], starts[s] + ks[s]] for s in range(p - 1)))
+        return best
+
+    bounds = [np.inf, *np.linspace(10, 3, 15)]
+    plans = _dp_many(tab, edge, [1] * p, L, H, t, bounds)
+    wants = [brute(b) for b in bounds]
+    assert len({w for w in wants if np.isfinite(w)}) >= 3 and not np.isfinite(wants[-1])    # bounds that bind
+    for bound, plan, want in zip(bounds, plans, wants):
+        if not np.isfinite(want):
+            assert plan is None
+            continue
+        got = sum(tab[(k, 1)][0][i, j] for i, j, h, k, _ in plan) + sum(edge[j, h + k] for i, j, h, k, _ in plan[:-1])
+        assert got == pytest.approx(want, rel=1e-12), (bound, plan)
+        assert [s[0] for s in plan] == [0] + [s[1] for s in plan[:-1]] and plan[-1][1] == L
