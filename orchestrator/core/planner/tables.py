@@ -88,15 +88,16 @@ def _ranges(x: np.ndarray) -> np.ndarray:
 def stacked(tables, k, count, m, L, fused: bool):
     """Per choice, (i, j) arrays: time, parameter bytes, state, residuals per microbatch, largest temp, bad."""
     fs, ps, ss, rs, tms = [], [], [], [], []
+    upper = np.triu(np.ones((L + 1, L + 1), bool), 1)
     for ci in range(count):
         t = tables[(k, ci, m)]
         fs.append(_ranges(t.fwd) + _ranges(t.bwd))
         ps.append(_ranges(t.params))
         ss.append(_ranges(t.state))
         r = _ranges(t.resid)
-        tm = np.full((L + 1, L + 1), np.inf)
-        for i in range(L):
-            tm[i, i + 1:] = np.maximum.accumulate(t.temp[i:])
+        # tm[i, j] = max(temp[i:j]) for j > i: a running max along j over temp[j - 1] (j > i), -inf before
+        tm = np.maximum.accumulate(np.where(upper, np.concatenate([[-np.inf], t.temp])[None, :], -np.inf), axis=1)
+        tm[~upper] = np.inf
         if fused:       # ranges ending at the loss layer: its residuals inside its one program
             r[:, L] -= t.resid[L - 1]
             tm[L - 1, L] = t.fused_temp[L - 1]
