@@ -4,7 +4,7 @@ Run as `python -m stages.aot_profile` by `orchestrator.core.planner.profile.Prof
 (in a subprocess whose environment already has
 `XLA_FLAGS=--xla_force_host_platform_device_count=N` and `JAX_PLATFORMS=cpu`).
 Reads one JSON request on stdin:
-    {"protocol": 1, "source": {"kind": "modelspec", "name", "args", "seq_len"},
+    {"protocol": 2, "source": {"kind": "modelspec", "name", "args", "seq_len"},
      "requests": [{"key", "layer", "model_size", "rules", "batch"}, ...]}
 and writes one JSON line per request, `{"key": ..., "profile": LayerProfile JSON}` (or
 `{"key": ..., "error": "..."}`), as soon as it is compiled (so a timeout keeps what was done).
@@ -13,7 +13,8 @@ For each request it builds the layer as a one-layer `StageProgram` on a
 `(data=1, model=M)` mesh with layout `batch → data` plus the request's rules,
 lowers and compiles its forward and its backward+accumulate (nothing runs; inputs
 are `ShapeDtypeStruct`s), and reads `cost_analysis()`, `memory_analysis()` and
-the collectives of `as_text()`. `build_layer` is the one function that knows
+the collectives of `as_text()`; for the last layer also the temp of its forward+backward
+as one program (`fwd_bwd_acc`, what `pipeline.fuse_loss_chunk` runs). `build_layer` is the one function that knows
 the model front-end (`ModelSpec` + the factory's `PipelineModel`).
 """
 from __future__ import annotations
@@ -87,17 +88,23 @@ def profile_one(source: dict, req: dict) -> dict:
     dy = sds((), "float32", None) if prog.last else [y_info[i] for i in prog.out_diff]
     bwd = prog.bwd_acc.lower(params, res_info, dy, param_structs()).compile()
     f, g = _figures(fwd, m), _figures(bwd, m)
+    fused = None
+    if prog.last:       # the loss layer's F and B as one program (pipeline.fuse_loss_chunk): its temp
+        extra = [None, mstate] if prog.stateful else []
+        fused = _figures(prog.fwd_bwd_acc.lower(params, xs, args[2], None, param_structs(), *extra).compile(),
+                         m)["temp"]
     colls = [["fwd", k, by, [list(x) for x in gs]] for k, by, gs in f["colls"]]
     colls += [["bwd", k, by, [list(x) for x in gs]] for k, by, gs in g["colls"]]
     return {"flops": {"fwd": f["flops"], "bwd": g["flops"]},
             "bytes_accessed": {"fwd": f["bytes"], "bwd": g["bytes"]},
             "residual_bytes": f["out"], "temp_bytes": max(f["temp"], g["temp"]),
-            "collectives": colls, "compile_s": time.perf_counter() - t0}
+            "collectives": colls, "compile_s": time.perf_counter() - t0,
+            **({"fused_temp_bytes": fused} if fused is not None else {})}
 
 
 def main() -> int:
     request = json.loads(sys.stdin.read())
-    if request.get("protocol") != 1:
+    if request.get("protocol") != 2:
         print(f"aot_profile: unsupported protocol {request.get('protocol')!r}", file=sys.stderr)
         return 2
     for req in request["requests"]:

@@ -23,9 +23,12 @@ def fake_model(costs, d=64, h=256, name="fake", param_scale=1):
 class FakeProfiles:
     """Callable(requests) -> {request: LayerProfile}; counts how often each was asked."""
 
-    def __init__(self, model, costs, act_bytes=256, resid_per_example=1024, comm_scale=1.0):
+    def __init__(self, model, costs, act_bytes=256, resid_per_example=1024, comm_scale=1.0,
+                 head_resid_per_example=None, head_fused_temp_per_example=None):
         self.model, self.costs = model, costs
         self.act, self.resid, self.comm = act_bytes, resid_per_example, comm_scale
+        # the last layer's residuals (a head's logits) and its fused F+B program's temp, per example
+        self.head_resid, self.head_fused = head_resid_per_example, head_fused_temp_per_example
         self.calls = 0
 
     def __call__(self, requests):
@@ -39,6 +42,9 @@ class FakeProfiles:
                 g = (tuple(range(m)),)
                 nb = self.act * r.batch * self.comm
                 colls = (("fwd", "all-reduce", nb, g), ("bwd", "all-reduce", nb, g))
+            last = r.layer == self.model.num_layers - 1
+            resid = self.head_resid if last and self.head_resid is not None else self.resid
+            fused = self.head_fused * r.batch / m if last and self.head_fused is not None else None
             out[r] = LayerProfile({"fwd": f, "bwd": 2 * f}, {"fwd": 0.0, "bwd": 0.0},
-                                  self.resid * r.batch / m, 0.0, colls)
+                                  resid * r.batch / m, 0.0, colls, fused_temp_bytes=fused)
         return out

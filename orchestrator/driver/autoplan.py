@@ -39,7 +39,8 @@ def auto_plan(job_path: str, cluster_path: str, overrides, *, out: Optional[str]
     profiler = Profiler(WORKER, Path(cache_dir) if cache_dir else default_cache_dir())
     opts = SearchOptions(microbatches=microbatches, max_model=max_model, top=top,
                          optimizer_slots=optimizer_slots(job.optimizer.name, job.optimizer.args),
-                         target_step_s=None if target_step_ms is None else target_step_ms / 1e3)
+                         target_step_s=None if target_step_ms is None else target_step_ms / 1e3,
+                         fuse_loss_chunk=job.pipeline.fuse_loss_chunk)
     result = search(model, topo, job.data.global_batch, profile=lambda reqs: profiler.profile(model.source, reqs),
                     options=opts, extra_rules=job.layout)
     raw = apply_overrides(load_raw(job_path), list(overrides), JobConfig)

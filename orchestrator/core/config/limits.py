@@ -26,6 +26,7 @@ from typing import Any, Optional
 
 from orchestrator.core.config.errors import problem
 from orchestrator.core.edges import leaf_dtype
+from orchestrator.core.memory import device_bytes
 from orchestrator.core.model.layout import partition_spec, shard_count
 
 __all__ = ["optimizer_problems", "memory_problems", "stage_memory", "MAX_LEARNING_RATE", "MAX_DEVICE_BYTES", "MAX_HOST_BYTES"]
@@ -114,7 +115,7 @@ def stage_memory(model, chunks, mesh: dict, layout, mb: int) -> dict:
             state += sum(_nbytes(d.shape, leaf_dtype(d.dtype).itemsize) for d in layer.state.values())
             acts += sum(_nbytes(leaf.batched(mb), leaf_dtype(leaf.dtype).itemsize) for leaf in layer.outputs)
     devices = math.prod(mesh.values())
-    per_device = 2 * params + state + acts // devices
+    per_device = device_bytes(params, state, acts // devices)     # the sum `plan --auto` uses too
     return {"params": params, "grads": params, "state": state, "activations": acts // devices,
             "per_device": per_device, "devices": devices}
 

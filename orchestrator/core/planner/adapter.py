@@ -4,13 +4,17 @@ The one module that knows both sides; when the model front-end changes, re-point
 `from_spec` (and the worker's `build_layer`, `stages.aot_profile`) and nothing else.
 A layer's signature covers what its compiled program depends on: its kind, its
 parameters' shapes and axes, its input and output shapes and whether it is the
-first layer (takes tokens, no input gradient) or the last (computes the loss).
+first layer (takes tokens, no input gradient) or the last (computes the loss), and its
+parameters' dtypes and mutable state where they are not plain float32 / absent. Each
+layer's mutable state bytes (`LayerSpec.state_bytes`) go into `PlanLayer.state_bytes`,
+which the search's memory sum counts (`orchestrator.core.memory`).
 """
 from __future__ import annotations
 
 import re
 from typing import Any, Mapping, Optional
 
+from orchestrator.core.edges import leaf_dtype
 from orchestrator.core.model.registry import build_spec
 from orchestrator.core.model.spec import ModelSpec
 from orchestrator.core.planner.model import ParamInfo, PlanLayer, PlanModel, signature_of
@@ -24,15 +28,20 @@ def from_spec(spec: ModelSpec, model_name: str, model_args: Mapping[str, Any],
     layers = []
     n = spec.num_layers
     for i, layer in enumerate(spec.layers):
-        params = tuple(ParamInfo(name, tuple(p.shape), tuple(p.axes)) for name, p in sorted(layer.params.items()))
+        params = tuple(ParamInfo(name, tuple(p.shape), tuple(p.axes), leaf_dtype(p.dtype).itemsize)
+                       for name, p in sorted(layer.params.items()))   # a tied array's copy is one of them
         in_shape = spec.input_shape if i == 0 else spec.layers[i - 1].out_shape
         in_axes = spec.input_axes if i == 0 else spec.layers[i - 1].out_axes
         kind = re.sub(r"\d+", "#", layer.name)   # block0, block1, ...: one program when shapes agree
         sig = signature_of({"model": spec.name, "factory": spec.factory, "kind": kind,
                             "params": [(p.name, p.shape, p.axes) for p in params],
                             "in": (tuple(in_shape), tuple(in_axes)), "out": (tuple(layer.out_shape), layer.out_axes),
-                            "first": i == 0, "last": i == n - 1, "label": tuple(spec.label_shape)})
-        layers.append(PlanLayer(i, layer.name, params, tuple(layer.out_axes), tuple(layer.out_shape), 4, sig))
+                            "first": i == 0, "last": i == n - 1, "label": tuple(spec.label_shape),
+                            **({"dtypes": [p.itemsize for p in params]} if any(p.itemsize != 4 for p in params) else {}),
+                            **({"state": sorted((k, tuple(d.shape), d.dtype) for k, d in layer.state.items())}
+                               if layer.state else {})})
+        layers.append(PlanLayer(i, layer.name, params, tuple(layer.out_axes), tuple(layer.out_shape), 4, sig,
+                                layer.state_bytes()))
     source = {"kind": "modelspec", "name": model_name, "args": dict(model_args), "seq_len": seq_len}
     return PlanModel(spec.name, tuple(layers), tuple(spec.input_axes), source)
 

@@ -15,9 +15,15 @@ row-major over the mesh in its axis order, `devices_per_host` per host — how t
 stage worker builds its `Mesh`), and the gradient all-reduce moves each
 parameter's local shard over the `data` groups.
 
-Memory per device = parameters × (2 + optimizer slots) (parameters, gradient
-accumulator, optimizer state) + residuals × microbatches in flight (from the
-schedule) + the largest temporary buffer of any of its programs.
+Memory per device (`orchestrator.core.memory.device_bytes`, the sum `meshpipe plan`
+uses too) = parameters × (2 + optimizer slots) (parameters, gradient accumulator,
+optimizer state; a tied array's copy counts on the stage holding it) + the layers'
+mutable state (replicated) + residuals × microbatches in flight (from the schedule)
++ the largest temporary buffer of any of its programs. With `fuse_loss_chunk`, where
+the schedule runs the loss stage's F and B back to back (`search`), the loss layer
+keeps no residuals between actions: they live inside its one F+B program, whose temp
+is XLA's figure for it (`LayerProfile.fused_temp_bytes`) or, when not compiled, the
+residuals plus the layer's temporaries (no saving claimed).
 
 Remat (`MeshChoice.remat`, the stage's `remat:`): under `full` each layer runs under
 `jax.checkpoint` (how `stages.program` applies it, part by part), so a microbatch
@@ -92,6 +98,8 @@ class LayerCost:
     temp_bytes: float
     tp_bytes: float
     dp_bytes: float
+    state_bytes: float = 0.0           # mutable state, replicated: all of it on every device
+    fused_temp_bytes: float = 0.0      # temp when this (loss) layer's F and B run as one program
 
 
 def optimizer_slots(name: str, args: Mapping[str, object] | None = None) -> int:
@@ -185,14 +193,19 @@ def layer_cost(layer: PlanLayer, choice: MeshChoice, micro: int, topo: Topology,
     bwd = compute["bwd"] + comm["bwd"] + dp
     compute_s, tp_s, resid, temp = compute["fwd"] + compute["bwd"], comm["fwd"] + comm["bwd"], \
         prof.residual_bytes, prof.temp_bytes
+    fused = prof.fused_temp_bytes
     if choice.remat == "full":      # keep the input only; recompute the forward inside the backward
         bwd += fwd
         compute_s += compute["fwd"]
         tp_s += comm["fwd"]
         resid, temp = b * in_bytes, max(temp, prof.residual_bytes)
+        fused = None                # not compiled under remat
     elif choice.remat != "none":
         raise ValueError(f"remat = {choice.remat!r}: the planner models none and full only")
-    return LayerCost(fwd, bwd, compute_s, tp_s, dp, pbytes, resid, temp, tp_bytes, pbytes if choice.data > 1 else 0.0)
+    # F+B as one program: what XLA compiled for it, else the residuals inside it next to the temporaries
+    fused = resid + temp if fused is None else fused
+    return LayerCost(fwd, bwd, compute_s, tp_s, dp, pbytes, resid, temp, tp_bytes, pbytes if choice.data > 1 else 0.0,
+                     float(layer.state_bytes), fused)
 
 
 def mesh_choices(devices: int, max_model: int, rulesets: Mapping[str, tuple[tuple[str, str], ...]],

@@ -2,7 +2,8 @@
 
 A `PlanModel` is a list of `PlanLayer`s in pipeline order. Each layer names its
 parameters (shape, logical axes, bytes per element), the logical axes and
-per-example shape of the activation it produces, and a `signature`: layers with
+per-example shape of the activation it produces, its mutable state's bytes
+(BatchNorm statistics; replicated, so every device of its stage holds all of it), and a `signature`: layers with
 equal signatures compile to the same program (all blocks of a GPT), so their
 profiles are shared. `source` is a JSON-able description from which the
 profiling worker (a subprocess, `stages.aot_profile` today) rebuilds the layer's
@@ -47,6 +48,7 @@ class PlanLayer:
     out_shape: tuple[int, ...]        # per example (no batch dim)
     out_itemsize: int = 4
     signature: str = ""
+    state_bytes: int = 0              # mutable (non-parameter) state, replicated on every stage device
 
     @property
     def param_bytes(self) -> int:

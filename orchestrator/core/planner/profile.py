@@ -14,7 +14,8 @@ so compiles depend on (layer, M, rules, b), not on D or on which hosts.
 
 Each profile is read from the compiled executable: `cost_analysis()` (flops,
 bytes accessed), `memory_analysis()` (argument, output = the forward's residuals,
-temp) and the collectives in `as_text()` (kind, bytes per device, replica groups
+temp; for the loss layer also the temp of its F+B as one program, what
+`pipeline.fuse_loss_chunk` runs) and the collectives in `as_text()` (kind, bytes per device, replica groups
 as positions along `model`). The worker runs in a subprocess started with
 `XLA_FLAGS=--xla_force_host_platform_device_count=N` and `JAX_PLATFORMS=cpu`
 before jax is imported there; the caller's process and environment are never
@@ -41,7 +42,7 @@ import numpy as np
 __all__ = ["ProfileRequest", "LayerProfile", "Profiler", "ProfileError", "parse_collectives",
            "PROTOCOL", "linear"]
 
-PROTOCOL = 1
+PROTOCOL = 2     # 2: the loss layer's fused F+B temp (fused_temp_bytes)
 _DTYPE_BYTES = {"f64": 8, "f32": 4, "f16": 2, "bf16": 2, "s64": 8, "s32": 4, "s16": 2, "s8": 1,
                 "u64": 8, "u32": 4, "u16": 2, "u8": 1, "pred": 1, "c64": 8, "c128": 16}
 _KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
@@ -81,12 +82,14 @@ class LayerProfile:
     collectives: tuple[tuple[str, str, float, tuple[tuple[int, ...], ...]], ...]
     compile_s: float = 0.0
     cached: bool = False
+    fused_temp_bytes: float | None = None   # the loss layer's F+B as one program (fuse_loss_chunk): its temp
 
     def to_json(self) -> dict:
         return {"flops": dict(self.flops), "bytes_accessed": dict(self.bytes_accessed),
                 "residual_bytes": self.residual_bytes, "temp_bytes": self.temp_bytes,
                 "collectives": [[p, k, b, [list(g) for g in gs]] for p, k, b, gs in self.collectives],
-                "compile_s": self.compile_s}
+                "compile_s": self.compile_s,
+                **({"fused_temp_bytes": self.fused_temp_bytes} if self.fused_temp_bytes is not None else {})}
 
     @staticmethod
     def from_json(d: Mapping[str, Any], cached: bool = False) -> "LayerProfile":
@@ -95,7 +98,8 @@ class LayerProfile:
         return LayerProfile({k: float(v) for k, v in d["flops"].items()},
                             {k: float(v) for k, v in d["bytes_accessed"].items()},
                             float(d["residual_bytes"]), float(d["temp_bytes"]), colls,
-                            0.0 if cached else float(d.get("compile_s", 0.0)), cached)
+                            0.0 if cached else float(d.get("compile_s", 0.0)), cached,
+                            None if d.get("fused_temp_bytes") is None else float(d["fused_temp_bytes"]))
 
 
 def linear(p1: LayerProfile, p2: LayerProfile, b: float) -> LayerProfile:
@@ -119,7 +123,9 @@ def linear(p1: LayerProfile, p2: LayerProfile, b: float) -> LayerProfile:
     return LayerProfile({k: lin(p1.flops.get(k, 0), p2.flops.get(k, 0)) for k in keys},
                         {k: lin(p1.bytes_accessed.get(k, 0), p2.bytes_accessed.get(k, 0)) for k in keys},
                         lin(p1.residual_bytes, p2.residual_bytes), lin(p1.temp_bytes, p2.temp_bytes),
-                        tuple(c for c in colls if c[2] > 0))
+                        tuple(c for c in colls if c[2] > 0),
+                        fused_temp_bytes=None if p1.fused_temp_bytes is None or p2.fused_temp_bytes is None
+                        else lin(p1.fused_temp_bytes, p2.fused_temp_bytes))
 
 
 # ----------------------------------------------------------------------------- HLO collectives

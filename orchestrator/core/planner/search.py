@@ -12,9 +12,11 @@ Basic flow of `search(model, topo, global_batch, profile=...)`:
   4. solve: for each microbatch count m, stage count p and schedule, a dynamic
      programme over (stage, first layer, first host) picks for each stage its
      layers, its hosts and its best choice under the device-memory limit (with
-     the schedule's in-flight microbatches at that stage), minimising
+     the schedule's in-flight microbatches at that stage; the memory sum and the
+     stage tables are `tables.py`'s, the sum plain `meshpipe plan` uses too), minimising
      Σ stage time + (m − 1) · max stage time (Alpa's stage DP: enumerate the
-     bottleneck bound, minimise the sum under it) plus stage-edge transfers; a
+     bottleneck bound, minimise the sum under it; all sampled bounds in one vectorised
+     pass, `_dp_many`) plus stage-edge transfers; a
      stage's time per microbatch includes the runtime's fixed cost of its F and B
      (`Topology.action_overhead_s`), an edge's the per-transfer one;
   5. the DP's three best plans per (m, p, schedule) — by its own estimate — are
@@ -44,6 +46,7 @@ import numpy as np
 from orchestrator.core.planner.cost import MeshChoice, fits_layer, layer_cost, layer_request, mesh_choices
 from orchestrator.core.planner.model import PlanModel
 from orchestrator.core.planner.profile import LayerProfile, ProfileRequest
+from orchestrator.core.planner.tables import Table, fuses, layer_table, stage_memory, stage_tables
 from orchestrator.core.planner.topology import Topology
 
 __all__ = ["SearchOptions", "StageChoice", "Candidate", "SearchResult", "PlanningError", "search",
@@ -78,6 +81,7 @@ class SearchOptions:
     target_step_s: Optional[float] = None
     thresholds: int = 8
     exhaustive: bool = False       # simulate every legal plan instead of the DP's (small spaces only)
+    fuse_loss_chunk: bool = False  # the job's pipeline.fuse_loss_chunk: the loss layer's F+B one program (`tables`)
 
 
 @dataclass(frozen=True)
@@ -98,6 +102,8 @@ class StageChoice:
     tp_bytes: float
     dp_bytes: float
     overhead_s: float = 0.0     # the runtime's fixed cost per action, included in fwd_s, bwd_s and opt_s
+    state_bytes: float = 0.0    # the layers' mutable state, in memory_bytes (replicated on every device)
+    fused: bool = False         # the loss layer's F+B as one program (fuse_loss_chunk), in memory_bytes
 
 
 @dataclass(frozen=True)
@@ -212,19 +218,6 @@ def _aligned(h: int, k: int, hpg: int, hosts: int) -> bool:
     return k % hpg == 0 and h % hpg == 0
 
 
-@dataclass
-class _Table:
-    """Per (k, choice, m): arrays over layers of F, B, OPT, memory parts (inf where impossible)."""
-
-    fwd: np.ndarray
-    bwd: np.ndarray
-    opt: np.ndarray
-    params: np.ndarray
-    resid: np.ndarray
-    temp: np.ndarray
-    parts: list
-
-
 def search(model: PlanModel, topo: Topology, global_batch: int, *, profile: ProfileFn,
            options: SearchOptions = SearchOptions(), extra_rules: Optional[Mapping[str, object]] = None) -> SearchResult:
     """Find the best plans (see the module docstring). Raises `PlanningError` when none fits."""
@@ -262,7 +255,7 @@ def search(model: PlanModel, topo: Topology, global_batch: int, *, profile: Prof
     t2 = time.perf_counter()
     # 3. cost tables
     slots = options.optimizer_slots
-    tables: dict[tuple[int, int, int], _Table] = {}
+    tables: dict[tuple[int, int, int], Table] = {}
     memo: dict = {}
     for k, cs in choices.items():
         for ci, c in enumerate(cs):
@@ -275,13 +268,7 @@ def search(model: PlanModel, topo: Topology, global_batch: int, *, profile: Prof
                         in_bytes = model.layers[layer.index - 1].out_bytes(1) if layer.index else 0.0
                         memo[key] = layer_cost(layer, c, micro, topo, 0, profiles, in_bytes)
                     cols.append(memo[key])
-                inf = float("inf")
-                f = np.array([x.fwd_s if x else inf for x in cols])
-                b = np.array([x.bwd_s if x else inf for x in cols])
-                pb = np.array([x.param_bytes if x else inf for x in cols])
-                opt = pb * (3 + 2 * slots) / topo.memory_bandwidth
-                tables[(k, ci, m)] = _Table(f, b, opt, pb, np.array([x.residual_bytes if x else inf for x in cols]),
-                                            np.array([x.temp_bytes if x else inf for x in cols]), cols)
+                tables[(k, ci, m)] = layer_table(cols, slots, topo.memory_bandwidth)
     t3 = time.perf_counter()
     # 4. solve
     found: dict[tuple, Candidate] = {}
@@ -298,7 +285,8 @@ def search(model: PlanModel, topo: Topology, global_batch: int, *, profile: Prof
                 infl = _inflight(sched, p, m)
                 if infl is None:
                     continue
-                stage_tab = _stage_tables(model, topo, choices, tables, m, sorted(set(infl)), slots, stage_memo)
+                fused = options.fuse_loss_chunk and fuses(sched, p, m)
+                stage_tab = stage_tables(model, topo, choices, tables, m, sorted(set(infl)), slots, stage_memo, fused)
                 edge = _edge_times(model, topo, micro)
                 if options.exhaustive:
                     plans = _enumerate(choices, tables, m, L, H, topo, p)
@@ -308,7 +296,7 @@ def search(model: PlanModel, topo: Topology, global_batch: int, *, profile: Prof
                 min_memory = min(min_memory, mem_need)
                 for stages in plans:
                     plans_considered += 1
-                    cand = evaluate(model, topo, choices, tables, stages, m, sched, infl, global_batch, slots)
+                    cand = evaluate(model, topo, choices, tables, stages, m, sched, infl, global_batch, slots, fused)
                     if cand.memory_bytes <= topo.memory_bytes:
                         found.setdefault(cand.key(), cand)
     t4 = time.perf_counter()
@@ -351,50 +339,6 @@ def legal_plans(model: PlanModel, topo: Topology, global_batch: int, *, profile:
     return search(model, topo, global_batch, profile=profile, options=opts, extra_rules=extra_rules).ranked
 
 
-def _stage_tables(model, topo, choices, tables, m, ns, slots, memo):
-    """Best (time, choice index, least memory) per (k, n) over stages [i, j) on k hosts, n microbatches in flight."""
-    L = model.num_layers
-    out = {}
-    for k, cs in choices.items():
-        if not cs:
-            continue
-        if (k, m) not in memo:
-            memo[(k, m)] = _stacked(tables, k, len(cs), m, L, slots)
-        T, MS, R, TM, bad = memo[(k, m)]
-        for n in ns:
-            if (k, m, n) not in memo:
-                with np.errstate(invalid="ignore"):
-                    mem = np.where(bad, np.inf, MS + n * R + TM)
-                # each microbatch's F and B each pay the runtime's fixed per-action cost
-                Tn = np.where(mem <= topo.memory_bytes, T + 2 * topo.action_overhead_s, np.inf)
-                best = Tn.argmin(axis=0)
-                memo[(k, m, n)] = (np.take_along_axis(Tn, best[None], 0)[0], best, mem.min(axis=0))
-            out[(k, n)] = memo[(k, m, n)]
-    return out
-
-
-def _stacked(tables, k, count, m, L, slots):
-    """Per choice, (i, j) arrays of stage time, static memory, residuals per microbatch, largest temp."""
-    fs, bs, mem_static, resid, tmax = [], [], [], [], []
-    for ci in range(count):
-        t = tables[(k, ci, m)]
-        pf, pb = np.concatenate([[0], np.cumsum(t.fwd)]), np.concatenate([[0], np.cumsum(t.bwd)])
-        pp = np.concatenate([[0], np.cumsum(t.params)])
-        pr = np.concatenate([[0], np.cumsum(t.resid)])
-        with np.errstate(invalid="ignore"):
-            fs.append(pf[None, :] - pf[:, None])
-            bs.append(pb[None, :] - pb[:, None])
-            mem_static.append((pp[None, :] - pp[:, None]) * (2 + slots))
-            resid.append(pr[None, :] - pr[:, None])
-        tm = np.full((L + 1, L + 1), np.inf)
-        for i in range(L):
-            tm[i, i + 1:] = np.maximum.accumulate(t.temp[i:])
-        tmax.append(tm)
-    T = np.stack(fs) + np.stack(bs)
-    bad = ~np.isfinite(T) | (np.triu(np.ones((L + 1, L + 1), bool), 1)[None] == 0)
-    return np.where(bad, np.inf, T), np.stack(mem_static), np.stack(resid), np.stack(tmax), bad
-
-
 def _edge_times(model, topo, micro):
     """E[j, h]: seconds to move the activation leaving layer j-1, and its gradient back, from host h-1 to host h."""
     L, H = model.num_layers, topo.hosts
@@ -421,8 +365,7 @@ def _solve(stage_tab, edge, infl, m, L, H, topo, n_thresholds, keep=3):
     qs = np.unique(np.quantile(above, np.linspace(0, 1, n_thresholds))) if above.size else np.zeros(0)
     bounds = [t_star * (1 + 1e-9)] + list(qs) + [np.inf]
     plans, seen = [], set()
-    for bound in bounds:
-        plan = _dp(stage_tab, edge, infl, L, H, topo, bound)
+    for plan in _dp_many(stage_tab, edge, infl, L, H, topo, bounds):
         if plan is not None and tuple(plan) not in seen:
             seen.add(tuple(plan))
             plans.append(plan)
@@ -439,45 +382,65 @@ def _solve(stage_tab, edge, infl, m, L, H, topo, n_thresholds, keep=3):
 
 def _dp(stage_tab, edge, infl, L, H, topo, bound):
     """The least Σ stage time plan with every stage ≤ bound: [(i, j, h, k, choice index)] per stage, or None."""
-    p = len(infl)
+    return _dp_many(stage_tab, edge, infl, L, H, topo, [bound])[0]
+
+
+@functools.lru_cache(maxsize=256)
+def _starts(k: int, hpg: int, H: int) -> np.ndarray:
+    """First hosts a stage of k hosts may take (whole aligned node groups)."""
+    return np.array([h for h in range(H - k + 1) if _aligned(h, k, hpg, H)], dtype=np.int64)
+
+
+def _dp_many(stage_tab, edge, infl, L, H, topo, bounds):
+    """`_dp` for every bound at once (one vectorised pass over a leading bounds axis)."""
+    p, nb = len(infl), len(bounds)
     inf = np.inf
+    bnd = np.asarray(bounds, dtype=float)[:, None, None]
     ks = sorted({k for k, _ in stage_tab})
-    # nxt[i, h]: least Σ time of stages s+1.. starting at layer i, host h (all fitting and ≤ bound)
-    nxt = np.full((L + 1, H + 1), inf)
-    nxt[L, :] = 0.0
+    # nxt[b, i, h]: least Σ time of stages s+1.. starting at layer i, host h (all fitting and ≤ bounds[b])
+    nxt = np.full((nb, L + 1, H + 1), inf)
+    nxt[:, L, :] = 0.0
     back = []
     for s in range(p - 1, -1, -1):
         n = infl[s]
-        vals = np.full((len(ks), L + 1, H + 1), inf)
-        js = np.zeros((len(ks), L + 1, H + 1), dtype=np.int64)
+        # stage s starts at layer i ∈ [s, L - (p - s)] and host h ≥ s (every stage takes ≥ 1 of each);
+        # entries outside are unreachable from (0, 0), so they are left at inf
+        lo, hi = s, L - (p - s) + 1
+        vals = np.full((len(ks), nb, L + 1, H + 1), inf)
+        js = np.zeros((len(ks), nb, L + 1, H + 1), dtype=np.int64)
         for ki, k in enumerate(ks):
             if (k, n) not in stage_tab:
                 continue
-            t = stage_tab[(k, n)][0]
-            t = np.where(t <= bound, t, inf)
-            hs = np.array([h for h in range(0, H - k + 1) if _aligned(h, k, topo.hosts_per_group, H)], dtype=np.int64)
-            if hs.size == 0:
+            hs = _starts(k, topo.hosts_per_group, H)
+            hs = hs[(hs >= s) & (hs <= (0 if s == 0 else H))]
+            if hs.size == 0 or hi <= lo:
                 continue
-            tail = nxt[:, hs + k] + (edge[:, hs + k] if s < p - 1 else 0.0)     # (j, h)
-            tot = t[:, :, None] + tail[None, :, :]                               # (i, j, h)
-            j = tot.argmin(axis=1)                                               # (i, h)
-            vals[ki][:, hs] = np.take_along_axis(tot, j[:, None, :], 1)[:, 0, :]
-            js[ki][:, hs] = j
+            t = stage_tab[(k, n)][0][lo:hi]
+            t = np.where(t[None] <= bnd, t[None], inf)                           # (b, i, j)
+            tail = nxt[:, :, hs + k] + (edge[None, :, hs + k] if s < p - 1 else 0.0)   # (b, j, h)
+            tot = t[:, :, :, None] + tail[:, None, :, :]                         # (b, i, j, h)
+            j = tot.argmin(axis=2)
+            vals[ki][:, lo:hi, hs] = np.take_along_axis(tot, j[:, :, None, :], 2)[:, :, 0, :]
+            js[ki][:, lo:hi, hs] = j
         kbest = vals.argmin(axis=0)
         back.append((kbest, js))
-        nxt = np.take_along_axis(vals, kbest[None], 0)[0]
+        nxt = vals.min(axis=0)
     back.reverse()
-    if not np.isfinite(nxt[0, 0]):
-        return None
-    plan, i, h = [], 0, 0
-    for s in range(p):
-        kbest, js = back[s]
-        ki = int(kbest[i, h])
-        k, j = ks[ki], int(js[ki, i, h])
-        c = int(stage_tab[(k, infl[s])][1][i, j])
-        plan.append((i, j, h, k, c))
-        i, h = j, h + k
-    return plan
+    plans = []
+    for b in range(nb):
+        if not np.isfinite(nxt[b, 0, 0]):
+            plans.append(None)
+            continue
+        plan, i, h = [], 0, 0
+        for s in range(p):
+            kbest, js = back[s]
+            ki = int(kbest[b, i, h])
+            k, j = ks[ki], int(js[ki, b, i, h])
+            c = int(stage_tab[(k, infl[s])][1][i, j])
+            plan.append((i, j, h, k, c))
+            i, h = j, h + k
+        plans.append(plan)
+    return plans
 
 
 def _enumerate(choices, tables, m, L, H, topo, p, limit=200_000):
@@ -529,12 +492,13 @@ def _min_memory(stage_tab, infl, L, H, topo):
     return _min_max(stage_tab, infl, L, H, topo, index=2)
 
 
-def evaluate(model, topo, choices, tables, stages, m, sched, infl, global_batch, slots) -> Candidate:
+def evaluate(model, topo, choices, tables, stages, m, sched, infl, global_batch, slots, fused=False) -> Candidate:
     """Replay one plan in the schedule simulator: per-stage F/B/OPT and per-edge transfer times.
 
     Every F, B and OPT action of every stage costs `topo.action_overhead_s` on top of its
     device time, and every stage-edge transfer `topo.transfer_overhead_s` on top of its
-    link's α-β time (the runtime's fixed costs, `meshpipe calibrate`).
+    link's α-β time (the runtime's fixed costs, `meshpipe calibrate`). Memory per device is
+    `tables.stage_memory` (`fused`: the loss layer's F+B as one program on the last stage).
     """
     from orchestrator.core.schedule import simulate
 
@@ -544,13 +508,14 @@ def evaluate(model, topo, choices, tables, stages, m, sched, infl, global_batch,
     for s, (i, j, h, k, ci) in enumerate(stages):
         t = tables[(k, ci, m)]
         cols = t.parts[i:j]
-        mem = sum(c.param_bytes for c in cols) * (2 + slots) + infl[s] * sum(c.residual_bytes for c in cols) \
-            + max(c.temp_bytes for c in cols)
+        fuse_here = fused and j == model.num_layers
+        mem = stage_memory(cols, slots, infl[s], fuse_here)
         out.append(StageChoice((i, j), (h, k), choices[k][ci], float(t.fwd[i:j].sum()) + over,
                                float(t.bwd[i:j].sum()) + over, float(t.opt[i:j].sum()) + over,
                                sum(c.compute_s for c in cols),
                                sum(c.tp_comm_s for c in cols), sum(c.dp_comm_s for c in cols), mem, infl[s],
-                               sum(c.tp_bytes for c in cols), sum(c.dp_bytes for c in cols), over))
+                               sum(c.tp_bytes for c in cols), sum(c.dp_bytes for c in cols), over,
+                               sum(c.state_bytes for c in cols), fuse_here))
     edges = []
     for a, b in zip(out, out[1:]):
         nbytes = model.layers[a.layers[1] - 1].out_bytes(micro)
