@@ -51,7 +51,7 @@ class StepState:
       stash: bytes per device of what is kept between actions.
     """
 
-    def __init__(self, step: int, timeout: float, tag: str = "F", on_peak=None):
+    def __init__(self, step: int, timeout: float, tag: str = "F", on_peak=None, sizes: dict | None = None):
         self.step, self.done, self.timeout, self.tag = step, 0, timeout, tag
         self.batch = None
         self.data_wait_s = 0.0
@@ -61,36 +61,55 @@ class StepState:
         self.losses: dict[int, Any] = {}
         self.loss_scale, self.skipped = None, None
         self.spans: list = []
-        self.stash = Stash(on_peak)
+        self.stash = Stash(on_peak, sizes)
 
 
 class Stash:
     """Bytes per device of what a step keeps between actions (forward residuals "r", and for
     zero-bubble schedules what W reads, "w", kept from I to W), and their peak; `peak_items`
-    is the most microbatches held at once (an "r" or a "w" entry each).
+    is the most microbatches held at once (an entry each).
 
-    Measured from the arrays themselves: each leaf counts its per-device shard size.
+    Measured from the arrays themselves: each leaf counts its per-device shard size. `sizes`
+    (the worker's, kept across steps) memoises a tree's bytes under the `memo` key `add` is
+    given — (kind, chunk): one program's outputs have the same shapes on every microbatch —
+    so a steady step sums no leaves.
     """
 
-    def __init__(self, on_peak=None):
+    def __init__(self, on_peak=None, sizes: dict | None = None):
         self.held: dict = {}
-        self.now = self.peak = self.peak_items = 0
+        self.now = self.peak = self.peak_items = self.items = 0
         self.on_peak = on_peak       # called with the bytes when they pass the step's peak (`LivePeak`)
+        self.sizes = {} if sizes is None else sizes
 
-    def add(self, key, tree) -> None:
-        import jax
+    def add(self, key, tree, memo=None) -> None:
+        n = None if memo is None else self.sizes.get(memo)
+        if n is None:
+            import jax
 
-        n = sum(_shard_bytes(leaf) for leaf in jax.tree_util.tree_leaves(tree))
-        self.now += n - self.held.get(key, 0)
+            n = sum(_shard_bytes(leaf) for leaf in jax.tree_util.tree_leaves(tree))
+            if memo is not None:
+                self.sizes[memo] = n
+        before = self.held.get(key)
+        if before is None and key[0] in _ITEMS:
+            self.items += 1
+            if self.items > self.peak_items:
+                self.peak_items = self.items
+        self.now += n - (before or 0)
         self.held[key] = n
         if self.now > self.peak:
             self.peak = self.now
             if self.on_peak is not None:
                 self.on_peak(self.now)
-        self.peak_items = max(self.peak_items, sum(1 for k in self.held if k[0] in ("r", "w")))
 
     def drop(self, key) -> None:
-        self.now -= self.held.pop(key, 0)
+        n = self.held.pop(key, None)
+        if n is not None:
+            self.now -= n
+            if key[0] in _ITEMS:
+                self.items -= 1
+
+
+_ITEMS = ("r", "w")      # the entries a microbatch in flight holds (`Stash.peak_items`)
 
 
 _SHARD_BYTES: dict = {}
@@ -149,7 +168,7 @@ def forward(w, st: StepState, a) -> None:
     else:
         y, st.residuals[key] = prog.fwd(w.params[c], x, labels, ids)
     jax.block_until_ready(y)
-    st.stash.add(("r", key), st.residuals[key])
+    st.stash.add(("r", key), st.residuals[key], ("r", c))
     _forward_output(w, st, a, prog, y)
 
 
@@ -207,7 +226,7 @@ def backward_input(w, st: StepState, a) -> None:
     dx, st.held[key] = w.progs[c].bwd_i(w.params[c], st.residuals.pop(key), _output_grad(w, st, c, key, pop=True))
     jax.block_until_ready(st.held[key])
     st.stash.drop(("r", key))
-    st.stash.add(("w", key), st.held[key])      # kept until W
+    st.stash.add(("w", key), st.held[key], ("w", c))      # kept until W
     _input_grad(w, st, a, dx)
 
 

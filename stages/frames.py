@@ -161,7 +161,11 @@ def encode_frame(key: tuple, arrays) -> list:
 
 def frame_header(header: dict, data_bytes: int) -> bytes:
     """The fixed header and the JSON header of a frame whose data has `data_bytes` bytes."""
-    head = json.dumps(header, separators=(",", ":")).encode()
+    return frame_bytes(json.dumps(header, separators=(",", ":")).encode(), data_bytes)
+
+
+def frame_bytes(head: bytes, data_bytes: int) -> bytes:
+    """`frame_header` for a header already serialised to JSON bytes (`head`)."""
     return FRAME.pack(FRAME_MAGIC, len(head), data_bytes) + head
 
 

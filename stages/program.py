@@ -108,6 +108,7 @@ class StageProgram:
         self.layers = spec.layers[start:stop]
         self.first, self.last = start == 0, stop == spec.num_layers
         self.mesh, self.layout = mesh, dict(layout or {})
+        self._shardings: dict = {}      # axes -> NamedSharding (`_sh`)
         self.m = microbatches
         if isinstance(optimizer, optax.GradientTransformation):
             self.tx, self.clip = optimizer, None
@@ -128,7 +129,15 @@ class StageProgram:
 
     # -- shardings ---------------------------------------------------------
     def _sh(self, axes):
-        return None if self.mesh is None else sharding.named(self.mesh, self.layout, axes)
+        """The NamedSharding of `axes` on this stage's mesh, built once per axes (the RECV / F
+        handlers ask for their operands' shardings on every action)."""
+        if self.mesh is None:
+            return None
+        axes = tuple(axes)
+        got = self._shardings.get(axes)
+        if got is None:
+            got = self._shardings[axes] = sharding.named(self.mesh, self.layout, axes)
+        return got
 
     def param_trees(self):
         """Per part: the parameter pytree of shape structs (from its init, by shape evaluation)."""

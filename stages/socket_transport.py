@@ -41,6 +41,7 @@ makes it (`set_io_timeout`), so no socket wait outlasts the step's.
 """
 from __future__ import annotations
 
+import json
 import logging
 import mmap
 import os
@@ -65,6 +66,7 @@ from stages.frames import (
     ServerHandshake,
     client_handshake,
     dtype_tag,
+    frame_bytes,
     frame_header,
     read_frame,
     read_grant,
@@ -428,6 +430,7 @@ class SocketTransport(TiledTransport):
         self._arrivals_lock = threading.Lock()
         self._granted = weakref.WeakKeyDictionary()   # accepted connection -> shm block ids it holds
         self._layouts: dict = {}
+        self._routes: dict = {}       # (id(edge), destination host, id(plan)) -> _Route (`_route`)
         self._shapes: dict = {}
         self._incoming: dict = {}     # (stage, axes, shape, dtype) of a tensor frame -> plan
         self._error: str | None = None
@@ -563,6 +566,7 @@ class SocketTransport(TiledTransport):
     # -- sending -------------------------------------------------------------------------
     def connect(self, addresses) -> None:
         self._addresses = [[tuple(a) for a in row] for row in addresses]
+        self._routes.clear()
 
     def _unix_name(self, address: tuple) -> str | None:
         """The peer's Unix socket when it runs on this machine (and shares memory), else None."""
@@ -588,23 +592,37 @@ class SocketTransport(TiledTransport):
                 pass    # same machine id but another network namespace (containers): use TCP
         return _Conn(address, self.token, self.io_timeout, tls=self.tls_client)
 
+    def _route(self, edge: Edge, dst_host: int, plan) -> _Route:
+        """What every send of `plan` along `edge` to `dst_host` shares, built once (`_Route`)."""
+        memo = (id(edge), dst_host, id(plan))
+        got = self._routes.get(memo)
+        if got is None or got.edge is not edge or got.plan is not plan:
+            tensor = {"stage": self.stage, "axes": list(edge.axes), "shape": list(plan.shape),
+                      "dtype": dtype_tag(plan.dtype)}
+            got = self._routes[memo] = _Route(
+                edge, plan, self._addresses[edge.stage][edge.geom.hosts.index(dst_host)], tensor,
+                self._bytes_to(plan, dst_host), _recipe(self._layout(plan, self.me, dst_host)[0]))
+        return got
+
     def _push(self, key, edge, dst_host, plan, shards):
         if not self._addresses:
             raise RuntimeError("SocketTransport.send before connect(addresses)")
-        address = self._addresses[edge.stage][edge.geom.hosts.index(dst_host)]
-        header = {"key": [*key, self.me], "arrays": [],
-                  "tensor": {"stage": self.stage, "axes": list(edge.axes), "shape": list(plan.shape),
-                             "dtype": dtype_tag(plan.dtype)}}
+        route = self._route(edge, dst_host, plan)
+        address = route.address
         try:
             conn = self._conn(address)
             with conn.lock:
                 conn.retime()
-                if conn.unix and self._bytes_to(plan, dst_host) >= self.shm_min_bytes:
+                if conn.unix and route.nbytes >= self.shm_min_bytes:
+                    header = {"key": [*key, self.me], "arrays": [], "tensor": route.tensor}
                     if self._write_shared(conn, header, plan, dst_host, shards):
                         self.shm_sends += 1
                         return
-                stream = self._stream(self._layout(plan, self.me, dst_host)[0], plan, shards, self.pool)
-                send_buffers(conn.sock, [frame_header(header, sum(v.nbytes for v in stream)), *stream])
+                stream = _gather(route.recipe, plan, shards, self.pool)
+                # the header's JSON as `json.dumps({"key": ..., "arrays": [], "tensor": ...})` writes it,
+                # with only the key serialised per send
+                head = b'{"key":' + json.dumps([*key, self.me], separators=(",", ":")).encode() + route.tail
+                send_buffers(conn.sock, [frame_bytes(head, sum(v.nbytes for v in stream)), *stream])
                 self.stream_sends += 1
         except OSError as e:
             self._drop(address)
@@ -638,22 +656,6 @@ class SocketTransport(TiledTransport):
             self._copier = ThreadPoolExecutor(self._copy_threads, thread_name_prefix="transport copy")
         list(self._copier.map(lambda pair: pair[0].__setitem__(Ellipsis, pair[1]), parts, timeout=self.io_timeout))
 
-    @staticmethod
-    def _stream(layout, plan, shards, pool) -> list:
-        """The stream's buffers: views into the source shards, or a staged block where pieces are short."""
-        mvs = {d: memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8)) for d, a in shards.items()}
-        out = []
-        for seg in layout.segments:
-            runs_ = layout.send[seg.send[0]:seg.send[1]]
-            if seg.whole and len(runs_) > 1 and runs_[:, 2].mean() < STAGE_BELOW:
-                block = pool.take(plan.dst_shard_shape, plan.dtype)   # free again once sent
-                for t in seg.tiles:
-                    block[t.targets[0][1]] = shards[t.src_device][t.src_slice]
-                out.append(memoryview(block.reshape(-1).view(np.uint8)))
-            else:
-                out.extend(mvs[d][off:off + n] for d, off, n in runs_.tolist())
-        return out
-
     def _drop(self, address) -> None:
         with self._conns_lock:
             conn = self._conns.pop(address, None)
@@ -679,6 +681,45 @@ class SocketTransport(TiledTransport):
             self.shm.close()
         if self._copier is not None:
             self._copier.shutdown(wait=True, cancel_futures=True)
+
+
+class _Route:
+    """One (edge, destination host, plan) as a sender uses it on every send: the peer's address,
+    the header's tensor entry (and its JSON tail after the key), the bytes the destination
+    receives, and the stream's recipe (`_recipe`)."""
+
+    def __init__(self, edge, plan, address: tuple, tensor: dict, nbytes: int, recipe: list):
+        self.edge, self.plan, self.address, self.tensor, self.nbytes, self.recipe = (
+            edge, plan, address, tensor, nbytes, recipe)
+        self.tail = b',"arrays":[],"tensor":' + json.dumps(tensor, separators=(",", ":")).encode() + b"}"
+
+
+def _recipe(layout) -> list:
+    """A stream layout as a sender walks it: per segment, ("stage", segment) where its pieces are
+    short (the sender copies them into one block), else ("runs", [(source device, offset, nbytes)])."""
+    out = []
+    for seg in layout.segments:
+        runs_ = layout.send[seg.send[0]:seg.send[1]]
+        if seg.whole and len(runs_) > 1 and runs_[:, 2].mean() < STAGE_BELOW:
+            out.append(("stage", seg))
+        else:
+            out.append(("runs", [tuple(r) for r in runs_.tolist()]))
+    return out
+
+
+def _gather(recipe: list, plan, shards: dict, pool) -> list:
+    """The stream's buffers for `recipe`: views into the source shards, or a staged block."""
+    mvs = {d: memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8)) for d, a in shards.items()}
+    out = []
+    for how, what in recipe:
+        if how == "stage":
+            block = pool.take(plan.dst_shard_shape, plan.dtype)   # free again once sent
+            for t in what.tiles:
+                block[t.targets[0][1]] = shards[t.src_device][t.src_slice]
+            out.append(memoryview(block.reshape(-1).view(np.uint8)))
+        else:
+            out.extend(mvs[d][off:off + n] for d, off, n in what)
+    return out
 
 
 def _row_chunks(rows: int, parts: int) -> list[tuple[int, int]]:

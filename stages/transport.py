@@ -102,14 +102,24 @@ class TiledTransport(Transport):
         self.sent_bytes = 0
         self.sent_bytes_to: dict[str, int] = {}   # per destination stage (telemetry)
         self._plans: dict = {}
+        self._dest_lists: dict = {}     # id(plan) -> (plan, [(dst host, source devices, bytes)]) (`_dests`)
+        self._fast_plans: dict = {}     # (id(edge), outgoing, shape, dtype) -> (edge, plan) (`_plan`)
 
     def _plan(self, edge: Edge, outgoing: bool, shape, dtype):
-        """The edge's reshard plan, memoised here: a dict hit instead of rebuilding MeshSides per action."""
+        """The edge's reshard plan, memoised here: a dict hit instead of rebuilding MeshSides per action.
+        The first lookup is by the Edge object's identity (the worker's edges live as long as it
+        does), which spares hashing the Edge's whole geometry on every SEND / RECV; the entry
+        keeps its Edge, so an id is never mistaken for another object's."""
+        fast_key = (id(edge), outgoing, tuple(shape), dtype)
+        got = self._fast_plans.get(fast_key)
+        if got is not None and got[0] is edge:
+            return got[1]
         memo_key = (edge, outgoing, tuple(shape), np.dtype(dtype).str)
         plan = self._plans.get(memo_key)
         if plan is None:
             src, dst = (self.geom, edge.geom) if outgoing else (edge.geom, self.geom)
             plan = self._plans[memo_key] = edge_plan(src, dst, edge.axes, shape, dtype)
+        self._fast_plans[fast_key] = (edge, plan)
         return plan
 
     def _push(self, key: tuple, edge: Edge, dst_host: int, plan, shards: dict) -> None:
@@ -121,19 +131,27 @@ class TiledTransport(Transport):
     def close(self) -> None:
         """Release what the transport holds (sockets, threads); nothing by default."""
 
+    def _dests(self, plan) -> list:
+        """Per destination host this host sends tiles of `plan` to: (host, source devices, bytes),
+        memoised per plan (plans are memoised, so their ids are stable while the entry keeps it)."""
+        got = self._dest_lists.get(id(plan))
+        if got is None or got[0] is not plan:
+            got = self._dest_lists[id(plan)] = (plan, [
+                (dst, tuple(sorted({t.src_device for t in tiles})), sum(t.nbytes for t in tiles))
+                for dst, tiles in plan.sends.get(self.me, {}).items() if tiles])
+        return got[1]
+
     def send(self, key, array, edge):
         plan = self._plan(edge, True, array.shape, array.dtype)
         if self.single_device:                         # the array is its only shard
             by_device = {0: array}
         else:
             by_device = {self.flat[s.device.id]: s.data for s in array.addressable_shards}
-        for dst_host, tiles in plan.sends.get(self.me, {}).items():
-            if not tiles:
-                continue
-            shards = {d: np.asarray(by_device[d]) for d in {t.src_device for t in tiles}}
-            nbytes = sum(t.nbytes for t in tiles)
+        to = str(edge.stage)
+        for dst_host, srcs, nbytes in self._dests(plan):
+            shards = {d: np.asarray(by_device[d]) for d in srcs}
             self.sent_bytes += nbytes
-            self.sent_bytes_to[str(edge.stage)] = self.sent_bytes_to.get(str(edge.stage), 0) + nbytes
+            self.sent_bytes_to[to] = self.sent_bytes_to.get(to, 0) + nbytes
             self._push(key, edge, dst_host, plan, shards)
 
     def recv(self, key, shape, dtype, sharding, edge, timeout):

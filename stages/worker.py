@@ -127,6 +127,7 @@ class StageWorker:
         # measured steps, then what it sets (`set_recv_deadline`: a multiple of its progress deadline)
         self.recv_s = float(cfg.timeouts.get("step_s", 600.0))
         self.live_peak = LivePeak()      # live device bytes at the training steps' peak (telemetry)
+        self._stash_sizes: dict = {}     # (kind, chunk) -> bytes of what that action keeps (`Stash`)
         self.ckpt = None                # stages.checkpoint.StageCheckpointer when checkpointing
         from orchestrator.core.model.policy import DynamicLossScale
 
@@ -452,7 +453,7 @@ class StageWorker:
         for hook in self.cfg.hooks:
             hook.on_step(self.cfg, step)
         self._pin_thread()
-        st = StepState(step, self.recv_s, on_peak=self.live_peak)
+        st = StepState(step, self.recv_s, on_peak=self.live_peak, sizes=self._stash_sizes)
         if self.loader is not None:
             waited = self.loader.wait_s
             st.batch = self.loader.get(step, st.timeout)

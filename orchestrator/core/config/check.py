@@ -302,23 +302,44 @@ def _check_optimizer(job: JobConfig, probs: _Problems) -> None:
 
 def _resolve_split(job: JobConfig, model: ModelSpec, probs: _Problems) -> Optional[JobConfig]:
     """The job with each stage's `layers` filled in from `pipeline.split_at` (and split_at
-    cleared, so the resolved job round-trips through `parse_job`); None after adding a problem.
+    cleared, so the resolved job round-trips through `parse_job`), or, when no stage gives its
+    layers, from the cost-balanced default cut (`_default_cut`); None after adding a problem.
     Virtual stage k = chunk j of stage i (k = j * p + i) takes the k-th range."""
     names = job.pipeline.split_at
-    if names is None:
-        return job
-    try:
-        ranges = split_ranges(model, names)
-    except SplitError as e:
-        probs.add(f"pipeline.split_at[{e.index}]", e.name, e.rule)
-        return None
     p, v = len(job.pipeline.stages), job.pipeline.virtual_stages
+    if names is None:
+        if any(st.layers is not None for st in job.pipeline.stages):
+            return job
+        ranges = _default_cut(model, p * v, probs)
+        if ranges is None:
+            return None
+    else:
+        try:
+            ranges = split_ranges(model, names)
+        except SplitError as e:
+            probs.add(f"pipeline.split_at[{e.index}]", e.name, e.rule)
+            return None
     stages = []
     for i, st in enumerate(job.pipeline.stages):
         chunks = tuple(ranges[j * p + i] for j in range(v))
         stages.append(st.model_copy(update={"layers": chunks[0] if v == 1 else chunks}))
     pipeline = job.pipeline.model_copy(update={"stages": tuple(stages), "split_at": None})
     return job.model_copy(update={"pipeline": pipeline})
+
+
+def _default_cut(model: ModelSpec, parts: int, probs: _Problems) -> Optional[list]:
+    """No stage gives its layers and there is no split_at: the cut into `parts` (virtual) stages
+    balanced by per-layer forward FLOPs (`orchestrator.core.model.balance`); None after a problem."""
+    from orchestrator.core.model.balance import balanced_ranges, layer_costs
+    from orchestrator.core.model.registry import build_model
+
+    n = len(model.layers)
+    if parts > n:
+        probs.add("pipeline.stages", f"{parts} (virtual) stages",
+                  f"the default cut needs at least one layer per (virtual) stage: {_model_layers(model)}")
+        return None
+    costs, _ = layer_costs(build_model(model.factory, model.args), model)
+    return balanced_ranges(costs, parts)
 
 
 def _check_layers(job: JobConfig, model: ModelSpec, probs: _Problems) -> bool:

@@ -257,7 +257,9 @@ class StageConfig(Frozen):
     `layers` is a half-open range `[start, stop)` of model layer indices; with
     `pipeline.virtual_stages: v > 1` it is a list of v such ranges (the stage's
     chunks; chunk j of stage i is virtual stage j * num_stages + i). It is left out
-    when `pipeline.split_at` names the cuts (`check_job` fills it in from the model).
+    when `pipeline.split_at` names the cuts, or on every stage for the default cut: the
+    layers cut so the (virtual) stages' forward FLOPs are balanced
+    (`orchestrator.core.model.balance`); `check_job` fills it in from the model.
     """
 
     layers: Optional[Union[tuple[int, int], tuple[tuple[int, int], ...]]] = None
@@ -359,10 +361,12 @@ class PipelineConfig(Frozen):
                 raise Problem(f"{len(self.stages)} stages{per} need {want} split point(s) (one where each "
                               f"stage after the first begins), got {len(self.split_at)}",
                               ("split_at",), list(self.split_at))
-        elif len(given) != len(self.stages):
+        elif given and len(given) != len(self.stages):    # none given: the cost-balanced default cut
             missing = next(i for i in range(len(self.stages)) if i not in given)
-            raise Problem("required key is missing: the stage's layer range [start, stop) (or name the "
-                          "cuts with pipeline.split_at)", ("stages", missing, "layers"))
+            raise Problem("required key is missing: the stage's layer range [start, stop), given for "
+                          f"stage(s) {given} (give every stage's layers, none of them for the "
+                          "cost-balanced default cut, or name the cuts with pipeline.split_at)",
+                          ("stages", missing, "layers"))
         return self
 
 
