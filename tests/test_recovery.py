@@ -405,7 +405,10 @@ def test_sigstop_hang_is_detected_by_the_progress_deadline_and_recovered(tmp_pat
     assert rec["progress_deadline_s"] == rec["step_deadline_s"] == 30.0, rec     # tiny steps: the floor
     assert "no progress within the step deadline" in rec["error"], rec     # the heartbeats saw it first
     # the waiting actor's RECV deadline follows the driver's (twice it: the driver calls the hang first)
-    assert rec["recv_deadline_s"] == {"stage 0 host 0": 2 * rec["progress_deadline_s"]}, rec
+    # (the executor re-sends it only when it moves by more than a tenth: `_follow_deadline`)
+    (recv,) = rec["recv_deadline_s"].values()
+    assert list(rec["recv_deadline_s"]) == ["stage 0 host 0"], rec
+    assert abs(recv - 2 * rec["progress_deadline_s"]) <= 0.1 * recv, rec
     detect = rec["detected_at"] - stopped["at"]
     assert 0 < detect < rec["step_deadline_s"] + 10, rec  # one step's deadline, plus the heartbeat probe
     assert rec["teardown_s"] < 30, rec                      # the stopped actor was killed, not waited for
