@@ -4,7 +4,7 @@ Run as `python -m stages.aot_profile` by `orchestrator.core.planner.profile.Prof
 (in a subprocess whose environment already has
 `XLA_FLAGS=--xla_force_host_platform_device_count=N` and `JAX_PLATFORMS=cpu`).
 Reads one JSON request on stdin:
-    {"protocol": 2, "source": {"kind": "modelspec", "name", "args", "seq_len"},
+    {"protocol": 2, "source": {"kind": "modelspec", "name", "args", "seq_len"[, "compute"]},
      "requests": [{"key", "layer", "model_size", "rules", "batch"}, ...]}
 and writes one JSON line per request, `{"key": ..., "profile": LayerProfile JSON}` (or
 `{"key": ..., "error": "..."}`), as soon as it is compiled (so a timeout keeps what was done).
@@ -28,12 +28,14 @@ def build_layer(source: dict, layer: int, mesh, layout: dict):
     """(program, spec) for one layer of the model described by `source`, on `mesh` with `layout`."""
     import optax
 
+    from orchestrator.core.model.policy import with_compute_dtype
     from orchestrator.core.model.registry import build_model, build_spec
     from stages.program import StageProgram
 
     if source.get("kind") != "modelspec":
         raise ValueError(f"unknown model source kind {source.get('kind')!r}")
-    spec = build_spec(source["name"], source.get("args") or {}, seq_len=source.get("seq_len"))
+    spec = with_compute_dtype(build_spec(source["name"], source.get("args") or {}, seq_len=source.get("seq_len")),
+                              source.get("compute", "float32"))
     prog = StageProgram(spec, build_model(spec.factory, spec.args), layer, layer + 1, microbatches=1,
                         optimizer=optax.sgd(0.1), mesh=mesh, layout=layout)
     return prog, spec

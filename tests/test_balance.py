@@ -94,3 +94,27 @@ def test_layers_on_some_stages_only_or_too_many_stages_are_errors_naming_the_key
         parse_job(_job([16] * 4, 2, layers=[[0, 2]]))
     with pytest.raises(ConfigError, match=r"pipeline\.stages = '3 \(virtual\) stages'.*at least one layer"):
         check_job(parse_job(_job([16, 16], 3)), parse_cluster({**CLUSTER, "hosts": 3}))
+
+
+def test_a_model_that_cannot_be_traced_falls_back_to_parameter_counts():
+    """A loss that needs concrete values cannot be traced for FLOPs: the cut is then ordered by
+    each layer's parameter count (the wide block holds 8·512·2 of them, the others 8·16·2)."""
+    import dataclasses
+
+    import jax.numpy as jnp
+
+    from orchestrator.core.model.balance import layer_costs
+    from orchestrator.core.model.registry import build_model, build_spec
+
+    args = {"mlps": [16, 16, 16, 512]}
+    model = build_model("tests.balance_models:widths_mlp", args)
+    spec = build_spec("tests.balance_models:widths_mlp", args)
+    assert layer_costs(model, spec)[1] == "flops"
+    broken = dataclasses.replace(model, loss=lambda y, t: float(jnp.mean(y - t)))
+    costs, kind = layer_costs(broken, spec)
+    assert kind == "params" and costs == [8 * 16 * 2] * 3 + [8 * 512 * 2]
+    assert balanced_ranges(costs, 2) == [(0, 3), (3, 4)]
+    import jax
+
+    with pytest.raises(jax.errors.ConcretizationTypeError):   # no spec to count: the trace's error stands
+        layer_costs(broken)

@@ -188,3 +188,32 @@ def test_batched_stage_dp_finds_the_brute_force_optimum_under_every_bound():
         got = sum(tab[(k, 1)][0][i, j] for i, j, h, k, _ in plan) + sum(edge[j, h + k] for i, j, h, k, _ in plan[:-1])
         assert got == pytest.approx(want, rel=1e-12), (bound, plan)
         assert [s[0] for s in plan] == [0] + [s[1] for s in plan[:-1]] and plan[-1][1] == L
+
+
+def test_adapter_sizes_stage_edges_in_the_jobs_compute_dtype():
+    """bfloat16 compute: floating activations cross stage edges at 2 bytes, so every edge's bytes
+    halve and the programs get signatures of their own; integer outputs keep their itemsize."""
+    from pathlib import Path
+
+    from orchestrator.core.config import load_job
+    from orchestrator.core.model.policy import with_compute_dtype
+    from orchestrator.core.planner.adapter import from_job
+
+    ROOT = Path(__file__).resolve().parent.parent
+
+    spec = _spec_with_state_and_tie()
+    f32, bf16 = from_spec(spec, "toy", {}, None), from_spec(with_compute_dtype(spec, "bfloat16"), "toy", {}, None)
+    assert [la.out_itemsize for la in f32.layers] == [4, 4, 4]
+    assert [la.out_itemsize for la in bf16.layers] == [2, 2, 2]
+    assert [b.out_bytes(16) * 2 for b in bf16.layers] == [a.out_bytes(16) for a in f32.layers]
+    assert all(a.signature != b.signature for a, b in zip(f32.layers, bf16.layers))
+    ints = dataclasses.replace(spec, layers=(dataclasses.replace(spec.layers[0], outputs=(
+        LeafSpec("", (8,), "int32", ("batch", "embed")),)),) + spec.layers[1:])
+    assert from_spec(with_compute_dtype(ints, "bfloat16"), "toy", {}, None).layers[0].out_itemsize == 4
+
+    plain = from_job(load_job(ROOT / "examples" / "llama.yaml"))      # a factory model (flax.nnx)
+    half = from_job(load_job(ROOT / "examples" / "llama.yaml", overrides=["precision.compute=bfloat16"]))
+    assert [la.out_itemsize for la in plain.layers] == [4] * len(plain.layers)
+    assert [la.out_itemsize for la in half.layers] == [2] * len(half.layers)
+    assert half.source["compute"] == "bfloat16" and "compute" not in plain.source   # the worker compiles bf16
+    assert plain.source["name"] == "examples.llama_model:pipeline"

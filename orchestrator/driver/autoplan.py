@@ -34,7 +34,7 @@ def auto_plan(job_path: str, cluster_path: str, overrides, *, out: Optional[str]
     try:
         model = from_job(job)
     except (KeyError, ValueError, TypeError, ImportError, AttributeError) as e:
-        raise ConfigError(f"model = {job.model.name!r}: cannot build the model description for planning: {e}") from None
+        raise ConfigError(f"model = {job.model.ref!r}: cannot build the model description for planning: {e}") from None
     topo = from_cluster(cluster)
     profiler = Profiler(WORKER, Path(cache_dir) if cache_dir else default_cache_dir())
     opts = SearchOptions(microbatches=microbatches, max_model=max_model, top=top,

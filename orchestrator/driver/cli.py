@@ -16,9 +16,10 @@
     meshpipe prepare INPUTS... --out DIR (--tokenizer FILE | --train-tokenizer VOCAB) [--shard-tokens N]
 
 `--set` takes job keys (`run.steps=3`) and, with a `cluster.` prefix, cluster
-keys (`cluster.timeouts.step_s=60`). The job file's directory is put on the
-import path (driver and stage actors), so a `module:factory` model beside it
-imports without PYTHONPATH.
+keys (`cluster.timeouts.step_s=60`). The job file's directory and the working
+directory are put on the import path (driver, planner worker and stage actors), so
+a `module:factory` model beside the job, or `examples.llama_model:pipeline` from
+the repo root, imports without PYTHONPATH.
 
 Config errors print one line per problem (key, value, rule) and exit with 2
 before anything starts; so does a run whose record already exists (without
@@ -59,11 +60,18 @@ def split_overrides(overrides: tuple[str, ...] | list[str]) -> tuple[list[str], 
 
 
 def job_import_dir(job_path: str) -> str:
-    """The job file's directory, put first on this process's import path (a model factory beside it)."""
-    d = str(Path(job_path).resolve().parent)
-    if d not in sys.path:
-        sys.path.insert(0, d)
-    return d
+    """The job file's directory, then the directory meshpipe was started in (as `python -m` has
+    it), put first on the import path of this process and of the processes it starts (the
+    planner's profiling worker, a local Ray's actors): a `module:factory` beside the job file, or
+    a `package.module:factory` under the working directory (`examples.llama_model:pipeline` from
+    the repo root), imports without PYTHONPATH. Returns them joined with os.pathsep."""
+    dirs = list(dict.fromkeys([str(Path(job_path).resolve().parent), str(Path.cwd())]))
+    for d in reversed(dirs):
+        if d not in sys.path:
+            sys.path.insert(0, d)
+    have = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    os.environ["PYTHONPATH"] = os.pathsep.join(dirs + [p for p in have if p not in dirs])
+    return os.pathsep.join(dirs)
 
 
 def _refuse_code(job, command: str) -> None:
@@ -325,6 +333,7 @@ def _auto(job, cluster, overrides, out, explain_, top, max_model, microbatches, 
     from orchestrator.core.config import ConfigError
     from orchestrator.driver.autoplan import PlanningError, ProfileError, auto_plan
 
+    job_import_dir(job)
     try:
         ms = tuple(int(x) for x in microbatches.split(",")) if microbatches else None
     except ValueError:
