@@ -455,3 +455,27 @@ def test_quick_option_leaves_out_every_test_that_starts_ray():
     ids = [ln for ln in out.stdout.splitlines() if ln.startswith("tests/")]
     assert "tests/test_surface.py::test_version" in ids
     assert not [i for i in ids if "signal_stops" in i or "progress_bar" in i or "trains_on_the_actors" in i]
+
+
+def test_the_installed_command_imports_a_package_factory_from_the_working_directory(tmp_path):
+    """`meshpipe plan jobs/job.yaml` naming `pkg.mymodel:spec`, run in the directory that holds
+    `pkg/` (as `examples/llama.yaml` names `examples.llama_model:pipeline` from the repo root),
+    through the console script (whose sys.path, unlike `python -m`'s, lacks the working
+    directory) with no PYTHONPATH: it imports, as the CLI puts the working directory on the
+    import path after the job's own directory."""
+    import shutil
+
+    exe = shutil.which("meshpipe", path=str(Path(sys.executable).parent))
+    assert exe, "the meshpipe console script is not installed beside this interpreter"
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "mymodel.py").write_text(FACTORY)
+    (tmp_path / "jobs").mkdir()
+    job = yaml.safe_load((ROOT / "examples/mlp.yaml").read_text())
+    job["model"]["name"] = "pkg.mymodel:spec"
+    (tmp_path / "jobs" / "job.yaml").write_text(yaml.safe_dump(job))
+    env = {k: v for k, v in ENV.items() if k != "PYTHONPATH"}
+    out = subprocess.run([exe, "plan", "jobs/job.yaml", "--json", "--allow-code"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=180, env=env)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["model"] == "pkg.mymodel:spec"
