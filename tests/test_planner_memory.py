@@ -193,13 +193,7 @@ def test_batched_stage_dp_finds_the_brute_force_optimum_under_every_bound():
 def test_adapter_sizes_stage_edges_in_the_jobs_compute_dtype():
     """bfloat16 compute: floating activations cross stage edges at 2 bytes, so every edge's bytes
     halve and the programs get signatures of their own; integer outputs keep their itemsize."""
-    from pathlib import Path
-
-    from orchestrator.core.config import load_job
     from orchestrator.core.model.policy import with_compute_dtype
-    from orchestrator.core.planner.adapter import from_job
-
-    ROOT = Path(__file__).resolve().parent.parent
 
     spec = _spec_with_state_and_tie()
     f32, bf16 = from_spec(spec, "toy", {}, None), from_spec(with_compute_dtype(spec, "bfloat16"), "toy", {}, None)
@@ -211,6 +205,16 @@ def test_adapter_sizes_stage_edges_in_the_jobs_compute_dtype():
         LeafSpec("", (8,), "int32", ("batch", "embed")),)),) + spec.layers[1:])
     assert from_spec(with_compute_dtype(ints, "bfloat16"), "toy", {}, None).layers[0].out_itemsize == 4
 
+
+def test_a_factory_model_plans_in_the_jobs_compute_dtype():
+    """The same through a job naming a factory model (examples/llama.yaml, flax.nnx: the models
+    extra): every edge at 2 bytes under bfloat16, and the worker told to compile in bfloat16."""
+    from pathlib import Path
+
+    from orchestrator.core.config import load_job
+    from orchestrator.core.planner.adapter import from_job
+
+    ROOT = Path(__file__).resolve().parent.parent
     plain = from_job(load_job(ROOT / "examples" / "llama.yaml"))      # a factory model (flax.nnx)
     half = from_job(load_job(ROOT / "examples" / "llama.yaml", overrides=["precision.compute=bfloat16"]))
     assert [la.out_itemsize for la in plain.layers] == [4] * len(plain.layers)

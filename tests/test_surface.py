@@ -459,7 +459,7 @@ def test_quick_option_leaves_out_every_test_that_starts_ray():
 
 def test_the_installed_command_imports_a_package_factory_from_the_working_directory(tmp_path):
     """`meshpipe plan jobs/job.yaml` naming `pkg.mymodel:spec`, run in the directory that holds
-    `pkg/` (as `examples/llama.yaml` names `examples.llama_model:pipeline` from the repo root),
+    the package (as `examples/llama.yaml` names `examples.llama_model:pipeline` from the repo root),
     through the console script (whose sys.path, unlike `python -m`'s, lacks the working
     directory) with no PYTHONPATH: it imports, as the CLI puts the working directory on the
     import path after the job's own directory."""
