@@ -138,6 +138,53 @@ def test_classify_names_the_peer_that_failed_not_the_one_told_to_abort():
     assert (f.cause, f.stage) == (HANG, None)
 
 
+def test_steps_lost_are_the_finished_steps_run_again():
+    """benchmarks/results/recovery.json had `steps_lost` 8 for a kill in step 30 resumed from 20: the
+    driver had results up to step 27 (4 steps per call), but 28 and 29 had finished inside the failed
+    call. The failure's step comes from the actors still answering (their newest finished step), the
+    record counts from it: 30 - 20 = 10 steps run again."""
+    from orchestrator.core.recovery import DIED, ERROR, Failure, failed_step
+    from orchestrator.driver.recovery import record
+
+    step = failed_step(28, {"stage 0 host 0": 29})        # stage 1 host 0 is dead: no answer
+    assert step == 30
+    assert record(Failure(DIED, 1, 0, step, "killed"), {}, 20, 0.0, 0.1)["steps_lost"] == 10
+    assert failed_step(28, {"stage 0 host 0": 29, "stage 0 host 1": 28}) == 29    # the laggard's step
+    assert failed_step(5, {"stage 0 host 0": 4}) == 5      # an error in step 5 (the actor said so)
+    assert failed_step(4, {"stage 0 host 0": None}) == 4   # no step finished in this attempt
+    assert record(Failure(ERROR, 0, 0, 4, "x"), {}, 4, 0.0, 0.1)["steps_lost"] == 0
+
+
+def test_stop_message_commands_are_ones_the_cli_accepts():
+    """Stopped with nothing committed: the command printed starts again with --overwrite (the failed
+    run's record exists: without it `meshpipe run` exits 2); with a commit: --resume. Parsed by the
+    `run` command itself."""
+    import doctest
+    import shlex
+
+    from orchestrator.core.recovery import DIED, Decision, Failure
+    from orchestrator.driver import recovery
+    from orchestrator.driver.cli import resume_command, run
+
+    def parsed(message: str, after: str) -> dict:
+        line = message.split(after, 1)[1].strip()
+        words = shlex.split(line)
+        assert words[:2] == ["meshpipe", "run"], line
+        return run.make_context("run", words[2:]).params
+
+    root = Path(__file__).resolve().parent.parent
+    job, cluster = str(root / "examples/mlp.yaml"), str(root / "cluster_configs/local.yaml")   # (must exist)
+    cmd = resume_command(job, cluster, ("run.steps=8",), "auto")
+    f, no = Failure(DIED, 1, 0, 1, "killed"), Decision(False, "no checkpoint is committed yet")
+    fresh = parsed(recovery.stop_message(f, {}, no, None, 1, cmd), "Start again with:")
+    assert fresh["overwrite"] and fresh["resume"] is None, fresh
+    assert (fresh["job"], fresh["cluster"], fresh["overrides"], fresh["address"]) == (job, cluster,
+                                                                                     ("run.steps=8",), "auto")
+    again = parsed(recovery.stop_message(f, {}, Decision(False, "used up"), 4, 6, cmd), "Continue with:")
+    assert again["resume"] == "latest" and not again["overwrite"], again
+    assert doctest.testmod(recovery).failed == 0
+
+
 def test_a_failure_while_a_node_is_gone_is_that_nodes_loss():
     from orchestrator.core.recovery import DIED, ERROR, NODE_LOST, Failure, RestartPolicy, node_loss
 
@@ -308,6 +355,8 @@ def test_kill_9_of_a_stage_actor_recovers_bit_equal(tmp_path, no_leaks, uninterr
     (rec,) = got["recoveries"]
     print("recovery:", {**rec, "detection_s": rec["detected_at"] - killed["at"]})     # pytest -rP shows it
     assert (rec["cause"], rec["stage"], rec["host"], rec["resumed_from"]) == ("actor died", 1, 0, 4), rec
+    # killed in step 5: step 4 finished (inside the failed call under step_calls) and ran again
+    assert (rec["step"], rec["steps_lost"]) == (5, 1), rec
     assert "Some common causes" not in rec["error"] and "actor is dead" in rec["error"], rec
     assert rec["cluster_host"] == 1 and rec["node_id"]
     assert 0 <= rec["detected_at"] - killed["at"] < 10, rec        # noticed within 10 s of the kill
@@ -334,7 +383,8 @@ def test_the_same_failure_at_the_same_step_twice_stops(tmp_path, no_leaks):
             "deterministic", "last committed checkpoint: step 4", "meshpipe run j.yaml --resume")
     s = _summary(job)
     assert s["status"] == "failed" and s["restarts"] == 1 and s["steps_done"] == 4
-    assert [(r["cause"], r["stage"], r["step"], r["resumed_from"]) for r in s["recoveries"]] == [("error", 1, 5, 4)]
+    assert [(r["cause"], r["stage"], r["step"], r["resumed_from"], r["steps_lost"]) for r in s["recoveries"]] == [
+        ("error", 1, 5, 4, 1)]            # step 4 finished inside the failed call (steps 4-7) and ran again
 
 
 @pytest.mark.ray
