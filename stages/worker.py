@@ -123,6 +123,7 @@ class StageWorker:
         # what this actor is at, for `heartbeat`: (step, action text or None between steps, whether it
         # is a RECV, since when on this process's clock); set before each action (`_doing`)
         self.doing: tuple = (None, None, False, time.monotonic())
+        self.last_done: int | None = None     # the newest step finished here (heartbeat's `done`)
         # what a RECV (and the end-of-step flush) waits: timeouts.step_s until the driver has
         # measured steps, then what it sets (`set_recv_deadline`: a multiple of its progress deadline)
         self.recv_s = float(cfg.timeouts.get("step_s", 600.0))
@@ -397,10 +398,11 @@ class StageWorker:
         """Called in the "io" group: answers while a step runs or waits; a stopped process does not
         (how the driver tells the hung actor from the ones waiting on it). Says what the actor is at
         (`doing`: the action under way, None between steps; `waiting`: it is a RECV; `busy_s`:
-        seconds at it, this process's clock) — `orchestrator.core.recovery.stalled` reads it."""
+        seconds at it, this process's clock) — `orchestrator.core.recovery.stalled` reads it —
+        and `done`, the newest step it finished (`orchestrator.core.recovery.failed_step`)."""
         step, doing, waiting, since = self.doing
         return {"pid": os.getpid(), "time": time.time(), "recv_s": self.recv_s, "step": step, "doing": doing,
-                "waiting": waiting, "busy_s": time.monotonic() - since}
+                "waiting": waiting, "busy_s": time.monotonic() - since, "done": self.last_done}
 
     def _doing(self, step, what: str | None, waiting: bool = False) -> None:
         self.doing = (step, what, waiting, time.monotonic())
@@ -527,6 +529,7 @@ class StageWorker:
             if self.ckpt.due(st.step + 1):
                 out["stats"]["checkpoint_blocking_s"] = self.ckpt.save(st.step + 1, self)
             out["checkpoints"] = self.ckpt.reports()
+        self.last_done = st.step
         return out
 
     # -- evaluation (forward-only schedule) -------------------------------

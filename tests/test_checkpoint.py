@@ -314,6 +314,33 @@ def test_resume_is_bit_exact_1f1b_and_bad_checkpoints_refused(tmp_path, no_leaks
     r = meshpipe("export", str(ck.step_dir(full_dir, 2)), "--to", str(tmp_path / "exported"), timeout=300)
     assert r.returncode == 2 and "exists already" in r.stderr
 
+    # `--resume auto` (what `meshpipe submit` runs), through the CLI on this session's Ray: the first
+    # run finds no commit and starts at step 0 (2 steps, commits step 2); the same command again, told
+    # to train 4 steps, continues its own record from step 2 (a plain `run` exits 2 on that record)
+    # and ends with the uninterrupted run's losses and step-4 arrays; a third finds nothing to train
+    from click.testing import CliRunner
+
+    from orchestrator.driver.cli import main
+
+    auto_dir, job_file, cluster_file = tmp_path / "ck-auto", tmp_path / "auto.json", tmp_path / "cluster.json"
+    job_file.write_text(json.dumps(gpt_job(tmp_path, "auto", auto_dir)))
+    cluster_file.write_text(json.dumps(CLUSTER))
+
+    def auto(steps: int, code: int = 0) -> str:
+        r = CliRunner().invoke(main, ["run", str(job_file), "--cluster", str(cluster_file), "--set",
+                                      f"run.steps={steps}", "--resume", "auto"])
+        assert r.exit_code == code, r.output
+        return r.output
+
+    has_all(auto(2), "--resume auto: no committed checkpoint in", str(auto_dir), "starting at step 0")
+    assert [m["step"] for m in ck.committed(auto_dir)] == [2]
+    has_all(auto(4), "resuming from checkpoint step 2")
+    summary = json.loads((tmp_path / "runs" / "auto" / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["checkpoint"]["resumed_from"] == 2
+    assert summary["losses"] == full["losses"] and len(summary["step_times_s"]) == 2     # ran steps 2, 3
+    assert ck.select(auto_dir)["step"] == 4 and ck.select(auto_dir)["arrays"] == ck.select(full_dir)["arrays"]
+    has_all(auto(4, code=2), "checkpoint step 4 is not before run.steps = 4", "nothing left to train")
+
     # bad input against this real checkpoint, each refused before anything starts
     fresh = gpt_job(tmp_path, "again", full_dir)
     with pytest.raises(ck.CheckpointError, match="holds committed checkpoints .*pass --resume"):

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.core.config import parse_job
+from tests.leaks import listening
 from tests.test_bad_input import error_of, has_all
 from tests.test_checkpoint import gpt_job
 
@@ -138,6 +139,96 @@ def test_classify_names_the_peer_that_failed_not_the_one_told_to_abort():
     assert (f.cause, f.stage) == (HANG, None)
 
 
+def test_leak_check_sees_a_held_block_a_transport_socket_a_port_and_a_live_process(tmp_path):
+    """`tests.leaks` (used after every recovery test on Ray) finds each kind of leftover it checks."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    import ray  # noqa: F401 - puts Ray's bundled psutil on the import path
+
+    from tests.leaks import RecordPid, alive, left_over, listening
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("/proc")
+    before = listening()
+    assert left_over("leakcheck", before) == []
+    fd = os.memfd_create("meshpipe-block-7", os.MFD_CLOEXEC)
+    unix, tcp = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM), socket.socket()
+    try:
+        unix.bind("\0meshpipe-leakcheck")
+        unix.listen()
+        tcp.bind(("127.0.0.1", 0))
+        tcp.listen()
+        found = left_over("leakcheck", before)
+        assert any("memfd:meshpipe-block-7" in p for p in found), found
+        assert any("transport socket @meshpipe-" in p for p in found), found
+        assert f"the driver listens on 127.0.0.1:{tcp.getsockname()[1]}" in found, found
+    finally:
+        os.close(fd)
+        unix.close()
+        tcp.close()
+    assert left_over("leakcheck", before) == []
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        RecordPid(str(tmp_path / "pids")).on_setup(None)          # this process records itself
+        assert alive(os.getpid(), float((tmp_path / "pids" / str(os.getpid())).read_text()))
+        assert alive(child.pid, time.time()) and not alive(child.pid, time.time() - 3600)   # a reused pid
+    finally:
+        child.kill()
+        child.wait()
+    assert not alive(child.pid, time.time())
+
+
+def test_steps_lost_are_the_finished_steps_run_again():
+    """benchmarks/results/recovery.json had `steps_lost` 8 for a kill in step 30 resumed from 20: the
+    driver had results up to step 27 (4 steps per call), but 28 and 29 had finished inside the failed
+    call. The failure's step comes from the actors still answering (their newest finished step), the
+    record counts from it: 30 - 20 = 10 steps run again."""
+    from orchestrator.core.recovery import DIED, ERROR, Failure, failed_step
+    from orchestrator.driver.recovery import record
+
+    step = failed_step(28, {"stage 0 host 0": 29})        # stage 1 host 0 is dead: no answer
+    assert step == 30
+    assert record(Failure(DIED, 1, 0, step, "killed"), {}, 20, 0.0, 0.1)["steps_lost"] == 10
+    assert failed_step(28, {"stage 0 host 0": 29, "stage 0 host 1": 28}) == 29    # the laggard's step
+    assert failed_step(5, {"stage 0 host 0": 4}) == 5      # an error in step 5 (the actor said so)
+    assert failed_step(4, {"stage 0 host 0": None}) == 4   # no step finished in this attempt
+    assert record(Failure(ERROR, 0, 0, 4, "x"), {}, 4, 0.0, 0.1)["steps_lost"] == 0
+
+
+def test_stop_message_commands_are_ones_the_cli_accepts():
+    """Stopped with nothing committed: the command printed starts again with --overwrite (the failed
+    run's record exists: without it `meshpipe run` exits 2); with a commit: --resume. Parsed by the
+    `run` command itself."""
+    import doctest
+    import shlex
+
+    from orchestrator.core.recovery import DIED, Decision, Failure
+    from orchestrator.driver import recovery
+    from orchestrator.driver.cli import resume_command, run
+
+    def parsed(message: str, after: str) -> dict:
+        line = message.split(after, 1)[1].strip()
+        words = shlex.split(line)
+        assert words[:2] == ["meshpipe", "run"], line
+        return run.make_context("run", words[2:]).params
+
+    root = Path(__file__).resolve().parent.parent
+    job, cluster = str(root / "examples/mlp.yaml"), str(root / "cluster_configs/local.yaml")   # (must exist)
+    cmd = resume_command(job, cluster, ("run.steps=8",), "auto")
+    f, no = Failure(DIED, 1, 0, 1, "killed"), Decision(False, "no checkpoint is committed yet")
+    fresh = parsed(recovery.stop_message(f, {}, no, None, 1, cmd), "Start again with:")
+    assert fresh["overwrite"] and fresh["resume"] is None, fresh
+    assert (fresh["job"], fresh["cluster"], fresh["overrides"], fresh["address"]) == (job, cluster,
+                                                                                     ("run.steps=8",), "auto")
+    again = parsed(recovery.stop_message(f, {}, Decision(False, "used up"), 4, 6, cmd), "Continue with:")
+    assert again["resume"] == "latest" and not again["overwrite"], again
+    assert doctest.testmod(recovery).failed == 0
+
+
 def test_a_failure_while_a_node_is_gone_is_that_nodes_loss():
     from orchestrator.core.recovery import DIED, ERROR, NODE_LOST, Failure, RestartPolicy, node_loss
 
@@ -222,12 +313,24 @@ def recovery_job(tmp_path: Path, name: str, ckpt_dir: Path, max_restarts: int = 
     return job
 
 
-def _run(job: dict, hooks=(), resume=None, resume_command=None, executor: str = "step_calls") -> dict:
+def _run(job: dict, hooks=(), resume=None, resume_command=None, executor: str = "step_calls",
+         pids: Path | None = None) -> dict:
+    """run_job on the session's Ray; `pids`: each stage process of each attempt records itself there
+    (`tests.leaks.RecordPid`) for `_nothing_left`."""
     from orchestrator.driver.runner import run_job
+    from tests.leaks import RecordPid
     from tests.test_checkpoint import CLUSTER, checked_of
 
+    hooks = list(hooks) + ([RecordPid(str(pids))] if pids is not None else [])
     return run_job(checked_of(job, {**CLUSTER, "executor": executor}), echo=lambda s: None, keep_params=True,
                    hooks=hooks, resume=resume, resume_command=resume_command)
+
+
+def _nothing_left(pids: Path, job: dict, listening_before: set) -> None:
+    """No process, shared-memory block or socket of the run (every attempt's) is left (`tests.leaks`)."""
+    from tests.leaks import assert_nothing_left
+
+    assert_nothing_left(pids, job["run"]["name"], listening_before)
 
 
 def _summary(job: dict) -> dict:
@@ -299,8 +402,9 @@ def test_kill_9_of_a_stage_actor_recovers_bit_equal(tmp_path, no_leaks, uninterr
             killed["error"] = e
 
     t = threading.Thread(target=killer, daemon=True)
+    before = listening()
     t.start()
-    got = _run(job, hooks=[hold], executor=executor)
+    got = _run(job, hooks=[hold], executor=executor, pids=tmp_path / "pids")
     t.join(60)
     assert "error" not in killed, killed.get("error")
     assert killed["pid"] == int(reached.read_text())                # the held actor is the one killed
@@ -308,6 +412,8 @@ def test_kill_9_of_a_stage_actor_recovers_bit_equal(tmp_path, no_leaks, uninterr
     (rec,) = got["recoveries"]
     print("recovery:", {**rec, "detection_s": rec["detected_at"] - killed["at"]})     # pytest -rP shows it
     assert (rec["cause"], rec["stage"], rec["host"], rec["resumed_from"]) == ("actor died", 1, 0, 4), rec
+    # killed in step 5: step 4 finished (inside the failed call under step_calls) and ran again
+    assert (rec["step"], rec["steps_lost"]) == (5, 1), rec
     assert "Some common causes" not in rec["error"] and "actor is dead" in rec["error"], rec
     assert rec["cluster_host"] == 1 and rec["node_id"]
     assert 0 <= rec["detected_at"] - killed["at"] < 10, rec        # noticed within 10 s of the kill
@@ -318,6 +424,7 @@ def test_kill_9_of_a_stage_actor_recovers_bit_equal(tmp_path, no_leaks, uninterr
     assert [m["step"] for m in ck.committed(root)][-1] == STEPS
     lines = (Path(job["run"]["output_dir"]) / name / "metrics.jsonl").read_text().splitlines()
     assert sum('"restart": 1' in ln for ln in lines) == 1
+    _nothing_left(tmp_path / "pids", job, before)
 
 
 @pytest.mark.ray
@@ -328,13 +435,17 @@ def test_the_same_failure_at_the_same_step_twice_stops(tmp_path, no_leaks):
     from tests.faults import FailStep
 
     job = recovery_job(tmp_path, "determ", tmp_path / "ck", max_restarts=3)
+    before = listening()
     with pytest.raises(RecoveryStopped) as ei:
-        _run(job, hooks=[FailStep(stage=1, host=0, step=5)], resume_command="meshpipe run j.yaml --resume")
+        _run(job, hooks=[FailStep(stage=1, host=0, step=5)], resume_command="meshpipe run j.yaml --resume",
+             pids=tmp_path / "pids")
     has_all(str(ei.value), "error: stage 1 host 0", "in step 5", "injected step failure at step 5",
             "deterministic", "last committed checkpoint: step 4", "meshpipe run j.yaml --resume")
     s = _summary(job)
     assert s["status"] == "failed" and s["restarts"] == 1 and s["steps_done"] == 4
-    assert [(r["cause"], r["stage"], r["step"], r["resumed_from"]) for r in s["recoveries"]] == [("error", 1, 5, 4)]
+    assert [(r["cause"], r["stage"], r["step"], r["resumed_from"], r["steps_lost"]) for r in s["recoveries"]] == [
+        ("error", 1, 5, 4, 1)]            # step 4 finished inside the failed call (steps 4-7) and ran again
+    _nothing_left(tmp_path / "pids", job, before)           # of either attempt
 
 
 @pytest.mark.ray
@@ -348,14 +459,17 @@ def test_restarts_used_up_stop_with_the_resume_command(tmp_path, no_leaks, unint
 
     job = recovery_job(tmp_path, "usedup", tmp_path / "ck", max_restarts=1)
     hooks = [FailStepOnce(1, 0, 5, str(tmp_path / "a")), FailStepOnce(0, 0, 6, str(tmp_path / "b"))]
+    before = listening()
     with pytest.raises(RecoveryStopped) as ei:
-        _run(job, hooks=hooks, resume_command="meshpipe run j.yaml --resume")
+        _run(job, hooks=hooks, resume_command="meshpipe run j.yaml --resume", pids=tmp_path / "pids")
+    _nothing_left(tmp_path / "pids", job, before)
     has_all(str(ei.value), "error: stage 0 host 0", "in step 6", "max_restarts = 1", "used up",
             "last committed checkpoint: step", "Continue with: meshpipe run j.yaml --resume")
     s = _summary(job)
     assert s["status"] == "failed" and s["restarts"] == 1
-    resumed = _run(job, hooks=hooks, resume="latest")    # the flags are set: the faults are spent
+    resumed = _run(job, hooks=hooks, resume="latest", pids=tmp_path / "pids-resumed")   # the faults are spent
     _assert_same_run(resumed, uninterrupted)
+    _nothing_left(tmp_path / "pids-resumed", job, before)
 
 
 # ----------------------------------------------------------------------------- more chaos
@@ -394,8 +508,9 @@ def test_sigstop_hang_is_detected_by_the_progress_deadline_and_recovered(tmp_pat
             stopped["error"] = e
 
     t = threading.Thread(target=stopper, daemon=True)
+    before = listening()
     t.start()
-    got = _run(job, hooks=[hold])
+    got = _run(job, hooks=[hold], pids=tmp_path / "pids")
     t.join(60)
     assert "error" not in stopped, stopped.get("error")
     (rec,) = got["recoveries"]
@@ -413,6 +528,7 @@ def test_sigstop_hang_is_detected_by_the_progress_deadline_and_recovered(tmp_pat
     assert 0 < detect < rec["step_deadline_s"] + 10, rec  # one step's deadline, plus the heartbeat probe
     assert rec["teardown_s"] < 30, rec                      # the stopped actor was killed, not waited for
     _assert_same_run(got, uninterrupted)
+    _nothing_left(tmp_path / "pids", job, before)          # the stopped process too
 
 
 @pytest.mark.ray
@@ -444,11 +560,13 @@ def test_a_second_kill_while_recovering_is_survived(tmp_path, no_leaks, uninterr
             done["error"] = e
 
     t = threading.Thread(target=killer, daemon=True)
+    before = listening()
     t.start()
-    got = _run(job, hooks=hooks)
+    got = _run(job, hooks=hooks, pids=tmp_path / "pids")
     t.join(60)
     assert "error" not in done, done.get("error")
     assert got["restarts"] == 2
     assert [(r["cause"], r["stage"], r["resumed_from"]) for r in got["recoveries"]] == [
         ("actor died", 1, 4), ("actor died", 0, 4)], got["recoveries"]
     _assert_same_run(got, uninterrupted)
+    _nothing_left(tmp_path / "pids", job, before)          # three attempts' processes

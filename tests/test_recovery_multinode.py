@@ -122,7 +122,8 @@ def test_a_lost_node_is_named_and_the_run_recovers_bit_equal_on_the_spare(cluste
     assert got["restarts"] == 1
     (rec,) = got["recoveries"]
     print("recovery:", {**rec, "detection_s": rec["detected_at"] - lost["at"], "removal_s": lost["removed_s"]})
-    assert (rec["cause"], rec["stage"], rec["host"], rec["step"], rec["resumed_from"]) == ("node lost", 0, 1, 4, 4), rec
+    assert (rec["cause"], rec["stage"], rec["host"], rec["step"], rec["resumed_from"]) == ("node lost", 0, 1, 5, 4), rec
+    assert rec["steps_lost"] == 1, rec          # step 4 finished inside the failed call (steps 4-7)
     assert rec["node_id"] == lost["node_id"] and lost["node_id"][:12] in rec["error"], rec
     assert "is gone" in rec["error"] and "stage 0 host 1" in rec["error"], rec
     assert 0 <= rec["detected_at"] - lost["at"] < 10, rec          # the issue's bound for a node loss
@@ -144,7 +145,8 @@ def test_a_lost_node_is_named_and_the_run_recovers_bit_equal_on_the_spare(cluste
 def test_no_node_to_replace_a_lost_one_stops_within_the_placement_timeout(cluster, tmp_path):
     """No node to spare (after the first test, three nodes for three hosts; one lost): the restart
     waits `failure.placement_timeout_s` (20 s) and the run stops saying so, with the command that
-    continues it. (The failed call was steps 4-7: the failure's step is 4, the first without a result.)"""
+    continues it. (The failed call was steps 4-7: the failure's step is 5, the first one the actors
+    still answering had not finished.)"""
     from orchestrator.core import checkpoint as ck
     from orchestrator.driver.recovery import RecoveryStopped
     from tests.faults import HoldAt
@@ -158,7 +160,7 @@ def test_no_node_to_replace_a_lost_one_stops_within_the_placement_timeout(cluste
     with pytest.raises(RecoveryStopped) as ei:
         _run(job, hooks=[hold], resume_command="meshpipe run j.yaml --resume")
     assert "error" not in lost, lost.get("error")
-    has_all(str(ei.value), "node lost: stage 0 host 1", lost["node_id"][:12], "in step 4",
+    has_all(str(ei.value), "node lost: stage 0 host 1", lost["node_id"][:12], "in step 5",
             "could not be reserved again within 20 s", "failure.placement_timeout_s", "STRICT_SPREAD",
             "last committed checkpoint: step 4", "Continue with: meshpipe run j.yaml --resume")
     assert time.monotonic() - t0 < 600

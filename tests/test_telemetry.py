@@ -224,6 +224,26 @@ def test_package_ships_the_job_directory_and_connects_to_the_running_cluster(mon
     assert "run.output_dir" not in remote.entrypoint and "relative" in remote.warnings[0]
 
 
+def test_package_of_a_resumable_job_resumes_auto_with_an_absolute_checkpoint_dir(monkeypatch):
+    """A job with `checkpoint:` runs as `--resume auto` (the same submission again continues it, where
+    plain `run` would exit 2 on its record and `--overwrite` on its commits); a relative
+    checkpoint.dir is made absolute like run.output_dir (a warning on a remote cluster)."""
+    monkeypatch.chdir(ROOT)
+    sets = ("checkpoint.dir=ckpt/mlp", "checkpoint.every_steps=2")
+    checked = _checked(*sets)
+    p = jobs.package(checked, "examples/mlp.yaml", None, sets, "http://127.0.0.1:8265", overwrite=True)
+    assert p.entrypoint.startswith("meshpipe run mlp.yaml --address auto --overwrite --resume auto --set "), p.entrypoint
+    assert f"--set checkpoint.dir={ROOT / 'ckpt/mlp'}" in p.entrypoint and not p.warnings
+    assert p.entrypoint.index("checkpoint.dir=ckpt/mlp") < p.entrypoint.index(f"checkpoint.dir={ROOT}")  # last wins
+    absolute = _checked("checkpoint.dir=/srv/ck", "checkpoint.every_steps=2")
+    p = jobs.package(absolute, "examples/mlp.yaml", None, (), "http://127.0.0.1:8265")
+    assert "--resume auto" in p.entrypoint and "checkpoint.dir" not in p.entrypoint
+    remote = jobs.package(checked, "examples/mlp.yaml", None, sets, "http://10.1.2.3:8265")
+    assert [w.split(" is relative")[0] for w in remote.warnings] == ["run.output_dir = 'runs'",
+                                                                     "checkpoint.dir = 'ckpt/mlp'"]
+    assert "--resume" not in jobs.package(_checked(), "examples/mlp.yaml", None, (), "http://127.0.0.1:8265").entrypoint
+
+
 def test_package_refuses_files_outside_the_working_dir(monkeypatch):
     monkeypatch.chdir(ROOT)
     checked = _checked()

@@ -15,6 +15,9 @@ these questions; the answers depend only on the values passed in, so they test i
     the configured `timeouts.step_s` until steps have been measured, then
     min(step_s, max(30 s, 3 × the median measured step time)); a call of n steps (the driver
     learns results a call at a time) gets min(n × step_s, max(30 s, 3 × n × the median)).
+  - `failed_step(step, done)`: the step a failure happened in, from the first step the driver
+    has no result for and the steps the actors that still answer say they finished (with
+    several steps per call the driver learns results a call at a time).
   - `stalled(beats, silent_s, deadline_s)`: whether the actors' heartbeats (taken while a step
     runs, `orchestrator.driver.recovery.HeartbeatWatch`) say the step hangs, and whose hang it
     is: one step's deadline, not a call's.
@@ -109,6 +112,25 @@ def node_loss(failure: Failure, lost: dict) -> Failure:
     stage, host = label_of(first[0] if first else None)
     seen = f"; first error seen: {failure.cause}: {failure.who}: {failure.text}" if failure.text else ""
     return Failure(NODE_LOST, stage, host, failure.step, "; ".join(parts) + seen)
+
+
+def failed_step(step: int, done: dict) -> int:
+    """The step a failure happened in: the first step that not every actor answering a heartbeat
+    after the failure had finished, and never before `step`, the first step the driver has no
+    result for. `done`: label -> the newest step that actor finished (its heartbeat's `done`;
+    None: none in this attempt). With `cluster.steps_per_call` k the driver learns results a call
+    at a time, so the steps finished inside the failed call are the actors' to tell; a restart
+    from checkpoint step c then runs `failed_step - c` finished steps again.
+
+    >>> failed_step(28, {"stage 0 host 0": 29})                 # 28 and 29 finished inside the call
+    30
+    >>> failed_step(28, {"stage 0 host 0": 29, "stage 1 host 1": 30})
+    30
+    >>> failed_step(5, {"stage 0 host 0": 4}), failed_step(4, {}), failed_step(4, {"stage 0 host 0": None})
+    (5, 4, 4)
+    """
+    known = [d for d in done.values() if d is not None]
+    return max(step, min(known) + 1) if known else step
 
 
 def compile_cache_dir(job) -> Optional[str]:
@@ -250,4 +272,4 @@ def stalled(beats: dict, silent_s: dict, deadline_s: float, slow_s: float = 5.0)
 
 
 __all__ = ["DIED", "ERROR", "HANG", "NODE_LOST", "Decision", "Failure", "ProgressDeadline", "RestartPolicy",
-           "compile_cache_dir", "label_of", "node_loss", "origin", "stalled"]
+           "compile_cache_dir", "failed_step", "label_of", "node_loss", "origin", "stalled"]

@@ -5,7 +5,10 @@ Basic flow (`orchestrator.driver.runner` calls it):
      step (`orchestrator.core.checkpoint.select`), check it is this model (the first parameter
      whose shape/dtype differs is named), this seed, and that every file the marker lists is
      there with its size and sha256 (a missing or corrupted shard is refused by name); without
-     it, refuse a `checkpoint.dir` that already holds committed steps. Uncommitted step
+     it, refuse a `checkpoint.dir` that already holds committed steps. `--resume auto` is
+     `--resume` when a step is committed and a fresh start when none is (what `meshpipe submit`
+     runs, so that submitting the same job again continues it: Ray Jobs leaves retries to the
+     submitter). Uncommitted step
      directories (an interrupted save) are deleted here. Returns what the workers get
      (`WorkerConfig.checkpoint`: where, how often, and the restore plan) and the step to start at.
   2. `Committer.add(reports)` with every step's results: each stage host reports its save
@@ -54,7 +57,8 @@ class Prepared:
 
 
 def prepare(checked, resume) -> Optional[Prepared]:
-    """Checks and plan for a run's checkpoints; `resume`: None, "latest" or a step number.
+    """Checks and plan for a run's checkpoints; `resume`: None, "latest", "auto" (the newest commit
+    if there is one, else a fresh start) or a step number.
 
     Raises:
       CheckpointError: --resume without `checkpoint:`, nothing (or not that step) committed, another
@@ -74,6 +78,8 @@ def prepare(checked, resume) -> Optional[Prepared]:
     worker = {"root": str(root), "every": ck.every_steps, "total": job.run.steps, "async": ck.async_,
               "probe": secrets.token_hex(16)}
     found = committed(root)
+    if resume == "auto":
+        resume = "latest" if found else None
     if resume is None:
         if found:
             steps = ", ".join(str(m["step"]) for m in found)

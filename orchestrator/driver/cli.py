@@ -2,7 +2,7 @@
 
     meshpipe [--version] [-v] COMMAND ...
     meshpipe run JOB.yaml [--cluster CLUSTER.yaml] [--address ADDR] [--set key.path=value ...]
-                          [--reference] [--overwrite] [--resume [STEP]]
+                          [--reference] [--overwrite] [--resume [STEP|auto]]
     meshpipe checkpoints JOB.yaml [--set ...]
     meshpipe export CKPT --to DIR
     meshpipe plan JOB.yaml [--cluster CLUSTER.yaml] [--set ...] [--json] [--png PATH] [--allow-code]
@@ -23,7 +23,7 @@ the repo root, imports without PYTHONPATH.
 
 Config errors print one line per problem (key, value, rule) and exit with 2
 before anything starts; so does a run whose record already exists (without
-`--overwrite`). `run` exits 1 when a stage fails (the cause and the stage's
+`--overwrite`; `--resume` continues its own record). `run` exits 1 when a stage fails (the cause and the stage's
 traceback on stderr, the full one in `<run dir>/error.txt`) and 130 on Ctrl-C or
 SIGTERM. submit/status exit with the job's outcome: 0 SUCCEEDED, 1 FAILED,
 3 STOPPED; 4 cannot reach or authenticate to the cluster, 5 --timeout, 6 no
@@ -178,9 +178,11 @@ def resume_command(job: str, cluster: str | None, overrides: tuple[str, ...], ad
               help="connect to this running Ray ('auto', host:port) instead of the cluster file's address "
                    "(what `meshpipe submit` uses inside the job)")
 @click.option("--overwrite", is_flag=True, help="replace the record of an earlier run with the same run.name")
-@click.option("--resume", default=None, is_flag=False, flag_value="latest", metavar="[STEP]",
-              help="continue from the newest committed checkpoint in checkpoint.dir, or from STEP "
-                   "(the run continues its own record: no --overwrite needed)")
+@click.option("--resume", default=None, is_flag=False, flag_value="latest", metavar="[STEP|auto]",
+              help="continue from the newest committed checkpoint in checkpoint.dir, or from STEP; "
+                   "'auto': from the newest one if any is committed, else start at step 0 (what "
+                   "`meshpipe submit` runs, so the same submission again continues). The run "
+                   "continues its own record: no --overwrite needed")
 def run(job, cluster, overrides, reference, address, overwrite, resume):
     """Train JOB on the cluster (or, with --reference, in this process)."""
     from orchestrator.core.checkpoint import CheckpointError
@@ -188,9 +190,10 @@ def run(job, cluster, overrides, reference, address, overwrite, resume):
     from orchestrator.core.tls import check_transport_tls
     from orchestrator.driver.runner import existing_record, run_job
 
-    if resume is not None and resume != "latest" and not (resume.isdigit() and int(resume) > 0):
-        click.echo(f"meshpipe: --resume {resume!r}: must be a step number (a positive integer) or absent "
-                   "(the newest committed step)", err=True)
+    if resume is not None and resume not in ("latest", "auto") and not (resume.isdigit() and int(resume) > 0):
+        click.echo(f"meshpipe: --resume {resume!r}: must be a step number (a positive integer), 'auto' (the "
+                   "newest committed step if there is one, else step 0) or absent (the newest committed step)",
+                   err=True)
         sys.exit(2)
     checked, check_output_dir = _checked(job, cluster, overrides, address)
     try:

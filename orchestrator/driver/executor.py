@@ -171,21 +171,33 @@ class PipelineExecutor:
     def unresponsive(self, labels: list[str], timeout: float = 5.0) -> list[str]:
         """Of these actors, those whose "io" group does not answer a heartbeat within `timeout`
         (a stopped process; an actor waiting on a peer answers)."""
+        answers = self._heartbeats(labels, timeout)
+        self.heartbeats.update(answers)
+        return [lbl for lbl in labels if lbl not in answers]
+
+    def finished_steps(self, skip=(), timeout: float = 2.0) -> dict:
+        """label -> the newest step each actor (but those in `skip`: hung, or on a lost node) says it
+        finished (heartbeat's `done`), for those answering within `timeout`; after a failure, for
+        `orchestrator.core.recovery.failed_step`."""
+        labels = [lbl for names in self.labels for lbl in names if lbl not in skip]
+        return {lbl: beat.get("done") for lbl, beat in self._heartbeats(labels, timeout).items()}
+
+    def _heartbeats(self, labels: list[str], timeout: float) -> dict:
+        """label -> heartbeat answer of those of these actors that answer within `timeout`."""
         import ray
 
         by_label = {lbl: a for row, names in zip(self.actors, self.labels) for a, lbl in zip(row, names)}
         refs = {by_label[lbl].heartbeat.options(concurrency_group="io").remote(): lbl
                 for lbl in labels if lbl in by_label}
-        answered = set()
+        answers: dict = {}
         if refs:
             ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout)
             for r in ready:
                 try:
-                    self.heartbeats[refs[r]] = ray.get(r, timeout=1.0)
-                    answered.add(refs[r])
+                    answers[refs[r]] = ray.get(r, timeout=1.0)
                 except Exception:  # noqa: BLE001 - dead counts as not answering
                     pass
-        return [lbl for lbl in labels if lbl not in answered]
+        return answers
 
     def abort(self, reason: str) -> None:
         """Tell every actor to abandon its step now (fire and forget; `abort_step` runs beside it)."""

@@ -12,7 +12,12 @@ Basic flow of `submit`:
      rewritten relative to it; a relative `run.output_dir` is made absolute
      when the cluster is this machine (loopback address), so results land where
      `meshpipe run` would put them; otherwise it stays inside the job's
-     temporary working dir on the head node and a warning says so.
+     temporary working dir on the head node and a warning says so. A relative
+     `checkpoint.dir` is treated the same way. A job with `checkpoint:` runs as
+     `meshpipe run ... --resume auto`: Ray Jobs does not retry a failed job
+     itself (retrying is the submitter's: submit the same job again), and the
+     same entrypoint run again continues from the newest committed step (or
+     starts at step 0 when none was committed) instead of refusing its record.
   3. `client()` connects with Ray's token (see `auth_headers`), submits, prints
      the submission id and the `ray job status/logs` commands, then follows the
      logs (`--follow`, default), waits (`--no-follow`) or returns (`--no-wait`).
@@ -153,18 +158,25 @@ def package(checked, job_path: str, cluster_path: str | None, overrides: tuple[s
     if cluster_path:
         args += ["--cluster", inside(Path(cluster_path), "the cluster file", "--cluster")]
     args += ["--address", "auto"] + (["--overwrite"] if overwrite else [])
+    if job.checkpoint is not None:      # a retry (the same submission again) continues the run
+        args += ["--resume", "auto"]
     if job.data.source in ("text", "tokens", "hf") and isinstance(job.data.path, str):
         src = Path(checked.data_path or job.data.path)
         sets.append(f"data.path={inside(src, 'the data file', 'data.path')}")
     if job.data.tokenizer:
         sets.append(f"data.tokenizer={inside(Path(job.data.tokenizer), 'the tokenizer file', 'data.tokenizer')}")
-    if not Path(job.run.output_dir).is_absolute():
+    dirs = [("run.output_dir", job.run.output_dir, "keep the results")]
+    if job.checkpoint is not None:
+        dirs.append(("checkpoint.dir", job.checkpoint.dir, "keep the checkpoints (and resume from them)"))
+    for key, value, why in dirs:
+        if Path(value).is_absolute():
+            continue
         if _is_loopback(address):
-            sets.append(f"run.output_dir={Path(job.run.output_dir).resolve()}")
+            sets.append(f"{key}={Path(value).resolve()}")
         else:
-            warnings.append(f"run.output_dir = {job.run.output_dir!r} is relative: on the cluster it lands "
-                            "inside the job's temporary working dir on the head node; pass "
-                            "--set run.output_dir=/an/absolute/path to keep the results")
+            warnings.append(f"{key} = {value!r} is relative: on the cluster it lands inside the job's "
+                            f"temporary working dir on the head node; pass --set {key}=/an/absolute/path "
+                            f"to {why}")
     for s in sets:
         args += ["--set", s]
     sid = submission_id or f"meshpipe-{job.run.name}-{secrets.token_hex(4)}"

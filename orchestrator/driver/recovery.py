@@ -22,7 +22,9 @@ Basic flow (`orchestrator.driver.runner._run_pipeline` runs attempts in a loop):
      uninterrupted run. Stop: `RecoveryStopped`, whose message says why, what was lost and
      the command that continues (`stop_message`).
 Each restart is one record in summary.json's `recoveries` (cause, stage, host, node, step,
-resumed-from step, steps lost, detection and recovery times).
+resumed-from step, steps lost — the finished steps that run again: the failure's step, as the
+actors still answering tell it (`failed_step`), minus the step resumed from — detection and
+recovery times).
 """
 from __future__ import annotations
 
@@ -260,22 +262,39 @@ def describe(f: Failure, where: dict) -> str:
 
 def stop_message(f: Failure, where: dict, decision: Decision, committed: Optional[int], steps_done: int,
                  resume_command: str) -> str:
-    """Why the run stops, what is lost and the command that continues it."""
+    """Why the run stops, what is lost and the command that continues it (`resume_command`, this
+    run's own command with `--resume`). With nothing committed the command starts again: it is
+    this run's command with `--overwrite` in place of `--resume` (the failed run's record exists,
+    and a plain `meshpipe run` would refuse to replace it).
+
+    >>> from orchestrator.core.recovery import DIED
+    >>> print(stop_message(Failure(DIED, 1, 0, 1, "killed"), {}, Decision(False, "no checkpoint is committed yet"),
+    ...                    None, 1, "meshpipe run j.yaml --set run.steps=8 --resume"))
+    actor died: stage 1 host 0 in step 1: killed
+    not restarting: no checkpoint is committed yet.
+    lost: all 1 steps done (no checkpoint was committed). Start again with: meshpipe run j.yaml --set run.steps=8 --overwrite
+    """
     head = f"{describe(f, where)}\nnot restarting: {decision.reason}."
     if committed is None:
-        return (f"{head}\nlost: all {steps_done} steps done (no checkpoint was committed). Start again with: "
-                f"{resume_command.replace(' --resume', '')}")
+        again = resume_command.removesuffix(" --resume") + " --overwrite"
+        return f"{head}\nlost: all {steps_done} steps done (no checkpoint was committed). Start again with: {again}"
     lost = steps_done - committed
     what = (f"the {lost} steps after it ({committed}..{steps_done - 1}) are lost" if lost > 0
             else "no completed step is lost")
     return f"{head}\nlast committed checkpoint: step {committed}; {what}. Continue with: {resume_command}"
 
 
-def record(f: Failure, where: dict, resumed_from: int, steps_done: int, detected_at: float,
-           waited_s: float) -> dict:
-    """One restart's entry in summary.json's `recoveries` (recovery times are filled in later)."""
+def record(f: Failure, where: dict, resumed_from: int, detected_at: float, waited_s: float) -> dict:
+    """One restart's entry in summary.json's `recoveries` (recovery times are filled in later).
+    `steps_lost`: the steps finished before the failure that run again — the failure's step (the
+    one it happened in, `orchestrator.core.recovery.failed_step`) minus the step resumed from.
+
+    >>> from orchestrator.core.recovery import DIED
+    >>> record(Failure(DIED, 1, 0, 30, "killed"), {}, 20, 0.0, 0.1)["steps_lost"]      # 20..29 again
+    10
+    """
     return {"cause": f.cause, "stage": f.stage, "host": f.host, **where, "step": f.step, "error": f.text,
-            "resumed_from": resumed_from, "steps_lost": max(0, steps_done - resumed_from),
+            "resumed_from": resumed_from, "steps_lost": max(0, f.step - resumed_from),
             "detected_at": detected_at, "since_last_progress_s": waited_s}
 
 

@@ -35,6 +35,7 @@ step, for what ran) and a summary block.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -81,8 +82,9 @@ def run_job(checked, *, reference: bool = False, echo: Callable[[str], None] = p
     """Train the checked job; `tty`: draw a progress bar on stdout instead of one line per step;
     `hooks`: `stages.hooks.WorkerHook` objects every stage worker calls (pipeline runs only);
     `keep_params`: the returned summary also holds "params" (name -> final numpy array; not written);
-    `resume`: None, "latest" or a step — continue from that committed checkpoint
-    (`orchestrator.driver.checkpoint`; its checks raise CheckpointError before anything starts);
+    `resume`: None, "latest", "auto" (latest if a step is committed, else a fresh start) or a step —
+    continue from that committed checkpoint (`orchestrator.driver.checkpoint`; its checks raise
+    CheckpointError before anything starts);
     `resume_command`: the command line that continues this run, for the message of a failure
     not recovered from (`meshpipe run` passes its own; default `meshpipe run <job.yaml> --resume`).
 
@@ -102,6 +104,8 @@ def run_job(checked, *, reference: bool = False, echo: Callable[[str], None] = p
 
         check_transport_tls(checked.cluster)
     ckpt = None if reference else prepare(checked, resume)
+    if resume == "auto" and ckpt is not None and ckpt.marker is None:
+        echo(f"--resume auto: no committed checkpoint in {job.checkpoint.dir}: starting at step 0")
     plan = make_plan(checked)
     out = output_dir(checked)
     source = checked.data     # a DataPlan: each host that needs data opens its own reader
@@ -225,7 +229,7 @@ def _run_pipeline(checked, plan, source, on_step, out: Path, echo, extra: dict, 
     Attempts run in a loop while `failure.max_restarts` allows (module docstring). On
     Ctrl-C/SIGTERM the actors are told to abandon their step before they are shut down."""
     from orchestrator.core.backends import PlacementError
-    from orchestrator.core.recovery import Decision, ProgressDeadline, RestartPolicy, node_loss
+    from orchestrator.core.recovery import Decision, ProgressDeadline, RestartPolicy, failed_step, node_loss
     from orchestrator.driver import placement, recovery
     from orchestrator.driver.checkpoint import Committer, prepare, remove_probe, write_probe
     from orchestrator.driver.executor import PipelineExecutor
@@ -313,6 +317,10 @@ def _run_pipeline(checked, plan, source, on_step, out: Path, echo, extra: dict, 
                 failure = node_loss(failure, lost)
                 gone.update(lost)
                 hung += [lbl for n in lost.values() for lbl in n["labels"] if lbl not in hung]  # killed, not waited for
+                if job.failure.max_restarts > 0:    # the step it failed in: the actors still answering
+                    finished = ex.finished_steps(hung)   # say which steps they finished (a heartbeat, ≤ 2 s)
+                    failure = dataclasses.replace(failure, step=failed_step(failure.step, finished))
+                steps_done = max(len(losses), failure.step)     # finished before the failure, results or not
                 where = ex.node_of(failure.stage, failure.host)
                 recv_deadlines = {lbl: h.get("recv_s") for lbl, h in ex.heartbeats.items()}   # as the actors said
                 committed = recovery.committed_step(checked)
@@ -321,7 +329,7 @@ def _run_pipeline(checked, plan, source, on_step, out: Path, echo, extra: dict, 
                     if job.failure.max_restarts == 0:
                         raise                       # no `failure:` section: the error as it was
                     raise recovery.RecoveryStopped.after(recovery.stop_message(
-                        failure, where, decision, committed, len(losses), resume_command), e) from e
+                        failure, where, decision, committed, steps_done, resume_command), e) from e
                 t1 = time.perf_counter()
                 torn = _shutdown(ex, extra, ckpt, committer, resumed_from, hung, after_failure=True)
                 ex, hung[:] = None, []
@@ -330,7 +338,7 @@ def _run_pipeline(checked, plan, source, on_step, out: Path, echo, extra: dict, 
                                        checked.cluster.timeouts.shutdown_s)
                 teardown_s = time.perf_counter() - t1
                 ckpt = prepare(checked, "latest")    # as --resume: checks, removes uncommitted saves
-                rec = recovery.record(failure, where, ckpt.start, len(losses), detected_at, waited)
+                rec = recovery.record(failure, where, ckpt.start, detected_at, waited)
                 rec.update(restart=policy.restarts, teardown_s=teardown_s, teardown_graceful_s=torn["graceful_s"],
                            teardown_stuck=torn["stuck"],
                            progress_deadline_s=deadline.call_s(checked.cluster.calls_of_steps),
