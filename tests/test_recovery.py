@@ -267,7 +267,7 @@ def _pid_of(name: str, namespace: str) -> int:
 
 @pytest.mark.ray
 @pytest.mark.chaos
-@pytest.mark.parametrize("executor", ["step_calls", "action_calls"])
+@pytest.mark.parametrize("executor", ["step_calls", "action_calls", "compiled_graph"])
 def test_kill_9_of_a_stage_actor_recovers_bit_equal(tmp_path, no_leaks, uninterrupted, executor):
     """kill -9 of stage 1's actor (found through Ray's state API) while it is in step 5, with steps
     2 and 4 committed: one restart from step 4; losses and parameters equal the uninterrupted run's
