@@ -326,17 +326,20 @@ def _marked(mark: str) -> list[int]:
 
 
 @pytest.mark.ray
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_a_signal_stops_the_run_within_seconds_with_its_record(tmp_path, sig):
+@pytest.mark.parametrize("sig, executor", [(signal.SIGINT, "step_calls"), (signal.SIGTERM, "step_calls"),
+                                          (signal.SIGINT, "compiled_graph")])
+def test_a_signal_stops_the_run_within_seconds_with_its_record(tmp_path, sig, executor):
     """Ctrl-C reaches the whole foreground process group (the driver and the Ray it started);
     SIGTERM is what `ray job stop` sends to the driver. Either: exit 130 within seconds, the step
-    reached and the record's path printed, summary.json written, nothing left running."""
+    reached and the record's path printed, summary.json written, nothing left running — under a
+    compiled graph too (its teardown waits for the actors' steps: they are told to abort first)."""
     from tests.conftest import wait_until
 
-    mark = f"{os.getpid()}-{sig.name}"
+    mark = f"{os.getpid()}-{sig.name}-{executor}"
     env = {**ENV, "MESHPIPE_TEST_MARK": mark, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "orchestrator.driver.cli", "run", "examples/mlp.yaml",
                              "--set", "run.steps=100000", "--set", f"run.output_dir={tmp_path}",
+                             "--set", f"cluster.executor={executor}",
                              "--set", "run.name=stopped"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
