@@ -417,6 +417,40 @@ def test_gloo_and_fork_lines_forwarded_by_ray_are_dropped_unless_asked(monkeypat
     assert seen == [lines, ["stage 1: my own print"]]
 
 
+def test_a_compiled_graph_teardown_error_about_a_dead_actor_is_dropped_when_quiet(monkeypatch):
+    """Ray logs "Error cancelling worker task" (two tracebacks) for each dead actor of a graph torn
+    down; the driver names the death itself. Other errors of that logger still show."""
+    import logging
+
+    from ray.exceptions import ActorDiedError
+
+    from orchestrator.driver import quiet
+
+    import warnings
+
+    monkeypatch.setenv("MESHPIPE_QUIET", "1")
+    monkeypatch.setenv("RAY_IGNORE_UNHANDLED_ERRORS", "1")      # (quiet() sets both)
+    graph_log = logging.getLogger(quiet.GRAPH_LOGGER)
+    monkeypatch.setattr(graph_log, "filters", [])
+    with warnings.catch_warnings():
+        quiet.quiet()
+        quiet.quiet()                                            # installed once
+    assert len(graph_log.filters) == 1
+    seen: list = []
+    handler = logging.Handler()
+    handler.emit = seen.append
+    monkeypatch.setattr(graph_log, "handlers", [handler])     # (Ray's loggers do not propagate)
+    monkeypatch.setattr(graph_log, "level", logging.INFO)
+    for error in (ActorDiedError(), ValueError("not a death")):
+        try:
+            raise error
+        except Exception:
+            graph_log.exception("Error cancelling worker task")
+    graph_log.info("Tearing down compiled DAG")
+    assert [(r.getMessage(), r.exc_info and type(r.exc_info[1])) for r in seen] == [
+        ("Error cancelling worker task", ValueError), ("Tearing down compiled DAG", None)]
+
+
 def test_existing_record_is_what_a_second_run_would_replace(tmp_path):
     from orchestrator.driver.runner import existing_record
 
