@@ -15,10 +15,13 @@ Basic flow:
             decisions and never touches a tensor.
   shutdown(): every actor told to abort its step at once (the "io" group: a
             survivor blocked in a RECV on a dead peer returns now, not at its
-            deadline), a bounded `shutdown` call, then kill every actor and remove
-            the placement group — also after errors and Ctrl-C. After a failure the
-            survivors get only `ABORT_GRACE_S` (the attempt is thrown away: they wait
-            for nothing, not jax.distributed's barrier with a dead peer) and are killed.
+            deadline), then a compiled graph's teardown (which waits for every
+            actor's step: after the abort, not before) bounded by the same grace —
+            past it the actors are killed —, a bounded `shutdown` call, then kill
+            every actor and remove the placement group — also after errors and
+            Ctrl-C. After a failure the survivors get only `ABORT_GRACE_S` (the
+            attempt is thrown away: they wait for nothing, not jax.distributed's
+            barrier with a dead peer) and are killed.
 The progress deadline (`orchestrator.core.recovery.ProgressDeadline`, shared by the
 recovery loop's attempts) bounds each call: `timeouts.step_s` until steps were measured,
 then max(30 s, 3 × n × the median step time) for a call of n steps, never above n × step_s;

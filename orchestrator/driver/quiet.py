@@ -19,8 +19,9 @@ logs "Error cancelling worker task" with two tracebacks for the dead actor (its
 cancel call fails with the same actor-death error); the driver names the death.
 
 `quiet()` filters the warning in this process and (through `actor_env`) in the
-stage actors, sets RAY_IGNORE_UNHANDLED_ERRORS for this process and drops the fourth's record; `filter_worker_logs()` drops both kinds from the actor output Ray
-forwards to the driver. Everything still lands in Ray's log files
+stage actors, sets RAY_IGNORE_UNHANDLED_ERRORS for this process and drops the fourth's
+record; `filter_worker_logs()` drops both kinds from the actor output Ray forwards to the
+driver. Everything still lands in Ray's log files
 (`/tmp/ray/session_latest/logs`).
 """
 from __future__ import annotations
