@@ -78,16 +78,15 @@ def test_compile_cache_directory_is_private(tmp_path):
     assert jax.config.jax_compilation_cache_dir != str(shared)
 
 
-def test_restarts_refused_under_the_compiled_graph_executor(tmp_path):
+def test_restarts_accepted_under_every_executor(tmp_path):
     from orchestrator.core.config import check_job, parse_cluster
+    from orchestrator.driver.dispatch import KINDS
 
     raw = gpt_job(tmp_path, "f", tmp_path / "ck")
     raw["failure"] = {"max_restarts": 1}
     cluster = {"hosts": 2, "devices_per_host": 2}
-    for executor in ("step_calls", "action_calls"):
-        check_job(parse_job(raw), parse_cluster({**cluster, "executor": executor}))
-    has_all(error_of(check_job, parse_job(raw), parse_cluster({**cluster, "executor": "compiled_graph"})),
-            "failure.max_restarts = 1", "step_calls", "compiled graph")
+    for executor in KINDS:        # compiled_graph too: its teardown is bounded (dispatch.CompiledGraph.close)
+        assert check_job(parse_job(raw), parse_cluster({**cluster, "executor": executor})).cluster.executor == executor
 
 
 # ----------------------------------------------------------------------------- restart rules (pure)
@@ -370,7 +369,7 @@ def _pid_of(name: str, namespace: str) -> int:
 
 @pytest.mark.ray
 @pytest.mark.chaos
-@pytest.mark.parametrize("executor", ["step_calls", "action_calls"])
+@pytest.mark.parametrize("executor", ["step_calls", "action_calls", "compiled_graph"])
 def test_kill_9_of_a_stage_actor_recovers_bit_equal(tmp_path, no_leaks, uninterrupted, executor):
     """kill -9 of stage 1's actor (found through Ray's state API) while it is in step 5, with steps
     2 and 4 committed: one restart from step 4; losses and parameters equal the uninterrupted run's
@@ -425,6 +424,56 @@ def test_kill_9_of_a_stage_actor_recovers_bit_equal(tmp_path, no_leaks, uninterr
     lines = (Path(job["run"]["output_dir"]) / name / "metrics.jsonl").read_text().splitlines()
     assert sum('"restart": 1' in ln for ln in lines) == 1
     _nothing_left(tmp_path / "pids", job, before)
+
+
+@pytest.mark.ray
+@pytest.mark.chaos
+@pytest.mark.parametrize("executor", ["step_calls", "compiled_graph"])
+def test_kill_9_without_restarts_ends_the_run_at_once_naming_the_dead_actor(tmp_path, no_leaks, executor):
+    """max_restarts 0: kill -9 of stage 1's actor held in step 5 ends the run within seconds — a
+    compiled graph's channel read does not see the death, the heartbeats do — with the error naming
+    the dead actor (not stage 0, which waited on it), and leaves nothing behind."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from orchestrator.core import checkpoint as ck
+    from orchestrator.driver.waiting import StageFailure
+    from tests.conftest import wait_until
+    from tests.faults import HoldAt
+
+    root = tmp_path / "ck"
+    job = recovery_job(tmp_path, "once", root, max_restarts=0)
+    name = job["run"]["name"] = f"once-{executor.replace('_', '-')}"
+    reached = tmp_path / "reached"
+    hold = HoldAt(stage=1, host=0, step=5, wait_for=str(ck.step_dir(root, 4) / ck.MARKER), reached=str(reached),
+                  timeout_s=300.0)
+    killed: dict = {}
+
+    def killer():
+        try:
+            wait_until(reached.exists, 600, "stage 1 held in step 5")
+            pid = _pid_of(f"{name}/stage1/host0", f"meshpipe-{name}")
+            killed["at"] = time.monotonic()
+            os.kill(pid, signal.SIGKILL)
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            killed["error"] = e
+
+    t = threading.Thread(target=killer, daemon=True)
+    t.start()
+    with pytest.raises(StageFailure) as ei:
+        _run(job, hooks=[hold], executor=executor)
+    ended = time.monotonic()
+    t.join(60)
+    assert "error" not in killed, killed.get("error")
+    print(f"{executor}: the run ended {ended - killed['at']:.2f} s after the kill")   # pytest -rP shows it
+    assert ended - killed["at"] < 20, ended - killed["at"]     # noticed and torn down: no deadline waited
+    e = ei.value
+    assert (e.label, e.died) == ("stage 1 host 0", True), str(e)
+    assert "stage 1 host 0" in str(e) and "actor is dead" in str(e), str(e)
+    s = _summary(job)
+    assert s["status"] == "failed" and s["steps_done"] == 4 and "stage 1 host 0" in s["error"]
 
 
 @pytest.mark.ray

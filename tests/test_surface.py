@@ -326,17 +326,20 @@ def _marked(mark: str) -> list[int]:
 
 
 @pytest.mark.ray
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_a_signal_stops_the_run_within_seconds_with_its_record(tmp_path, sig):
+@pytest.mark.parametrize("sig, executor", [(signal.SIGINT, "step_calls"), (signal.SIGTERM, "step_calls"),
+                                          (signal.SIGINT, "compiled_graph")])
+def test_a_signal_stops_the_run_within_seconds_with_its_record(tmp_path, sig, executor):
     """Ctrl-C reaches the whole foreground process group (the driver and the Ray it started);
     SIGTERM is what `ray job stop` sends to the driver. Either: exit 130 within seconds, the step
-    reached and the record's path printed, summary.json written, nothing left running."""
+    reached and the record's path printed, summary.json written, nothing left running — under a
+    compiled graph too (its teardown waits for the actors' steps: they are told to abort first)."""
     from tests.conftest import wait_until
 
-    mark = f"{os.getpid()}-{sig.name}"
+    mark = f"{os.getpid()}-{sig.name}-{executor}"
     env = {**ENV, "MESHPIPE_TEST_MARK": mark, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "orchestrator.driver.cli", "run", "examples/mlp.yaml",
                              "--set", "run.steps=100000", "--set", f"run.output_dir={tmp_path}",
+                             "--set", f"cluster.executor={executor}",
                              "--set", "run.name=stopped"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
@@ -412,6 +415,40 @@ def test_gloo_and_fork_lines_forwarded_by_ray_are_dropped_unless_asked(monkeypat
     assert quiet.filter_worker_logs()
     dispatcher.emit({"lines": lines, "pid": 1, "is_err": True})
     assert seen == [lines, ["stage 1: my own print"]]
+
+
+def test_a_compiled_graph_teardown_error_about_a_dead_actor_is_dropped_when_quiet(monkeypatch):
+    """Ray logs "Error cancelling worker task" (two tracebacks) for each dead actor of a graph torn
+    down; the driver names the death itself. Other errors of that logger still show."""
+    import logging
+
+    from ray.exceptions import ActorDiedError
+
+    from orchestrator.driver import quiet
+
+    import warnings
+
+    monkeypatch.setenv("MESHPIPE_QUIET", "1")
+    monkeypatch.setenv("RAY_IGNORE_UNHANDLED_ERRORS", "1")      # (quiet() sets both)
+    graph_log = logging.getLogger(quiet.GRAPH_LOGGER)
+    monkeypatch.setattr(graph_log, "filters", [])
+    with warnings.catch_warnings():
+        quiet.quiet()
+        quiet.quiet()                                            # installed once
+    assert len(graph_log.filters) == 1
+    seen: list = []
+    handler = logging.Handler()
+    handler.emit = seen.append
+    monkeypatch.setattr(graph_log, "handlers", [handler])     # (Ray's loggers do not propagate)
+    monkeypatch.setattr(graph_log, "level", logging.INFO)
+    for error in (ActorDiedError(), ValueError("not a death")):
+        try:
+            raise error
+        except Exception:
+            graph_log.exception("Error cancelling worker task")
+    graph_log.info("Tearing down compiled DAG")
+    assert [(r.getMessage(), r.exc_info and type(r.exc_info[1])) for r in seen] == [
+        ("Error cancelling worker task", ValueError), ("Tearing down compiled DAG", None)]
 
 
 def test_existing_record_is_what_a_second_run_would_replace(tmp_path):

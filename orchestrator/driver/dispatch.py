@@ -12,7 +12,11 @@ in how the driver tells the actors to go and gets their results back:
   compiled_graph  the same call as a Ray Compiled Graph: `run_steps` bound once
                   per actor, executed through shared-memory channels (no Ray
                   task submission); compiled at the first step, torn down
-                  (bounded) before the actors are killed.
+                  (bounded: `close`) before the actors are killed. A channel
+                  read does not see an actor die, so the driver waits on it in
+                  `WATCH_SLICE_S` slices calling `watch` (the executor installs
+                  the heartbeats under this executor always: a death is a
+                  heartbeat's actor-death error, seconds after it).
   action_calls    the simple reference: one Ray call per action, the driver in
                   the loop (each actor gets its next action when it returned the
                   previous one). Slow by design; kept to measure against.
@@ -30,9 +34,11 @@ import sys
 import time
 from collections import deque
 
-from orchestrator.driver.waiting import WATCH_SLICE_S, ProgressTimeout, stage_failure, wait_all
+from orchestrator.driver.waiting import (DEATH_GRACE_S, WATCH_SLICE_S, ProgressTimeout, StageFailure,
+                                         stage_failure, wait_all)
 
 KINDS = ("step_calls", "compiled_graph", "action_calls")
+TEARDOWN_AFTER_KILL_S = 5.0   # how long a compiled graph's teardown may still take once its actors are killed
 
 
 def make(kind: str, actors: list, labels: list[str], action_counts: list[int], step_s: float,
@@ -52,6 +58,7 @@ class _Batched:
 
     ahead = 1
     watch = None     # called while a call is awaited (waiting.wait_all); the executor sets its node watch
+    death = None     # (seconds) -> StageFailure of a dead actor or None; the executor sets it (compiled_graph)
 
     def __init__(self, labels: list[str], step_s: float, per_call: int):
         self.labels, self.step_s, self.per_call = labels, step_s, per_call
@@ -97,8 +104,8 @@ class _Batched:
                 ends = stamps
                 yield first + j, step_outs, wall
 
-    def close(self, timeout: float) -> None:
-        pass
+    def close(self, timeout: float) -> list[str]:
+        return []
 
 
 class StepCalls(_Batched):
@@ -118,6 +125,7 @@ class CompiledGraph(_Batched):
         from ray.dag import InputNode, MultiOutputNode
 
         super().__init__(labels, step_s, per_call)
+        self.actors = list(actors)
         with InputNode() as call:
             dag = MultiOutputNode([a.run_steps.bind(call[0], call[1]) for a in actors])
         self.graph = dag.experimental_compile(_submit_timeout=step_s * per_call,
@@ -144,12 +152,28 @@ class CompiledGraph(_Batched):
                 box.put((False, e))
 
         threading.Thread(target=read, name="meshpipe compiled-graph read", daemon=True).start()
-        try:   # _read has the call's deadline; this one only guards against a reader that never returns
-            ok, value = box.get(timeout=self.call_s(n) + 60.0)
-        except queue.Empty:
-            raise TimeoutError(f"steps {first}-{first + n - 1}: the compiled graph's reader did not return "
-                               f"within {self.call_s(n) + 60.0:.0f} s") from None
+        # _read has the call's deadline; this one only guards against a reader that never returns. The
+        # wait goes in slices, `watch` between them: the channel read does not notice a dead actor.
+        end = time.monotonic() + self.call_s(n) + 60.0
+        while True:
+            left = end - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"steps {first}-{first + n - 1}: the compiled graph's reader did not return "
+                                   f"within {self.call_s(n) + 60.0:.0f} s")
+            try:
+                ok, value = box.get(timeout=min(left, WATCH_SLICE_S) if self.watch is not None else left)
+                break
+            except queue.Empty:
+                if self.watch is not None:
+                    self.watch()
         if not ok:
+            if isinstance(value, StageFailure) and self.death is not None:
+                # the actor that died, by a heartbeat: after a death Ray 2.60 fails every output of the
+                # graph with it (the error names the output read, not the dead actor), and a survivor's
+                # own error about its dead peer (a reset connection) is not the cause either
+                dead = self.death(DEATH_GRACE_S)
+                if dead is not None:
+                    raise dead from value
             raise value
         return value
 
@@ -168,19 +192,39 @@ class CompiledGraph(_Batched):
                 raise stage_failure(f"steps {first}-{first + n - 1}", label, e) from e
         return outs
 
-    def close(self, timeout: float) -> None:
-        """Tear the graph down (bounded by Ray's own `teardown_timeout`, 30 s); the executor kills
-        the actors next. After a failed step the actors start no further step, so their loops end."""
+    def close(self, timeout: float) -> list[str]:
+        """Tear the graph down within `timeout` s; the executor kills the actors next. Ray's teardown
+        waits for every actor's execution loop to end, without a bound once its own
+        `teardown_timeout` (30 s) has passed — a survivor in a RECV on a dead peer held it to that
+        RECV's deadline (measured: 600 s) — so the executor tells the actors to abort first, and
+        the teardown runs on a thread: past `timeout` the actors are killed, which ends it.
+        Returns the labels of the actors killed here (none when the teardown ended in time)."""
+        import threading
+
         import ray
 
         from orchestrator.driver.ray_internals import compiled_graph_proxy
 
         graph, self.graph = self.graph, None
-        if graph is not None:
-            graph.teardown(kill_actors=False)
-            proxy = compiled_graph_proxy(graph)
-            if proxy is not None:      # else it outlives the run until the graph is collected
-                ray.kill(proxy, no_restart=True)
+        if graph is None:
+            return []
+        done = threading.Thread(target=graph.teardown, kwargs={"kill_actors": False},
+                                name="meshpipe compiled-graph teardown", daemon=True)
+        done.start()
+        done.join(timeout)
+        killed = []
+        if done.is_alive():
+            for actor, label in zip(self.actors, self.labels):
+                try:
+                    ray.kill(actor, no_restart=True)
+                    killed.append(label)
+                except Exception:  # noqa: BLE001 - already gone
+                    pass
+            done.join(TEARDOWN_AFTER_KILL_S)
+        proxy = compiled_graph_proxy(graph)
+        if proxy is not None:      # else it outlives the run until the graph is collected
+            ray.kill(proxy, no_restart=True)
+        return killed
 
 
 class ActionCalls:
@@ -223,5 +267,5 @@ class ActionCalls:
             yield i, outs, now - last
             last = now
 
-    def close(self, timeout: float) -> None:
-        pass
+    def close(self, timeout: float) -> list[str]:
+        return []

@@ -15,10 +15,13 @@ Basic flow:
             decisions and never touches a tensor.
   shutdown(): every actor told to abort its step at once (the "io" group: a
             survivor blocked in a RECV on a dead peer returns now, not at its
-            deadline), a bounded `shutdown` call, then kill every actor and remove
-            the placement group — also after errors and Ctrl-C. After a failure the
-            survivors get only `ABORT_GRACE_S` (the attempt is thrown away: they wait
-            for nothing, not jax.distributed's barrier with a dead peer) and are killed.
+            deadline), then a compiled graph's teardown (which waits for every
+            actor's step: after the abort, not before) bounded by the same grace —
+            past it the actors are killed —, a bounded `shutdown` call, then kill
+            every actor and remove the placement group — also after errors and
+            Ctrl-C. After a failure the survivors get only `ABORT_GRACE_S` (the
+            attempt is thrown away: they wait for nothing, not jax.distributed's
+            barrier with a dead peer) and are killed.
 The progress deadline (`orchestrator.core.recovery.ProgressDeadline`, shared by the
 recovery loop's attempts) bounds each call: `timeouts.step_s` until steps were measured,
 then max(30 s, 3 × n × the median step time) for a call of n steps, never above n × step_s;
@@ -226,18 +229,19 @@ class PipelineExecutor:
         kept = [(a, lbl) for row, names in zip(self.actors, self.labels) for a, lbl in zip(row, names)
                 if lbl not in unresponsive]
         flat = [a for a, _ in kept]
-        dispatcher, self.dispatcher = self.dispatcher, None
-        if dispatcher is not None:
-            try:   # a compiled graph is torn down before its actors die
-                dispatcher.close(self.timeouts["shutdown_s"])
-            except Exception:  # noqa: BLE001 - best effort; the kill below is what counts
-                pass
-        # before `shutdown`, which queues behind a step that waits on a dead peer
+        # before `shutdown`, which queues behind a step that waits on a dead peer, and before a compiled
+        # graph's teardown, which waits for every actor's step to end
         self.abort("the driver is shutting the run down")
         grace = min(ABORT_GRACE_S, self.timeouts["shutdown_s"]) if after_failure else self.timeouts["shutdown_s"]
         t0 = time.perf_counter()
         stuck = []
-        if flat:
+        dispatcher, self.dispatcher = self.dispatcher, None
+        if dispatcher is not None:
+            try:   # a compiled graph is torn down before its actors die: within the grace, else they are killed
+                stuck = [lbl for lbl in dispatcher.close(grace) if lbl not in unresponsive]
+            except Exception:  # noqa: BLE001 - best effort; the kill below is what counts
+                pass
+        if flat and not stuck:
             try:
                 refs = [a.shutdown.remote(after_failure) for a in flat]
                 _, left = ray.wait(refs, num_returns=len(refs), timeout=grace)
@@ -266,7 +270,9 @@ class PipelineExecutor:
         if self.dispatcher is None:    # an attempt's first call compiles: the configured deadline
             self.dispatcher = dispatch.make(self.kind, flat, labels, counts, self.timeouts["step_s"],
                                             self.checked.cluster.calls_of_steps)
-            if self.checked.job.failure.max_restarts > 0:     # a lost node or a hang noticed in seconds
+            # a lost node or a hang noticed in seconds; under compiled_graph also a death (its channel
+            # reads do not see one: the heartbeats do), so there always
+            if self.checked.job.failure.max_restarts > 0 or self.kind == "compiled_graph":
                 from orchestrator.driver.recovery import HeartbeatWatch, NodeWatch
 
                 nodes = NodeWatch(self.info)
@@ -277,6 +283,7 @@ class PipelineExecutor:
                     self.beats()
 
                 self.dispatcher.watch = watch
+                self.dispatcher.death = self.beats.death
         measured = False
         self.dispatch_info = {"dispatcher": type(self.dispatcher).__name__,
                               "steps_per_call": getattr(self.dispatcher, "per_call", 1)}

@@ -14,9 +14,14 @@ errors nobody fetches, and Ray prints each one with its whole traceback when its
 reference is dropped ("Unhandled error (suppress with
 'RAY_IGNORE_UNHANDLED_ERRORS=1')"); the cause itself is reported by the driver.
 
+A fourth: under `compiled_graph`, after an actor died, Ray's teardown of the graph
+logs "Error cancelling worker task" with two tracebacks for the dead actor (its
+cancel call fails with the same actor-death error); the driver names the death.
+
 `quiet()` filters the warning in this process and (through `actor_env`) in the
-stage actors, and sets RAY_IGNORE_UNHANDLED_ERRORS for this process; `filter_worker_logs()` drops both kinds from the actor output Ray
-forwards to the driver. Everything still lands in Ray's log files
+stage actors, sets RAY_IGNORE_UNHANDLED_ERRORS for this process and drops the fourth's
+record; `filter_worker_logs()` drops both kinds from the actor output Ray forwards to the
+driver. Everything still lands in Ray's log files
 (`/tmp/ray/session_latest/logs`).
 """
 from __future__ import annotations
@@ -38,6 +43,23 @@ def quiet() -> None:
     warnings.filterwarnings("ignore", message=re.escape(FORK_WARNING), category=RuntimeWarning)
     os.environ.setdefault("RAY_IGNORE_UNHANDLED_ERRORS", "1")   # read by Ray each time (worker.raise_errors)
     os.environ[_ENV] = "1"
+    graph_log = logging.getLogger(GRAPH_LOGGER)
+    if not any(isinstance(f, _DeadActorCancel) for f in graph_log.filters):
+        graph_log.addFilter(_DeadActorCancel())
+
+
+GRAPH_LOGGER = "ray.dag.compiled_dag_node"
+
+
+class _DeadActorCancel(logging.Filter):
+    """Drops Ray's "Error cancelling worker task" record when the cancel failed because the actor is dead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.getMessage() != "Error cancelling worker task" or not record.exc_info:
+            return True
+        from ray.exceptions import RayActorError
+
+        return not isinstance(record.exc_info[1], RayActorError)
 
 
 def is_quiet() -> bool:

@@ -4,7 +4,9 @@ Basic flow (`orchestrator.driver.runner._run_pipeline` runs attempts in a loop):
   1. an attempt (executor start → steps) raises `StageFailure` (an actor's error, or its
      death: Ray's actor-death error on the pending call; a lost node: `NodeWatch`) or
      `ProgressTimeout` (a hang: `HeartbeatWatch` — an actor silent, or at one action, for one
-     step's progress deadline — or, as its backstop, no call result within the call's deadline);
+     step's progress deadline — or, as its backstop, no call result within the call's deadline;
+     a heartbeat's actor-death error: a death, where the step's call does not show it, as under
+     `compiled_graph`);
   2. `classify` turns it into an `orchestrator.core.recovery.Failure` naming the actor that
      failed first (an aborted survivor's error names the peer it was told about; after a
      timeout, the pending actor that does not answer a heartbeat is the hung one);
@@ -33,7 +35,7 @@ import time
 from typing import Optional
 
 from orchestrator.core.recovery import DIED, ERROR, HANG, Decision, Failure, label_of, origin
-from orchestrator.driver.waiting import ProgressTimeout, StageFailure
+from orchestrator.driver.waiting import ProgressTimeout, StageFailure, stage_failure
 
 log = logging.getLogger("meshpipe")
 
@@ -128,7 +130,8 @@ class NodeWatch:
     node holding actors of the run still accept a connection at its raylet? Two failed probes in a
     row (`every` apart) mean the node is gone: a `StageFailure` (a death) naming the node and its
     actors — seconds after the loss, where Ray's actor-death error waits for its health check to
-    mark the node dead (tens of seconds). Runs in runs with restarts (`failure.max_restarts` > 0).
+    mark the node dead (tens of seconds). Runs in runs with restarts (`failure.max_restarts` > 0)
+    and in every `compiled_graph` run.
 
     Args:
       info: the attempt's set-up records (`node_id`, `stage`, `host`).
@@ -172,7 +175,9 @@ class HeartbeatWatch:
     (a deadlock, a computation stuck in a collective): `ProgressTimeout` naming the culprits, one
     step's deadline after the step stopped moving instead of a whole call's. `step_s` is set by
     the executor: `timeouts.step_s` while an attempt's first step compiles, then the measured one.
-    Runs in runs with restarts (`failure.max_restarts` > 0).
+    A heartbeat that fails with Ray's actor-death error is a `StageFailure` (`died`) naming that
+    actor: what tells the driver of a death under `compiled_graph`, whose channel reads do not.
+    Runs in runs with restarts (`failure.max_restarts` > 0) and in every `compiled_graph` run.
 
     Args:
       actors: label ("stage 1 host 0") -> actor handle.
@@ -196,10 +201,7 @@ class HeartbeatWatch:
             ready, _ = ray.wait(list(self.asked), num_returns=len(self.asked), timeout=0)
             for r in ready:
                 lbl, _ = self.asked.pop(r)
-                try:
-                    self.beats[lbl] = ray.get(r, timeout=1.0)
-                except Exception as e:  # noqa: BLE001 - a dead actor fails its step call: Ray says so there
-                    log.debug("heartbeat of %s failed: %s", lbl, e)
+                self._answer(lbl, r)
         waiting = {lbl for lbl, _ in self.asked.values()}
         for lbl, actor in self.actors.items():
             if lbl not in waiting:      # one heartbeat in flight per actor
@@ -213,6 +215,36 @@ class HeartbeatWatch:
             culprits, why = found
             raise ProgressTimeout(f"no progress within the step deadline: {', '.join(culprits)} {why}",
                                   list(self.actors), culprits)
+
+    def _answer(self, lbl: str, ref) -> None:
+        """Record a ready heartbeat; raises the StageFailure of a dead actor."""
+        import ray
+        from ray.exceptions import ActorUnavailableError, RayActorError
+
+        try:
+            self.beats[lbl] = ray.get(ref, timeout=1.0)
+        except RayActorError as e:
+            if isinstance(e, ActorUnavailableError):    # unreachable for now, not dead: the deadlines judge
+                log.debug("heartbeat of %s: %s", lbl, e)
+                return
+            raise stage_failure("heartbeat", lbl, e) from e
+        except Exception as e:  # noqa: BLE001 - not a death; a hang is judged by `stalled`
+            log.debug("heartbeat of %s failed: %s", lbl, e)
+
+    def death(self, timeout: float):
+        """A heartbeat to every actor, waited for up to `timeout` s: the StageFailure of the first
+        that is dead, else None (after a survivor's own error — a reset connection — the death
+        of its peer is the cause)."""
+        import ray
+
+        refs = {a.heartbeat.options(concurrency_group="io").remote(): lbl for lbl, a in self.actors.items()}
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout)
+        for r in ready:
+            try:
+                self._answer(refs[r], r)
+            except StageFailure as e:
+                return e
+        return None
 
 
 def wait_released(names: list[str], namespace: str, timeout: float) -> None:

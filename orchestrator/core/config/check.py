@@ -611,10 +611,6 @@ def check_job(job: JobConfig, cluster: ClusterConfig) -> Checked:
     job = resolved or job
     hosts = _check_hosts_meshes(job, cluster, probs)
     _check_schedule(job, probs)
-    if job.failure.max_restarts > 0 and cluster.executor == "compiled_graph":
-        probs.add("failure.max_restarts", job.failure.max_restarts,
-                  "restarts need cluster.executor step_calls (the default) or action_calls: after an actor "
-                  "death a compiled graph's teardown is not bounded yet (measured: 600 s)")
     layouts = _check_layout_names(job, model, probs)
     if layouts is not None:           # candidate rules (layout `{first: [...]}`) chosen per stage
         layouts = _choose_layouts(job, model, layouts, max(1, job.data.global_batch // job.pipeline.microbatches),
