@@ -251,3 +251,129 @@ def test_tensor_frames_are_checked_against_the_receivers_own_plan():
     finally:
         a.close()
         b.close()
+
+
+def _tensor_frame(key: list, tensor: dict, data: bytes, **extra) -> bytes:
+    return frame_header({"key": key, "arrays": [], "tensor": tensor, **extra}, len(data)) + data
+
+
+def test_made_up_keys_hold_at_most_the_budget_and_a_rejected_peer_frees_what_it_opened(caplog):
+    """An authenticated peer (it holds the run key) invents mailbox keys. A frame whose byte count
+    disagrees with the plan is refused before anything is allocated; valid frames under new keys
+    (each a whole tensor here: one sending host) fill the receiver's budget (`in_flight` = 4 of the
+    one expected tensor) and the next one closes the connection, which drops everything it
+    delivered and nobody took. Over the Unix socket, grant requests under new keys (each a partly
+    arrived tensor in shared memory) meet the same bound. The run's real tensor then arrives."""
+    import jax
+
+    from stages.transport import Edge
+    from tests.test_socket_transport import TOKEN, _pair
+
+    (a, b), geoms, sharding = _pair(in_flight=4)
+    try:
+        axes = ("batch", "embed")
+        x = np.arange(8 * 4, dtype=np.float32).reshape(8, 4)
+        b.expect(Edge(0, geoms[0], axes), x.shape, np.float32)
+        assert b.budget == 4 * x.nbytes
+        tensor = {"stage": 0, "axes": list(axes), "shape": [8, 4], "dtype": "<f4"}
+
+        failed = _Conn(b.address, TOKEN, io_timeout=5)        # 4 bytes more than the plan receives
+        failed.sock.sendall(_tensor_frame([0, "F", 0, 0, 0], tensor, x.tobytes() + b"\0" * 4))
+        assert closed_by_peer(failed.sock, 5)
+        failed.close()
+        assert b.listener.rejected == 1 and b.held_bytes == 0 and not b._arrivals
+
+        caplog.set_level("WARNING", logger="stages.socket_transport")
+        flood = _Conn(b.address, TOKEN, io_timeout=5)
+        sent = 0
+        try:
+            for i in range(1000):
+                flood.sock.sendall(_tensor_frame([1000 + i, "F", 0, 0, 0], tensor, x.tobytes()))
+                sent += 1
+        except OSError:
+            pass
+        assert closed_by_peer(flood.sock, 5)
+        flood.close()
+        deadline = time.monotonic() + 5
+        while b.listener.rejected < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert b.listener.rejected == 2 and sent > 4
+        assert "bytes of tensors arrived and not yet taken" in caplog.text, caplog.text
+        assert "dropped 4 tensor(s) a rejected connection had opened" in caplog.text, caplog.text
+        assert b.held_bytes == 0 and not b._held and not b._arrivals and len(b.inbox) == 0
+
+        if b.machine is not None:                             # partly arrived tensors (shared memory)
+            grants = _Conn(b.address, TOKEN, io_timeout=5, unix=b.address[3])
+            granted = 0
+            with pytest.raises(FrameError, match="closed"):
+                for i in range(1000):
+                    with grants.lock:
+                        got = grants.grant(frame_header({"key": [2000 + i, "F", 0, 0, 0], "arrays": [],
+                                                         "tensor": tensor, "shm": "request"}, 0))
+                    assert got["blocks"]
+                    granted += 1
+                    assert len(b._arrivals) == granted and b.held_bytes == granted * x.nbytes <= b.budget
+            grants.close()
+            assert granted == 4 and b.listener.rejected == 3
+            assert b.held_bytes == 0 and not b._arrivals
+
+        for t in (a, b):
+            t.connect([[a.address], [b.address]])
+        a.send((0, "F", 0, 0), jax.device_put(x, sharding), Edge(1, geoms[1], axes))
+        got = b.recv((0, "F", 0, 0), x.shape, np.float32, sharding, Edge(0, geoms[0], axes), timeout=5)
+        np.testing.assert_array_equal(np.asarray(got), x)
+        assert b.held_bytes == 0 and b._error is None and b.inbox.closed is None
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_done_counts_only_for_shared_memory_granted_on_that_connection():
+    """A "done" says "I wrote your shared memory": over TCP (where no memory is granted), after a
+    refused grant, or on another connection than the grant's, it would mark a tensor landed with
+    no data. Each closes the connection (logged), drops what it opened, and the tensor still
+    arrives whole from the genuine sender."""
+    import jax
+
+    from stages.transport import Edge
+    from tests.test_socket_transport import TOKEN, _pair
+
+    (a, b), geoms, sharding = _pair(shm_min_bytes=0)
+    try:
+        axes = ("batch", "embed")
+        x = np.arange(8 * 4, dtype=np.float32).reshape(8, 4)
+        b.expect(Edge(0, geoms[0], axes), x.shape, np.float32)
+        tensor = {"stage": 0, "axes": list(axes), "shape": [8, 4], "dtype": "<f4"}
+        request = frame_header({"key": [0, "F", 0, 0, 0], "arrays": [], "tensor": tensor, "shm": "request"}, 0)
+        done = frame_header({"key": [0, "F", 0, 0, 0], "arrays": [], "shm": "done"}, 0)
+
+        tcp = _Conn(b.address, TOKEN, io_timeout=5)
+        with tcp.lock:
+            assert tcp.grant(request)["blocks"] is None        # no shared memory over TCP
+        tcp.sock.sendall(done)
+        assert closed_by_peer(tcp.sock, 5)
+        tcp.close()
+        rejected = 1
+        if b.machine is not None:
+            granted = _Conn(b.address, TOKEN, io_timeout=5, unix=b.address[3])
+            other = _Conn(b.address, TOKEN, io_timeout=5, unix=b.address[3])
+            with granted.lock:
+                assert granted.grant(request)["blocks"]
+            other.sock.sendall(done)                            # not the connection it was granted to
+            assert closed_by_peer(other.sock, 5)
+            other.close()
+            granted.close()
+            rejected += 1
+        deadline = time.monotonic() + 5
+        while b.listener.rejected < rejected and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert b.listener.rejected == rejected and len(b.inbox) == 0    # nothing was marked landed
+        for t in (a, b):
+            t.connect([[a.address], [b.address]])
+        a.send((0, "F", 0, 0), jax.device_put(x, sharding), Edge(1, geoms[1], axes))
+        got = b.recv((0, "F", 0, 0), x.shape, np.float32, sharding, Edge(0, geoms[0], axes), timeout=5)
+        np.testing.assert_array_equal(np.asarray(got), x)
+        assert b.held_bytes == 0 and not b._arrivals and b._error is None and b.inbox.closed is None
+    finally:
+        a.close()
+        b.close()
