@@ -8,6 +8,7 @@ pin a thread, allocate what a header asks for, or end the run; both lose their c
 from __future__ import annotations
 
 import os
+from pathlib import Path
 import socket
 import struct
 import threading
@@ -377,3 +378,86 @@ def test_a_done_counts_only_for_shared_memory_granted_on_that_connection():
     finally:
         a.close()
         b.close()
+
+
+def test_at_most_max_peers_authenticated_connections_are_served():
+    """A third authenticated connector to a listener serving two (max_peers=2) is closed after its
+    handshake and costs no thread; once a peer leaves, a new one is served."""
+    box, errors = Mailbox("peers"), []
+    lst = Listener("127.0.0.1", KEY, lambda frame, conn: box.put(frame.key, frame.arrays), errors.append,
+                   io_timeout=5, name="peers", max_peers=2)
+    try:
+        first, second = (_Conn(lst.address, KEY, io_timeout=5) for _ in range(2))
+        third = _Conn(lst.address, KEY, io_timeout=5)
+        assert closed_by_peer(third.sock, 5)
+        third.close()
+        assert lst.refused == 1 and lst.threads() == 3            # the selector + two readers
+        for i, conn in enumerate((first, second)):
+            conn.send(encode_frame((i, "served"), [np.arange(2, dtype=np.int32)]))
+            np.testing.assert_array_equal(box.take((i, "served"), timeout=5)[0], np.arange(2))
+        first.close()
+        deadline = time.monotonic() + 5
+        while lst.threads() > 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        fourth = _Conn(lst.address, KEY, io_timeout=5)
+        fourth.send(encode_frame((4, "served"), [np.arange(2, dtype=np.int32)]))
+        np.testing.assert_array_equal(box.take((4, "served"), timeout=5)[0], np.arange(2))
+        assert lst.refused == 1 and not errors
+        second.close()
+        fourth.close()
+    finally:
+        lst.close()
+
+
+OUT_OF_FDS = r"""
+import logging, os, resource, sys
+logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+from stages.socket_transport import Listener
+key = bytes.fromhex(sys.argv[1])
+got = []
+lst = Listener("127.0.0.1", key, lambda frame, conn: print("frame", *frame.key, flush=True), print,
+               io_timeout=5, name="fds", max_pending=100000, handshake_s=60)
+resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 24,
+                                            resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+print("port", lst.address[1], flush=True)
+sys.stdin.readline()
+print("refused", lst.refused, "threads", lst.threads(), flush=True)
+"""
+
+
+def test_a_listener_out_of_file_descriptors_sheds_pending_handshakes_and_keeps_accepting(tmp_path):
+    """A listener process limited to a few spare file descriptors (RLIMIT_NOFILE) gets 200 idle
+    connections: `accept` fails with EMFILE, the listener drops its oldest pending handshake and
+    goes on listening, so a genuine connector still gets through afterwards (the issue's probe saw
+    the TCP listener dead for the rest of the run once descriptors ran out)."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen([sys.executable, "-c", OUT_OF_FDS, KEY.hex()], cwd=root, text=True,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    idle = []
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("port"), (line, proc.stderr.read() if proc.poll() is not None else "")
+        address = ("127.0.0.1", int(line.split()[1]))
+        for _ in range(200):
+            try:
+                idle.append(socket.create_connection(address, timeout=2))
+            except OSError:                    # (a full backlog: the kernel drops the SYN)
+                pass
+        time.sleep(0.5)
+        conn = _Conn(address, KEY, io_timeout=20)
+        conn.send(encode_frame((7, "after EMFILE"), [np.arange(3, dtype=np.int32)]))
+        assert proc.stdout.readline().split() == ["frame", "7", "after", "EMFILE"]
+        conn.close()
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        refused, threads = proc.stdout.readline().split()[1::2]
+        assert int(refused) > 0 and int(threads) >= 1
+    finally:
+        for s in idle:
+            s.close()
+        proc.kill()
+        _, err = proc.communicate(timeout=10)
+    assert "Too many open files" in err, err[-2000:]
