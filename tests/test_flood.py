@@ -7,8 +7,9 @@ Unix), as the issue's test asks, per listener: 1,000 idle connections, 1,000 hal
 listeners, every one connected and its bytes sent during the run). At most OUTSTANDING per
 listener are open at once (3 x the pending cap, so the cap is always exceeded and the
 listener keeps evicting); the attacker uses non-blocking connects on one selector, so a
-full backlog slows it without blocking it. The run must train exactly as the single-process
-reference does (same tolerance as tests/test_pipeline_numerics.py), every flood connection
+full backlog slows it without blocking it. The run must give exactly the losses and parameter
+norms of the same run undisturbed (which tests/test_pipeline_numerics.py holds to the
+single-process reference), every flood connection
 must be closed by the listener within its handshake deadline (or evicted at once), no
 actor's thread count may grow with the flood, and the flooded run may take at most
 SLOWDOWN times the wall time of the same run undisturbed, measured first in the same test.
@@ -34,7 +35,7 @@ from orchestrator.core.config import check_job, parse_cluster, parse_job
 from orchestrator.driver.runner import run_job
 from stages.frames import FRAME, FRAME_MAGIC, HANDSHAKE_S, HELLO_MAGIC
 from stages.socket_transport import MAX_PENDING
-from tests.test_pipeline_numerics import CLUSTER, assert_same_training, gpt_job
+from tests.test_pipeline_numerics import CLUSTER, gpt_job
 
 pytestmark = [pytest.mark.ray, pytest.mark.flood]
 
@@ -43,13 +44,14 @@ THREAD_SLACK = 8      # reader threads a genuine peer may add after the baseline
 PER_LISTENER = {"idle": 1000, "half-HELLO": 1000, "random": 100, "2 GiB": 100}
 OUTSTANDING = 3 * MAX_PENDING    # flood connections open at once per listener
 CONNECT_S = 10.0       # a connect not completed by then is abandoned and tried again
-STEPS = 150            # long enough that the whole flood lands inside the flooded run
-# The flooded run's wall time (Ray start, compilation, STEPS steps) over the undisturbed one's.
-# Measured on the shared 2-core machine (load 10-25 from other work): 1.0-1.4 (flooding costs
-# the attacker's and the listeners' CPU on the same 2 cores the stages train on). 2.5 leaves
-# room for that machine's noise between two runs a minute apart; a listener that let the
-# flood pin a thread per connection or stall in a handshake would blow far past it.
-SLOWDOWN = 2.5
+STEPS = 400            # long enough that the whole flood lands inside the flooded run
+# The flooded run's wall time (start-up, compilation, STEPS steps) over the undisturbed one's,
+# both after an untimed warm-up run. Measured on the shared 2-core machine while other work
+# ran (load 20-60): 0.98 and 0.70, i.e. below the noise: between two runs a minute apart
+# the undisturbed run itself was up to 1.4x slower in wall time (2.2x in its steps). 3.0
+# leaves that noise twice over; a listener that let the flood pin a thread per connection
+# or stall in handshakes (the issue's probe: 19.8k threads) would blow far past it.
+SLOWDOWN = 3.0
 
 
 def _threads(pid: int) -> int:
@@ -292,11 +294,13 @@ def _kind(pid: int, name: str, cmd: str, transport_ports: set, port: int) -> str
     return f"unknown ({name}: {cmd[:120]})"
 
 
-def test_a_run_under_a_connection_flood_trains_as_the_reference(tmp_path, no_leaks):
+def test_a_run_under_a_connection_flood_trains_as_the_undisturbed_run(tmp_path, no_leaks):
     """Also the listener census: every socket the run's processes listen on is a row of
     docs/security.md's table and binds loopback (TCP) or the name the table gives (abstract
     Unix), as the table says for an embedded cluster."""
     checked = check_job(parse_job(gpt_job(tmp_path, "1f1b", steps=STEPS)), parse_cluster(CLUSTER))
+    warm = check_job(parse_job(gpt_job(tmp_path / "warm", "1f1b", steps=1)), parse_cluster(CLUSTER))
+    run_job(warm, echo=lambda s: None)     # the first run in a process pays imports and cold caches: not timed
     t0 = time.perf_counter()
     quiet = run_job(checked, echo=lambda s: None)
     quiet_s = time.perf_counter() - t0
@@ -312,20 +316,20 @@ def test_a_run_under_a_connection_flood_trains_as_the_reference(tmp_path, no_lea
         flood.stop.set()
         attacker.join(HANDSHAKE_S + 30)
     wall = time.perf_counter() - t0
-    ref = run_job(checked, reference=True, echo=lambda s: None)
     train = [sum(r["step_times_s"][1:]) for r in (quiet, pipe)]
     flood_s = None if flood.finished_at is None else flood.finished_at - flood.started_at
     print(f"undisturbed run: {quiet_s:.1f} s (steps after the first {train[0]:.1f} s); flooded run: {wall:.1f} s "
           f"(steps {train[1]:.1f} s), ratio {wall / quiet_s:.2f} (steps {train[1] / train[0]:.2f}); "
-          f"flood of {len(flood.targets)} listeners: sent {flood.sent} in {flood_s} s, {flood.retried} connects "
+          f"flood of {len(flood.targets)} listeners: sent {flood.sent} in {flood_s} s, ending "
+          f"{None if flood_s is None else run_end - flood.finished_at} s before the run, {flood.retried} connects "
           f"retried; thread counts {flood.baseline} -> peak {flood.peak}; load {os.getloadavg()}")
     assert flood.error is None, flood.error
     assert len(flood.targets) == 2 * ACTORS and len(flood.pids) == ACTORS
     assert flood.finished_at is not None and flood.finished_at < run_end, \
         f"the run ended before the flood was sent (sent {flood.sent}; raise STEPS)"
     assert flood.sent == {kind: n * len(flood.targets) for kind, n in PER_LISTENER.items()}, flood.sent
-    assert_same_training(pipe, ref)
-    assert quiet["losses"] == pipe["losses"]
+    assert pipe["losses"] == quiet["losses"], "the flood changed the training"     # (bit-equal: same program, same data)
+    assert pipe["param_norms"] == quiet["param_norms"]
     assert flood.unclosed == 0, f"{flood.unclosed} flood connections outlived the handshake deadline"
     for pid, base in flood.baseline.items():
         assert flood.peak[pid] <= base + THREAD_SLACK, (pid, base, flood.peak[pid])
