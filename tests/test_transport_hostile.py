@@ -391,6 +391,9 @@ def test_at_most_max_peers_authenticated_connections_are_served():
         third = _Conn(lst.address, KEY, io_timeout=5)
         assert closed_by_peer(third.sock, 5)
         third.close()
+        deadline = time.monotonic() + 5                            # (counted just after the close)
+        while lst.refused < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert lst.refused == 1 and lst.threads() == 3            # the selector + two readers
         for i, conn in enumerate((first, second)):
             conn.send(encode_frame((i, "served"), [np.arange(2, dtype=np.int32)]))
