@@ -298,8 +298,9 @@ def read_frame(sock: socket.socket, stop=None, io_timeout: float = 60.0, destina
                max_bytes: int = MAX_FRAME_BYTES) -> Frame | None:
     """One frame from `sock`; None on a clean EOF between frames.
 
-    `destinations(header)` may return writable memoryviews to read the frame's data into,
-    in order (they must hold exactly its data bytes; it may raise `PeerError`); None (or no
+    `destinations(header, nbytes)` (nbytes: the data bytes the frame announces) may return
+    writable memoryviews to read the frame's data into, in order (they must hold exactly
+    its data bytes; it may raise `PeerError`, best before allocating anything); None (or no
     callable) reads the header's "arrays" into fresh 64-byte-aligned arrays, at most
     `max_bytes` of them. A frame that breaks the protocol raises `PeerError`.
     """
@@ -319,7 +320,7 @@ def read_frame(sock: socket.socket, stop=None, io_timeout: float = 60.0, destina
     key = header.get("key") if isinstance(header, dict) else None
     if not (isinstance(key, list) and len(key) <= 16 and all(type(k) in (int, str) for k in key)):
         raise PeerError("frame header is not an object with a 'key' list of ints and strings")
-    views = destinations(header) if destinations is not None else None
+    views = destinations(header, total) if destinations is not None else None
     arrays = None
     if views is None:
         arrays = [aligned_empty(shape, dt) for dt, shape in _header_arrays(header, total, max_bytes)]

@@ -15,6 +15,9 @@ import time
 from typing import Any, Hashable
 
 
+_MISSING = object()
+
+
 class MailboxClosed(RuntimeError):
     """This actor was told to stop (`Mailbox.close`): a consequence, not the cause, of a failure.
     The driver reports the actor that failed by itself in preference (`waiting.wait_all`)."""
@@ -46,6 +49,12 @@ class Mailbox:
                                        f"(pending: {sorted(map(str, self._items))[:8]})")
                 self._cv.wait(remaining)
             return self._items.pop(key)
+
+    def discard(self, key: Hashable) -> bool:
+        """Drop `key`'s item if it is there (a transport withdrawing what a rejected peer
+        delivered); True if it was."""
+        with self._cv:
+            return self._items.pop(key, _MISSING) is not _MISSING
 
     def close(self, reason: str) -> None:
         with self._cv:

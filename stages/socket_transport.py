@@ -11,7 +11,16 @@ handshake inside it; the Unix socket and shared memory never leave the machine a
 wrapped. Cluster `transport_same_machine: tcp` sends same-machine peers over TCP too (no
 Unix socket, no shared memory: `shared_memory=False`). A receiver accepts only tensors it announced (`expect`) and
 checks every frame against its own plan; a peer that breaks the protocol loses its
-connection (`PeerError`, logged), not the run.
+connection (`PeerError`, logged), not the run, and what that connection delivered and was
+not yet taken is dropped with it.
+
+Memory a peer can make a receiver hold is bounded by bytes: every tensor from the first
+frame of it until the worker takes it (partly arrived, or assembled in the mailbox) counts
+against `budget`, which is `in_flight` times the bytes of each tensor `expect` announced
+(the worker passes what its schedule can have in flight; `IN_FLIGHT` otherwise). A frame
+that would open a tensor past the budget, repeat a part already arrived, or name a tensor
+already delivered and not yet taken closes its connection before anything is allocated; a
+"done" counts only for a tensor whose shared memory was granted to that same connection.
 
 Moving one tensor from this host to destination host d (one payload per pair):
   shared memory  (same machine, at least SHM_MIN_BYTES for d): the sender asks d for
@@ -83,7 +92,8 @@ ASSEMBLED = "assembled"     # last mailbox key element of a fully placed tensor
 COPY_THREADS = 4            # at most this many threads write one payload into shared memory
 MAX_PENDING = 64            # unauthenticated connections a listener holds at once (a new one evicts the oldest)
 MAX_PEERS = 256             # authenticated connections a listener serves
-MAX_ARRIVALS = 4096         # tensors partly arrived at once on one host
+MAX_ARRIVALS = 4096         # tensors partly arrived at once on one host (and `budget` bytes in all)
+IN_FLIGHT = 64              # tensors of each expected kind a receiver holds at once, unless told (`in_flight`)
 
 log = logging.getLogger(__name__)
 
@@ -104,14 +114,14 @@ class Listener:
     """Accepts authenticated connections (TCP, and Unix when `unix` names an abstract socket)
     and gives each authenticated peer one daemon reader thread, which reads frames (into
     `destinations(header)` when that gives views, see `stages.frames.read_frame`) and calls
-    `on_frame(frame, conn)`.
+    `on_frame(frame, conn)`; `destinations` is called as `destinations(header, nbytes, conn)`.
 
     Before authentication a connection costs no thread: one selector thread accepts and
     drives every pending handshake (`ServerHandshake`), at most `max_pending` at once (a new
     one evicts the oldest), each for at most `handshake_s` seconds; at most `max_peers`
     authenticated connections are served. A peer that breaks the protocol after
     authenticating (`PeerError`) loses its connection, with the reason logged and counted in
-    `rejected`; any other reader failure goes to `on_error(reason)`. `refused` counts
+    `rejected`, and `on_reject(conn)` is called; any other reader failure goes to `on_error(reason)`. `refused` counts
     connections dropped before authentication. With `tls` (a server `ssl.SSLContext`) every
     TCP connection must complete a TLS handshake first, within the same deadline; Unix
     connections are not wrapped.
@@ -119,8 +129,10 @@ class Listener:
 
     def __init__(self, host: str, token: bytes, on_frame, on_error, io_timeout: float, name: str = "",
                  destinations=None, unix: str | None = None, max_pending: int = MAX_PENDING,
-                 max_peers: int = MAX_PEERS, handshake_s: float = HANDSHAKE_S, tls: ssl.SSLContext | None = None):
+                 max_peers: int = MAX_PEERS, handshake_s: float = HANDSHAKE_S, tls: ssl.SSLContext | None = None,
+                 on_reject=None):
         self.token, self.on_frame, self.on_error, self.io_timeout = token, on_frame, on_error, io_timeout
+        self.on_reject = on_reject
         self.tls = tls
         self.destinations = destinations
         self.name = name
@@ -237,8 +249,9 @@ class Listener:
     def _serve(self, conn: socket.socket) -> None:
         try:
             stop = lambda: self.closed
+            dest = None if self.destinations is None else (lambda header, n: self.destinations(header, n, conn))
             while not self.closed:
-                frame = read_frame(conn, stop, self.io_timeout, self.destinations)
+                frame = read_frame(conn, stop, self.io_timeout, dest)
                 if frame is None:
                     return
                 self.on_frame(frame, conn)
@@ -246,6 +259,8 @@ class Listener:
             if not self.closed:
                 self.rejected += 1
                 log.warning("%s: closed a peer's connection: %s", self.name, e)
+                if self.on_reject is not None:
+                    self.on_reject(conn)
         except Exception as e:  # noqa: BLE001 - a reader must not die silently
             if not self.closed:
                 self.on_error(f"{type(e).__name__}: {e}")
@@ -282,10 +297,12 @@ class _Shape:
         self.blocks = blocks_on(plan, me)
         self.firsts = sorted(set(self.blocks.values()))
         self.senders = frozenset(s for s, per_dst in plan.sends.items() if per_dst.get(me))
+        self.nbytes = len(self.firsts) * int(np.prod(plan.dst_shard_shape, dtype=np.int64)) * np.dtype(plan.dtype).itemsize
 
 
 class _Arrival:
-    """One tensor arriving on this host: its destination blocks and the source hosts still to come."""
+    """One tensor arriving on this host: its destination blocks, the source hosts still to come,
+    and (source host -> connection) where a source was granted shared memory (`granted`)."""
 
     def __init__(self, shape: _Shape, pool: BufferPool, shm: BufferPool | None = None):
         plan, blocks, firsts = shape.plan, shape.blocks, shape.firsts
@@ -299,6 +316,7 @@ class _Arrival:
         self.shards = {d: self.buffers[b] for d, b in blocks.items()}   # replicas share a buffer
         self.views = {b: memoryview(a.reshape(-1).view(np.uint8)) for b, a in self.buffers.items()}
         self.waiting = set(shape.senders)
+        self.granted: dict[int, socket.socket] = {}
 
 
 # -- sending -------------------------------------------------------------------------
@@ -396,7 +414,9 @@ class SocketTransport(TiledTransport):
     the node IP; None asks Ray), `io_timeout` (seconds a connect, handshake, grant,
     blocked write or started frame may take), `shared_memory` (False: streams only),
     `shm_min_bytes` and `shm_pool_bytes` (see SHM_MIN_BYTES, SHM_POOL_BYTES), `tls`
-    (cluster `transport_tls`: {cert_file, key_file, ca_file}; None: plain TCP).
+    (cluster `transport_tls`: {cert_file, key_file, ca_file}; None: plain TCP), `in_flight`
+    (how many tensors of each expected kind may be arrived and not yet taken at once: sets
+    `budget`, see the module docstring).
     After construction `address` is (ip, port, machine, unix name); `connect(addresses)`
     takes every stage's hosts' addresses ([stage][host]) before the first send.
     """
@@ -404,7 +424,7 @@ class SocketTransport(TiledTransport):
     def __init__(self, *, me, geom, mesh, inbox, peers, token: bytes, stage: int = 0, geoms=(),
                  host: str | None = None, io_timeout: float = 60.0, shared_memory: bool = True,
                  shm_min_bytes: int = SHM_MIN_BYTES, shm_pool_bytes: int = SHM_POOL_BYTES,
-                 tls: dict | None = None):
+                 tls: dict | None = None, in_flight: int = IN_FLIGHT):
         if not token:
             raise ValueError("SocketTransport needs the run token")
         self.tls_server = self.tls_client = None
@@ -428,6 +448,10 @@ class SocketTransport(TiledTransport):
         self.shm_sends = self.stream_sends = 0
         self._arrivals: dict[tuple, _Arrival] = {}
         self._arrivals_lock = threading.Lock()
+        self.in_flight = int(in_flight)
+        self.budget = 0               # bytes of tensors this host may hold arrived and not yet taken (`expect`)
+        self.held_bytes = 0           # ... and holds now:
+        self._held: dict[tuple, tuple] = {}   # key base -> (connection that opened it, bytes), until taken
         self._granted = weakref.WeakKeyDictionary()   # accepted connection -> shm block ids it holds
         self._layouts: dict = {}
         self._routes: dict = {}       # (id(edge), destination host, id(plan)) -> _Route (`_route`)
@@ -440,7 +464,7 @@ class SocketTransport(TiledTransport):
         unix = f"meshpipe-{secrets.token_hex(8)}" if self.machine else None
         self.listener = Listener(host, self.token, self._on_frame, self._on_error, io_timeout,
                                  name=f"transport host {me}", destinations=self._destinations, unix=unix,
-                                 tls=self.tls_server)
+                                 tls=self.tls_server, on_reject=self._withdraw)
         self.address = (*self.listener.address, self.machine, unix)
 
     def set_io_timeout(self, seconds: float) -> None:
@@ -456,9 +480,11 @@ class SocketTransport(TiledTransport):
     def expect(self, edge: Edge, shape, dtype) -> None:
         """Accept tensors of `shape`/`dtype` from `edge.stage` along `edge` (call before the
         peers send). A tensor frame that matches no expected tensor closes its connection:
-        a receiver allocates only what its own plan says."""
+        a receiver allocates only what its own plan says. Each call adds `in_flight` such
+        tensors to `budget` (call once per tensor of a microbatch: two leaves of one shape, twice)."""
         memo = (edge.stage, tuple(edge.axes), tuple(int(n) for n in shape), dtype_tag(dtype))
-        self._incoming[memo] = self._plan(edge, False, memo[2], np.dtype(dtype))
+        plan = self._incoming[memo] = self._plan(edge, False, memo[2], np.dtype(dtype))
+        self.budget += self.in_flight * self._shape(plan).nbytes
 
     # -- receiving (reader threads) ---------------------------------------------------
     def _incoming_plan(self, tensor):
@@ -473,14 +499,15 @@ class SocketTransport(TiledTransport):
         return plan
 
     def _layout(self, plan, src: int, dst: int):
-        """`stream_layout` and its receive runs as a list, memoised per plan (plans are memoised,
-        so their ids are stable; the memo keeps each plan alive)."""
+        """`stream_layout`, its receive runs as a list and their bytes, memoised per plan (plans are
+        memoised, so their ids are stable; the memo keeps each plan alive)."""
         memo = (id(plan), src, dst)
         got = self._layouts.get(memo)
         if got is None:
             layout = stream_layout(plan, src, dst)
-            got = self._layouts[memo] = (plan, layout, layout.recv.tolist())
-        return got[1], got[2]
+            runs_ = layout.recv.tolist()
+            got = self._layouts[memo] = (plan, layout, runs_, sum(n for _, _, n in runs_))
+        return got[1], got[2], got[3]
 
     def _bytes_to(self, plan, dst_host: int) -> int:
         """Bytes `dst_host` receives of one tensor (all senders), memoised per plan."""
@@ -496,42 +523,65 @@ class SocketTransport(TiledTransport):
             got = self._shapes[id(plan)] = _Shape(plan, self.me)
         return got
 
-    def _arrival(self, key: tuple, plan, shm: bool) -> tuple[tuple, int, _Arrival]:
+    def _source(self, key: tuple, plan) -> tuple[tuple, int]:
+        """(key base, source host) of a frame's key; PeerError when that host sends nothing here."""
         base, src = key[:-1], key[-1] if key else None
         if src not in plan.sends or not plan.sends[src].get(self.me):
             raise PeerError(f"{key}: host {src} sends nothing to this host on this edge")
+        return base, src
+
+    def _arrival(self, key: tuple, plan, shm: bool, conn: socket.socket) -> tuple[tuple, int, _Arrival]:
+        """The arrival `key` adds to: one already open, or a new one opened by `conn` within `budget`."""
+        base, src = self._source(key, plan)
         with self._arrivals_lock:
             arrival = self._arrivals.get(base)
             if arrival is None:
-                if len(self._arrivals) >= MAX_ARRIVALS:
-                    raise PeerError(f"{key}: more than {MAX_ARRIVALS} tensors partly arrived")
-                arrival = self._arrivals[base] = _Arrival(self._shape(plan), self.pool, self.shm if shm else None)
+                if base in self._held:
+                    raise PeerError(f"{key}: this tensor was delivered already and is not taken yet")
+                shape = self._shape(plan)
+                if self.held_bytes + shape.nbytes > self.budget or len(self._arrivals) >= MAX_ARRIVALS:
+                    raise PeerError(f"{key}: {shape.nbytes} more bytes would make {self.held_bytes + shape.nbytes} "
+                                    f"bytes of tensors arrived and not yet taken (or {MAX_ARRIVALS} partly "
+                                    f"arrived), more than this host's {self.budget} ({self.in_flight} of each "
+                                    f"expected tensor)")
+                arrival = self._arrivals[base] = _Arrival(shape, self.pool, self.shm if shm else None)
+                self._held[base] = (conn, shape.nbytes)
+                self.held_bytes += shape.nbytes
+            elif src not in arrival.waiting:
+                raise PeerError(f"{key}: host {src}'s part of this tensor arrived already")
         return base, src, arrival
 
-    def _destinations(self, header: dict):
-        """A tensor frame's stream lands in its places in the destination blocks."""
+    def _destinations(self, header: dict, nbytes: int, conn: socket.socket):
+        """A tensor frame's stream lands in its places in the destination blocks (checked against
+        the plan's byte count before anything is allocated)."""
         if header.get("shm") in ("request", "done"):   # grant requests and "done" notes carry no data
             return []
         tensor = header.get("tensor")
         if tensor is None:
             raise PeerError(f"frame {str(header)[:200]} is neither a tensor, a grant request nor a 'done'")
         plan = self._incoming_plan(tensor)
-        _, src, arrival = self._arrival(tuple(header["key"]), plan, shm=False)
+        key = tuple(header["key"])
+        _, src = self._source(key, plan)
+        _, runs_, want = self._layout(plan, src, self.me)
+        if nbytes != want:
+            raise PeerError(f"{key}: frame announces {nbytes} data bytes, this host's plan receives {want} from host {src}")
+        _, _, arrival = self._arrival(key, plan, False, conn)
         views = arrival.views
-        return [views[b][off:off + n] for b, off, n in self._layout(plan, src, self.me)[1]]
+        return [views[b][off:off + n] for b, off, n in runs_]
 
     def _on_frame(self, frame: Frame, conn: socket.socket) -> None:
         if not frame.key:
             raise PeerError("frame with an empty key")
-        if frame.header.get("shm") == "request":
+        how = frame.header.get("shm")
+        if how == "request":
             self._grant(frame, conn)
         else:                     # a "done" or a tensor frame read into place (`_destinations`)
-            self._landed(frame.key[:-1], frame.key[-1])
+            self._landed(frame.key[:-1], frame.key[-1], conn if how == "done" else None)
 
     def _grant(self, frame: Frame, conn: socket.socket) -> None:
         """Answer a same-machine sender: this tensor's shared-memory blocks (fds for new ones)."""
         plan = self._incoming_plan(frame.header.get("tensor"))
-        _, _, arrival = self._arrival(frame.key, plan, shm=True)
+        _, src, arrival = self._arrival(frame.key, plan, True, conn)
         if arrival.shm_ids is None or conn.family != socket.AF_UNIX:
             send_grant(conn, {"blocks": None}, [])
             return
@@ -541,22 +591,46 @@ class SocketTransport(TiledTransport):
         send_grant(conn, {"blocks": [[b, i] for b, i in arrival.shm_ids.items()],
                           "new": [[blk.id, blk.nbytes] for blk in blocks]}, [blk.fd for blk in blocks])
         seen.update(new)
+        arrival.granted[src] = conn
 
-    def _landed(self, base: tuple, src: int) -> None:
+    def _landed(self, base: tuple, src: int, done_on: socket.socket | None = None) -> None:
+        """Host `src`'s part of tensor `base` is in place: read from a stream, or (`done_on`: the
+        connection a "done" came on) written into shared memory granted on that connection."""
         with self._arrivals_lock:
             arrival = self._arrivals.get(base)
             if arrival is None or src not in arrival.waiting:
                 raise PeerError(f"{(*base, src)}: nothing of this tensor is awaited from host {src}")
+            if done_on is not None and arrival.granted.get(src) is not done_on:
+                raise PeerError(f"{(*base, src)}: a 'done' for a tensor whose shared memory was not "
+                                f"granted to this connection (its data must come as a stream)")
             arrival.waiting.discard(src)
             done = not arrival.waiting and self._arrivals.pop(base, None) is not None
         if done:
             self.inbox.put((*base, ASSEMBLED), arrival.shards)
 
+    def _withdraw(self, conn: socket.socket) -> None:
+        """A connection broke the protocol (`Listener.on_reject`): drop every tensor it opened that
+        is not taken yet (partly arrived, or assembled in the mailbox), freeing its budget."""
+        with self._arrivals_lock:
+            mine = [base for base, (owner, _) in self._held.items() if owner is conn]
+            for base in mine:
+                self._arrivals.pop(base, None)
+                self.held_bytes -= self._held.pop(base)[1]
+                self.inbox.discard((*base, ASSEMBLED))
+        if mine:
+            log.warning("transport host %s: dropped %d tensor(s) a rejected connection had opened",
+                        self.me, len(mine))
+
     def _local_shards(self, key, shape, dtype, edge, timeout) -> dict:
         """The shards the reader threads placed (see `TiledTransport.recv` / `recv_operand`)."""
         plan = self._plan(edge, False, shape, dtype)
         if self._shape(plan).senders:
-            return self.inbox.take((*key, ASSEMBLED), timeout)
+            shards = self.inbox.take((*key, ASSEMBLED), timeout)
+            with self._arrivals_lock:
+                held = self._held.pop(tuple(key), None)
+                if held is not None:
+                    self.held_bytes -= held[1]
+            return shards
         return _Arrival(self._shape(plan), self.pool).shards      # nothing to move (an empty tensor)
 
     def _on_error(self, reason: str) -> None:

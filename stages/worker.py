@@ -217,7 +217,7 @@ class StageWorker:
                 self.transport = SocketTransport(**args, token=cfg.transport_token, stage=cfg.stage, geoms=cfg.geoms,
                                                  io_timeout=self.recv_s,    # then set_recv_deadline's
                                                  shared_memory=cfg.transport_same_machine == "unix",
-                                                 tls=cfg.transport_tls)
+                                                 tls=cfg.transport_tls, in_flight=self._in_flight())
             except TlsError as e:        # the driver checked its own copy; this node's differs
                 raise RuntimeError(f"{cfg.who} on {socket.gethostname()}: {e}") from None
         else:
@@ -287,6 +287,15 @@ class StageWorker:
             # what may arrive (the transport refuses anything else): activations in, gradients back
             for edge, shape, dtype in (self.edge_in[c] or []) + (self.edge_out[c] or []):
                 self.transport.expect(edge, shape, dtype)
+
+    def _in_flight(self) -> int:
+        """How many tensors of one expected kind (one edge leaf) may have arrived here and not been
+        taken yet: a training step's microbatches (the next step's cannot come before this host
+        has taken them: a sender needs this stage's gradients first), plus every evaluation
+        batch's (forward-only: the first stage may run all of them ahead), with one more step's
+        worth as margin. The transport refuses a connection that makes it hold more."""
+        cfg = self.cfg
+        return cfg.microbatches * (2 + (cfg.data.eval_batches if cfg.data is not None else 0))
 
     def _open_data(self) -> None:
         """Loaders for this host's rows: inputs on the first stage, labels on the last (else none)."""

@@ -60,7 +60,7 @@ def test_strided_arrays_travel_as_their_runs_and_land_in_given_destinations():
     places = [dst[:, MIN_RUN // 4: 2 * MIN_RUN // 4], small[5:45, 2:6]]
     views = [v for p in places for v in runs(p, min_run=0)]
     assert len(views) > IOV_MAX
-    key, got = roundtrip((3, "F", 0, 0, 1), [wide, narrow], destinations=lambda header: views)
+    key, got = roundtrip((3, "F", 0, 0, 1), [wide, narrow], destinations=lambda header, nbytes: views)
     assert key == (3, "F", 0, 0, 1) and got is None
     np.testing.assert_array_equal(places[0], wide)
     np.testing.assert_array_equal(places[1], narrow)
@@ -70,7 +70,7 @@ def test_strided_arrays_travel_as_their_runs_and_land_in_given_destinations():
 def test_frame_destinations_must_hold_exactly_its_bytes():
     short = [memoryview(bytearray(20))]
     with pytest.raises(FrameError, match="destinations hold 20"):
-        roundtrip((0,), [np.zeros((2, 3), np.float32)], destinations=lambda h: short)
+        roundtrip((0,), [np.zeros((2, 3), np.float32)], destinations=lambda h, n: short)
 
 
 def test_frame_refuses_object_dtype_and_garbage():

@@ -8,6 +8,7 @@ pin a thread, allocate what a header asks for, or end the run; both lose their c
 from __future__ import annotations
 
 import os
+from pathlib import Path
 import socket
 import struct
 import threading
@@ -251,3 +252,215 @@ def test_tensor_frames_are_checked_against_the_receivers_own_plan():
     finally:
         a.close()
         b.close()
+
+
+def _tensor_frame(key: list, tensor: dict, data: bytes, **extra) -> bytes:
+    return frame_header({"key": key, "arrays": [], "tensor": tensor, **extra}, len(data)) + data
+
+
+def test_made_up_keys_hold_at_most_the_budget_and_a_rejected_peer_frees_what_it_opened(caplog):
+    """An authenticated peer (it holds the run key) invents mailbox keys. A frame whose byte count
+    disagrees with the plan is refused before anything is allocated; valid frames under new keys
+    (each a whole tensor here: one sending host) fill the receiver's budget (`in_flight` = 4 of the
+    one expected tensor) and the next one closes the connection, which drops everything it
+    delivered and nobody took. Over the Unix socket, grant requests under new keys (each a partly
+    arrived tensor in shared memory) meet the same bound. The run's real tensor then arrives."""
+    import jax
+
+    from stages.transport import Edge
+    from tests.test_socket_transport import TOKEN, _pair
+
+    (a, b), geoms, sharding = _pair(in_flight=4)
+    try:
+        axes = ("batch", "embed")
+        x = np.arange(8 * 4, dtype=np.float32).reshape(8, 4)
+        b.expect(Edge(0, geoms[0], axes), x.shape, np.float32)
+        assert b.budget == 4 * x.nbytes
+        tensor = {"stage": 0, "axes": list(axes), "shape": [8, 4], "dtype": "<f4"}
+
+        failed = _Conn(b.address, TOKEN, io_timeout=5)        # 4 bytes more than the plan receives
+        failed.sock.sendall(_tensor_frame([0, "F", 0, 0, 0], tensor, x.tobytes() + b"\0" * 4))
+        assert closed_by_peer(failed.sock, 5)
+        failed.close()
+        assert b.listener.rejected == 1 and b.held_bytes == 0 and not b._arrivals
+
+        caplog.set_level("WARNING", logger="stages.socket_transport")
+        flood = _Conn(b.address, TOKEN, io_timeout=5)
+        sent = 0
+        try:
+            for i in range(1000):
+                flood.sock.sendall(_tensor_frame([1000 + i, "F", 0, 0, 0], tensor, x.tobytes()))
+                sent += 1
+        except OSError:
+            pass
+        assert closed_by_peer(flood.sock, 5)
+        flood.close()
+        deadline = time.monotonic() + 5
+        while b.listener.rejected < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert b.listener.rejected == 2 and sent > 4
+        assert "bytes of tensors arrived and not yet taken" in caplog.text, caplog.text
+        assert "dropped 4 tensor(s) a rejected connection had opened" in caplog.text, caplog.text
+        assert b.held_bytes == 0 and not b._held and not b._arrivals and len(b.inbox) == 0
+
+        if b.machine is not None:                             # partly arrived tensors (shared memory)
+            grants = _Conn(b.address, TOKEN, io_timeout=5, unix=b.address[3])
+            granted = 0
+            with pytest.raises(FrameError, match="closed"):
+                for i in range(1000):
+                    with grants.lock:
+                        got = grants.grant(frame_header({"key": [2000 + i, "F", 0, 0, 0], "arrays": [],
+                                                         "tensor": tensor, "shm": "request"}, 0))
+                    assert got["blocks"]
+                    granted += 1
+                    assert len(b._arrivals) == granted and b.held_bytes == granted * x.nbytes <= b.budget
+            grants.close()
+            assert granted == 4 and b.listener.rejected == 3
+            assert b.held_bytes == 0 and not b._arrivals
+
+        for t in (a, b):
+            t.connect([[a.address], [b.address]])
+        a.send((0, "F", 0, 0), jax.device_put(x, sharding), Edge(1, geoms[1], axes))
+        got = b.recv((0, "F", 0, 0), x.shape, np.float32, sharding, Edge(0, geoms[0], axes), timeout=5)
+        np.testing.assert_array_equal(np.asarray(got), x)
+        assert b.held_bytes == 0 and b._error is None and b.inbox.closed is None
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_done_counts_only_for_shared_memory_granted_on_that_connection():
+    """A "done" says "I wrote your shared memory": over TCP (where no memory is granted), after a
+    refused grant, or on another connection than the grant's, it would mark a tensor landed with
+    no data. Each closes the connection (logged), drops what it opened, and the tensor still
+    arrives whole from the genuine sender."""
+    import jax
+
+    from stages.transport import Edge
+    from tests.test_socket_transport import TOKEN, _pair
+
+    (a, b), geoms, sharding = _pair(shm_min_bytes=0)
+    try:
+        axes = ("batch", "embed")
+        x = np.arange(8 * 4, dtype=np.float32).reshape(8, 4)
+        b.expect(Edge(0, geoms[0], axes), x.shape, np.float32)
+        tensor = {"stage": 0, "axes": list(axes), "shape": [8, 4], "dtype": "<f4"}
+        request = frame_header({"key": [0, "F", 0, 0, 0], "arrays": [], "tensor": tensor, "shm": "request"}, 0)
+        done = frame_header({"key": [0, "F", 0, 0, 0], "arrays": [], "shm": "done"}, 0)
+
+        tcp = _Conn(b.address, TOKEN, io_timeout=5)
+        with tcp.lock:
+            assert tcp.grant(request)["blocks"] is None        # no shared memory over TCP
+        tcp.sock.sendall(done)
+        assert closed_by_peer(tcp.sock, 5)
+        tcp.close()
+        rejected = 1
+        if b.machine is not None:
+            granted = _Conn(b.address, TOKEN, io_timeout=5, unix=b.address[3])
+            other = _Conn(b.address, TOKEN, io_timeout=5, unix=b.address[3])
+            with granted.lock:
+                assert granted.grant(request)["blocks"]
+            other.sock.sendall(done)                            # not the connection it was granted to
+            assert closed_by_peer(other.sock, 5)
+            other.close()
+            granted.close()
+            rejected += 1
+        deadline = time.monotonic() + 5
+        while b.listener.rejected < rejected and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert b.listener.rejected == rejected and len(b.inbox) == 0    # nothing was marked landed
+        for t in (a, b):
+            t.connect([[a.address], [b.address]])
+        a.send((0, "F", 0, 0), jax.device_put(x, sharding), Edge(1, geoms[1], axes))
+        got = b.recv((0, "F", 0, 0), x.shape, np.float32, sharding, Edge(0, geoms[0], axes), timeout=5)
+        np.testing.assert_array_equal(np.asarray(got), x)
+        assert b.held_bytes == 0 and not b._arrivals and b._error is None and b.inbox.closed is None
+    finally:
+        a.close()
+        b.close()
+
+
+def test_at_most_max_peers_authenticated_connections_are_served():
+    """A third authenticated connector to a listener serving two (max_peers=2) is closed after its
+    handshake and costs no thread; once a peer leaves, a new one is served."""
+    box, errors = Mailbox("peers"), []
+    lst = Listener("127.0.0.1", KEY, lambda frame, conn: box.put(frame.key, frame.arrays), errors.append,
+                   io_timeout=5, name="peers", max_peers=2)
+    try:
+        first, second = (_Conn(lst.address, KEY, io_timeout=5) for _ in range(2))
+        third = _Conn(lst.address, KEY, io_timeout=5)
+        assert closed_by_peer(third.sock, 5)
+        third.close()
+        deadline = time.monotonic() + 5                            # (counted just after the close)
+        while lst.refused < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert lst.refused == 1 and lst.threads() == 3            # the selector + two readers
+        for i, conn in enumerate((first, second)):
+            conn.send(encode_frame((i, "served"), [np.arange(2, dtype=np.int32)]))
+            np.testing.assert_array_equal(box.take((i, "served"), timeout=5)[0], np.arange(2))
+        first.close()
+        deadline = time.monotonic() + 5
+        while lst.threads() > 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        fourth = _Conn(lst.address, KEY, io_timeout=5)
+        fourth.send(encode_frame((4, "served"), [np.arange(2, dtype=np.int32)]))
+        np.testing.assert_array_equal(box.take((4, "served"), timeout=5)[0], np.arange(2))
+        assert lst.refused == 1 and not errors
+        second.close()
+        fourth.close()
+    finally:
+        lst.close()
+
+
+OUT_OF_FDS = r"""
+import logging, os, resource, sys
+logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+from stages.socket_transport import Listener
+key = bytes.fromhex(sys.argv[1])
+got = []
+lst = Listener("127.0.0.1", key, lambda frame, conn: print("frame", *frame.key, flush=True), print,
+               io_timeout=5, name="fds", max_pending=100000, handshake_s=60)
+resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 24,
+                                            resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+print("port", lst.address[1], flush=True)
+sys.stdin.readline()
+print("refused", lst.refused, "threads", lst.threads(), flush=True)
+"""
+
+
+def test_a_listener_out_of_file_descriptors_sheds_pending_handshakes_and_keeps_accepting(tmp_path):
+    """A listener process limited to a few spare file descriptors (RLIMIT_NOFILE) gets 200 idle
+    connections: `accept` fails with EMFILE, the listener drops its oldest pending handshake and
+    goes on listening, so a genuine connector still gets through afterwards (the issue's probe saw
+    the TCP listener dead for the rest of the run once descriptors ran out)."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen([sys.executable, "-c", OUT_OF_FDS, KEY.hex()], cwd=root, text=True,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    idle = []
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("port"), (line, proc.stderr.read() if proc.poll() is not None else "")
+        address = ("127.0.0.1", int(line.split()[1]))
+        for _ in range(200):
+            try:
+                idle.append(socket.create_connection(address, timeout=2))
+            except OSError:                    # (a full backlog: the kernel drops the SYN)
+                pass
+        time.sleep(0.5)
+        conn = _Conn(address, KEY, io_timeout=20)
+        conn.send(encode_frame((7, "after EMFILE"), [np.arange(3, dtype=np.int32)]))
+        assert proc.stdout.readline().split() == ["frame", "7", "after", "EMFILE"]
+        conn.close()
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        refused, threads = proc.stdout.readline().split()[1::2]
+        assert int(refused) > 0 and int(threads) >= 1
+    finally:
+        for s in idle:
+            s.close()
+        proc.kill()
+        _, err = proc.communicate(timeout=10)
+    assert "Too many open files" in err, err[-2000:]
