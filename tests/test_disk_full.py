@@ -33,6 +33,19 @@ def refusal(steps):
         return None
     except ConfigError as e:
         return str(e)
+def ckpt_refusal(optimizer):     # a ~0.5M-parameter MLP: 3.1 MB per checkpoint with sgd, 7.3 MB with adam
+    from orchestrator.core.config import check_checkpoint_dir, check_job, checkpoint_bytes, load_cluster
+    job = load_job("examples/mlp.yaml", [f"checkpoint.dir={d}/ck", "checkpoint.every_steps=5", "checkpoint.keep=2",
+                                         "model.args.d_mlp=1024", f"optimizer.name={optimizer}"])
+    checked = check_job(job, load_cluster("cluster_configs/local.yaml"))
+    try:
+        check_checkpoint_dir(checked.job, checkpoint_bytes(checked))
+        return None
+    except ConfigError as e:
+        return str(e)
+out["ckpt_sgd"] = ckpt_refusal("sgd")               # 3 x 3.1 MB fit in 16 MiB
+out["ckpt_adam"] = ckpt_refusal("adam")             # 3 x 7.3 MB do not
+os.rmdir(d / "ck")
 out["small_run"] = refusal(10)
 out["long_run"] = refusal(100_000)                   # 8 MiB + 51 MB > a 16 MiB disk
 write_private(d / "summary.json", "old")
@@ -87,6 +100,9 @@ def test_a_full_disk_is_found_before_training_and_writes_fail_cleanly(tmp_path):
     assert "run.output_dir" in out["full_dir"] and ("not enough free space" in out["full_dir"]
                                                      or "cannot write" in out["full_dir"])
     assert out["files"] == ["filler", "metrics.jsonl", "summary.json"]   # no .tmp, no write-test file
+    assert out["ckpt_sgd"] is None
+    assert "checkpoint.dir" in out["ckpt_adam"] and "not enough free space" in out["ckpt_adam"]
+    assert "checkpoint.keep 2 + 1" in out["ckpt_adam"]
 
 
 RUN_SCRIPT = r"""
