@@ -3,15 +3,26 @@
 The driver put a `JaxInit` value into the actor's environment (`MESHPIPE_JAX_INIT`);
 `initialize` reads it back, calls `jax.distributed.initialize` as planned and checks
 that jax gave this process the index the plan expects.
+
+The coordinator port (explicit mode, host 0 of the stage) is reserved without a race:
+`reserve_port` binds a free port with SO_REUSEPORT and the actor keeps that socket
+(bound, never listening) until `jax.distributed.initialize` has bound its gRPC server on
+the same port — gRPC sets SO_REUSEPORT too, and Linux lets only sockets of the same
+effective uid share a port that way, so no other local user can take it in between
+(a bind-then-close pick left a window for exactly that). Where SO_REUSEPORT is missing,
+the port is picked by bind-then-close; either way, host 0 checks afterwards that its own
+process listens on the port (`coordinator_is_ours`) and refuses to continue otherwise.
+`tests/test_jaxinit_port.py` checks both halves against the installed jax.
 """
 from __future__ import annotations
 
 import os
+import socket
 from typing import Optional
 
 from orchestrator.core.backends.jaxinit import ENV_KEY, JaxInit
 
-__all__ = ["initialize"]
+__all__ = ["initialize", "reserve_port", "coordinator_is_ours"]
 
 
 def _spec(stage_hosts: int, host: int) -> JaxInit:
@@ -22,14 +33,53 @@ def _spec(stage_hosts: int, host: int) -> JaxInit:
     return JaxInit("explicit", stage_hosts, host) if stage_hosts > 1 else JaxInit()
 
 
+def reserve_port(ip: str) -> tuple[str, Optional[socket.socket]]:
+    """A free port on `ip`, as the coordinator address ("ip:port", "[v6]:port"), and the
+    socket that holds it (bound with SO_REUSEPORT, not listening) until the caller closes
+    it after jax's coordinator has bound the port; None where SO_REUSEPORT is missing
+    (then the port was picked by bind-then-close and only `coordinator_is_ours` guards it).
+
+    Example:
+        >>> address, held = reserve_port("127.0.0.1")
+        >>> address.startswith("127.0.0.1:"), held is not None
+        (True, True)
+        >>> held.close()
+    """
+    sock = socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET)
+    reuse = getattr(socket, "SO_REUSEPORT", None)
+    try:
+        if reuse is not None:
+            sock.setsockopt(socket.SOL_SOCKET, reuse, 1)
+        sock.bind((ip, 0))
+        port = sock.getsockname()[1]
+    except BaseException:
+        sock.close()
+        raise
+    if reuse is None:   # pragma: no cover - every Linux has it
+        sock.close()
+        sock = None
+    return (f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"), sock
+
+
 def initialize(stage_hosts: int, host: int, coordinator: Optional[str], timeout_s: float,
-               who: str = "") -> JaxInit:
+               who: str = "", reservation: Optional[socket.socket] = None) -> JaxInit:
     """Worker side: join this stage's JAX world as the placement planned it.
+
+    `reservation`: the socket `reserve_port` returned on host 0, closed here once jax's
+    coordinator holds the port (and in any case before returning).
 
     Raises:
       RuntimeError: jax assigned a different process index or count than planned
         (e.g. TPU auto-detection saw another worker id than the bundle's).
     """
+    try:
+        return _initialize(stage_hosts, host, coordinator, timeout_s, who)
+    finally:
+        if reservation is not None:
+            reservation.close()
+
+
+def _initialize(stage_hosts: int, host: int, coordinator: Optional[str], timeout_s: float, who: str) -> JaxInit:
     spec = _spec(stage_hosts, host)
     if spec.num_processes != stage_hosts or spec.process_id != host:
         raise RuntimeError(f"{who}: placement planned process {spec.process_id} of {spec.num_processes}, "
@@ -39,8 +89,10 @@ def initialize(stage_hosts: int, host: int, coordinator: Optional[str], timeout_
     import jax
 
     jax.distributed.initialize(**spec.kwargs(coordinator, timeout_s))
-    if spec.mode == "explicit" and spec.process_id == 0:
-        _check_coordinator_is_ours(coordinator, who)
+    if spec.mode == "explicit" and spec.process_id == 0 and not coordinator_is_ours(coordinator):
+        raise RuntimeError(f"{who}: the jax.distributed coordinator port {coordinator} is not held by this "
+                           "process after initialisation (another process took it between picking and "
+                           "binding); refusing to continue")
     got = (jax.process_index(), jax.process_count())
     if got != (spec.process_id, spec.num_processes):
         raise RuntimeError(f"{who}: jax.distributed ({spec.mode}) made this process {got[0]} of {got[1]}; "
@@ -49,21 +101,18 @@ def initialize(stage_hosts: int, host: int, coordinator: Optional[str], timeout_
     return spec
 
 
-def _check_coordinator_is_ours(coordinator: str, who: str) -> None:
-    """Host 0 picked the coordinator port by bind-then-close; make sure this process, not
-    another local user who raced for the port, now listens on it.
+def coordinator_is_ours(coordinator: str, pid: Optional[int] = None) -> bool:
+    """Whether process `pid` (default: this one) listens on the coordinator's port.
 
-    Raises:
-      RuntimeError: another process holds the port (the stage's other hosts may have
-        talked to it: the run must not continue).
+    Example:
+        >>> with socket.create_server(("127.0.0.1", 0)) as s:
+        ...     coordinator_is_ours(f"127.0.0.1:{s.getsockname()[1]}")
+        True
     """
     try:
         import psutil
     except ImportError:   # pragma: no cover - ray[default] brings psutil
-        return
-    ip, _, port = coordinator.rpartition(":")
-    mine = {c.laddr.port for c in psutil.Process().net_connections(kind="inet") if c.status == psutil.CONN_LISTEN}
-    if int(port) not in mine:
-        raise RuntimeError(f"{who}: the jax.distributed coordinator port {coordinator} is not held by this "
-                           "process after initialisation (another process took it between picking and "
-                           "binding); refusing to continue")
+        return True
+    port = int(coordinator.rpartition(":")[2])
+    conns = psutil.Process(pid).net_connections(kind="inet")
+    return any(c.status == psutil.CONN_LISTEN and c.laddr.port == port for c in conns)

@@ -130,6 +130,7 @@ class StageWorker:
         self.live_peak = LivePeak()      # live device bytes at the training steps' peak (telemetry)
         self._stash_sizes: dict = {}     # (kind, chunk) -> bytes of what that action keeps (`Stash`)
         self.ckpt = None                # stages.checkpoint.StageCheckpointer when checkpointing
+        self._coordinator_port = None   # host 0 of a multi-host stage: the socket holding its port
         from orchestrator.core.model.policy import DynamicLossScale
 
         # loss scaling: the rule and (scale, finite steps in a row); the same on every stage
@@ -155,15 +156,17 @@ class StageWorker:
 
     # -- lifecycle ---------------------------------------------------------
     def coordinator_address(self) -> str:
-        """host 0 of a multi-host stage: pick a free port on the node address for this stage's
-        JAX world (its coordinator binds only there; `stages.jaxinit` checks it got the port)."""
+        """host 0 of a multi-host stage: reserve a free port on the node address for this stage's
+        JAX world (its coordinator binds only there); the port stays held by this actor until
+        `setup` has started the coordinator on it (`stages.jaxinit.reserve_port`)."""
         import ray
 
-        ip = ray.util.get_node_ip_address()
-        with socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET) as s:
-            s.bind((ip, 0))
-            port = s.getsockname()[1]
-        return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+        from stages.jaxinit import reserve_port
+
+        if self._coordinator_port is not None:
+            self._coordinator_port.close()
+        address, self._coordinator_port = reserve_port(ray.util.get_node_ip_address())
+        return address
 
     def setup(self, coordinator: str | None = None) -> dict:
         cfg = self.cfg
@@ -181,8 +184,9 @@ class StageWorker:
         from stages.jaxinit import initialize as join_submesh
 
         # as the platform's backend planned it (MESHPIPE_JAX_INIT): explicit coordinator, TPU auto-detect, none
+        held, self._coordinator_port = self._coordinator_port, None
         join_submesh(cfg.stage_hosts, cfg.host, coordinator, cfg.timeouts.get("jax_distributed_init_s", 60),
-                     who=cfg.who)
+                     who=cfg.who, reservation=held)
         from jax.sharding import Mesh
 
         from orchestrator.core.model.registry import build_model

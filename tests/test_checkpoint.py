@@ -17,6 +17,8 @@ import pytest
 
 from orchestrator.core import checkpoint as ck
 from orchestrator.core.config import ConfigError, check_checkpoint_dir, check_job, parse_cluster, parse_job
+from orchestrator.core.config import checkpoint_bytes as ck_bytes
+from orchestrator.core.config.check import CHECKPOINT_FIXED_BYTES
 from orchestrator.driver.checkpoint import model_arrays, prepare
 from tests.test_bad_input import error_of, has_all, unwritable_dir
 
@@ -66,6 +68,28 @@ def test_unwritable_checkpoint_dir_refused(tmp_path):
     has_all(error_of(check_checkpoint_dir, parse_job(gpt_job(tmp_path, "c", f))),
             "checkpoint.dir", "not a directory")
     assert check_checkpoint_dir(parse_job(gpt_job(tmp_path, "c", tmp_path / "new" / "ck"))).is_dir()
+
+
+def test_checkpoint_dir_needs_room_for_keep_plus_one_checkpoints(tmp_path):
+    """Free space against (checkpoint.keep + 1) x one checkpoint's bytes, less what the step
+    directories already there hold (a sparse file stands in for an earlier checkpoint)."""
+    from orchestrator.core.private_fs import free_bytes
+
+    root = tmp_path / "ck"
+    job = parse_job(gpt_job(tmp_path, "c", root))               # keep 3: up to 4 on the disk at once
+    free = free_bytes(tmp_path)
+    each = free // 3
+    has_all(error_of(check_checkpoint_dir, job, each), "checkpoint.dir", "not enough free space",
+            "checkpoint.keep 3 + 1", f"{each:,} bytes each")
+    assert check_checkpoint_dir(job, free // 5) == root
+    shard = root / "step_00000002" / "stage_0" / "shard"
+    shard.parent.mkdir(parents=True)
+    with open(shard, "wb") as f:
+        f.truncate(4 * each - free // 2)                      # sparse: counts as written, takes no space
+    assert check_checkpoint_dir(job, each) == root
+    checked = checked_of(gpt_job(tmp_path, "c", root))
+    params = checked.model.param_count()
+    assert ck_bytes(checked) == 3 * 4 * params + CHECKPOINT_FIXED_BYTES   # adam: 2 slots, float32
 
 
 def test_resume_without_checkpoint_section_or_commit_refused(tmp_path):

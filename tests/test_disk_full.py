@@ -3,7 +3,10 @@
 The output-directory check compares free space with what the run will write and writes
 real bytes (an empty file can be created on a full disk); `write_private` and
 `append_private` turn ENOSPC into a `DiskFullError` that names the file and leave no
-temporary or partial file behind.
+temporary or partial file behind. A disk that fills up mid-run (the per-step records of
+`metrics.jsonl`) stops `meshpipe run` with that message and exit code 1, no traceback.
+The checkpoint-directory check compares free space with what `keep + 1` checkpoints
+(parameters and optimizer state) take.
 """
 from __future__ import annotations
 
@@ -30,6 +33,19 @@ def refusal(steps):
         return None
     except ConfigError as e:
         return str(e)
+def ckpt_refusal(optimizer):     # a ~0.5M-parameter MLP: 3.1 MB per checkpoint with sgd, 7.3 MB with adam
+    from orchestrator.core.config import check_checkpoint_dir, check_job, checkpoint_bytes, load_cluster
+    job = load_job("examples/mlp.yaml", [f"checkpoint.dir={d}/ck", "checkpoint.every_steps=5", "checkpoint.keep=2",
+                                         "model.args.d_mlp=1024", f"optimizer.name={optimizer}"])
+    checked = check_job(job, load_cluster("cluster_configs/local.yaml"))
+    try:
+        check_checkpoint_dir(checked.job, checkpoint_bytes(checked))
+        return None
+    except ConfigError as e:
+        return str(e)
+out["ckpt_sgd"] = ckpt_refusal("sgd")               # 3 x 3.1 MB fit in 16 MiB
+out["ckpt_adam"] = ckpt_refusal("adam")             # 3 x 7.3 MB do not
+os.rmdir(d / "ck")
 out["small_run"] = refusal(10)
 out["long_run"] = refusal(100_000)                   # 8 MiB + 51 MB > a 16 MiB disk
 write_private(d / "summary.json", "old")
@@ -59,7 +75,7 @@ print(json.dumps(out))
 """
 
 
-def _in_tiny_tmpfs(tmp_path, size: str = "16m") -> dict:
+def _in_tiny_tmpfs(tmp_path, size: str = "16m", script: str = SCRIPT) -> dict:
     mnt = tmp_path / "disk"
     mnt.mkdir()
     probe = ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", f"mount -t tmpfs -o size=1m tmpfs {mnt}"]
@@ -67,7 +83,7 @@ def _in_tiny_tmpfs(tmp_path, size: str = "16m") -> dict:
         pytest.skip("cannot mount a private tmpfs here (unshare --user --mount refused)")
     cmd = ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c",
            f'mount -t tmpfs -o size={size} tmpfs "$1" && exec "$2" -c "$3" "$1"', "sh", str(mnt), sys.executable,
-           SCRIPT]
+           script]
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-3000:]
     return json.loads(res.stdout.strip().splitlines()[-1])
@@ -84,3 +100,57 @@ def test_a_full_disk_is_found_before_training_and_writes_fail_cleanly(tmp_path):
     assert "run.output_dir" in out["full_dir"] and ("not enough free space" in out["full_dir"]
                                                      or "cannot write" in out["full_dir"])
     assert out["files"] == ["filler", "metrics.jsonl", "summary.json"]   # no .tmp, no write-test file
+    assert out["ckpt_sgd"] is None
+    assert "checkpoint.dir" in out["ckpt_adam"] and "not enough free space" in out["ckpt_adam"]
+    assert "checkpoint.keep 2 + 1" in out["ckpt_adam"]
+
+
+RUN_SCRIPT = r"""
+import io, json, os, sys
+from pathlib import Path
+from orchestrator.driver import telemetry
+from orchestrator.driver.cli import main
+
+d = Path(sys.argv[1])
+original = telemetry.StepLog.append
+
+def append(self, record):          # the disk fills up (another writer) after the second record
+    if self.count == 2:
+        fd = os.open(d / "filler", os.O_WRONLY | os.O_CREAT)
+        try:
+            while True:
+                os.write(fd, b"\0" * 4096)
+        except OSError:
+            pass
+        os.close(fd)
+    original(self, record)
+telemetry.StepLog.append = append
+
+err, real = io.StringIO(), sys.stderr
+sys.stderr = err
+try:
+    main(["run", "examples/mlp.yaml", "--reference", "--set", f"run.output_dir={d}", "--set", "run.steps=400"])
+    code = "returned"
+except SystemExit as e:
+    code = e.code
+except BaseException as e:
+    code = f"{type(e).__name__}: {e}"
+sys.stderr = real
+run_dir = d / "mlp-tiny"
+lines = (run_dir / "metrics.reference.jsonl").read_text().splitlines()
+print(json.dumps({"code": code, "stderr": err.getvalue(), "records": [json.loads(ln).get("step") for ln in lines],
+                  "files": sorted(p.name for p in run_dir.iterdir())}))
+"""
+
+
+def test_a_disk_that_fills_up_mid_run_stops_it_cleanly(tmp_path):
+    """`meshpipe run --reference` (no Ray) on a 16 MiB disk that another writer fills after the
+    second step: the step record that no longer fits ends the run with the clear message and
+    exit code 1; metrics.jsonl keeps whole records only; nothing temporary is left."""
+    out = _in_tiny_tmpfs(tmp_path, script=RUN_SCRIPT)
+    assert out["code"] == 1, out
+    assert "meshpipe: run failed: no space left on the device writing" in out["stderr"], out["stderr"]
+    assert "metrics.reference.jsonl" in out["stderr"] and "Traceback" not in out["stderr"]
+    steps = out["records"]
+    assert 2 <= len(steps) < 400 and steps == list(range(len(steps)))     # whole records, in order, none cut
+    assert not [f for f in out["files"] if "tmp" in f or f.startswith(".")], out["files"]

@@ -35,9 +35,11 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
 import pytest
 
 from orchestrator.driver.metrics import parse_prometheus
+from orchestrator.driver.ray_internals import SINGLE_MACHINE_VAR, beyond_loopback
 from orchestrator.core.schedule import Action, Kind
 from tests.conftest import free_port, wait_until
 
@@ -98,6 +100,18 @@ class Head:
             return []
 
 
+def beyond_loopback_of(head: "Head") -> list[str]:
+    """Listening sockets of this head's processes (the `--block` process, what it started, and
+    anything else carrying its token path: the job's driver and actors) beyond loopback."""
+    found = set()
+    for pid in {head.proc.pid, *_ours(head.token_path)}:
+        try:
+            found.update(beyond_loopback(root_pid=pid))
+        except psutil.Error:      # a process that exited meanwhile
+            continue
+    return sorted(found)
+
+
 def _ours(token_path: str) -> list[int]:
     """Pids of processes whose environment names this head's token file (started by this head)."""
     needle = f"RAY_AUTH_TOKEN_PATH={token_path}".encode()
@@ -130,7 +144,11 @@ def head():
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=token_path, RAY_metrics_report_interval_ms="2000",
                PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}")   # the job entrypoint runs `meshpipe`
-    cmd = [str(BIN / "ray"), "start", "--head", "--block", "--num-cpus=4", "--dashboard-host=127.0.0.1",
+    # loopback only (as tests/clusters.py): the node address, and Ray's single-machine mode so that
+    # neither its servers nor the job's driver turn 127.0.0.1 back into the routable address
+    env[SINGLE_MACHINE_VAR] = "0"
+    cmd = [str(BIN / "ray"), "start", "--head", "--block", "--num-cpus=4", "--node-ip-address=127.0.0.1",
+           "--dashboard-host=127.0.0.1",
            "--include-dashboard=true", "--disable-usage-stats", f"--temp-dir={tmp}/ray",
            "--object-store-memory=300000000", *[f"--{k}={v}" for k, v in ports.items()]]
     log = open(os.path.join(tmp, "head.log"), "w")
@@ -150,6 +168,7 @@ def head():
 
     try:
         wait_until(jobs_api_up, 90, "the Ray head's Jobs API", every=0.25)
+        assert not beyond_loopback_of(h), beyond_loopback_of(h)
         yield h
     finally:
         if proc.poll() is None:
@@ -180,6 +199,7 @@ class Submitted:
     actors_seen: dict = field(default_factory=dict)      # name → namespace, while running
     actors_after: set = field(default_factory=set)
     samples: list = field(default_factory=list)          # (name, labels, value) of our metrics
+    exposed: set = field(default_factory=set)            # listening sockets beyond loopback, while running
 
     @property
     def submission_id(self) -> str:
@@ -200,6 +220,7 @@ def submitted(head, tmp_path_factory):
         proc = subprocess.Popen(cmd, cwd=ROOT, env=head.env(), stdout=out, stderr=err)
         seen: dict = {}
         samples: dict = {}
+        exposed: set = set()
         deadline = time.monotonic() + 240
         ended = None
         while time.monotonic() < deadline:        # watch the run: actors and metrics
@@ -207,6 +228,7 @@ def submitted(head, tmp_path_factory):
                 seen.update({n: ns for n, ns in head.alive_actors().items() if n in ACTORS})
             except (OSError, ValueError, KeyError):
                 pass
+            exposed.update(beyond_loopback_of(head))
             for n, labels, v in head.scrape():
                 if n.startswith("ray_meshpipe_") and labels.get("run") == RUN:
                     samples[(n, tuple(sorted(labels.items())))] = (n, labels, v)
@@ -221,7 +243,7 @@ def submitted(head, tmp_path_factory):
         out.seek(0)
         err.seek(0)
         result = Submitted(rc=rc, stdout=out.read(), stderr=err.read(), out_dir=out_dir / RUN,
-                           actors_seen=seen, samples=list(samples.values()))
+                           actors_seen=seen, samples=list(samples.values()), exposed=exposed)
     try:
         wait_until(lambda: not set(head.alive_actors()) & ACTORS, 60, "the run's actors to exit")
     except AssertionError:
@@ -243,6 +265,14 @@ def test_submit_succeeds_prints_how_to_follow_and_exits_with_the_outcome(head, s
     assert head.token not in submitted.stdout + submitted.stderr
     summary = json.loads((submitted.out_dir / "summary.json").read_text())
     assert len(summary["losses"]) == STEPS and summary["ray"]["namespace"] == f"meshpipe-{RUN}"
+
+
+def test_the_head_and_the_run_listen_on_loopback_only(head, submitted):
+    """`ray start --head --node-ip-address=127.0.0.1`: no process of the head, nor the job's
+    driver and stage actors, listens beyond loopback (sampled while the run went on)."""
+    assert submitted.rc == 0, submitted.stderr
+    assert not submitted.exposed, sorted(submitted.exposed)
+    assert not beyond_loopback_of(head)
 
 
 def test_status_and_logs_commands_and_the_jobs_sdk_agree(head, submitted):

@@ -57,13 +57,9 @@ def test_no_stage_forward_returns_a_parameter(model):
     assert program.forwarded_params is forwarded_params
 
 
-@pytest.mark.parametrize("model", [MLP], ids=["mlp"])
-def test_recompute_fallback_matches_the_oracle(model):
-    name, args, seq = model
-    spec = build_spec(name, args, seq_len=seq)
-    model = build_model(spec.factory, spec.args)
-    x, y = _batch(spec)
-    first, last = _stages(spec, recompute=True)
+def _check_against_oracle(spec, model, first, last, x, y):
+    """One microbatch through the two stage programs: residuals are stage inputs only (no
+    weights), and loss and gradients match plain `jax.value_and_grad` of the whole model."""
     p0, p1 = first.init_params(0), last.init_params(0)
     h, res0 = first.fwd(p0, [x])
     loss, res1 = last.fwd(p1, h, y)
@@ -81,3 +77,41 @@ def test_recompute_fallback_matches_the_oracle(model):
     np.testing.assert_allclose(float(loss), float(want_loss), rtol=RTOL, atol=ATOL)
     for got, ref in zip(jax.tree.leaves([*g0, *g1]), jax.tree.leaves(want)):
         np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("model", [MLP], ids=["mlp"])
+def test_recompute_fallback_matches_the_oracle(model):
+    name, args, seq = model
+    spec = build_spec(name, args, seq_len=seq)
+    x, y = _batch(spec)
+    first, last = _stages(spec, recompute=True)
+    _check_against_oracle(spec, build_model(spec.factory, spec.args), first, last, x, y)
+
+
+def test_a_positive_detector_warns_switches_to_recompute_and_trains_the_same(monkeypatch):
+    """What a JAX release that returns parameters as residuals would trigger: the detector
+    (`stages.program.forwarded_params`, forced positive here) makes the first forward warn,
+    switch to recomputing the forward in the backward, and keep no weights as residuals;
+    loss and gradients still match the oracle."""
+    from stages import program
+
+    seen = []
+
+    def positive(fn, params, *args):
+        seen.append(forwarded_params(fn, params, *args))   # the real detector still runs: it finds none
+        return [0]
+    monkeypatch.setattr(program, "forwarded_params", positive)
+    name, args, seq = MLP
+    spec = build_spec(name, args, seq_len=seq)
+    x, y = _batch(spec)
+    first, last = _stages(spec)
+    assert first._vjp_meta["recompute"] is False
+    with pytest.warns(RuntimeWarning, match=r"returns parameters as VJP residuals.*recomputing the forward") as w:
+        _check_against_oracle(spec, build_model(spec.factory, spec.args), first, last, x, y)
+    assert len(w) == 2 and seen == [[], []]                 # once per stage program, on its first forward
+    assert first._vjp_meta["recompute"] is True and last._vjp_meta["recompute"] is True
+    p0 = first.init_params(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                      # later forwards: checked once, no new warning
+        first.fwd(p0, [x])
+    assert len(seen) == 2

@@ -20,7 +20,7 @@ import errno
 import os
 from pathlib import Path
 
-__all__ = ["DIR_MODE", "FILE_MODE", "DiskFullError", "private_dir", "write_private", "append_private",
+__all__ = ["DIR_MODE", "FILE_MODE", "DiskFullError", "private_dir", "write_private", "append_private", "append_fd",
            "free_bytes"]
 
 DIR_MODE = 0o700
@@ -65,6 +65,9 @@ def private_dir(path: str | os.PathLike, *, tighten: bool = True) -> Path:
 class DiskFullError(OSError):
     """A write ran out of space (ENOSPC / EDQUOT); the message names the file, the bytes it
     needed and what is free, and no partial or temporary file is left behind."""
+
+    def __str__(self) -> str:   # the message alone, without OSError's "[Errno 28]" prefix
+        return self.strerror or super().__str__()
 
 
 def _full(e: OSError) -> bool:
@@ -125,18 +128,25 @@ def append_private(path: str | os.PathLike, data: str | bytes) -> None:
     """Append `data` (e.g. one JSON line) to `path`, created 0o600; a full disk raises
     `DiskFullError` and truncates the file back to its length before the append."""
     path = Path(path)
-    raw = data.encode() if isinstance(data, str) else data
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | getattr(os, "O_NOFOLLOW", 0), FILE_MODE)
     try:
-        start = os.fstat(fd).st_size
-        try:
-            view = memoryview(raw)
-            while view:
-                view = view[os.write(fd, view):]
-        except OSError as e:
-            if _full(e):
-                os.ftruncate(fd, start)
-                raise disk_full(path, len(raw), e) from None
-            raise
+        append_fd(fd, path, data)
     finally:
         os.close(fd)
+
+
+def append_fd(fd: int, path: str | os.PathLike, data: str | bytes) -> None:
+    """Append `data` whole to the O_APPEND descriptor `fd` of file `path` (looping only on a
+    short write); a full disk raises `DiskFullError` naming `path` and truncates the file back
+    to its length before the append, so it never ends in a partial record."""
+    raw = data.encode() if isinstance(data, str) else data
+    start = os.fstat(fd).st_size
+    try:
+        view = memoryview(raw)
+        while view:
+            view = view[os.write(fd, view):]
+    except OSError as e:
+        if _full(e):
+            os.ftruncate(fd, start)
+            raise disk_full(Path(path), len(raw), e) from None
+        raise

@@ -186,7 +186,7 @@ def resume_command(job: str, cluster: str | None, overrides: tuple[str, ...], ad
 def run(job, cluster, overrides, reference, address, overwrite, resume):
     """Train JOB on the cluster (or, with --reference, in this process)."""
     from orchestrator.core.checkpoint import CheckpointError
-    from orchestrator.core.config import ConfigError, check_checkpoint_dir
+    from orchestrator.core.config import ConfigError, check_checkpoint_dir, checkpoint_bytes
     from orchestrator.core.tls import check_transport_tls
     from orchestrator.driver.runner import existing_record, run_job
 
@@ -198,7 +198,7 @@ def run(job, cluster, overrides, reference, address, overwrite, resume):
     checked, check_output_dir = _checked(job, cluster, overrides, address)
     try:
         check_output_dir(checked.job)
-        check_checkpoint_dir(checked.job)
+        check_checkpoint_dir(checked.job, 0 if reference else checkpoint_bytes(checked))   # --reference saves none
         if not reference:
             check_transport_tls(checked.cluster)
     except ConfigError as e:

@@ -55,8 +55,11 @@ def connect(cluster, namespace: str) -> bool:
     """Make sure this process is connected to Ray; True if we started it (and must stop it)."""
     import ray
 
+    from orchestrator.driver.ray_internals import check_ray_version
+
     if ray.is_initialized():
         return False
+    check_ray_version(embedded=cluster.address is None)   # outside the tested Ray: warn, or refuse (module doc)
     if cluster.address is None:
         node_ip = getattr(cluster, "node_ip_address", "127.0.0.1")
         loopback = node_ip in LOOPBACK

@@ -84,27 +84,15 @@ def noise(line: str) -> bool:
 def filter_worker_logs() -> bool:
     """Drop known noise from the actor output Ray forwards to this driver (after `ray.init`).
 
-    Wraps Ray's own log printer (a private hook of Ray's: when it is not there, nothing
-    changes and this returns False).
+    Wraps Ray's own log printer (a private hook of Ray's, reached through
+    `orchestrator.driver.ray_internals.wrap_log_printer`: when it is not there or shaped
+    differently, nothing changes and this returns False).
     """
     if not is_quiet():
         return False
-    try:
-        from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
-    except ImportError:
-        return False
-    with dispatcher._lock:
-        handlers = list(dispatcher.handlers)
-    wrapped = False
-    new = []
-    for name, handler in handlers:
-        if name == "ray_print_logs" and not getattr(handler, "_meshpipe_filtered", False):
-            handler = _filtered(handler)
-            wrapped = True
-        new.append((name, handler))
-    with dispatcher._lock:
-        dispatcher.handlers = new
-    return wrapped
+    from orchestrator.driver.ray_internals import wrap_log_printer
+
+    return wrap_log_printer(_filtered)
 
 
 def _filtered(handler):

@@ -1,12 +1,17 @@
 """Every use of a private Ray internal, in one module, each behind a guard.
 
-meshpipe needs five things Ray has no public API for:
+meshpipe needs these things Ray has no public API for:
   - `single_machine_mode()`: Ray binds its core servers on the routable address unless
     its macOS/Windows single-machine switch is off; the switch is the environment
     variable RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER *and* the constant
     `ray._private.ray_constants.ENABLE_RAY_CLUSTER`, read at import time.
   - `auth_headers_from_ray()`: `ray._raylet.AuthenticationTokenLoader` finds the token
     where Ray's CLI does.
+  - `token_auth_enabled()`: `ray._private.authentication.authentication_utils.is_token_auth_enabled`,
+    for the "how to get in" hint printed at start.
+  - `wrap_log_printer(wrap)`: Ray's forwarder of actor output to the driver
+    (`ray._private.ray_logging.global_worker_stdstream_dispatcher`, its `_lock` and
+    `handlers`), wrapped so known noise is dropped (`orchestrator.driver.quiet`).
   - `available_resources()`: `ray._private.state.available_resources_per_node`.
   - `dashboard_url()`: `ray._private.worker.get_dashboard_url`.
   - `compiled_graph_proxy(graph)`: a Compiled Graph's `_proxy_actor`, a helper actor Ray
@@ -17,26 +22,45 @@ for the loopback switch, a warning) and a safe fallback — never a crash and ne
 silent exposure, because `beyond_loopback` verifies after start what the embedded
 cluster actually binds, by listing its processes' listening sockets (psutil, which
 ray[default] installs). `tests/test_ray_internals.py` fails loudly when any of these
-internals disappears or changes its signature, naming it, so an upgrade is noticed in
-CI rather than in production. TESTED_RAY says which Ray they were checked against.
+internals disappears or changes its shape (`internal_problems`), naming it, so an upgrade
+is noticed in CI rather than in production.
+
+Version guard: TESTED_RAY is the range meshpipe was checked against (pyproject's pins).
+`check_ray_version()`, called before Ray starts or is connected to, does nothing inside
+it; outside it, it checks every internal's shape and warns naming what changed, and
+refuses to start an embedded cluster when its loopback-only binding could be neither
+set (the switch is gone) nor verified (no psutil to list the listening sockets).
 """
 from __future__ import annotations
 
 import contextlib
 import ipaddress
+import itertools
 import logging
 import os
 
+from orchestrator.core.backends import PlacementError   # pure: no ray, no jax
+
 log = logging.getLogger("meshpipe")
 
-TESTED_RAY = "2.60"
+TESTED_RAY_RANGE = ((2, 52, 1), (2, 61))    # [oldest, first untested): pyproject.toml's ray pins
+TESTED_RAY = "2.52.1 to 2.60.x"
 SINGLE_MACHINE_VAR = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 INTERNALS = {   # what this module reaches into: (module, attribute) -> what for
     ("ray._private.ray_constants", "ENABLE_RAY_CLUSTER"): "embedded cluster bound to loopback",
     ("ray._raylet", "AuthenticationTokenLoader"): "the Ray auth token for `meshpipe submit/status/logs`",
     ("ray._private.state", "available_resources_per_node"): "free resources in placement pre-checks",
     ("ray._private.worker", "get_dashboard_url"): "the dashboard URL shown at start",
+    ("ray._private.authentication.authentication_utils", "is_token_auth_enabled"):
+        "whether to print the token hint at start",
+    ("ray._private.ray_logging", "global_worker_stdstream_dispatcher"):
+        "dropping known noise from the actor output forwarded to the driver",
 }
+LOOPBACK_SWITCH = ("ray._private.ray_constants", "ENABLE_RAY_CLUSTER")   # the one safety depends on
+
+
+class RayVersionError(PlacementError):
+    """This Ray is outside the tested range and lacks an internal that safety depends on."""
 
 
 def _internal(module: str, name: str):
@@ -57,6 +81,92 @@ def _ray_version() -> str:
         return ray.__version__
     except ImportError:   # pragma: no cover
         return "?"
+
+
+def version_tuple(version: str) -> tuple[int, ...]:
+    """The leading numeric release of a version string.
+
+    Example:
+        >>> version_tuple("2.60.0"), version_tuple("2.61.0rc1"), version_tuple("3.0.0.dev0")
+        ((2, 60, 0), (2, 61, 0), (3, 0, 0))
+    """
+    out = []
+    for part in version.split("."):
+        digits = "".join(itertools.takewhile(str.isdigit, part))
+        if not digits:
+            break
+        out.append(int(digits))
+        if len(digits) < len(part):
+            break
+    return tuple(out)
+
+
+def in_tested_range(version: str) -> bool:
+    """Whether `version` lies in TESTED_RAY_RANGE.
+
+    Example:
+        >>> in_tested_range("2.60.0"), in_tested_range("2.52.0"), in_tested_range("2.61.0"), in_tested_range("3.0.0")
+        (True, False, False, False)
+    """
+    low, high = TESTED_RAY_RANGE
+    return low <= version_tuple(version) < high
+
+
+def _shape_problem(module: str, name: str, obj) -> str | None:
+    """What is wrong with internal `module.name` (`obj`, None when absent), or None."""
+    if obj is None:
+        return "missing"
+    if name == "ENABLE_RAY_CLUSTER":
+        return None if isinstance(obj, bool) else f"not a bool ({type(obj).__name__})"
+    if name == "AuthenticationTokenLoader":
+        gone = [m for m in ("instance", "reset_cache", "get_token_for_http_header") if not callable(getattr(obj, m, None))]
+        return f"has no {', '.join(gone)}" if gone else None
+    if name == "global_worker_stdstream_dispatcher":
+        if not hasattr(obj, "_lock") or not isinstance(getattr(obj, "handlers", None), list):
+            return "has no _lock or no handlers list"
+        return None
+    if not callable(obj):
+        return "not callable"
+    return None
+
+
+def internal_problems() -> list[str]:
+    """Each private internal (INTERNALS) that this Ray lacks or has in another shape, as
+    'module.name: what (what meshpipe uses it for)'; [] when all are as meshpipe expects."""
+    out = []
+    for (module, name), use in sorted(INTERNALS.items()):
+        why = _shape_problem(module, name, _internal(module, name))
+        if why:
+            out.append(f"{module}.{name}: {why} ({use})")
+    return out
+
+
+def check_ray_version(embedded: bool = True, version: str | None = None) -> list[str]:
+    """Before Ray starts (or is connected to): on a Ray outside TESTED_RAY_RANGE, check the
+    internals and warn naming each one that changed. Returns those problems ([] on a tested Ray,
+    where `tests/test_ray_internals.py` is the check).
+
+    Raises:
+      RayVersionError: `embedded` (meshpipe starts the cluster) and this Ray has lost the
+        loopback switch while psutil, which verifies the binding after start, is missing too.
+    """
+    version = version or _ray_version()
+    if in_tested_range(version):
+        return []
+    problems = internal_problems()
+    log.warning("Ray %s is outside the range meshpipe was tested with (%s)%s", version, TESTED_RAY,
+                ("; these private internals changed, their features fall back: " + "; ".join(problems))
+                if problems else "; every private internal it uses is still there")
+    switch = f"{LOOPBACK_SWITCH[0]}.{LOOPBACK_SWITCH[1]}"
+    if embedded and any(p.startswith(switch + ":") for p in problems):
+        try:
+            import psutil  # noqa: F401 - `beyond_loopback` needs it
+        except ImportError:
+            raise RayVersionError(f"Ray {version} (tested: {TESTED_RAY}) has no usable {switch}, and without "
+                                  "psutil the embedded cluster's listening sockets cannot be verified: it might "
+                                  "bind routable addresses; refusing to start it (install psutil, or use a "
+                                  "tested Ray)") from None
+    return problems
 
 
 @contextlib.contextmanager
@@ -104,6 +214,37 @@ def auth_headers_from_ray() -> dict | None:
     except Exception as e:  # noqa: BLE001 - a private API that changed: fall back, say so at debug level
         log.debug("Ray's AuthenticationTokenLoader failed (%s: %s); reading the token directly", type(e).__name__, e)
         return None
+
+
+def token_auth_enabled() -> bool:
+    """Whether this Ray runs with token authentication; False when it cannot say."""
+    fn = _internal("ray._private.authentication.authentication_utils", "is_token_auth_enabled")
+    try:
+        return bool(fn()) if fn is not None else False
+    except Exception:  # noqa: BLE001 - informational (a hint printed at start)
+        return False
+
+
+def wrap_log_printer(wrap) -> bool:
+    """Replace Ray's printer of forwarded actor output ("ray_print_logs") by `wrap(printer)`
+    (skipped when already wrapped: `printer._meshpipe_filtered`). Returns whether it did;
+    False, changing nothing, when this Ray's dispatcher is missing or shaped differently."""
+    dispatcher = _internal("ray._private.ray_logging", "global_worker_stdstream_dispatcher")
+    if dispatcher is None:
+        return False
+    try:
+        with dispatcher._lock:
+            new, wrapped = [], False
+            for name, handler in list(dispatcher.handlers):
+                if name == "ray_print_logs" and not getattr(handler, "_meshpipe_filtered", False):
+                    handler, wrapped = wrap(handler), True
+                new.append((name, handler))
+            dispatcher.handlers = new
+        return wrapped
+    except Exception as e:  # noqa: BLE001 - a private API that changed: the output stays unfiltered
+        log.debug("Ray's log dispatcher is not as meshpipe expects (%s: %s); actor output unfiltered",
+                  type(e).__name__, e)
+        return False
 
 
 def available_resources() -> dict:

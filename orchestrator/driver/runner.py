@@ -450,13 +450,9 @@ def auth_hint(dashboard_url: str, gcs_address: str | None) -> list[str]:
     """
     from orchestrator.driver.jobs import token_source
 
-    try:
-        from ray._private.authentication.authentication_utils import is_token_auth_enabled
+    from orchestrator.driver.ray_internals import token_auth_enabled
 
-        on = is_token_auth_enabled()
-    except Exception:  # noqa: BLE001 - a Ray without token auth
-        on = False
-    if not on:
+    if not token_auth_enabled():
         return []
     source = token_source() or "Ray's token loader"
     gcs = f" --address {gcs_address}" if gcs_address else ""

@@ -47,7 +47,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Callable, Iterable, TextIO
 
-from orchestrator.core.private_fs import FILE_MODE, write_private
+from orchestrator.core.private_fs import FILE_MODE, append_fd, write_private
 from orchestrator.core.schedule import Action, Kind
 
 TRACE_STEPS = 20
@@ -218,11 +218,15 @@ class RunTelemetry:
         step, spans = kept[-1]
         png_path = run_dir / "timeline.png"
         tmp = run_dir / ".timeline.tmp.png"
-        render_step_png(spans, self.schedule, tmp,
-                        title=f"{self.run}: step {step} as measured (times in ms)\n"
-                              f"simulated bubble {self.simulated_bubble:.1%}; measured:")
-        os.chmod(tmp, FILE_MODE)
-        os.replace(tmp, png_path)
+        try:
+            render_step_png(spans, self.schedule, tmp,
+                            title=f"{self.run}: step {step} as measured (times in ms)\n"
+                                  f"simulated bubble {self.simulated_bubble:.1%}; measured:")
+            os.chmod(tmp, FILE_MODE)
+            os.replace(tmp, png_path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)   # a full disk leaves no half-written picture behind
+            raise
         self.paths = {"trace": str(trace_path), "timeline": str(png_path)}
         return self.paths
 
@@ -259,8 +263,10 @@ class StepLog:
 
     One JSON object per line (step, loss, step_time_s, samples_per_s, time, …). The file is
     created owner-only (0o600) and truncated when the run starts. Each record is written
-    whole by `os.write` on an O_APPEND descriptor (looping only on a short write), so a run
-    that dies keeps every record written before it; nothing is buffered in the process. A
+    whole by `os.write` on an O_APPEND descriptor (looping only on a short write;
+    `private_fs.append_fd`), so a run that dies keeps every record written before it; nothing
+    is buffered in the process. A full disk raises `DiskFullError` (the run stops with a clear
+    message) and leaves no partial line. A
     temp file + rename per record would keep the same promise at O(steps²) bytes written.
 
     Example:
@@ -279,10 +285,12 @@ class StepLog:
         self.count = 0
 
     def append(self, record: dict) -> None:
-        """Write one record as one line."""
-        data = memoryview((json.dumps(record) + "\n").encode())
-        while data:
-            data = data[os.write(self._fd, data):]
+        """Write one record as one line.
+
+        Raises:
+          DiskFullError: the disk is full; the file keeps every whole record before this one.
+        """
+        append_fd(self._fd, self.path, json.dumps(record) + "\n")
         self.count += 1
 
     def close(self) -> None:

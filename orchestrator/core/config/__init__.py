@@ -25,7 +25,8 @@ Decisions:
     ranges; chunk j of stage i is virtual stage j * num_stages + i.
   - Integers are strict: `"3"`, `3.0` and `true` are rejected where an int is due.
 """
-from orchestrator.core.config.check import Checked, StagePlan, check_checkpoint_dir, check_job, check_output_dir
+from orchestrator.core.config.check import (Checked, StagePlan, check_checkpoint_dir, check_job, check_output_dir,
+                                            checkpoint_bytes)
 from orchestrator.core.config.errors import ConfigError
 from orchestrator.core.config.load import load_cluster, load_job, load_raw
 from orchestrator.core.config.overrides import apply_overrides, parse_key_path
@@ -36,6 +37,7 @@ from orchestrator.core.config.schema import (ClusterConfig, DataConfig, JobConfi
 __all__ = [
     "ConfigError", "JobConfig", "ClusterConfig", "load_job", "load_cluster", "load_raw",
     "parse_job", "parse_cluster", "apply_overrides", "parse_key_path", "check_job",
-    "check_output_dir", "check_checkpoint_dir", "Checked", "StagePlan", "RunConfig", "ModelConfig", "DataConfig",
+    "check_output_dir", "check_checkpoint_dir", "checkpoint_bytes", "Checked", "StagePlan", "RunConfig", "ModelConfig",
+    "DataConfig",
     "OptimizerConfig", "StageConfig", "PipelineConfig", "TimeoutsConfig",
 ]

@@ -42,7 +42,8 @@ from orchestrator.core.model.spec import ModelSpec, param_name
 from orchestrator.core.model.split import SplitError, split_ranges
 from orchestrator.core.schedule import SCHEDULES, ScheduleError, check_params
 
-__all__ = ["Checked", "StagePlan", "check_job", "check_output_dir", "check_checkpoint_dir", "job_code"]
+__all__ = ["Checked", "StagePlan", "check_job", "check_output_dir", "check_checkpoint_dir",
+           "checkpoint_bytes", "job_code"]
 
 
 @dataclass(frozen=True)
@@ -683,26 +684,88 @@ def run_output_bytes(job: JobConfig) -> int:
     return RUN_FIXED_BYTES + RUN_STEP_BYTES * job.run.steps
 
 
-def check_checkpoint_dir(job: JobConfig) -> Optional[Path]:
-    """Make sure `checkpoint.dir` exists (created owner-only if needed) and is writable.
+CHECKPOINT_FIXED_BYTES = 1 << 20    # per checkpoint: commit marker, orbax metadata, data-loader state, RNG
 
-    Returns the directory, or None when the job has no `checkpoint:` section. Touches the
-    disk, so the runner calls it beside `check_output_dir`, before anything starts.
+
+def checkpoint_bytes(checked: "Checked") -> int:
+    """About how many bytes one checkpoint of the run writes (an upper estimate): every
+    parameter in its dtype, as much again per optimizer slot (adam: 2), the mutable model
+    state, and `CHECKPOINT_FIXED_BYTES`.
+
+    Example:
+        >>> from orchestrator.core.config import load_job, load_cluster
+        >>> ck = check_job(load_job("examples/mlp.yaml", ["checkpoint.dir=/tmp/x", "checkpoint.every_steps=5"]),
+        ...                load_cluster("cluster_configs/local.yaml"))
+        >>> checkpoint_bytes(ck) - CHECKPOINT_FIXED_BYTES == 4 * ck.model.param_count()   # sgd: no slots
+        True
+    """
+    from orchestrator.core.edges import leaf_dtype
+    from orchestrator.core.planner.cost import optimizer_slots
+
+    opt = checked.job.optimizer
+    slots = (max(optimizer_slots(e.name, e.args) for e in opt.chain) if opt.chain is not None
+             else optimizer_slots(opt.name, opt.args))
+    params = state = 0
+    for layer in checked.model.layers:
+        params += sum(math.prod(d.shape) * leaf_dtype(d.dtype).itemsize for d in layer.params.values())
+        state += sum(math.prod(d.shape) * leaf_dtype(d.dtype).itemsize for d in layer.state.values())
+    return params * (1 + slots) + state + CHECKPOINT_FIXED_BYTES
+
+
+def _steps_bytes(root: Path) -> int:
+    """Bytes already in `root`'s step directories (they are deleted as newer steps commit)."""
+    total = 0
+    for step in root.glob("step_*"):
+        for dirpath, _, files in os.walk(step):
+            for name in files:
+                try:
+                    total += os.lstat(os.path.join(dirpath, name)).st_size
+                except OSError:
+                    pass
+    return total
+
+
+def check_checkpoint_dir(job: JobConfig, per_checkpoint: int = 0) -> Optional[Path]:
+    """Make sure `checkpoint.dir` exists (created owner-only if needed), is writable and has
+    room for the checkpoints the run keeps.
+
+    `per_checkpoint`: the bytes one checkpoint writes (`checkpoint_bytes`). The older steps
+    go only after a newer one commits, so up to `keep + 1` checkpoints are on the disk at
+    once; the step directories already there count towards them. Returns the directory, or
+    None when the job has no `checkpoint:` section. Touches the disk, so the runner calls it
+    beside `check_output_dir`, before anything starts.
 
     Raises:
-      ConfigError: the directory cannot be created, is a file, or is not writable.
+      ConfigError: the directory cannot be created, is a file, is not writable, or its disk
+        has less free space than the checkpoints need.
     """
     if job.checkpoint is None:
         return None
     root = Path(job.checkpoint.dir)
     if root.exists() and not root.is_dir():
         raise ConfigError(problem("checkpoint.dir", job.checkpoint.dir, "exists and is not a directory"))
-    try:
+    try:   # real bytes, synced: an empty file can be created on a full disk, a block cannot
         private_dir(root, tighten=False)
         fd, tmp = tempfile.mkstemp(prefix=".meshpipe-write-test-", dir=root)
-        os.close(fd)
-        os.unlink(tmp)
+        try:
+            os.write(fd, b"\0" * WRITE_PROBE_BYTES)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+            os.unlink(tmp)
     except OSError as e:
         raise ConfigError(problem("checkpoint.dir", job.checkpoint.dir,
-                                  f"not writable: cannot create a file in {root}: {e.strerror or e}")) from None
+                                  f"not writable: cannot write {WRITE_PROBE_BYTES} bytes in {root}: "
+                                  f"{e.strerror or e}")) from None
+    keep = job.checkpoint.keep
+    need = max(per_checkpoint, (keep + 1) * per_checkpoint - _steps_bytes(root))
+    try:
+        free = free_bytes(root)
+    except OSError:
+        free = None
+    if free is not None and free < need:
+        raise ConfigError(problem("checkpoint.dir", job.checkpoint.dir,
+                                  f"not enough free space in {root}: {free:,} bytes free, the checkpoints need "
+                                  f"about {need:,} more (checkpoint.keep {keep} + 1 being written, "
+                                  f"{per_checkpoint:,} bytes each: parameters and optimizer state)"))
     return root
