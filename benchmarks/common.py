@@ -215,6 +215,24 @@ def machine_info() -> dict:
             "load_start": os.getloadavg()}
 
 
+def load_note(before: Sequence[float], after: Sequence[float], cores: int | None = None) -> str:
+    """What the observed 1-minute load averages say about the conditions — read, not assumed.
+
+    A benchmark's own processes load the machine too (up to its cores' worth); a 1-minute load
+    above the cores + 1, before or after, means something else was running as well.
+
+    >>> load_note((0.4, 0.3, 0.2), (2.1, 1.0, 0.5), cores=2)
+    'load average 0.4 before, 2.1 after (1-minute): no more than the benchmark itself on 2 cores'
+    >>> load_note((9.0, 5.0, 2.0), (3.0, 4.0, 2.0), cores=2).endswith("busier than the benchmark alone: read magnitudes, not digits")
+    True
+    """
+    cores = cores or len(os.sched_getaffinity(0))
+    head = f"load average {before[0]:.1f} before, {after[0]:.1f} after (1-minute): "
+    if max(before[0], after[0]) > cores + 1:
+        return head + f"the {cores}-core machine was busier than the benchmark alone: read magnitudes, not digits"
+    return head + f"no more than the benchmark itself on {cores} cores"
+
+
 def md_table(headers: Sequence[str], rows: Iterable[Sequence], align: str | None = None) -> str:
     """A markdown table; `align` is one char per column ('l' or 'r'; default: first left, rest right)."""
     align = align or "l" + "r" * (len(headers) - 1)

@@ -33,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import RESULTS, machine_info
+from benchmarks.common import RESULTS, load_note, machine_info
 from orchestrator.core.config import parse_cluster
 from orchestrator.core.model.registry import build_spec
 from orchestrator.core.planner import Profiler, SearchOptions, from_cluster, search
@@ -110,7 +110,7 @@ def error_md(out: dict) -> str:
           f"devices (embedded local Ray); the top {case['measure']} candidates run {case['steps']} steps each "
           "(median of the last 4).", "",
           f"machine: {info['cpu']}, {info['affinity']} cores usable, load average {load(info['load_start'])} → "
-          f"{load(info['load_end'])} (shared machine: other agents' work runs at the same time)", "",
+          f"{load(info['load_end'])} ({load_note(info['load_start'], info['load_end'])})", "",
           f"calibrated: device {cal['device']}, links {cal['links']}", "",
           "| # | plan | predicted ms | measured ms | error |", "|---:|---|---:|---:|---:|"]
     md += [f"| {r['candidate']} | {r['plan']} | {r['predicted_s'] * 1e3:.2f} | {r['measured_s'] * 1e3:.2f} | "
@@ -150,8 +150,8 @@ def main(argv=None) -> int:
     stem = "planner.quick" if args.quick else "planner"
     (RESULTS / f"{stem}.json").write_text(json.dumps(out, indent=1))
     md = [f"# Planner benchmark ({info['when']}; {layers} layers × {hosts * dph} devices = {hosts} hosts × {dph})", "",
-          f"machine: {info['cpu']}, {info['affinity']} cores usable, load {info['load_start']} → {info['load_end']}"
-          " (shared machine: other agents' work runs at the same time)", "",
+          f"machine: {info['cpu']}, {info['affinity']} cores usable; {load_note(info['load_start'], info['load_end'])}",
+          "",
           "| run | wall s | CPU s (planner + worker) | compile s | cost s | solve s | compiled | cache hits | plans simulated | best |",
           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for name, r in (("cold", cold), ("warm", warm)):

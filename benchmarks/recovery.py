@@ -43,7 +43,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.common import RESULTS, SIZES, fmt, machine_info, md_table
+from benchmarks.common import RESULTS, SIZES, fmt, load_note, machine_info, md_table
 from stages.hooks import WorkerHook
 
 
@@ -156,7 +156,6 @@ def markdown(result: dict) -> str:
     head = (f"# Recovery benchmark (ETTR)\n\n{c['size_text']}; {c['steps']} steps, a checkpoint every "
             f"{c['every']} (async), stage 1's actor SIGKILLed at steps {c['kill_steps']}.\n\n"
             f"Conditions: {c['machine']['nproc']} CPUs ({c['machine']['affinity']} in this process's affinity), "
-            f"load average {c['load_before'][0]:.1f} before, {c['load_after'][0]:.1f} after — "
             f"{c['note']}.\n\n")
     rows = []
     for label, key in (("uninterrupted", "uninterrupted"), ("kills, compile cache on", "cached"),
@@ -224,8 +223,7 @@ def main(argv=None) -> dict:
     result["conditions"] = {"load_before": load_before, "load_after": os.getloadavg(), "machine": machine_info(),
                             "size": args.size, "size_text": size.describe(), "steps": args.steps,
                             "every": args.every, "kill_steps": list(kill_steps),
-                            "note": "measured on a shared machine under load (other agents' work running); "
-                                    "read magnitudes and ratios, not digits"}
+                            "note": load_note(load_before, os.getloadavg())}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1, default=str))

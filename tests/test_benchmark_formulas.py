@@ -94,6 +94,18 @@ def test_module_docstring_example_holds():
     assert result.attempted == 3 and result.failed == 0
 
 
+def test_the_conditions_note_reads_the_observed_load():
+    """A result says "busier than the benchmark alone" only when the load it read back was."""
+    import doctest
+
+    from benchmarks import common
+
+    result = doctest.testmod(common)
+    assert result.attempted >= 2 and result.failed == 0
+    assert "no more than the benchmark" in common.load_note((0.1, 0, 0), (3.0, 0, 0), cores=2)
+    assert "busier" in common.load_note((3.1, 0, 0), (0.2, 0, 0), cores=2)
+
+
 # ----------------------------------------------------------------------------- derive: refuse, don't publish
 
 def _record(step_s: float, ideal_s: float, schedule: str = "1f1b") -> dict:

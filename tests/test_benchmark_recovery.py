@@ -15,6 +15,7 @@ def _summary(first_step_s: float = 5.0) -> dict:
 
 
 def test_ettr_and_restart_terms_from_a_summary(tmp_path):
+    from benchmarks.common import load_note
     from benchmarks.recovery import markdown, measure
 
     (tmp_path / "kill-30").write_text("1000.0")
@@ -33,7 +34,8 @@ def test_ettr_and_restart_terms_from_a_summary(tmp_path):
                                 "ettr_steady": 0.5, "startup_s": 5.0, "vs_uninterrupted": 1.0},
               "cached": m, "recompile_ratio": 0.25,
               "conditions": {"size_text": "GPT", "steps": 100, "every": 20, "kill_steps": [30, 70],
-                             "load_before": (3.0, 0, 0), "load_after": (4.0, 0, 0), "note": "under load",
+                             "load_before": (3.0, 0, 0), "load_after": (4.0, 0, 0),
+                             "note": load_note((3.0, 0, 0), (4.0, 0, 0), cores=2),
                              "machine": {"nproc": 2, "affinity": 2}}}
     text = markdown(result)
     assert "| kills, compile cache on | 50.0 | 100.0 | 0.200 | 0.833 | 0.242 | 8.6 | 0.500 | 2 | 0.38 |" in text
