@@ -446,6 +446,12 @@ def test_driver_killed_during_a_save_leaves_the_last_commit(tmp_path, no_leaks):
     assert resumed["checkpoint"]["resumed_from"] == 2
     assert [m["step"] for m in ck.committed(root)] == [2, 4, 6]
     assert resumed["losses"][:2] == ck.select(root, 2)["losses"] and len(resumed["losses"]) == 6
+    # and the run that lost its driver ends exactly as one that did not: every loss, every array
+    full = _run(gpt_job(tmp_path, "uninterrupted", tmp_path / "ck-full", steps=6))
+    assert resumed["losses"] == full["losses"]
+    assert resumed["params"].keys() == full["params"].keys()
+    for name, arr in full["params"].items():
+        np.testing.assert_array_equal(resumed["params"][name], arr, err_msg=name)
 
 
 def _descendants(pid: int) -> list:
