@@ -24,19 +24,28 @@ import sys
 import time
 
 
-def build_layer(source: dict, layer: int, mesh, layout: dict):
-    """(program, spec) for one layer of the model described by `source`, on `mesh` with `layout`."""
-    import optax
-
+def build_source(source: dict):
+    """(spec, model) of the model described by `source` (built once per worker run: describing
+    a model shape-evaluates every part, which for a plain-JAX model traces its whole init per part)."""
     from orchestrator.core.model.policy import with_compute_dtype
     from orchestrator.core.model.registry import build_model, build_spec
-    from stages.program import StageProgram
 
     if source.get("kind") != "modelspec":
         raise ValueError(f"unknown model source kind {source.get('kind')!r}")
     spec = with_compute_dtype(build_spec(source["name"], source.get("args") or {}, seq_len=source.get("seq_len")),
                               source.get("compute", "float32"))
-    prog = StageProgram(spec, build_model(spec.factory, spec.args), layer, layer + 1, microbatches=1,
+    return spec, build_model(spec.factory, spec.args)
+
+
+def build_layer(source: dict, layer: int, mesh, layout: dict, built=None):
+    """(program, spec) for one layer of the model described by `source`, on `mesh` with `layout`;
+    `built`: `build_source(source)` when the caller already has it."""
+    import optax
+
+    from stages.program import StageProgram
+
+    spec, model = built if built is not None else build_source(source)
+    prog = StageProgram(spec, model, layer, layer + 1, microbatches=1,
                         optimizer=optax.sgd(0.1), mesh=mesh, layout=layout)
     return prog, spec
 
@@ -54,17 +63,35 @@ def _figures(compiled, n: int) -> dict:
             "colls": parse_collectives(compiled.as_text(), n)}
 
 
-def profile_one(source: dict, req: dict) -> dict:
+def _program(source: dict, req: dict, memo: dict):
+    """The request's layer program, built through `memo`: the model once per source, and the
+    last (layer, M, rules) program kept, so the batch-1 and batch-2 requests share one."""
     import jax
-    import jax.numpy as jnp
     import numpy as np
     from jax.sharding import Mesh
 
     m = int(req["model_size"])
-    mesh = Mesh(np.array(jax.devices()[:m]).reshape(1, m), ("data", "model"))
-    layout = {"batch": "data", **{k: v for k, v in req["rules"]}}
+    src = json.dumps(source, sort_keys=True)
+    if memo.get("source") != src:
+        memo.clear()
+        memo["source"], memo["built"] = src, build_source(source)
+    key = (int(req["layer"]), m, tuple(tuple(r) for r in req["rules"]))
+    if memo.get("key") != key:
+        mesh = Mesh(np.array(jax.devices()[:m]).reshape(1, m), ("data", "model"))
+        layout = {"batch": "data", **{k: v for k, v in req["rules"]}}
+        memo["key"], memo["prog"] = key, build_layer(source, key[0], mesh, layout, memo["built"])
+    return memo["prog"]
+
+
+def profile_one(source: dict, req: dict, memo: dict | None = None) -> dict:
+    """One request's profile (see the module docstring); `memo`: a dict kept across the calls of
+    one run, so the model is built once and equal programs are reused."""
+    import jax
+    import jax.numpy as jnp
+
+    m = int(req["model_size"])
     t0 = time.perf_counter()
-    prog, spec = build_layer(source, int(req["layer"]), mesh, layout)
+    prog, spec = _program(source, req, {} if memo is None else memo)
     b = int(req["batch"])
 
     def sds(shape, dtype, sh):
@@ -109,9 +136,10 @@ def main() -> int:
     if request.get("protocol") != 2:
         print(f"aot_profile: unsupported protocol {request.get('protocol')!r}", file=sys.stderr)
         return 2
+    memo: dict = {}
     for req in request["requests"]:
         try:
-            line = {"key": req["key"], "profile": profile_one(request["source"], req)}
+            line = {"key": req["key"], "profile": profile_one(request["source"], req, memo)}
         except Exception as e:  # noqa: BLE001 - report which program failed and go on with the others
             line = {"key": req["key"], "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
         sys.stdout.write(json.dumps(line) + "\n")
