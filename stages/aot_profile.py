@@ -50,6 +50,17 @@ def build_layer(source: dict, layer: int, mesh, layout: dict, built=None):
     return prog, spec
 
 
+# XLA options for these compiles: LLVM's code generation at -O0 and without its expensive passes.
+# Nothing compiled here runs; the figures read come from the HLO passes, buffer assignment and the
+# partitioned HLO, which these options leave alone (measured on jax 0.10: every figure of a GPT's
+# embed/block/head profiles equal with and without them, about 40 % less compile CPU).
+ANALYSIS_ONLY = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
+def _compile(lowered):
+    return lowered.compile(compiler_options=ANALYSIS_ONLY)
+
+
 def _figures(compiled, n: int) -> dict:
     from orchestrator.core.planner.profile import parse_collectives
 
@@ -112,15 +123,15 @@ def profile_one(source: dict, req: dict, memo: dict | None = None) -> dict:
             lambda s: sds(s.shape, s.dtype, prog.state_sharding()), jax.eval_shape(part.state_init, key))
             for part in prog.parts]
         args = args + ([None] if not prog.last else []) + [None, mstate]
-    fwd = prog.jitted_fwd().lower(*args).compile()
+    fwd = _compile(prog.jitted_fwd().lower(*args))
     y_info, res_info = fwd.out_info[:2]
     dy = sds((), "float32", None) if prog.last else [y_info[i] for i in prog.out_diff]
-    bwd = prog.bwd_acc.lower(params, res_info, dy, param_structs()).compile()
+    bwd = _compile(prog.bwd_acc.lower(params, res_info, dy, param_structs()))
     f, g = _figures(fwd, m), _figures(bwd, m)
     fused = None
     if prog.last:       # the loss layer's F and B as one program (pipeline.fuse_loss_chunk): its temp
         extra = [None, mstate] if prog.stateful else []
-        fused = _figures(prog.fwd_bwd_acc.lower(params, xs, args[2], None, param_structs(), *extra).compile(),
+        fused = _figures(_compile(prog.fwd_bwd_acc.lower(params, xs, args[2], None, param_structs(), *extra)),
                          m)["temp"]
     colls = [["fwd", k, by, [list(x) for x in gs]] for k, by, gs in f["colls"]]
     colls += [["bwd", k, by, [list(x) for x in gs]] for k, by, gs in g["colls"]]
