@@ -123,3 +123,22 @@ def test_loss_layer_profile_has_its_fused_program_temp(tmp_path):
     assert fused is not None and fused > 0 and got[reqs[1]].fused_temp_bytes is None
     hit = Profiler("stages.aot_profile", tmp_path).profile(model.source, reqs)
     assert hit[reqs[0]].cached and hit[reqs[0]].fused_temp_bytes == fused
+
+
+def test_worker_shortcuts_leave_profiles_unchanged(monkeypatch):
+    # the worker builds the model once per run, shares a layer's program between batch sizes and
+    # compiles with ANALYSIS_ONLY (LLVM -O0): every figure must equal a fresh build compiled by default
+    from stages import aot_profile
+
+    spec = build_spec("gpt", {"blocks": 2}, seq_len=32)
+    model = from_spec(spec, "gpt", {"blocks": 2}, 32)
+    reqs = [{"key": str(i), "layer": layer, "model_size": 1, "rules": [], "batch": b}
+            for i, (layer, b) in enumerate([(3, 1), (3, 2), (1, 1), (1, 2)])]
+    memo: dict = {}
+    quick = [aot_profile.profile_one(model.source, r, memo) for r in reqs]
+    monkeypatch.setattr(aot_profile, "ANALYSIS_ONLY", None)
+    slow = [aot_profile.profile_one(model.source, r) for r in reqs]
+    for a, b in zip(quick, slow):
+        a.pop("compile_s"), b.pop("compile_s")
+        assert a == b
+    assert "fused_temp_bytes" in quick[0] and quick[1]["flops"]["fwd"] > quick[0]["flops"]["fwd"]
