@@ -631,6 +631,26 @@ def check_job(job: JobConfig, cluster: ClusterConfig) -> Checked:
                    data_path=data_path, data=data)
 
 
+def write_probe(directory: Path) -> None:
+    """Write and sync WRITE_PROBE_BYTES in `directory`, then remove them; OSError if it cannot.
+    Real bytes: an empty file can be created on a full disk, a block cannot."""
+    fd, tmp = tempfile.mkstemp(prefix=".meshpipe-write-test-", dir=directory)
+    try:
+        os.write(fd, b"\0" * WRITE_PROBE_BYTES)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+        os.unlink(tmp)
+
+
+def free_or_none(directory: Path) -> Optional[int]:
+    """Free bytes on `directory`'s file system, or None where the platform cannot say."""
+    try:
+        return free_bytes(directory)
+    except OSError:
+        return None
+
+
 def check_output_dir(job: JobConfig) -> Path:
     """Make sure `<run.output_dir>` exists (created if needed, owner-only) and is writable.
 
@@ -651,22 +671,13 @@ def check_output_dir(job: JobConfig) -> Path:
         raise ConfigError(problem("run.name", job.run.name, f"{run_dir} exists and is not a directory"))
     target = run_dir if run_dir.is_dir() else out
     key, value = ("run.name", job.run.name) if target == run_dir else ("run.output_dir", job.run.output_dir)
-    try:   # real bytes, synced: an empty file can be created on a full disk, a block cannot
-        fd, tmp = tempfile.mkstemp(prefix=".meshpipe-write-test-", dir=target)
-        try:
-            os.write(fd, b"\0" * WRITE_PROBE_BYTES)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-            os.unlink(tmp)
+    try:
+        write_probe(target)
     except OSError as e:
         raise ConfigError(problem(key, value, f"not writable: cannot write {WRITE_PROBE_BYTES} bytes in "
                                   f"{target}: {e.strerror or e}")) from None
     need = run_output_bytes(job)
-    try:
-        free = free_bytes(target)
-    except OSError:
-        free = None
+    free = free_or_none(target)
     if free is not None and free < need:
         raise ConfigError(problem(key, value, f"not enough free space in {target}: {free:,} bytes free, "
                                   f"the run writes about {need:,} (summary, trace, timeline and a record "
@@ -744,25 +755,16 @@ def check_checkpoint_dir(job: JobConfig, per_checkpoint: int = 0) -> Optional[Pa
     root = Path(job.checkpoint.dir)
     if root.exists() and not root.is_dir():
         raise ConfigError(problem("checkpoint.dir", job.checkpoint.dir, "exists and is not a directory"))
-    try:   # real bytes, synced: an empty file can be created on a full disk, a block cannot
+    try:
         private_dir(root, tighten=False)
-        fd, tmp = tempfile.mkstemp(prefix=".meshpipe-write-test-", dir=root)
-        try:
-            os.write(fd, b"\0" * WRITE_PROBE_BYTES)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-            os.unlink(tmp)
+        write_probe(root)
     except OSError as e:
         raise ConfigError(problem("checkpoint.dir", job.checkpoint.dir,
                                   f"not writable: cannot write {WRITE_PROBE_BYTES} bytes in {root}: "
                                   f"{e.strerror or e}")) from None
     keep = job.checkpoint.keep
     need = max(per_checkpoint, (keep + 1) * per_checkpoint - _steps_bytes(root))
-    try:
-        free = free_bytes(root)
-    except OSError:
-        free = None
+    free = free_or_none(root)
     if free is not None and free < need:
         raise ConfigError(problem("checkpoint.dir", job.checkpoint.dir,
                                   f"not enough free space in {root}: {free:,} bytes free, the checkpoints need "
