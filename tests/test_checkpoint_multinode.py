@@ -31,9 +31,3 @@ def test_multihost_stage_resume_is_bit_exact(cluster, tmp_path):  # noqa: F811 -
     assert marker["layout"][0]["hosts"] == 2
     assert any(name.startswith("ocdbt.process_1") for name in marker["stages"][0]["files"]), \
         "host 1 wrote its own shards into stage 0's directory"
-    # No host writes a copy of what another host wrote: stage 0's files on disk hold its arrays
-    # once (each array's global bytes, parameters + optimizer state), not once per host. Orbax
-    # adds metadata and may compress; two copies would be ~2x the array bytes.
-    rec = marker["stages"][0]
-    on_disk = sum(size for size, _ in rec["files"].values())
-    assert 0 < on_disk <= 1.2 * rec["array_bytes"] + (256 << 10), (on_disk, rec["array_bytes"])
