@@ -367,6 +367,35 @@ def _pid_of(name: str, namespace: str) -> int:
     return int(found[0].pid)
 
 
+def _signal_when(targets, namespace: str, sig: int):
+    """Start a thread that, for each (flag file, actor name) in `targets` in turn, waits for the flag
+    (a hook's "reached"), then sends `sig` to that actor's process. Returns (thread, record):
+    record holds, for the last signal, its wall time "at", monotonic time "mono" and "pid", or the
+    "error" the thread met, for the main thread to report."""
+    import os
+    import threading
+    import time
+
+    from tests.conftest import wait_until
+
+    record: dict = {}
+
+    def send():
+        try:
+            for flag, name in targets:
+                wait_until(flag.exists, 600, f"{flag.name} hold")
+                pid = _pid_of(name, namespace)
+                record.update(at=time.time(), mono=time.monotonic())
+                os.kill(pid, sig)
+                record["pid"] = pid
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            record["error"] = e
+
+    thread = threading.Thread(target=send, daemon=True)
+    thread.start()
+    return thread, record
+
+
 @pytest.mark.ray
 @pytest.mark.chaos
 @pytest.mark.parametrize("executor", ["step_calls", "action_calls", "compiled_graph"])
@@ -374,13 +403,9 @@ def test_kill_9_of_a_stage_actor_recovers_bit_equal(tmp_path, no_leaks, uninterr
     """kill -9 of stage 1's actor (found through Ray's state API) while it is in step 5, with steps
     2 and 4 committed: one restart from step 4; losses and parameters equal the uninterrupted run's
     (run with the default executor: every executor runs the same action lists)."""
-    import os
     import signal
-    import threading
-    import time
 
     from orchestrator.core import checkpoint as ck
-    from tests.conftest import wait_until
     from tests.faults import HoldAt
 
     root = tmp_path / "ck"
@@ -388,21 +413,8 @@ def test_kill_9_of_a_stage_actor_recovers_bit_equal(tmp_path, no_leaks, uninterr
     name = job["run"]["name"] = f"killed-{executor.replace('_', '-')}"
     reached = tmp_path / "reached"
     hold = HoldAt(stage=1, host=0, step=5, wait_for=str(ck.step_dir(root, 4) / ck.MARKER), reached=str(reached))
-    killed: dict = {}
-
-    def killer():
-        try:
-            wait_until(reached.exists, 600, "stage 1 held in step 5")
-            pid = _pid_of(f"{name}/stage1/host0", f"meshpipe-{name}")
-            killed["at"] = time.time()
-            os.kill(pid, signal.SIGKILL)
-            killed["pid"] = pid
-        except BaseException as e:  # noqa: BLE001 - reported by the main thread
-            killed["error"] = e
-
-    t = threading.Thread(target=killer, daemon=True)
     before = listening()
-    t.start()
+    t, killed = _signal_when([(reached, f"{name}/stage1/host0")], f"meshpipe-{name}", signal.SIGKILL)
     got = _run(job, hooks=[hold], executor=executor, pids=tmp_path / "pids")
     t.join(60)
     assert "error" not in killed, killed.get("error")
@@ -433,14 +445,11 @@ def test_kill_9_without_restarts_ends_the_run_at_once_naming_the_dead_actor(tmp_
     """max_restarts 0: kill -9 of stage 1's actor held in step 5 ends the run within seconds — a
     compiled graph's channel read does not see the death, the heartbeats do — with the error naming
     the dead actor (not stage 0, which waited on it), and leaves nothing behind."""
-    import os
     import signal
-    import threading
     import time
 
     from orchestrator.core import checkpoint as ck
     from orchestrator.driver.waiting import StageFailure
-    from tests.conftest import wait_until
     from tests.faults import HoldAt
 
     root = tmp_path / "ck"
@@ -449,26 +458,14 @@ def test_kill_9_without_restarts_ends_the_run_at_once_naming_the_dead_actor(tmp_
     reached = tmp_path / "reached"
     hold = HoldAt(stage=1, host=0, step=5, wait_for=str(ck.step_dir(root, 4) / ck.MARKER), reached=str(reached),
                   timeout_s=300.0)
-    killed: dict = {}
-
-    def killer():
-        try:
-            wait_until(reached.exists, 600, "stage 1 held in step 5")
-            pid = _pid_of(f"{name}/stage1/host0", f"meshpipe-{name}")
-            killed["at"] = time.monotonic()
-            os.kill(pid, signal.SIGKILL)
-        except BaseException as e:  # noqa: BLE001 - reported by the main thread
-            killed["error"] = e
-
-    t = threading.Thread(target=killer, daemon=True)
-    t.start()
+    t, killed = _signal_when([(reached, f"{name}/stage1/host0")], f"meshpipe-{name}", signal.SIGKILL)
     with pytest.raises(StageFailure) as ei:
         _run(job, hooks=[hold], executor=executor)
     ended = time.monotonic()
     t.join(60)
     assert "error" not in killed, killed.get("error")
-    print(f"{executor}: the run ended {ended - killed['at']:.2f} s after the kill")   # pytest -rP shows it
-    assert ended - killed["at"] < 20, ended - killed["at"]     # noticed and torn down: no deadline waited
+    print(f"{executor}: the run ended {ended - killed['mono']:.2f} s after the kill")   # pytest -rP shows it
+    assert ended - killed["mono"] < 20, ended - killed["mono"]     # noticed and torn down: no deadline waited
     e = ei.value
     assert (e.label, e.died) == ("stage 1 host 0", True), str(e)
     assert "stage 1 host 0" in str(e) and "actor is dead" in str(e), str(e)
@@ -531,13 +528,9 @@ def test_sigstop_hang_is_detected_by_the_progress_deadline_and_recovered(tmp_pat
     not answer a heartbeat (stage 0 waits on it and answers, with its RECV deadline: twice the
     driver's, not timeouts.step_s), it is killed first, and the run restarts from step 4 and
     finishes equal to the uninterrupted run."""
-    import os
     import signal
-    import threading
-    import time
 
     from orchestrator.core import checkpoint as ck
-    from tests.conftest import wait_until
     from tests.faults import HoldAt
 
     root = tmp_path / "ck"
@@ -545,20 +538,8 @@ def test_sigstop_hang_is_detected_by_the_progress_deadline_and_recovered(tmp_pat
     reached = tmp_path / "reached"
     hold = HoldAt(stage=1, host=0, step=5, wait_for=str(ck.step_dir(root, 4) / ck.MARKER), reached=str(reached),
                   timeout_s=300.0)
-    stopped: dict = {}
-
-    def stopper():
-        try:
-            wait_until(reached.exists, 600, "stage 1 held in step 5")
-            pid = _pid_of("stopped/stage1/host0", "meshpipe-stopped")
-            stopped["at"] = time.time()
-            os.kill(pid, signal.SIGSTOP)
-        except BaseException as e:  # noqa: BLE001 - reported by the main thread
-            stopped["error"] = e
-
-    t = threading.Thread(target=stopper, daemon=True)
     before = listening()
-    t.start()
+    t, stopped = _signal_when([(reached, "stopped/stage1/host0")], "meshpipe-stopped", signal.SIGSTOP)
     got = _run(job, hooks=[hold], pids=tmp_path / "pids")
     t.join(60)
     assert "error" not in stopped, stopped.get("error")
@@ -585,12 +566,9 @@ def test_sigstop_hang_is_detected_by_the_progress_deadline_and_recovered(tmp_pat
 def test_a_second_kill_while_recovering_is_survived(tmp_path, no_leaks, uninterrupted):
     """kill -9 of stage 1 in step 5, then kill -9 of stage 0 while the new attempt sets up: two
     restarts (max_restarts 2), both from step 4; the run ends equal to the uninterrupted one."""
-    import os
     import signal
-    import threading
 
     from orchestrator.core import checkpoint as ck
-    from tests.conftest import wait_until
     from tests.faults import HoldAt, HoldSetup
 
     root = tmp_path / "ck"
@@ -598,19 +576,9 @@ def test_a_second_kill_while_recovering_is_survived(tmp_path, no_leaks, uninterr
     first, second = tmp_path / "first", tmp_path / "second"
     hooks = [HoldAt(stage=1, host=0, step=5, wait_for=str(ck.step_dir(root, 4) / ck.MARKER), reached=str(first)),
              HoldSetup(stage=0, host=0, armed=str(first), reached=str(second))]
-    done: dict = {}
-
-    def killer():
-        try:
-            for flag, name in ((first, "twice/stage1/host0"), (second, "twice/stage0/host0")):
-                wait_until(flag.exists, 600, f"{flag.name} hold")
-                os.kill(_pid_of(name, "meshpipe-twice"), signal.SIGKILL)
-        except BaseException as e:  # noqa: BLE001 - reported by the main thread
-            done["error"] = e
-
-    t = threading.Thread(target=killer, daemon=True)
     before = listening()
-    t.start()
+    t, done = _signal_when([(first, "twice/stage1/host0"), (second, "twice/stage0/host0")], "meshpipe-twice",
+                           signal.SIGKILL)
     got = _run(job, hooks=hooks, pids=tmp_path / "pids")
     t.join(60)
     assert "error" not in done, done.get("error")
