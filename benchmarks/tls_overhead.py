@@ -36,7 +36,7 @@ def link(tls: dict | None, nbytes: int, seconds: float = 1.0) -> float:
     from orchestrator.core.tls import contexts
     from stages.frames import encode_frame
     from stages.mailbox import Mailbox
-    from stages.socket_transport import Listener, _Conn
+    from stages.socket_conn import Listener, _Conn
 
     server, client = contexts(tls) if tls else (None, None)
     box = Mailbox("bench")

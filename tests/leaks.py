@@ -13,7 +13,7 @@ After a run, `assert_nothing_left` checks (Linux; /proc and psutil, which Ray sh
     `meshpipe-block-<n>` (`stages/bufpool.py`): no process under this test process (itself
     included) holds one; and /dev/shm has no entry named after meshpipe or the run;
   - no socket of the run: no abstract Unix socket `@meshpipe-<hex>` (the transport's listener,
-    `stages/socket_transport.py`) is held by a process under this test process, and this process
+    `stages/socket_conn.py`) is held by a process under this test process, and this process
     (the driver) listens on no TCP port it did not listen on before the run (`listening()`).
 Only processes under this one are searched: other test sessions on the machine run their own.
 """

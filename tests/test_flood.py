@@ -34,7 +34,7 @@ import pytest
 from orchestrator.core.config import check_job, parse_cluster, parse_job
 from orchestrator.driver.runner import run_job
 from stages.frames import FRAME, FRAME_MAGIC, HANDSHAKE_S, HELLO_MAGIC
-from stages.socket_transport import MAX_PENDING
+from stages.socket_conn import MAX_PENDING
 from tests.test_pipeline_numerics import CLUSTER, gpt_job
 
 pytestmark = [pytest.mark.ray, pytest.mark.flood]

@@ -10,7 +10,8 @@ import pytest
 
 from stages.mailbox import Mailbox
 from stages.frames import IOV_MAX, MIN_RUN, FrameError, encode_frame, read_frame, runs, send_buffers
-from stages.socket_transport import Listener, SocketTransport, _Conn
+from stages.socket_conn import Listener, _Conn
+from stages.socket_transport import SocketTransport
 
 TOKEN = b"t" * 32
 

@@ -35,7 +35,7 @@ from stages.frames import (
     read_grant,
 )
 from stages.mailbox import Mailbox
-from stages.socket_transport import Listener, _Conn
+from stages.socket_conn import Listener, _Conn
 from tests.conftest import wait_until
 
 KEY = b"k" * 32
@@ -296,7 +296,8 @@ def test_made_up_keys_hold_at_most_the_budget_and_a_rejected_peer_frees_what_it_
         failed.close()
         assert counted(b.listener, "rejected", 1) and b.held_bytes == 0 and not b._arrivals
 
-        caplog.set_level("WARNING", logger="stages.socket_transport")
+        caplog.set_level("WARNING", logger="stages.socket_conn")        # the listener closes the connection
+        caplog.set_level("WARNING", logger="stages.socket_transport")   # the transport drops its tensors
         flood = _Conn(b.address, TOKEN, io_timeout=5)
         sent = 0
         try:
@@ -428,7 +429,7 @@ OUT_OF_FDS = r"""
 import logging, os, resource, sys
 logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
 import jax, ml_dtypes, numpy   # imported now: with no descriptor to spare, an import cannot open its files
-from stages.socket_transport import Listener
+from stages.socket_conn import Listener
 key = bytes.fromhex(sys.argv[1])
 got = []
 lst = Listener("127.0.0.1", key, lambda frame, conn: print("frame", *frame.key, flush=True), print,

@@ -23,7 +23,7 @@ from orchestrator.core.config import ConfigError, parse_cluster
 from orchestrator.core.tls import check_files, check_transport_tls, contexts
 from stages.frames import HELLO, HELLO_MAGIC, HandshakeRefused, encode_frame
 from stages.mailbox import Mailbox
-from stages.socket_transport import Listener, _Conn
+from stages.socket_conn import Listener, _Conn
 from tests.tls_certs import make_tls
 
 TOKEN = b"t" * 32
@@ -133,7 +133,7 @@ def _closed_within(sock: socket.socket, seconds: float) -> bool:
 
 def test_a_tls_listener_refuses_plaintext_strangers_and_a_wrong_key_with_a_logged_reason(pki, tls_listener, caplog):
     ours, theirs = pki
-    caplog.set_level(logging.WARNING, logger="stages.socket_transport")
+    caplog.set_level(logging.WARNING, logger="stages.socket_conn")
     plain = _plain_hello(tls_listener.address)                        # the plaintext handshake
     assert _closed_within(plain, 10), "a plaintext connector was not dropped"
     plain.close()
