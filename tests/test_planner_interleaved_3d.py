@@ -156,7 +156,7 @@ def test_fsdp_collectives_are_charged_per_axis_on_their_link_class():
     t = topo(hosts=2, dph=2, inter_gbps=0.01)
     across = MeshChoice(2, 1, ("fsdp", "data", "model"), (), "dp", "none", 2, "embed")
     inside = MeshChoice(2, 1, ("data", "fsdp", "model"), (), "dp", "none", 2, "embed")
-    assert across.groups("fsdp") == [(0, 2), (1, 3)] and inside.groups("fsdp") == [(0, 1), (2, 3)]
+    assert across.groups("fsdp") == ((0, 2), (1, 3)) and inside.groups("fsdp") == ((0, 1), (2, 3))
     prof = FakeProfiles(model, costs)([layer_request(layer, inside, b) for b in (1, 2)])
     a, i = (layer_cost(layer, c, 8, t, 0, prof) for c in (across, inside))
     full = layer.param_bytes

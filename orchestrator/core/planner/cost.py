@@ -46,6 +46,7 @@ as a temporary during its backward.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
@@ -109,13 +110,9 @@ class MeshChoice:
             out[self.fsdp_axis] = "fsdp"
         return out
 
-    def groups(self, axis: str) -> list[tuple[int, ...]]:
+    def groups(self, axis: str) -> tuple[tuple[int, ...], ...]:
         """Flat device positions (row-major in `order`) of every group along mesh axis `axis`."""
-        sizes = self.sizes()
-        names = [a for a in self.order if sizes[a] > 1 or a == axis] or [axis]
-        ids = np.arange(self.devices).reshape([sizes[a] for a in names])
-        i = names.index(axis)
-        return [tuple(int(x) for x in row) for row in np.moveaxis(ids, i, -1).reshape(-1, sizes[axis])]
+        return _groups(self.order, self.data, self.fsdp, self.model, axis)
 
     def positions(self, d: int, m: int) -> int:
         """Flat device position of mesh coordinate (data=d, model=m) (a mesh without `fsdp`)."""
@@ -126,6 +123,15 @@ class MeshChoice:
         return (f"{mesh} {self.rules_name if self.model > 1 else 'dp'}"
                 + (f" fsdp:{self.fsdp_axis}" if self.fsdp > 1 else "")
                 + (" remat" if self.remat != "none" else ""))
+
+
+@functools.lru_cache(maxsize=4096)
+def _groups(order: tuple[str, ...], data: int, fsdp: int, model: int, axis: str) -> tuple[tuple[int, ...], ...]:
+    sizes = {"data": data, "fsdp": fsdp, "model": model}
+    names = [a for a in order if sizes[a] > 1 or a == axis] or [axis]
+    ids = np.arange(data * fsdp * model).reshape([sizes[a] for a in names])
+    i = names.index(axis)
+    return tuple(tuple(int(x) for x in row) for row in np.moveaxis(ids, i, -1).reshape(-1, sizes[axis]))
 
 
 @dataclass(frozen=True)
@@ -216,13 +222,17 @@ def local_param_bytes(layer: PlanLayer, choice: MeshChoice, fsdp: bool = True) -
 def _group_class(topo: Topology, first_host: int, choice: MeshChoice, group: tuple[int, ...], along: str) -> str:
     """Farthest link class of a collective group (`group`: indices along mesh axis `along`), over
     every coordinate of the other axes."""
-    worst = "host"
-    rank = {"host": 0, "group": 1, "dcn": 2}
-    for row in choice.groups(along):
-        c = topo.class_of_devices(first_host, [row[g] for g in group])
-        if rank[c] > rank[worst]:
-            worst = c
-    return worst
+    return _farthest(topo.hosts_per_group, topo.devices_per_host, first_host, choice.groups(along), tuple(group))
+
+
+@functools.lru_cache(maxsize=65536)
+def _farthest(hpg: int, dph: int, first_host: int, rows, group) -> str:
+    """`Topology.class_of_devices`'s farthest class over the groups (cached: the search asks often)."""
+    worst = 0
+    for row in rows:
+        hosts = {first_host + row[g] // dph for g in group}
+        worst = max(worst, 0 if len(hosts) <= 1 else 1 if len({h // hpg for h in hosts}) == 1 else 2)
+    return ("host", "group", "dcn")[worst]
 
 
 def layer_cost(layer: PlanLayer, choice: MeshChoice, micro: int, topo: Topology, first_host: int,
@@ -291,13 +301,16 @@ FSDP_AXES = ("embed", "mlp", "heads", "vocab")
 
 
 def _orders(sizes: Mapping[str, int], multi_host: bool) -> list[tuple[str, ...]]:
-    """Axis orders worth telling apart: canonical, and on several hosts each other used axis outermost
-    (which axis crosses hosts is what changes a collective's link class)."""
+    """Axis orders worth telling apart (which axis crosses hosts changes a collective's link class):
+    canonical, and on several hosts each other used axis outermost — `model` only when it is one of
+    two axes (a 3-D mesh keeps tensor parallelism inside, data or fsdp across hosts)."""
     used = [a for a in AXES if sizes[a] > 1]
     canon = tuple(a for a in AXES if a in sizes)
     out = [canon]
     if multi_host and len(used) > 1:
         for a in used[1:]:
+            if a == "model" and len(used) == 3:
+                continue
             out.append((a,) + tuple(x for x in canon if x != a))
     return out
 

@@ -72,25 +72,35 @@ def edge_times(model, topo, cut, p: int, k: int, micro: int) -> list[float]:
     return times
 
 
-def interleaved_plans(model, topo, choices, tables, m: int, p: int, v: int, infl, slots: int, memo,
-                      cut, micro: int, keep: int = 2):
+def interleaved_plans(model, topo, choices, tables, m: int, p: int, v: int, infl_fn, slots: int, memo,
+                      cut, micro: int, keep: int = 2, bound: float = np.inf):
     """(estimate, lower bound, plan) of the best `keep` host counts; and the least memory any needs.
 
-    A plan is [(chunks, first host, hosts, choice index)] per stage (module docstring)."""
+    A plan is [(chunks, first host, hosts, choice index)] per stage (module docstring).
+    `infl_fn()` gives the schedule's in-flight pairs per stage; it is called (the schedule
+    generated and simulated) only when some host count's lower bound, memory aside, is ≤ `bound`."""
     from orchestrator.core.planner.search import _aligned
 
     L, H = model.num_layers, topo.hosts
     over = topo.action_overhead_s
     a = np.array(cut[:-1])
     b = np.array(cut[1:])
+    ks = [k for k in range(1, H // p + 1) if choices.get(k)
+          and all(_aligned(i * k, k, topo.hosts_per_group, H) for i in range(p))]
+    for k in ks:
+        if (k, m, False) not in memo:
+            memo[(k, m, False)] = stacked(tables, k, len(choices[k]), m, L, False)
+    low = [m * (memo[(k, m, False)][0][:, a, b].reshape(len(choices[k]), v, p).sum(axis=1).min(axis=0).max()
+                + 2 * v * over) for k in ks]
+    if not ks or min(low) > bound:
+        return [], np.inf
+    infl = infl_fn()
+    if infl is None:
+        return [], np.inf
     inflight = np.asarray(infl, dtype=float)[None, :]
     out, min_mem = [], np.inf
-    for k in range(1, H // p + 1):
-        cs = choices.get(k) or []
-        if not cs or not all(_aligned(i * k, k, topo.hosts_per_group, H) for i in range(p)):
-            continue
-        if (k, m, False) not in memo:
-            memo[(k, m, False)] = stacked(tables, k, len(cs), m, L, False)
+    for k in ks:
+        cs = choices[k]
         T, P, S, R, TM, _ = memo[(k, m, False)]
 
         def per_stage(x, how):      # (C, p·v) virtual stages → (C, v, p) → over each stage's chunks

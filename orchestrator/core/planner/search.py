@@ -210,11 +210,12 @@ def _lowered(schedule: str, p: int, m: int, v: int = 1):
         return None
 
 
-def _inflight(schedule: str, p: int, m: int, v: int = 1) -> Optional[list[int]]:
+@functools.lru_cache(maxsize=512)
+def _inflight(schedule: str, p: int, m: int, v: int = 1) -> Optional[tuple[int, ...]]:
     from orchestrator.core.schedule import simulate
 
     low = _lowered(schedule, p, m, v)
-    return None if low is None else list(simulate(low, {"F": 1, "B": 2}).peak_inflight)
+    return None if low is None else tuple(simulate(low, {"F": 1, "B": 2}).peak_inflight)
 
 
 def _aligned(h: int, k: int, hpg: int, hosts: int) -> bool:
@@ -280,13 +281,17 @@ def search(model: PlanModel, topo: Topology, global_batch: int, *, profile: Prof
                         memo[key] = layer_cost(layer, c, micro, topo, 0, profiles, in_bytes)
                     cols.append(memo[key])
                 tables[(k, ci, m)] = layer_table(cols, slots, topo.memory_bandwidth)
+    n_choices = sum(len(v) for v in choices.values())
+    if not options.exhaustive:
+        choices, tables = _prune_orders(choices, tables, ms)
     t3 = time.perf_counter()
     # 4. solve
     found: dict[tuple, Candidate] = {}
     min_memory = float("inf")
     space = {"layers": L, "hosts": H, "devices_per_host": dph, "microbatch_counts": list(ms),
              "schedules": list(schedules), "remats": list(dict.fromkeys(options.remats)), "rulesets": {k: [a for a, _ in v] for k, v in rulesets.items()},
-             "mesh_choices": sum(len(v) for v in choices.values()), "profiles": len(reqs),
+             "mesh_choices": n_choices, "mesh_choices_kept": sum(len(v) for v in choices.values()),
+             "profiles": len(reqs),
              "max_fsdp": max_fsdp, "virtual_stages": list(vs)}
     plans_considered = 0
     stage_memo: dict = {}
@@ -354,14 +359,16 @@ def _search_interleaved(model, topo, choices, tables, ms, vs, global_batch, slot
             continue
         for p in range(2, min(topo.hosts, L) + 1):
             for v in vs:
-                infl = _inflight("interleaved-1f1b", p, m, v) if p * v <= L else None
-                if infl is None:
+                if p * v > L or m % p:
                     continue
                 cut = balanced_cut(ref.fwd + ref.bwd, p * v)
-                plans, need = interleaved_plans(model, topo, choices, tables, m, p, v, infl, slots, memo, cut, micro)
-                min_mem = min(min_mem, need)
                 steps = sorted(c.step_s for c in found.values())
                 bound = steps[top - 1] if top and len(steps) >= top else float("inf")
+                infl_fn = functools.partial(_inflight, "interleaved-1f1b", p, m, v)
+                plans, need = interleaved_plans(model, topo, choices, tables, m, p, v, infl_fn, slots, memo, cut,
+                                                micro, bound=bound)
+                infl = infl_fn() if plans else None
+                min_mem = min(min_mem, need)
                 for _, low, plan in plans:
                     if low > bound:
                         continue
@@ -370,6 +377,32 @@ def _search_interleaved(model, topo, choices, tables, ms, vs, global_batch, slot
                     if cand.memory_bytes <= topo.memory_bytes:
                         found.setdefault(cand.key(), cand)
     return replayed, min_mem
+
+
+def _prune_orders(choices, tables, ms):
+    """Drop each choice that another axis order of the same mesh, rules and remat beats or ties on
+    every layer's F and B at every microbatch count (memory does not depend on the order), so the
+    stage tables carry fewer choices; the DP's optimum is unchanged."""
+    out_c, out_t = {}, {}
+    for k, cs in choices.items():
+        keep: list[int] = []
+        groups: dict = {}
+        for ci, c in enumerate(cs):
+            groups.setdefault((c.data, c.fsdp, c.model, c.rules, c.remat), []).append(ci)
+        for members in groups.values():
+            times = {ci: np.stack([np.concatenate([tables[(k, ci, m)].fwd, tables[(k, ci, m)].bwd]) for m in ms])
+                     for ci in members}
+            for ci in members:
+                beaten = any(o != ci and np.all(times[o] <= times[ci]) and (o < ci or np.any(times[o] < times[ci]))
+                             for o in members)
+                if not beaten:
+                    keep.append(ci)
+        keep.sort()
+        out_c[k] = [cs[ci] for ci in keep]
+        for new, ci in enumerate(keep):
+            for m in ms:
+                out_t[(k, new, m)] = tables[(k, ci, m)]
+    return out_c, out_t
 
 
 def legal_plans(model: PlanModel, topo: Topology, global_batch: int, *, profile: ProfileFn,
