@@ -25,10 +25,14 @@ Basic flow of `search(model, topo, global_batch, profile=...)`:
      by simulated step time. `SearchOptions.exhaustive` replays every legal plan
      instead (small spaces; the tests compare the two).
 
-Schedules: 1f1b and gpipe, and zb-h1 where this JAX runs it (≥ 0.10, as `check_job`
+Schedules: 1f1b, gpipe, and zb-h1 where this JAX runs it (≥ 0.10, as `check_job`
 requires; its I and W each cost half of B in the simulator's replay, its memory counts
-a microbatch from F to W). interleaved-1f1b is not searched: a candidate here has one
-layer range per stage, and asking for it is refused.
+a microbatch from F to W). interleaved-1f1b (v ∈ `SearchOptions.virtual_stages` chunks
+per stage) is planned apart, after the DP (`interleave.py`, `_search_interleaved`):
+one host count for every stage, a balanced cut into p·v virtual stages.
+
+Meshes: (data, model), and with `max_fsdp` > 1 a third axis `fsdp` (`cost.py`); outside
+`exhaustive`, axis orders beaten on every layer by another order are dropped (`_prune_orders`).
 
 Stages take whole consecutive hosts (as `check_job` requires); with node groups
 (`hosts_per_group`), a stage stays inside one group or takes whole aligned groups.
