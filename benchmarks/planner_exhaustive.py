@@ -125,7 +125,8 @@ def main(argv=None) -> int:
             topo = from_cluster(cluster)
             prof = Profiler(WORKER, Path(tmp) / "cache", timeout_s=1800)
             opts = SearchOptions(microbatches=ms, schedules=("1f1b",), rulesets=RULESETS, max_model=2,
-                                 remats=("none",), optimizer_slots=optimizer_slots(job.optimizer.name, job.optimizer.args))
+                                 remats=("none",), max_fsdp=1,
+                                 optimizer_slots=optimizer_slots(job.optimizer.name, job.optimizer.args))
             profile = lambda reqs: prof.profile(model.source, reqs)
             t1 = time.perf_counter()
             plans = legal_plans(model, topo, GLOBAL_BATCH, profile=profile, options=opts)

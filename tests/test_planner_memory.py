@@ -39,7 +39,7 @@ def test_state_counts_on_every_device_of_its_stage():
     assert set(before) == {c.key() for c in stated.ranked}
     for c in stated.ranked:         # the same plan, each stage + its layers' state (replicated, not sharded)
         for s, s0 in zip(c.stages, before[c.key()].stages):
-            n = s.layers[1] - s.layers[0]
+            n = sum(b - a for a, b in (s.chunks or (s.layers,)))     # interleaved: every chunk
             assert s.state_bytes == n * state
             assert s.memory_bytes == pytest.approx(s0.memory_bytes + n * state, rel=1e-12)
 
@@ -55,7 +55,7 @@ def test_state_that_pushes_a_plan_over_memory_gets_another_plan_or_a_refusal():
     limit = min(whole) + 3.5 * state    # a stage of 4 layers (+ 4 × state) cannot fit; of ≤ 3 it can
     tight = run(with_state(base, state), costs, topo(hosts=2, dph=1, mem=limit), top=0, optimizer_slots=0)
     assert tight.best.memory_bytes <= limit
-    assert all(s.layers[1] - s.layers[0] <= 3 for c in tight.ranked for s in c.stages), \
+    assert all(sum(b - a for a, b in (s.chunks or (s.layers,))) <= 3 for c in tight.ranked for s in c.stages), \
         [[s.layers for s in c.stages] for c in tight.ranked]
     # the state of one layer alone beyond the device: refused, the need names the state
     with pytest.raises(PlanningError, match="does not fit") as e:

@@ -25,6 +25,17 @@ keeps no residuals between actions: they live inside its one F+B program, whose 
 is XLA's figure for it (`LayerProfile.fused_temp_bytes`) or, when not compiled, the
 residuals plus the layer's temporaries (no saving claimed).
 
+A third mesh axis, `fsdp` (`MeshChoice.fsdp` > 1; with `data` and `model` a 3-D mesh): the
+batch is split over `data` × `fsdp` (`batch → [data, fsdp]`), and every parameter dim named
+`MeshChoice.fsdp_axis` (a logical axis the rules leave off `model`, e.g. `embed`) over
+`fsdp` — activations keep that dim whole, since their batch dim already takes `fsdp` (a
+mesh axis shards one dim per tensor, `layout.partition_spec`). So parameters, gradient
+accumulator and optimizer state shrink by `fsdp`, each layer runs its profiled program at
+b = B / (D·F) examples, and F and B each all-gather the layer's parameters over `fsdp`
+(the gathered copy counts as a temporary), B reduce-scatters the gradient over `fsdp`
+before the `data` all-reduce of its shard — each collective charged on the link class its
+axis's groups span, as above.
+
 Remat (`MeshChoice.remat`, the stage's `remat:`): under `full` each layer runs under
 `jax.checkpoint` (how `stages.program` applies it, part by part), so a microbatch
 keeps only each layer's input between F and B (b examples of the previous layer's
@@ -35,8 +46,11 @@ as a temporary during its backward.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Mapping, Optional
+
+import numpy as np
 
 from orchestrator.core.model.layout import partition_spec, shard_count
 from orchestrator.core.planner.model import PlanLayer
@@ -44,44 +58,80 @@ from orchestrator.core.planner.profile import LayerProfile, ProfileRequest, line
 from orchestrator.core.planner.topology import Topology, collective_time
 
 __all__ = ["MeshChoice", "LayerCost", "layer_request", "layer_cost", "local_param_bytes", "fits_layer",
-           "optimizer_slots", "mesh_choices"]
+           "optimizer_slots", "mesh_choices", "fsdp_axis", "AXES", "FSDP_AXES"]
+
+
+AXES = ("data", "fsdp", "model")     # a MeshChoice's mesh axes, in their canonical order
 
 
 @dataclass(frozen=True)
 class MeshChoice:
-    """A stage's mesh and layout: sizes, axis order (outer first), rules, a short name for the rules."""
+    """A stage's mesh and layout: sizes, axis order (outer first), rules, a short name for the rules.
+
+    `fsdp` > 1 adds a third mesh axis (module docstring): the batch is split over
+    `data` × `fsdp` and each parameter dim named `fsdp_axis` over `fsdp`.
+    """
 
     data: int
     model: int
-    order: tuple[str, str]
+    order: tuple[str, ...]
     rules: tuple[tuple[str, str], ...]
     rules_name: str
     remat: str = "none"          # none | full: the stage's rematerialisation (module docstring)
+    fsdp: int = 1
+    fsdp_axis: str = ""          # the logical axis sharded over `fsdp` (parameters only)
 
     @property
     def devices(self) -> int:
-        return self.data * self.model
+        return self.data * self.fsdp * self.model
+
+    @property
+    def batch_shards(self) -> int:
+        """How many pieces a microbatch is cut into (data × fsdp)."""
+        return self.data * self.fsdp
+
+    def sizes(self) -> dict[str, int]:
+        return {"data": self.data, "fsdp": self.fsdp, "model": self.model}
 
     def mesh(self) -> dict[str, int]:
         """The job YAML's `mesh:` (axes of size 1 left out; `{data: 1}` for one device)."""
-        sizes = {"data": self.data, "model": self.model}
+        sizes = self.sizes()
         out = {a: sizes[a] for a in self.order if sizes[a] > 1}
         return out or {"data": 1}
 
-    def layout(self) -> dict[str, str]:
-        """The stage's layout over its mesh axes (batch → data, the rules → model)."""
-        out = {"batch": "data"} if self.data > 1 else {}
+    def layout(self) -> dict[str, object]:
+        """The stage's layout over its mesh axes (batch → data [× fsdp], the rules → model,
+        `fsdp_axis` → fsdp)."""
+        batch = [a for a in self.order if a in ("data", "fsdp") and self.sizes()[a] > 1]
+        out: dict[str, object] = {"batch": batch[0] if len(batch) == 1 else batch} if batch else {}
         if self.model > 1:
             out.update(dict(self.rules))
+        if self.fsdp > 1:
+            out[self.fsdp_axis] = "fsdp"
         return out
 
+    def groups(self, axis: str) -> tuple[tuple[int, ...], ...]:
+        """Flat device positions (row-major in `order`) of every group along mesh axis `axis`."""
+        return _groups(self.order, self.data, self.fsdp, self.model, axis)
+
     def positions(self, d: int, m: int) -> int:
-        """Flat device position (row-major in `order`) of mesh coordinate (data=d, model=m)."""
+        """Flat device position of mesh coordinate (data=d, model=m) (a mesh without `fsdp`)."""
         return d * self.model + m if self.order[0] == "data" else m * self.data + d
 
     def label(self) -> str:
         mesh = "×".join(f"{a}={v}" for a, v in self.mesh().items())
-        return f"{mesh} {self.rules_name if self.model > 1 else 'dp'}" + (" remat" if self.remat != "none" else "")
+        return (f"{mesh} {self.rules_name if self.model > 1 else 'dp'}"
+                + (f" fsdp:{self.fsdp_axis}" if self.fsdp > 1 else "")
+                + (" remat" if self.remat != "none" else ""))
+
+
+@functools.lru_cache(maxsize=4096)
+def _groups(order: tuple[str, ...], data: int, fsdp: int, model: int, axis: str) -> tuple[tuple[int, ...], ...]:
+    sizes = {"data": data, "fsdp": fsdp, "model": model}
+    names = [a for a in order if sizes[a] > 1 or a == axis] or [axis]
+    ids = np.arange(data * fsdp * model).reshape([sizes[a] for a in names])
+    i = names.index(axis)
+    return tuple(tuple(int(x) for x in row) for row in np.moveaxis(ids, i, -1).reshape(-1, sizes[axis]))
 
 
 @dataclass(frozen=True)
@@ -100,6 +150,8 @@ class LayerCost:
     dp_bytes: float
     state_bytes: float = 0.0           # mutable state, replicated: all of it on every device
     fused_temp_bytes: float = 0.0      # temp when this (loss) layer's F and B run as one program
+    fsdp_comm_s: float = 0.0           # the fsdp axis's parameter all-gathers and gradient reduce-scatter
+    fsdp_bytes: float = 0.0            # their bytes per device per microbatch
 
 
 def optimizer_slots(name: str, args: Mapping[str, object] | None = None) -> int:
@@ -124,44 +176,63 @@ def layer_request(layer: PlanLayer, choice: MeshChoice, batch: int) -> ProfileRe
     return ProfileRequest(layer.signature, layer.index, m, rules, batch)
 
 
+def _layout(choice: MeshChoice, layer: PlanLayer) -> dict[str, str]:
+    """The choice's parameter layout restricted to the layer (rules → model, fsdp_axis → fsdp)."""
+    out = dict(_restricted(layer, choice.rules)) if choice.model > 1 else {}
+    if choice.fsdp > 1:
+        out[choice.fsdp_axis] = "fsdp"
+    return out
+
+
 def fits_layer(layer: PlanLayer, choice: MeshChoice) -> bool:
-    """Every dim the layout shards (parameters and the output) divides by the model axis size."""
-    if choice.model == 1:
+    """Every dim the layout shards (parameters, and the output over `model`) divides by its axis size."""
+    if choice.model == 1 and choice.fsdp == 1:
         return True
-    layout = {k: "model" for k, _ in choice.rules}
-    tensors = [(p.axes, p.shape) for p in layer.params] + [(layer.out_axes[1:], layer.out_shape)]
-    for axes, shape in tensors:
-        for entry, size in zip(partition_spec(axes, layout), shape):
+    sizes = choice.sizes()
+    layout = _layout(choice, layer)
+    for p in layer.params:
+        for entry, size in zip(partition_spec(p.axes, layout), p.shape):
+            if entry is not None and size % shard_count(entry, sizes):
+                return False
+    if choice.model > 1:     # the output's batch dim takes data (× fsdp): only the model rules apply to the rest
+        rules = {k: "model" for k, _ in choice.rules}
+        for entry, size in zip(partition_spec(layer.out_axes[1:], rules), layer.out_shape):
             if entry is not None and size % choice.model:
                 return False
     return True
 
 
-def local_param_bytes(layer: PlanLayer, choice: MeshChoice) -> float:
-    """Bytes of this layer's parameters held by one device."""
-    if choice.model == 1:
+def local_param_bytes(layer: PlanLayer, choice: MeshChoice, fsdp: bool = True) -> float:
+    """Bytes of this layer's parameters held by one device (`fsdp=False`: as gathered over `fsdp`)."""
+    layout = _layout(choice, layer)
+    if not fsdp:
+        layout.pop(choice.fsdp_axis, None)
+    if not layout:
         return float(layer.param_bytes)
-    layout = dict(_restricted(layer, choice.rules))
+    sizes = choice.sizes()
     total = 0.0
     for p in layer.params:
         n = 1
         for entry in partition_spec(p.axes, layout):
-            n *= shard_count(entry, {"model": choice.model}) if entry else 1
+            n *= shard_count(entry, sizes) if entry else 1
         total += p.nbytes / n
     return total
 
 
 def _group_class(topo: Topology, first_host: int, choice: MeshChoice, group: tuple[int, ...], along: str) -> str:
-    """Farthest link class of a collective group (positions along `along`) over every coordinate of the other axis."""
-    worst = "host"
-    rank = {"host": 0, "group": 1, "dcn": 2}
-    other = choice.data if along == "model" else choice.model
-    for o in range(other):
-        pos = [choice.positions(o, g) if along == "model" else choice.positions(g, o) for g in group]
-        c = topo.class_of_devices(first_host, pos)
-        if rank[c] > rank[worst]:
-            worst = c
-    return worst
+    """Farthest link class of a collective group (`group`: indices along mesh axis `along`), over
+    every coordinate of the other axes."""
+    return _farthest(topo.hosts_per_group, topo.devices_per_host, first_host, choice.groups(along), tuple(group))
+
+
+@functools.lru_cache(maxsize=65536)
+def _farthest(hpg: int, dph: int, first_host: int, rows, group) -> str:
+    """`Topology.class_of_devices`'s farthest class over the groups (cached: the search asks often)."""
+    worst = 0
+    for row in rows:
+        hosts = {first_host + row[g] // dph for g in group}
+        worst = max(worst, 0 if len(hosts) <= 1 else 1 if len({h // hpg for h in hosts}) == 1 else 2)
+    return ("host", "group", "dcn")[worst]
 
 
 def layer_cost(layer: PlanLayer, choice: MeshChoice, micro: int, topo: Topology, first_host: int,
@@ -170,9 +241,9 @@ def layer_cost(layer: PlanLayer, choice: MeshChoice, micro: int, topo: Topology,
 
     `in_bytes`: bytes per example of the layer's input (what `remat: full` keeps per microbatch).
     """
-    if micro % choice.data or not fits_layer(layer, choice):
+    if micro % choice.batch_shards or not fits_layer(layer, choice):
         return None
-    b = micro // choice.data
+    b = micro // choice.batch_shards
     p1, p2 = profiles[layer_request(layer, choice, 1)], profiles[layer_request(layer, choice, 2)]
     prof = p1 if b == 1 else p2 if b == 2 else linear(p1, p2, b)
     compute = {ph: max(prof.flops.get(ph, 0.0) / topo.flops, prof.bytes_accessed.get(ph, 0.0) / topo.memory_bandwidth)
@@ -189,37 +260,86 @@ def layer_cost(layer: PlanLayer, choice: MeshChoice, micro: int, topo: Topology,
     if choice.data > 1:
         cls = _group_class(topo, first_host, choice, tuple(range(choice.data)), "data")
         dp = collective_time("all-reduce", pbytes, choice.data, topo.links[cls])
-    fwd = compute["fwd"] + comm["fwd"]
-    bwd = compute["bwd"] + comm["bwd"] + dp
+    fsdp = {"fwd": 0.0, "bwd": 0.0}
+    fsdp_bytes = gathered = 0.0
+    if choice.fsdp > 1:     # F and B each gather the parameters; B reduce-scatters their gradient
+        gathered = local_param_bytes(layer, choice, fsdp=False)
+        link = topo.links[_group_class(topo, first_host, choice, tuple(range(choice.fsdp)), "fsdp")]
+        ag = collective_time("all-gather", gathered, choice.fsdp, link)
+        fsdp = {"fwd": ag, "bwd": ag + collective_time("reduce-scatter", gathered, choice.fsdp, link)}
+        fsdp_bytes = 3 * gathered
+    fwd = compute["fwd"] + comm["fwd"] + fsdp["fwd"]
+    bwd = compute["bwd"] + comm["bwd"] + dp + fsdp["bwd"]
     compute_s, tp_s, resid, temp = compute["fwd"] + compute["bwd"], comm["fwd"] + comm["bwd"], \
         prof.residual_bytes, prof.temp_bytes
+    fsdp_s = fsdp["fwd"] + fsdp["bwd"]
+    temp += max(0.0, gathered - pbytes)      # the gathered parameters live while a program runs
     fused = prof.fused_temp_bytes
     if choice.remat == "full":      # keep the input only; recompute the forward inside the backward
         bwd += fwd
         compute_s += compute["fwd"]
         tp_s += comm["fwd"]
+        fsdp_s += fsdp["fwd"]
         resid, temp = b * in_bytes, max(temp, prof.residual_bytes)
         fused = None                # not compiled under remat
     elif choice.remat != "none":
         raise ValueError(f"remat = {choice.remat!r}: the planner models none and full only")
     # F+B as one program: what XLA compiled for it, else the residuals inside it next to the temporaries
-    fused = resid + temp if fused is None else fused
+    fused = resid + temp if fused is None else fused + max(0.0, gathered - pbytes)
     return LayerCost(fwd, bwd, compute_s, tp_s, dp, pbytes, resid, temp, tp_bytes, pbytes if choice.data > 1 else 0.0,
-                     float(layer.state_bytes), fused)
+                     float(layer.state_bytes), fused, fsdp_s, fsdp_bytes)
+
+
+def fsdp_axis(model_axes, rules: tuple[tuple[str, str], ...]) -> Optional[str]:
+    """The logical axis a rules set's `fsdp` axis shards: the first of `FSDP_AXES` the
+    parameters carry that the rules do not send to `model` (None: no fsdp for these rules)."""
+    taken = {a for a, _ in rules}
+    return next((a for a in FSDP_AXES if a in model_axes and a not in taken), None)
+
+
+FSDP_AXES = ("embed", "mlp", "heads", "vocab")
+
+
+def _orders(sizes: Mapping[str, int], multi_host: bool) -> list[tuple[str, ...]]:
+    """Axis orders worth telling apart (which axis crosses hosts changes a collective's link class):
+    canonical, and on several hosts each other used axis outermost — `model` only when it is one of
+    two axes (a 3-D mesh keeps tensor parallelism inside, data or fsdp across hosts)."""
+    used = [a for a in AXES if sizes[a] > 1]
+    canon = tuple(a for a in AXES if a in sizes)
+    out = [canon]
+    if multi_host and len(used) > 1:
+        for a in used[1:]:
+            if a == "model" and len(used) == 3:
+                continue
+            out.append((a,) + tuple(x for x in canon if x != a))
+    return out
 
 
 def mesh_choices(devices: int, max_model: int, rulesets: Mapping[str, tuple[tuple[str, str], ...]],
-                 multi_host: bool, remats: tuple[str, ...] = ("none",)) -> list[MeshChoice]:
+                 multi_host: bool, remats: tuple[str, ...] = ("none",), max_fsdp: int = 1,
+                 param_axes: frozenset = frozenset()) -> list[MeshChoice]:
     """Every (data, model) factorisation of `devices`, each rules set, both axis orders when it
-    matters, each remat in `remats`."""
+    matters, each remat in `remats`; with `max_fsdp` > 1 also every (data, fsdp, model) one with
+    2 ≤ fsdp ≤ max_fsdp (3-D meshes when data and model are > 1), its fsdp axis the first of
+    `FSDP_AXES` in `param_axes` that the rules leave alone."""
     out = []
     for m in range(1, min(devices, max_model) + 1):
         if devices % m:
             continue
-        d = devices // m
-        orders = [("data", "model")] + ([("model", "data")] if multi_host and d > 1 and m > 1 else [])
-        sets = rulesets.items() if m > 1 else [("dp", ())]
-        for name, rules in sets:
-            for order in orders:
-                out += [MeshChoice(d, m, order, rules, name, r) for r in remats]
+        sets = list(rulesets.items()) if m > 1 else [("dp", ())]
+        for f in range(1, min(devices // m, max(max_fsdp, 1)) + 1):
+            if (devices // m) % f:
+                continue
+            d = devices // m // f
+            for name, rules in sets:
+                axis = ""
+                if f > 1:
+                    axis = fsdp_axis(param_axes, rules if m > 1 else ()) or ""
+                    if not axis:
+                        continue
+                    orders = _orders({"data": d, "fsdp": f, "model": m}, multi_host)
+                else:
+                    orders = [("data", "model")] + ([("model", "data")] if multi_host and d > 1 and m > 1 else [])
+                for order in orders:
+                    out += [MeshChoice(d, m, order, rules, name, r, f, axis) for r in remats]
     return out

@@ -20,7 +20,8 @@ def _mb(x: float) -> str:
 
 
 def _stage_text(c: Candidate) -> str:
-    return " | ".join(f"[{s.layers[0]},{s.layers[1]}) h{s.hosts[0]}" + (f"-{s.hosts[0] + s.hosts[1] - 1}" if s.hosts[1] > 1 else "")
+    return " | ".join("+".join(f"[{a},{b})" for a, b in (s.chunks or (s.layers,))) + f" h{s.hosts[0]}"
+                      + (f"-{s.hosts[0] + s.hosts[1] - 1}" if s.hosts[1] > 1 else "")
                       + f" {s.choice.label()}" for s in c.stages)
 
 
@@ -28,23 +29,27 @@ def table(result: SearchResult) -> str:
     """The best candidates, one row each, and per-stage communication of each."""
     lines = [f"{'#':>2} {'step ms':>9} {'MiB/dev':>8} {'bubble':>6} {'sched':>6} {'m':>3}  stages (layers hosts mesh rules)"]
     for i, c in enumerate(result.candidates):
-        lines.append(f"{i:>2} {c.step_s * 1e3:>9.3f} {_mb(c.memory_bytes):>8} {c.bubble:>6.3f} {c.schedule:>6} "
+        sched = c.schedule if c.virtual_stages == 1 else f"{c.schedule} v={c.virtual_stages}"
+        lines.append(f"{i:>2} {c.step_s * 1e3:>9.3f} {_mb(c.memory_bytes):>8} {c.bubble:>6.3f} {sched:>6} "
                      f"{c.microbatches:>3}  {_stage_text(c)}")
         edges = ", ".join(f"{e['edge'][0]}→{e['edge'][1]} {e['bytes']:,} B ({e['link']})" for e in c.edges)
-        colls = ", ".join(f"s{k}: tp {s.tp_bytes:,.0f} B, dp {s.dp_bytes:,.0f} B" for k, s in enumerate(c.stages))
+        colls = ", ".join(f"s{k}: tp {s.tp_bytes:,.0f} B, dp {s.dp_bytes:,.0f} B"
+                          + (f", fsdp {s.fsdp_bytes:,.0f} B" if s.fsdp_bytes else "") for k, s in enumerate(c.stages))
         lines.append(f"{'':>3} per microbatch: edges {edges or '-'}; collectives per device {colls}")
     return "\n".join(lines)
 
 
 def terms(c: Candidate) -> dict[str, float]:
     """A candidate's predicted step split into terms (seconds): where the time goes."""
-    m = c.microbatches
+    m, v = c.microbatches, c.virtual_stages
     bottleneck = max(c.stages, key=lambda s: s.fwd_s + s.bwd_s)
     return {"compute": m * bottleneck.compute_s, "tensor-parallel collectives": m * bottleneck.tp_comm_s,
             "data-parallel gradient all-reduce": m * bottleneck.dp_comm_s,
+            "fsdp all-gathers and reduce-scatters": m * bottleneck.fsdp_comm_s,
             "pipeline bubble": c.bubble * c.step_s,
-            "stage-edge transfers": 2 * sum(e["time_s"] for e in c.edges),
-            "per-action runtime overhead": (2 * m + 1) * bottleneck.overhead_s,
+            # each way once along the critical path: every (virtual) boundary an edge carries
+            "stage-edge transfers": 2 * sum(len(e.get("boundaries", (0,))) * e["time_s"] for e in c.edges),
+            "per-action runtime overhead": (2 * m * v + 1) * bottleneck.overhead_s,
             "optimizer update": max(s.opt_s - s.overhead_s for s in c.stages)}
 
 
@@ -79,12 +84,15 @@ def explain(result: SearchResult, dph: int) -> str:
 
 def candidate_json(c: Candidate) -> dict[str, Any]:
     return {"step_s": c.step_s, "memory_bytes_per_device": c.memory_bytes, "bubble": c.bubble,
-            "schedule": c.schedule, "microbatches": c.microbatches, "edges": list(c.edges),
+            "schedule": c.schedule, "microbatches": c.microbatches, "virtual_stages": c.virtual_stages,
+            "edges": list(c.edges),
             "stages": [{"layers": list(s.layers), "first_host": s.hosts[0], "hosts": s.hosts[1],
                         "mesh": s.choice.mesh(), "layout": s.choice.layout(), "rules": s.choice.rules_name,
                         "remat": s.choice.remat,
                         "fwd_s": s.fwd_s, "bwd_s": s.bwd_s, "opt_s": s.opt_s, "memory_bytes": s.memory_bytes,
                         "inflight": s.inflight, "tp_bytes": s.tp_bytes, "dp_bytes": s.dp_bytes,
+                        "fsdp_bytes": s.fsdp_bytes, "fsdp_comm_s": s.fsdp_comm_s,
+                        **({"chunks": [list(r) for r in s.chunks]} if s.chunks else {}),
                         "overhead_s": s.overhead_s,
                         "compute_s": s.compute_s, "tp_comm_s": s.tp_comm_s, "dp_comm_s": s.dp_comm_s}
                        for s in c.stages],
@@ -97,9 +105,11 @@ def job_dict(raw_job: Mapping[str, Any], c: Candidate) -> dict[str, Any]:
     pipeline = dict(out.get("pipeline") or {})
     pipeline["schedule"] = c.schedule
     pipeline["microbatches"] = c.microbatches
-    pipeline["virtual_stages"] = 1
+    pipeline["virtual_stages"] = c.virtual_stages
+    pipeline.pop("split_at", None)
     inherited = pipeline.get("remat", "none")      # a stage without `remat:` takes pipeline.remat
-    pipeline["stages"] = [{"layers": list(s.layers), "mesh": s.choice.mesh(), "hosts": s.hosts[1],
+    pipeline["stages"] = [{"layers": [list(r) for r in s.chunks] if s.chunks else list(s.layers),
+                           "mesh": s.choice.mesh(), "hosts": s.hosts[1],
                            **({"layout": s.choice.layout()} if s.choice.layout() else {}),
                            **({"remat": s.choice.remat} if s.choice.remat != inherited else {})} for s in c.stages]
     out["pipeline"] = pipeline

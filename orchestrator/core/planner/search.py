@@ -25,10 +25,14 @@ Basic flow of `search(model, topo, global_batch, profile=...)`:
      by simulated step time. `SearchOptions.exhaustive` replays every legal plan
      instead (small spaces; the tests compare the two).
 
-Schedules: 1f1b and gpipe, and zb-h1 where this JAX runs it (≥ 0.10, as `check_job`
+Schedules: 1f1b, gpipe, and zb-h1 where this JAX runs it (≥ 0.10, as `check_job`
 requires; its I and W each cost half of B in the simulator's replay, its memory counts
-a microbatch from F to W). interleaved-1f1b is not searched: a candidate here has one
-layer range per stage, and asking for it is refused.
+a microbatch from F to W). interleaved-1f1b (v ∈ `SearchOptions.virtual_stages` chunks
+per stage) is planned apart, after the DP (`interleave.py`, `_search_interleaved`):
+one host count for every stage, a balanced cut into p·v virtual stages.
+
+Meshes: (data, model), and with `max_fsdp` > 1 a third axis `fsdp` (`cost.py`); outside
+`exhaustive`, axis orders beaten on every layer by another order are dropped (`_prune_orders`).
 
 Stages take whole consecutive hosts (as `check_job` requires); with node groups
 (`hosts_per_group`), a stage stays inside one group or takes whole aligned groups.
@@ -82,6 +86,8 @@ class SearchOptions:
     thresholds: int = 8
     exhaustive: bool = False       # simulate every legal plan instead of the DP's (small spaces only)
     fuse_loss_chunk: bool = False  # the job's pipeline.fuse_loss_chunk: the loss layer's F+B one program (`tables`)
+    virtual_stages: tuple[int, ...] = (2, 4)   # chunks per stage tried for interleaved-1f1b
+    max_fsdp: Optional[int] = None  # largest fsdp axis (None: devices_per_host; 1: no fsdp, meshes ≤ 2-D)
 
 
 @dataclass(frozen=True)
@@ -104,6 +110,9 @@ class StageChoice:
     overhead_s: float = 0.0     # the runtime's fixed cost per action, included in fwd_s, bwd_s and opt_s
     state_bytes: float = 0.0    # the layers' mutable state, in memory_bytes (replicated on every device)
     fused: bool = False         # the loss layer's F+B as one program (fuse_loss_chunk), in memory_bytes
+    chunks: tuple[tuple[int, int], ...] = ()    # interleaved: the stage's layer ranges (layers = chunks[0])
+    fsdp_comm_s: float = 0.0    # the fsdp axis's all-gathers and reduce-scatter per microbatch (in fwd_s, bwd_s)
+    fsdp_bytes: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -116,14 +125,19 @@ class Candidate:
     step_s: float
     bubble: float
     edges: tuple[dict, ...]
+    virtual_stages: int = 1
+
+    def layer_ranges(self) -> tuple[tuple[tuple[int, int], ...], ...]:
+        """Per stage its layer ranges (one, or its v chunks)."""
+        return tuple(s.chunks or (s.layers,) for s in self.stages)
 
     @property
     def memory_bytes(self) -> float:
         return max(s.memory_bytes for s in self.stages)
 
     def key(self) -> tuple:
-        return (self.schedule, self.microbatches,
-                tuple((s.layers, s.hosts, s.choice) for s in self.stages))
+        return (self.schedule, self.microbatches, self.virtual_stages,
+                tuple((s.chunks or s.layers, s.hosts, s.choice) for s in self.stages))
 
 
 @dataclass
@@ -141,14 +155,14 @@ class SearchResult:
         return self.candidates[0]
 
 
-SEARCHABLE_SCHEDULES = ("1f1b", "gpipe", "zb-h1")
+SEARCHABLE_SCHEDULES = ("1f1b", "gpipe", "zb-h1", "interleaved-1f1b")
 
 
 def default_schedules() -> tuple[str, ...]:
-    """1f1b and gpipe, and zb-h1 where the installed JAX can run it (`check_job`'s rule)."""
+    """1f1b, gpipe, interleaved-1f1b, and zb-h1 where the installed JAX can run it (`check_job`'s rule)."""
     from orchestrator.core.config.check import ZB_MIN_JAX, _jax_version
 
-    return ("1f1b", "gpipe") + (("zb-h1",) if _jax_version() >= ZB_MIN_JAX else ())
+    return ("1f1b", "gpipe") + (("zb-h1",) if _jax_version() >= ZB_MIN_JAX else ()) + ("interleaved-1f1b",)
 
 
 def _schedules(options: SearchOptions) -> tuple[str, ...]:
@@ -160,9 +174,6 @@ def _schedules(options: SearchOptions) -> tuple[str, ...]:
     if not options.schedules:
         raise PlanningError("schedules = []: name at least one of " + ", ".join(SEARCHABLE_SCHEDULES))
     for s in options.schedules:
-        if s == "interleaved-1f1b":
-            raise PlanningError("schedules: interleaved-1f1b is not searched (a candidate has one layer "
-                                "range per stage; write virtual_stages by hand); use " + ", ".join(SEARCHABLE_SCHEDULES))
         if s not in SEARCHABLE_SCHEDULES:
             raise PlanningError(f"schedules: {s!r} is not a schedule the planner searches; use "
                                 + ", ".join(SEARCHABLE_SCHEDULES))
@@ -194,20 +205,21 @@ def rulesets_for(model: PlanModel, extra: Optional[Mapping[str, object]] = None,
 
 
 @functools.lru_cache(maxsize=512)
-def _lowered(schedule: str, p: int, m: int):
+def _lowered(schedule: str, p: int, m: int, v: int = 1):
     from orchestrator.core.schedule import ScheduleError, generate, lower
 
     try:
-        return lower(generate(schedule, p, m))
+        return lower(generate(schedule, p, m, v))
     except ScheduleError:
         return None
 
 
-def _inflight(schedule: str, p: int, m: int) -> Optional[list[int]]:
+@functools.lru_cache(maxsize=512)
+def _inflight(schedule: str, p: int, m: int, v: int = 1) -> Optional[tuple[int, ...]]:
     from orchestrator.core.schedule import simulate
 
-    low = _lowered(schedule, p, m)
-    return None if low is None else list(simulate(low, {"F": 1, "B": 2}).peak_inflight)
+    low = _lowered(schedule, p, m, v)
+    return None if low is None else tuple(simulate(low, {"F": 1, "B": 2}).peak_inflight)
 
 
 def _aligned(h: int, k: int, hpg: int, hosts: int) -> bool:
@@ -239,8 +251,12 @@ def search(model: PlanModel, topo: Topology, global_batch: int, *, profile: Prof
     if not ms:
         raise PlanningError(f"no microbatch count divides data.global_batch = {global_batch} "
                             f"(tried {list(options.microbatches or ())})")
-    choices = {k: mesh_choices(k * dph, max_model, rulesets, k > 1, tuple(dict.fromkeys(options.remats)))
+    max_fsdp = dph if options.max_fsdp is None else options.max_fsdp
+    param_axes = frozenset(a for layer in model.layers for prm in layer.params for a in prm.axes if a)
+    choices = {k: mesh_choices(k * dph, max_model, rulesets, k > 1, tuple(dict.fromkeys(options.remats)),
+                               max_fsdp, param_axes)
                for k in range(1, H + 1)}
+    vs = tuple(sorted({v for v in options.virtual_stages if v > 1}))
     # 2. profiles (one per distinct program; equal layers share)
     reqs = []
     reps = list({layer.signature: layer for layer in model.layers}.values())   # one layer per program
@@ -269,19 +285,25 @@ def search(model: PlanModel, topo: Topology, global_batch: int, *, profile: Prof
                         memo[key] = layer_cost(layer, c, micro, topo, 0, profiles, in_bytes)
                     cols.append(memo[key])
                 tables[(k, ci, m)] = layer_table(cols, slots, topo.memory_bandwidth)
+    n_choices = sum(len(v) for v in choices.values())
+    if not options.exhaustive:
+        choices, tables = _prune_orders(choices, tables, ms)
     t3 = time.perf_counter()
     # 4. solve
     found: dict[tuple, Candidate] = {}
     min_memory = float("inf")
     space = {"layers": L, "hosts": H, "devices_per_host": dph, "microbatch_counts": list(ms),
              "schedules": list(schedules), "remats": list(dict.fromkeys(options.remats)), "rulesets": {k: [a for a, _ in v] for k, v in rulesets.items()},
-             "mesh_choices": sum(len(v) for v in choices.values()), "profiles": len(reqs)}
+             "mesh_choices": n_choices, "mesh_choices_kept": sum(len(v) for v in choices.values()),
+             "profiles": len(reqs),
+             "max_fsdp": max_fsdp, "virtual_stages": list(vs)}
     plans_considered = 0
     stage_memo: dict = {}
+    plain = tuple(s for s in schedules if s != "interleaved-1f1b")
     for m in ms:
         micro = global_batch // m
         for p in range(1, min(H, L) + 1):
-            for sched in (schedules if p > 1 else schedules[:1]):  # one stage: no schedule choice
+            for sched in (plain if p > 1 else plain[:1]):  # one stage: no schedule choice
                 infl = _inflight(sched, p, m)
                 if infl is None:
                     continue
@@ -299,6 +321,11 @@ def search(model: PlanModel, topo: Topology, global_batch: int, *, profile: Prof
                     cand = evaluate(model, topo, choices, tables, stages, m, sched, infl, global_batch, slots, fused)
                     if cand.memory_bytes <= topo.memory_bytes:
                         found.setdefault(cand.key(), cand)
+    if "interleaved-1f1b" in schedules and vs:
+        n, mem_need = _search_interleaved(model, topo, choices, tables, ms, vs, global_batch, slots, stage_memo,
+                                          found, options.top)
+        plans_considered += n
+        min_memory = min(min_memory, mem_need)
     t4 = time.perf_counter()
     space["stage_options"] = sum(L * (L + 1) // 2 * len(cs) for cs in choices.values()) * len(ms)
     space["plans_from_dp"] = plans_considered
@@ -319,6 +346,67 @@ def search(model: PlanModel, topo: Topology, global_batch: int, *, profile: Prof
                             f"plan found is predicted at {ranked[0].step_s:.4g} s "
                             f"({len(ranked[0].stages)} stages, m={ranked[0].microbatches}, {ranked[0].schedule})")
     return SearchResult(ranked[: max(options.top, 1)] if options.top else ranked, space, timings, topo, ranked)
+
+
+def _search_interleaved(model, topo, choices, tables, ms, vs, global_batch, slots, memo, found, top):
+    """Add interleaved-1f1b candidates to `found` (`interleave.py`); returns (plans replayed, least memory).
+
+    A plan whose lower bound (m × its slowest stage) is above the `top`-th best step found so far
+    cannot enter the table and is not replayed."""
+    from orchestrator.core.planner.interleave import balanced_cut, interleaved_plans
+
+    L, replayed, min_mem = model.num_layers, 0, float("inf")
+    for m in ms:
+        micro = global_batch // m
+        ref = next((t for (k, ci, mm), t in tables.items() if mm == m and np.isfinite(t.fwd + t.bwd).all()), None)
+        if ref is None:
+            continue
+        for p in range(2, min(topo.hosts, L) + 1):
+            for v in vs:
+                if p * v > L or m % p:
+                    continue
+                cut = balanced_cut(ref.fwd + ref.bwd, p * v)
+                steps = sorted(c.step_s for c in found.values())
+                bound = steps[top - 1] if top and len(steps) >= top else float("inf")
+                infl_fn = functools.partial(_inflight, "interleaved-1f1b", p, m, v)
+                plans, need = interleaved_plans(model, topo, choices, tables, m, p, v, infl_fn, slots, memo, cut,
+                                                micro, bound=bound)
+                infl = infl_fn() if plans else None
+                min_mem = min(min_mem, need)
+                for _, low, plan in plans:
+                    if low > bound:
+                        continue
+                    replayed += 1
+                    cand = evaluate_interleaved(model, topo, choices, tables, plan, m, v, infl, global_batch, slots)
+                    if cand.memory_bytes <= topo.memory_bytes:
+                        found.setdefault(cand.key(), cand)
+    return replayed, min_mem
+
+
+def _prune_orders(choices, tables, ms):
+    """Drop each choice that another axis order of the same mesh, rules and remat beats or ties on
+    every layer's F and B at every microbatch count (memory does not depend on the order), so the
+    stage tables carry fewer choices; the DP's optimum is unchanged."""
+    out_c, out_t = {}, {}
+    for k, cs in choices.items():
+        keep: list[int] = []
+        groups: dict = {}
+        for ci, c in enumerate(cs):
+            groups.setdefault((c.data, c.fsdp, c.model, c.rules, c.remat), []).append(ci)
+        for members in groups.values():
+            times = {ci: np.stack([np.concatenate([tables[(k, ci, m)].fwd, tables[(k, ci, m)].bwd]) for m in ms])
+                     for ci in members}
+            for ci in members:
+                beaten = any(o != ci and np.all(times[o] <= times[ci]) and (o < ci or np.any(times[o] < times[ci]))
+                             for o in members)
+                if not beaten:
+                    keep.append(ci)
+        keep.sort()
+        out_c[k] = [cs[ci] for ci in keep]
+        for new, ci in enumerate(keep):
+            for m in ms:
+                out_t[(k, new, m)] = tables[(k, ci, m)]
+    return out_c, out_t
 
 
 def legal_plans(model: PlanModel, topo: Topology, global_batch: int, *, profile: ProfileFn,
@@ -515,7 +603,8 @@ def evaluate(model, topo, choices, tables, stages, m, sched, infl, global_batch,
                                sum(c.compute_s for c in cols),
                                sum(c.tp_comm_s for c in cols), sum(c.dp_comm_s for c in cols), mem, infl[s],
                                sum(c.tp_bytes for c in cols), sum(c.dp_bytes for c in cols), over,
-                               sum(c.state_bytes for c in cols), fuse_here))
+                               sum(c.state_bytes for c in cols), fuse_here, (),
+                               sum(c.fsdp_comm_s for c in cols), sum(c.fsdp_bytes for c in cols)))
     edges = []
     for a, b in zip(out, out[1:]):
         nbytes = model.layers[a.layers[1] - 1].out_bytes(micro)
@@ -526,3 +615,46 @@ def evaluate(model, topo, choices, tables, stages, m, sched, infl, global_batch,
     costs = [{"F": st.fwd_s, "B": st.bwd_s, "OPT": st.opt_s} for st in out]
     sim = simulate(low, costs, [e["time_s"] for e in edges] if edges else 0.0)
     return Candidate(tuple(out), m, sched, float(sim.step_time), float(sim.bubble_fraction), tuple(edges))
+
+
+def evaluate_interleaved(model, topo, choices, tables, plan, m, v, infl, global_batch, slots) -> Candidate:
+    """Replay one interleaved plan ([(chunks, first host, hosts, choice index)] per stage) in the simulator.
+
+    Each stage's F / B action costs its mean chunk plus the per-action overhead; memory per
+    device is its chunks' parameters and state, the simulator's peak (microbatch, chunk) pairs
+    × its largest chunk's residuals, and its largest temporary (`interleave.py`).
+    """
+    from orchestrator.core.memory import device_bytes
+    from orchestrator.core.planner.interleave import edge_times
+    from orchestrator.core.schedule import simulate
+
+    micro = global_batch // m
+    over = topo.action_overhead_s
+    p = len(plan)
+    out = []
+    for s, (chunks, h, k, ci) in enumerate(plan):
+        t = tables[(k, ci, m)]
+        idx = [i for a, b in chunks for i in range(a, b)]
+        cols = [t.parts[i] for i in idx]
+        resid = max(sum(t.parts[i].residual_bytes for i in range(a, b)) for a, b in chunks)
+        mem = device_bytes(sum(c.param_bytes for c in cols), sum(c.state_bytes for c in cols), resid,
+                           slots=slots, inflight=infl[s], temp=max(c.temp_bytes for c in cols))
+        out.append(StageChoice(chunks[0], (h, k), choices[k][ci], float(t.fwd[idx].sum()) + v * over,
+                               float(t.bwd[idx].sum()) + v * over, float(t.opt[idx].sum()) + over,
+                               sum(c.compute_s for c in cols), sum(c.tp_comm_s for c in cols),
+                               sum(c.dp_comm_s for c in cols), mem, infl[s], sum(c.tp_bytes for c in cols),
+                               sum(c.dp_bytes for c in cols), over, sum(c.state_bytes for c in cols), False,
+                               tuple(chunks), sum(c.fsdp_comm_s for c in cols), sum(c.fsdp_bytes for c in cols)))
+    k = plan[0][2]
+    cut = [a for a, _ in (ch for i in range(v) for ch in (plan[s][0][i] for s in range(p)))] + [model.num_layers]
+    times = edge_times(model, topo, cut, p, k, micro)
+    edges = []
+    for e, tm in enumerate(times):
+        src, dst = e * k + k - 1, ((e + 1) % p) * k
+        bounds = [cut[q] for q in range(1, len(cut) - 1) if (q - 1) % p == e]
+        edges.append({"edge": [e, (e + 1) % p], "bytes": max(model.layers[b - 1].out_bytes(micro) for b in bounds),
+                      "link": topo.class_of_hosts([src, dst]), "time_s": tm, "boundaries": bounds})
+    costs = [{"F": st.fwd_s / v, "B": st.bwd_s / v, "OPT": st.opt_s} for st in out]
+    sim = simulate(_lowered("interleaved-1f1b", p, m, v), costs, times)
+    return Candidate(tuple(out), m, "interleaved-1f1b", float(sim.step_time), float(sim.bubble_fraction),
+                     tuple(edges), v)
