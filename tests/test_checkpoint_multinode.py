@@ -1,9 +1,10 @@
-"""Checkpoint resume with a multi-host stage on a simulated multi-node cluster (`-m multinode`).
+"""Checkpoints of a multi-host stage on a simulated multi-node cluster (`-m multinode`): resume, bytes.
 
 Stage 0 spans 2 hosts × 2 devices ({data: 2, model: 2}, one jax.distributed world): each host
 saves its own shards, and its share of the shards replicated over the hosts (orbax replica-parallel
 saving, on only across hosts), into the stage's one orbax directory, host 0 finalises; the resumed
-run's losses and parameters equal the uninterrupted run's exactly. Own pytest process (as
+run's losses and parameters equal the uninterrupted run's exactly; and, read back from the
+files, each array is written once (each host its half). Own pytest process (as
 tests/test_multinode.py: it connects to its own cluster).
 """
 from __future__ import annotations
@@ -83,12 +84,13 @@ def test_multihost_stage_writes_each_array_once(cluster, tmp_path):  # noqa: F81
     exactly half the bytes, host 0 half plus adam's 4-byte count (not splittable).
 
     Disk: the data files (`d/` of both hosts and of the merged index) hold one compressed copy
-    (zstd; each chunk once, as the merged index lists it) plus OCDBT's b-tree nodes: values up to 1 KiB (array metadata, the
-    small LayerNorm chunks) sit inline in the nodes, and the merged index repeats them: 29 KB
-    measured. Bound: one copy <= files <= 1.02 x one copy + 64 KiB. A second copy of one of
-    the larger arrays (embed/tok, w1, w2: 0.12-0.49 MB compressed) breaks it; smaller ones are
-    caught by the chunk check, which is exact. (Checked by making every host write every shard it
-    holds: both checks failed; the files held 5.60 MB for a 2.79 MB copy.)
+    (zstd; each chunk once, as the merged index lists it) plus OCDBT's b-tree nodes: values up to
+    1 KiB (array metadata, the small LayerNorm chunks) sit inline in the nodes, and the merged
+    index repeats them: 19 and 46 KB over one copy in two runs. Bound: one copy <= files <=
+    1.02 x one copy + 64 KiB (~120 KB of slack here). A second copy of one of the larger arrays
+    (embed/tok 0.49 MB, w1 and w2 0.24 MB compressed) breaks it; smaller ones are caught by the
+    chunk check, which is exact. (Checked by making every host write every shard it holds: both
+    checks failed; the files held 5.60 MB for a 2.79 MB copy.)
     """
     import glob
     import json

@@ -6,7 +6,9 @@ real bytes (an empty file can be created on a full disk); `write_private` and
 temporary or partial file behind. A disk that fills up mid-run (the per-step records of
 `metrics.jsonl`) stops `meshpipe run` with that message and exit code 1, no traceback.
 The checkpoint-directory check compares free space with what `keep + 1` checkpoints
-(parameters and optimizer state) take.
+(parameters and optimizer state) take. A disk that fills up during a checkpoint save (`slow`:
+a Ray run) stops the run naming the step and the directory, keeps the last commit, and the
+partial step is never taken for a checkpoint.
 """
 from __future__ import annotations
 
