@@ -83,7 +83,7 @@ def test_multihost_stage_writes_each_array_once(cluster, tmp_path):  # noqa: F81
     and orbax's replica-parallel saving gives each host one half of every shard: host 1 wrote
     exactly half the bytes, host 0 half plus adam's 4-byte count (not splittable).
 
-    Disk: the data files (`d/` of both hosts and of the merged index) hold one compressed copy
+    Disk: the data files (the d/ folders of both hosts and of the merged index) hold one compressed copy
     (zstd; each chunk once, as the merged index lists it) plus OCDBT's b-tree nodes: values up to
     1 KiB (array metadata, the small LayerNorm chunks) sit inline in the nodes, and the merged
     index repeats them: 19 and 46 KB over one copy in two runs. Bound: one copy <= files <=
