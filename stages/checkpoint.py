@@ -22,6 +22,7 @@ Basic flow (the worker calls it; `orchestrator.core.checkpoint` is the on-disk l
 """
 from __future__ import annotations
 
+import errno
 import threading
 import time
 from pathlib import Path
@@ -127,6 +128,16 @@ def _save_registry():
         (np.ndarray, th.NumpyHandler()), (jax.Array, th.ArrayHandler(use_replica_parallel=across_hosts)))
 
 
+def _disk_full(e: BaseException) -> bool:
+    """ENOSPC, as Python raises it or as tensorstore words it (orbax's writes go through tensorstore:
+    `ValueError: RESOURCE_EXHAUSTED: ... No space left on device [os_error_code='28']`)."""
+    while e is not None:
+        if getattr(e, "errno", None) == errno.ENOSPC or "No space left on device" in str(e):
+            return True
+        e = e.__cause__
+    return False
+
+
 class StageCheckpointer:
     """Saves and restores one stage host's state (see the module docstring).
 
@@ -148,6 +159,7 @@ class StageCheckpointer:
         self._thread: threading.Thread | None = None
         self._done: list[dict] = []
         self._error: BaseException | None = None
+        self._step = 0                  # the step of the save in flight (or last started)
         self._lock = threading.Lock()
         self.last_blocking_s = 0.0
 
@@ -176,6 +188,7 @@ class StageCheckpointer:
                  "rng": {"seed": np.int64(worker.cfg.seed)}}
         data = worker.data_state()            # None on a host that loads nothing
         directory = stage_dir(self.root, steps_done, self.stage)
+        self._step = steps_done
         directory.parent.mkdir(parents=True, exist_ok=True)
         self._ckptr.save(directory, args=ocp.args.PyTreeSave(state))
         blocking = self.last_blocking_s = time.perf_counter() - t0
@@ -213,8 +226,10 @@ class StageCheckpointer:
             self._thread = None
         if self._error is not None:
             e, self._error = self._error, None
-            raise RuntimeError(f"checkpoint save failed on stage {self.stage} host {self.host}: "
-                               f"{type(e).__name__}: {e}") from e
+            full = ("no space left on the device of checkpoint.dir = "
+                    f"{self.root} (the last committed checkpoint is kept): " if _disk_full(e) else "")
+            raise RuntimeError(f"checkpoint save of step {self._step} failed on stage {self.stage} host "
+                               f"{self.host}: {full}{type(e).__name__}: {e}") from e
 
     def reports(self) -> list[dict]:
         """Saves finished since the last call (this host's reports for the driver)."""

@@ -112,3 +112,39 @@ class HoldSetup(WorkerHook):
         deadline = time.monotonic() + self.timeout_s
         while time.monotonic() < deadline:
             time.sleep(0.05)
+
+
+@dataclass(frozen=True)
+class FillDiskAt(WorkerHook):
+    """(stage, host) at the start of `step`, once `wait_for` exists (e.g. an earlier step's commit
+    marker; bounded by `timeout_s`, then it raises), fills the filesystem holding `path` to its
+    last block with the file `path`: another writer took the disk. Only the first attempt fills."""
+
+    stage: int
+    host: int
+    step: int
+    wait_for: str
+    path: str
+    timeout_s: float = 120.0
+
+    def on_step(self, cfg, step: int) -> None:
+        import os
+        import time
+
+        if (cfg.stage, cfg.host, step) != (self.stage, self.host, self.step) or os.path.exists(self.path):
+            return
+        deadline = time.monotonic() + self.timeout_s
+        while not os.path.exists(self.wait_for):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{cfg.who}: {self.wait_for} did not appear within {self.timeout_s:g} s")
+            time.sleep(0.02)
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o600)
+        try:
+            for block in (1 << 16, 1 << 12):
+                try:
+                    while True:
+                        os.write(fd, b"\0" * block)
+                except OSError:
+                    pass
+        finally:
+            os.close(fd)

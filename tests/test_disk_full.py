@@ -6,7 +6,9 @@ real bytes (an empty file can be created on a full disk); `write_private` and
 temporary or partial file behind. A disk that fills up mid-run (the per-step records of
 `metrics.jsonl`) stops `meshpipe run` with that message and exit code 1, no traceback.
 The checkpoint-directory check compares free space with what `keep + 1` checkpoints
-(parameters and optimizer state) take.
+(parameters and optimizer state) take. A disk that fills up during a checkpoint save (`slow`:
+a Ray run) stops the run naming the step and the directory, keeps the last commit, and the
+partial step is never taken for a checkpoint.
 """
 from __future__ import annotations
 
@@ -75,7 +77,7 @@ print(json.dumps(out))
 """
 
 
-def _in_tiny_tmpfs(tmp_path, size: str = "16m", script: str = SCRIPT) -> dict:
+def _in_tiny_tmpfs(tmp_path, size: str = "16m", script: str = SCRIPT, timeout: float = 120) -> dict:
     mnt = tmp_path / "disk"
     mnt.mkdir()
     probe = ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", f"mount -t tmpfs -o size=1m tmpfs {mnt}"]
@@ -84,7 +86,7 @@ def _in_tiny_tmpfs(tmp_path, size: str = "16m", script: str = SCRIPT) -> dict:
     cmd = ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c",
            f'mount -t tmpfs -o size={size} tmpfs "$1" && exec "$2" -c "$3" "$1"', "sh", str(mnt), sys.executable,
            script]
-    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     assert res.returncode == 0, res.stderr[-3000:]
     return json.loads(res.stdout.strip().splitlines()[-1])
 
@@ -154,3 +156,85 @@ def test_a_disk_that_fills_up_mid_run_stops_it_cleanly(tmp_path):
     steps = out["records"]
     assert 2 <= len(steps) < 400 and steps == list(range(len(steps)))     # whole records, in order, none cut
     assert not [f for f in out["files"] if "tmp" in f or f.startswith(".")], out["files"]
+
+
+CKPT_SCRIPT = r"""
+import io, json, os, sys
+from pathlib import Path
+from orchestrator.core import checkpoint as ck
+from orchestrator.driver import runner
+from orchestrator.driver.cli import main
+from tests.faults import FillDiskAt
+from tests.test_checkpoint import gpt_job
+
+disk = Path(sys.argv[1])
+work, root, filler = disk.parent, disk / "ck", disk / "filler"
+job_file = work / "job.json"
+job = gpt_job(work, "diskfull", root, steps=8)          # a save every 2 steps, keep 3
+job["checkpoint"]["async"] = False    # step 2 is reported with step 2's own result (async: any later step)
+job_file.write_text(json.dumps(job))
+original = runner.run_job
+
+def with_fill(checked, **kw):   # stage 0 host 0, at step 3's start, once step 2 is committed: the disk fills
+    hook = FillDiskAt(stage=0, host=0, step=3, wait_for=str(ck.step_dir(root, 2) / ck.MARKER), path=str(filler))
+    return original(checked, hooks=[hook], **kw)
+
+def cli(*args):
+    err, real = io.StringIO(), sys.stderr
+    sys.stderr = err
+    try:
+        main(["run", str(job_file), "--set", "cluster.steps_per_call=1", *args])
+        code = "returned"
+    except SystemExit as e:
+        code = e.code
+    except BaseException as e:
+        code = f"{type(e).__name__}: {e}"
+    finally:
+        sys.stderr = real
+    return code, err.getvalue()
+
+def losses():
+    lines = (work / "runs" / "diskfull" / "metrics.jsonl").read_text().splitlines()
+    return [[json.loads(ln)["step"], json.loads(ln)["loss"]] for ln in lines]
+
+out = {}
+runner.run_job = with_fill
+out["code"], out["stderr"] = cli()
+runner.run_job = original
+out["losses"] = losses()
+out["left"] = sorted(str(p.relative_to(root)) for p in root.rglob("*") if "step_00000002/" not in str(p))
+out["committed"] = [m["step"] for m in ck.committed(root)]
+ck.verify_files(root, ck.select(root))          # the last commit: every file there, sizes and sha256 as marked
+os.remove(filler)                               # the disk has room again: resume from the last commit
+out["resume_code"], out["resume_stderr"] = cli("--resume")
+out["resumed_losses"] = losses()
+out["committed_after"] = [m["step"] for m in ck.committed(root)]
+out["steps_after"] = sorted(p.name for p in root.iterdir())
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_a_disk_that_fills_up_during_a_checkpoint_save(tmp_path):
+    """`meshpipe run` (embedded Ray, 2 stages, a save every 2 steps) with `checkpoint.dir` on an
+    8 MiB disk that another writer fills once step 2 is committed (stage 0's hook, at step 3's
+    start; one step per call, so the fill lands between the two saves). Step 4's save hits
+    ENOSPC: the run stops with exit code 1 and a message naming it; step 2 stays committed,
+    every file as its marker says; step 4's partial directory has no marker, so it is not a
+    checkpoint, and `--resume` (with room again) removes it, restores step 2 and gives the
+    failed run's losses exactly."""
+    out = _in_tiny_tmpfs(tmp_path, size="8m", script=CKPT_SCRIPT, timeout=600)
+    root = tmp_path / "disk" / "ck"
+    assert out["code"] == 1, out
+    failed = out["stderr"][out["stderr"].index("meshpipe: run failed:"):]
+    assert "checkpoint save of step 4 failed on stage" in failed, failed[:3000]
+    assert f"no space left on the device of checkpoint.dir = {root}" in failed, failed[:3000]
+    assert "No space left on device" in failed                    # the file system's own words, with the file
+    assert [s for s, _ in out["losses"]] == [0, 1, 2]             # step 3 ended in step 4's save
+    assert out["committed"] == [2]
+    assert "step_00000004" in out["left"] and "step_00000004/commit.json" not in out["left"], out["left"]
+    assert out["resume_code"] == 0, out["resume_stderr"][-3000:]
+    assert [s for s, _ in out["resumed_losses"]] == list(range(2, 8))     # the resumed record: steps 2-7
+    assert out["resumed_losses"][0] == out["losses"][2]                    # step 2's loss, exactly
+    assert out["committed_after"] == [4, 6, 8]
+    assert out["steps_after"] == ["step_00000004", "step_00000006", "step_00000008"]   # the partial one removed
