@@ -187,3 +187,26 @@ def test_fused_loss_chunk_matches_reference_and_keeps_no_residuals(tmp_path, no_
     assert pipe_job_fuses(written)
     hosts = written["telemetry"]["hosts_last"]
     assert hosts["stage1/host0"]["stash_peak_items"] == 0 and hosts["stage0/host0"]["stash_peak_items"] > 0
+
+
+@pytest.mark.slow
+def test_gpt_3d_fsdp_mesh_as_the_planner_writes_it_matches_reference(tmp_path, no_leaks):
+    """The 3-D meshes `plan --auto` may choose (data × fsdp × model; batch over data and fsdp,
+    `embed` over fsdp: the layout `MeshChoice.layout` writes) run and train like the reference."""
+    from orchestrator.core.planner.cost import MeshChoice
+
+    choice = MeshChoice(data=2, model=2, order=("data", "fsdp", "model"), fsdp=2, fsdp_axis="embed",
+                        rules=(("heads", "model"), ("mlp", "model"), ("vocab", "model")), rules_name="megatron")
+    layout = choice.layout()
+    assert layout["embed"] == "fsdp" and set(layout["batch"]) == {"data", "fsdp"}, layout
+    job = gpt_job(tmp_path)
+    job["pipeline"]["stages"] = [{"layers": [0, 2], "mesh": choice.mesh(), "layout": layout},
+                                 {"layers": [2, 4], "mesh": {"fsdp": 4, "model": 2},
+                                  "layout": {"batch": "fsdp", "embed": "fsdp", **dict(choice.rules)}}]
+    job["layout"] = {}
+    cluster = {**CLUSTER, "hosts": 2, "devices_per_host": 8}
+    checked = check_job(parse_job(job), parse_cluster(cluster))
+    pipe = run_job(checked, echo=lambda s: None)
+    ref = run_job(checked, reference=True, echo=lambda s: None)
+    assert_same_training(pipe, ref)
+    assert pipe["losses"][-1] < pipe["losses"][0]
