@@ -78,6 +78,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--budget-s", type=float, default=200.0, help="skip what is left after this many seconds")
+    ap.add_argument("--compile-threads", type=int, default=None,
+                    help="parallel compiles (default: 1 on GPU, where XLA autotunes on the device; else up to 8)")
     ap.add_argument("--cache-dir", default=None, help="JAX persistent compilation cache (a rerun compiles nothing)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -130,7 +132,10 @@ class DeviceMemory:
 
 def xla_memory(compiled) -> dict:
     """XLA's buffer assignment of one compiled program (bytes)."""
-    m = compiled.memory_analysis()
+    try:
+        m = compiled.memory_analysis()
+    except Exception as e:  # noqa: BLE001 - a platform without it: say so, keep measuring
+        return {"error": f"{type(e).__name__}: {e}"}
     if m is None:
         return {}
     got = {k: int(getattr(m, f"{k}_size_in_bytes", 0)) for k in ("argument", "output", "alias", "temp")}
@@ -234,9 +239,10 @@ def zeros(tree):
 
 # ----------------------------------------------------------------------------- phases
 
-def compile_all(stages: dict, record: dict) -> dict:
-    """AOT-compile every program of every dtype: traced and lowered here, compiled in threads
-    (XLA compiles without holding the GIL)."""
+def compile_all(stages: dict, record: dict, threads: int) -> dict:
+    """AOT-compile every program of every dtype: traced and lowered here, compiled in `threads`
+    threads (XLA compiles without holding the GIL; on GPU its autotuner times kernels on the
+    device, so there one at a time, lest concurrent compiles skew its choices)."""
     lowered = {}
     for dtype, st in stages.items():
         for name, (fn, args) in st.jitted().items():
@@ -248,7 +254,7 @@ def compile_all(stages: dict, record: dict) -> dict:
         t = time.perf_counter()
         return low.compile(), trace_s, time.perf_counter() - t
 
-    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+    with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
         done = dict(zip(lowered, pool.map(one, lowered.values())))
     for (dtype, name), (compiled, trace_s, compile_s) in done.items():
         record[dtype].setdefault("lower_s", {})[name] = round(trace_s, 3)
@@ -416,7 +422,9 @@ def main(argv=None) -> int:
         raw["results"][d]["predicted_bytes"] = {k: v for k, v in st.kept.items()}
     save("built")
     params = jax.block_until_ready(st0.prog.init_params(0))      # float32 in every dtype: one copy
-    compiled = compile_all(stages, raw["results"])
+    threads = args.compile_threads or (1 if jax.default_backend() == "gpu" else min(8, os.cpu_count() or 1))
+    raw["compile_threads"] = threads
+    compiled = compile_all(stages, raw["results"], threads)
     save("compiled")
     mem = DeviceMemory(device)
     raw["memory_source"] = mem.source
