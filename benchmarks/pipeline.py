@@ -30,10 +30,11 @@ batch and microbatch size, gradient accumulation over the m microbatches with
 fused forward+backward of one microbatch (jit of value_and_grad), and the
 update alone.
 
-Memory (`residual_bytes`): per stage, the bytes of the residuals its jitted
-forward keeps per microbatch until the backward (`jax.eval_shape` of
-`StageProgram.fwd`; parameters are not among them by construction) plus the
-stage's output activation; × the simulator's peak in-flight microbatches.
+Memory (`residual_bytes`): per stage, the bytes its programs keep per microbatch
+(`benchmarks.stage_bytes`, `jax.eval_shape` of `StageProgram.fwd` and of the
+zero-bubble I): the residuals F keeps until B or I (parameters are not among them by
+construction) and, for ZB-H1, what I keeps for W; `stash_timeline` of the schedule
+turns them into the peak kept per stage.
 
 Run a child by hand: `python -m benchmarks.pipeline plain-jax small 8 6`, or
 `python -m benchmarks.pipeline standalone large 8 10 0:3 3:6`.
@@ -413,29 +414,22 @@ def plain_jax(size: Size, m: int, steps: int) -> dict:
 # ----------------------------------------------------------------------------- memory (driver, shapes only)
 
 def residual_bytes(size: Size) -> list[dict]:
-    """Per stage of the 2-stage cut: bytes kept per in-flight microbatch (residuals, output activation)."""
-    import jax
-    import jax.numpy as jnp
-
+    """Per stage of the 2-stage cut, bytes per microbatch from the stage programs' own outputs
+    (`benchmarks.stage_bytes.kept_bytes`): residual_bytes (F keeps them until B or I), held_bytes
+    (I keeps them for W), output_bytes, param_bytes, residual_leaves."""
     from orchestrator.core.model.registry import build_model, build_spec
+    from benchmarks.stage_bytes import kept_bytes, stage_operands
     from stages.program import StageProgram, make_optimizer
 
     spec = build_spec("gpt", size.model_args(), size.seq)
     model = build_model(spec.factory, spec.args)
-    def nbytes(tree) -> int:
-        return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(tree))
-
     out = []
     for start, stop in ((0, size.cut()), (size.cut(), size.num_layers())):
         prog = StageProgram(spec, model, start, stop, microbatches=1,
                             optimizer=make_optimizer("adam", {"learning_rate": LEARNING_RATE}))
-        params = jax.eval_shape(prog.init_params, 0)
-        x = [jax.ShapeDtypeStruct((size.mbs, size.seq), jnp.int32) if start == 0
-             else jax.ShapeDtypeStruct((size.mbs, size.seq, size.d_model), jnp.float32)]
-        labels = jax.ShapeDtypeStruct((size.mbs, size.seq), jnp.int32) if prog.last else None
-        y, res = jax.eval_shape(prog.fwd, params, x, labels)
-        out.append({"layers": [start, stop], "residual_bytes": nbytes(res), "output_bytes": nbytes(y),
-                    "param_bytes": nbytes(params), "residual_leaves": len(jax.tree.leaves(res))})
+        k = kept_bytes(prog, *stage_operands(prog, size.mbs, size.seq, size.d_model))
+        out.append({"layers": [start, stop], "residual_bytes": k["F"], "held_bytes": k["I"],
+                    "output_bytes": k["output"], "param_bytes": k["param"], "residual_leaves": k["residual_leaves"]})
     return out
 
 

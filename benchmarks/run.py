@@ -103,11 +103,13 @@ All times are medians; a run's first `warmup` steps (compilation) are dropped. p
   [0, T − ideal] — RECV spans include waiting caused by the peer's own delays, so this is an upper bound
   on transfer cost; *orchestration* = T − ideal − transfers (Python between actions, Ray calls, step
   boundaries; a lower bound).
-- **peak activation memory**: predicted = simulator's peak in-flight microbatches per stage × residual
-  bytes per microbatch (outputs of the stage's jitted forward that the backward needs, parameters
-  excluded, via `jax.eval_shape` of `StageProgram.fwd`); measured = the worker's peak bytes per device
-  of what it holds between actions in a step (residuals; for zb-h1, from I to W, what W reads: per
-  layer its inputs' residuals and output cotangents, `stages/zb_split.py`).
+- **peak activation memory**: predicted = the peak of the schedule's stash timeline per stage
+  (`orchestrator.core.schedule.stash_timeline`: F keeps its residuals until B or I, I keeps what W reads
+  until W) with the bytes per microbatch taken from the stage programs' own outputs (`jax.eval_shape` of
+  `StageProgram.fwd` and of the zero-bubble I, `benchmarks/stage_bytes.py`; parameters excluded) — for
+  schedules without I this is peak in-flight microbatches × residual bytes; measured = the worker's peak
+  bytes per device of what it holds between actions in a step (residuals; for zb-h1, from I to W, what W
+  reads: per layer its inputs' residuals and output cotangents, `stages/zb_split.py`).
 """
 
 NOTES = """\
@@ -270,18 +272,21 @@ def measure_torch(cfg: dict, echo) -> dict:
 
 def measure_memory(cfg: dict) -> list[dict]:
     from benchmarks.pipeline import residual_bytes
-    from orchestrator.core.schedule import generate, lower, simulate
+    from orchestrator.core.schedule import generate, lower, simulate, stash_timeline
 
     out = []
     for size in cfg["sizes"]:
         stages = residual_bytes(SIZES[size])
+        kept = [{"F": st["residual_bytes"], "I": st["held_bytes"]} for st in stages]
         for m in cfg["ms"]:
             for sched in ("gpipe", "1f1b", "eager-1f1b", "zb-h1"):
                 low = lower(generate(sched, P, m))
                 peak = simulate(low, {"F": 1, "B": 2}).peak_inflight
+                stash = stash_timeline(low, kept)      # zb-h1: from I to W only what W reads
                 for s, st in enumerate(stages):
                     out.append({"size": size, "m": m, "schedule": sched, "stage": s, "peak_inflight": peak[s],
-                                **st, "peak_activation_bytes": peak[s] * st["residual_bytes"]})
+                                **st, "peak_activation_bytes": stash.peak[s],
+                                "inflight_x_residual_bytes": peak[s] * st["residual_bytes"]})
     return out
 
 
@@ -587,8 +592,10 @@ def _render_memory(raw) -> list[str]:
                      fmt(live_pred / 2**20, 1), fmt(live / 2**20, 1) if live else "–",
                      fmt(live / live_pred, 2) if live else "–"])
     return ["## 6. Peak activation memory per stage: predicted and measured on the actors", "",
-            ("predicted = peak in-flight microbatches (simulator) × residual bytes per microbatch "
-             "(`jax.eval_shape` of the stage's forward). measured = on the actor, the peak over a step of the "
+            ("predicted = the peak of the schedule's stash timeline (`stash_timeline`: F keeps its residuals "
+             "until B or I, I keeps what W reads until W; without I, peak in-flight microbatches × residual "
+             "bytes per microbatch), sizes from `jax.eval_shape` of the stage's forward and zero-bubble I. "
+             "measured = on the actor, the peak over a step of the "
              "bytes per device held between actions — forward residuals, and for zb-h1 from I to W what W "
              "reads (per layer: layer inputs and output cotangents) — counted from the arrays themselves (shard "
              "shape × itemsize); "

@@ -4,7 +4,7 @@ import importlib
 
 import pytest
 
-MODULES = ["ir", "generators", "lowering", "validate", "simulate", "render"]
+MODULES = ["ir", "generators", "lowering", "validate", "simulate", "stash", "render"]
 
 
 @pytest.mark.parametrize("module", MODULES)

@@ -164,6 +164,43 @@ def test_the_stash_counts_what_w_reads_from_i_to_w():
     assert stash.now == sum(a.nbytes for a in res1)
 
 
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_the_predicted_stash_is_what_the_worker_counts_on_real_programs(remat):
+    """`stash_timeline` with sizes from the programs' shapes (`benchmarks.stage_bytes`) equals the
+    worker's `Stash` fed the arrays the real F and I return, action by action, in ZB-H1's order
+    (stage 1: each W one backward late, so a held microbatch sits beside the next one's residuals)."""
+    from benchmarks.stage_bytes import kept_bytes
+    from orchestrator.core.schedule import Kind, generate, lower, stash_timeline
+    from stages.actions import Stash
+
+    spec, x, y, progs, params, _, h, _ = _run(GPT, remat)
+    low = lower(generate("zb-h1", 2, 3))
+    inputs, labels = [[x], h], [None, y]
+    kept = [kept_bytes(prog, p, xs, lab) for prog, p, xs, lab in zip(progs, params, inputs, labels)]
+    want = stash_timeline(low, [{"F": k["F"], "I": k["I"]} for k in kept])
+    # without remat the loss stage releases at I the residuals only I reads; under full remat F keeps
+    # only the inputs and I recomputes the forward, so what it hands W outweighs F's residuals
+    assert (kept[1]["I"] < kept[1]["F"]) == (remat == "none"), kept
+    for s, (prog, p) in enumerate(zip(progs, params)):
+        stash, res, held, got = Stash(), {}, {}, []
+        dy = None if prog.last else [jnp.ones_like(leaf) for leaf in h]
+        for a in (a for a in low.actions[s] if a is not None and a.kind in (Kind.F, Kind.I, Kind.W)):
+            key = (a.microbatch, a.chunk)
+            if a.kind is Kind.F:
+                res[key] = prog.fwd(p, inputs[s], labels[s])[1]
+                stash.add(("r", key), res[key])
+            elif a.kind is Kind.I:
+                _, held[key] = prog.bwd_i(p, res.pop(key), dy)
+                stash.drop(("r", key))
+                stash.add(("w", key), held[key])
+            else:
+                held.pop(key)
+                stash.drop(("w", key))
+            got.append((str(a), stash.now))
+        assert got == [(str(a), n) for a, n in want.timeline[s]], s
+        assert stash.peak == want.peak[s] and stash.peak_items == want.peak_items[s]
+
+
 @pytest.mark.parametrize("model", [GPT, MLP], ids=["gpt", "mlp"])
 def test_fused_forward_backward_equals_the_oracle_and_donates(model):
     """The loss stage's F+B in one program (1F1B's last stage): the same loss and gradients as the
