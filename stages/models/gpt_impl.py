@@ -28,10 +28,12 @@ def _attention(p, x):
     k = jnp.einsum("bsd,dhk->bshk", x, p["wk"])
     v = jnp.einsum("bsd,dhk->bshk", x, p["wv"])
     q = constrain(q, ("batch", "seq", "heads", "head_dim"))
-    scores = jnp.einsum("bqhk,bthk->bhqt", q, k) / jnp.sqrt(jnp.float32(q.shape[-1]))
+    # Python-float constants are weakly typed: they keep the compute dtype (a float32 scalar here
+    # would promote bfloat16 scores, and with them softmax's residuals, to float32)
+    scores = jnp.einsum("bqhk,bthk->bhqt", q, k) / (q.shape[-1] ** 0.5)
     seq = x.shape[1]
     causal = jnp.tril(jnp.ones((seq, seq), dtype=bool))
-    scores = jnp.where(causal, scores, jnp.float32(-1e30))
+    scores = jnp.where(causal, scores, -1e30)
     w = jax.nn.softmax(scores, axis=-1)
     o = jnp.einsum("bhqt,bthk->bqhk", w, v)
     return jnp.einsum("bshk,hkd->bsd", o, p["wo"])
