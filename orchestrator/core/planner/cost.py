@@ -10,7 +10,8 @@ its profiled program at b = B / D examples per device (`profile.py`), so
 
 where roofline = max(flops / device flops, bytes / memory bandwidth), each
 collective is charged by `topology.collective_time` on the farthest link class
-its group spans once the stage's mesh is laid onto its hosts (positions are
+its group spans once the stage's mesh is laid onto its hosts — that class's
+collective figures (`Topology.collective_link`), not its stage-edge ones (positions are
 row-major over the mesh in its axis order, `devices_per_host` per host — how the
 stage worker builds its `Mesh`), and the gradient all-reduce moves each
 parameter's local shard over the `data` groups.
@@ -182,13 +183,13 @@ def layer_cost(layer: PlanLayer, choice: MeshChoice, micro: int, topo: Topology,
     for phase, kind, nbytes, groups in prof.collectives:
         k = max(len(g) for g in groups)
         cls = _group_class(topo, first_host, choice, max(groups, key=len), "model") if choice.model > 1 else "host"
-        comm[phase] += collective_time(kind, nbytes, k, topo.links[cls])
+        comm[phase] += collective_time(kind, nbytes, k, topo.collective_link(cls))
         tp_bytes += nbytes
     pbytes = local_param_bytes(layer, choice)
     dp = 0.0
     if choice.data > 1:
         cls = _group_class(topo, first_host, choice, tuple(range(choice.data)), "data")
-        dp = collective_time("all-reduce", pbytes, choice.data, topo.links[cls])
+        dp = collective_time("all-reduce", pbytes, choice.data, topo.collective_link(cls))
     fwd = compute["fwd"] + comm["fwd"]
     bwd = compute["bwd"] + comm["bwd"] + dp
     compute_s, tp_s, resid, temp = compute["fwd"] + compute["bwd"], comm["fwd"] + comm["bwd"], \
