@@ -174,12 +174,9 @@ def fit_rounds(one_stage_s: Sequence[float], two_stage_s: Sequence[float], sim_o
     """
     if not one_stage_s:
         raise CalibrationError("no round of the tiny one-stage run was measured")
-    rounds, os_ = [], []
-    for r, m1 in enumerate(one_stage_s):
-        o = fit_overhead(sim_one, m1, hi=hi)
-        os_.append(o)
-        rounds.append({"action_overhead_s": o, "transfer_overhead_s": None})
-    o = min(os_)
+    rounds = [{"action_overhead_s": fit_overhead(sim_one, m1, hi=hi), "transfer_overhead_s": None}
+              for m1 in one_stage_s]
+    o = min(r["action_overhead_s"] for r in rounds)
     e = None
     if two_stage_s:
         es = []
