@@ -178,6 +178,7 @@ def main(argv=None) -> int:
            "label": args.label, "machine": info, "load_avg": loads,
            "calibrated": {"device": cal["device"], "links": {k: {kk: vv for kk, vv in v.items() if kk != "samples"}
                                                               for k, v in cal["links"].items()},
+                          "collective_links": cal.get("collective_links", {}),
                           "overhead": cal.get("overhead")},
            "wall_s": {"calibrate": t1 - t0, "plan": t2 - t1, "round1": t3 - t2, "round2": t4 - t3},
            "failed": failed,
@@ -227,6 +228,10 @@ def summarize(plans: list[tuple[str, float, float]], runs: dict[int, list[dict]]
             "verdict": verdict, "rows": rows}
 
 
+def _us(seconds) -> str:
+    return "?" if seconds is None else f"{seconds * 1e6:.0f}"
+
+
 def render(out: dict) -> str:
     """The result (`planner_exhaustive.json`) as the markdown page."""
     case, info, la = out["case"], out["machine"], out["load_avg"]
@@ -247,7 +252,10 @@ def render(out: dict) -> str:
           f"{info.get('ray_worker_niceness', '?')}; load average "
           + ", ".join(f"{k} {load(v)}" for k, v in la.items())
           + (f". {out['label']}" if out.get("label") else ""), "",
-          f"calibrated: device {out['calibrated']['device']}, links {out['calibrated']['links']}", "",
+          f"calibrated: device {out['calibrated']['device']}, links {out['calibrated']['links']}, collectives across "
+          f"hosts {out['calibrated'].get('collective_links', {})}, per-action / per-transfer overhead "
+          f"{_us((out['calibrated'].get('overhead') or {}).get('action_overhead_s'))} / "
+          f"{_us((out['calibrated'].get('overhead') or {}).get('transfer_overhead_s'))} µs", "",
           f"**{out['verdict']}**", "",
           f"auto pick: #{out['auto']['plan']} {out['auto']['describe']} — measured {out['auto']['measured_s'] * 1e3:.2f} ms, "
           f"rank {out['auto']['measured_rank']} of {out['plans_measured']} measured", "",

@@ -13,6 +13,12 @@ Basic flow (driven by `orchestrator.driver.calibrate`):
   2. `collectives(sizes)` — all-reduce and all-gather over the host's devices at
      each size (bytes per device, the convention of `planner.topology`), through
      `shard_map`; the driver fits α-β to them (`planner.calibrate.fit_alpha_beta`).
+     Across hosts, a fresh pair of probes placed as one 2-host stage's actors first
+     joins one JAX world exactly as a multi-host stage does (`coordinator_address` on
+     the first, then `join` on both: `stages.jaxinit`, gloo on CPU); `collectives`
+     then runs over the mesh of both hosts' devices (k = all of them) and, with more
+     than one device per host, over its host axis alone (k = 2, one group per local
+     device, all at once) — what a mesh axis spanning hosts does in a stage program.
   3. `open_transport(...)` / `connect(...)` / `pingpong(...)` — meshpipe's own socket
      transport (`stages.socket_transport`, the stage-to-stage path) between two probes,
      one-device "stages" on each side; a tensor goes A → B and back, so one send is
@@ -45,6 +51,27 @@ class CalibrationProbe:
     def __init__(self, host: int):
         self.host = host
         self.transport = None
+        self._held = None          # the first probe of a 2-host world: the socket holding its coordinator port
+
+    # -- one JAX world over two hosts (module doc, step 2) ---------------------------------
+    def coordinator_address(self) -> str:
+        """Reserve the JAX world's coordinator port on this node (as a stage's host 0 does)."""
+        import ray
+
+        from stages.jaxinit import reserve_port
+
+        if self._held is not None:
+            self._held.close()
+        address, self._held = reserve_port(ray.util.get_node_ip_address())
+        return address
+
+    def join(self, hosts: int, index: int, coordinator: str, timeout: float) -> dict:
+        """Join the `hosts`-process JAX world as process `index` (`stages.jaxinit.initialize`); `info()`."""
+        from stages.jaxinit import initialize
+
+        held, self._held = self._held, None
+        initialize(hosts, index, coordinator, timeout, who=f"calibration probe host {self.host}", reservation=held)
+        return self.info()
 
     def info(self) -> dict:
         import jax
@@ -58,6 +85,14 @@ class CalibrationProbe:
         from jax.sharding import Mesh
 
         return Mesh(np.array(jax.devices()), ("d",))
+
+    @staticmethod
+    def _ones(shape, sharding):
+        """A float32 array of ones with this (possibly multi-process) sharding; each process makes its own shards."""
+        import jax
+        import numpy as np
+
+        return jax.make_array_from_callback(shape, sharding, lambda idx: np.ones(shape, np.float32)[idx])
 
     def device(self, n: int = 384, elems: int = 1 << 22, reps: int = 5) -> dict:
         """Per-device matmul FLOP/s and memory bandwidth, all devices busy at once (module doc)."""
@@ -87,29 +122,46 @@ class CalibrationProbe:
                 "elementwise_s": t_ew, "bandwidth_per_device": 8 * elems / t_ew, "tiny_dispatch_s": t_tiny}
 
     def collectives(self, sizes: list[int], reps: int = 5) -> list[dict]:
-        """[{kind, k, nbytes, seconds}] for all-reduce and all-gather over this host's devices."""
+        """[{kind, k, nbytes, seconds, axis}] for all-reduce and all-gather over every device of this
+        JAX world (one host, or the hosts that `join`ed: axis "all") and, in a multi-process world
+        with several devices per process, over the process axis alone (axis "hosts")."""
         import jax
-        import jax.numpy as jnp
+        import numpy as np
+        from jax.sharding import Mesh
+
+        devices = np.array(jax.devices())
+        procs = jax.process_count()
+        meshes = [("all", Mesh(devices.reshape(-1, 1), ("d", "rest")))]
+        if procs > 1 and devices.size > procs:      # host-major, as the stage worker checks
+            meshes.append(("hosts", Mesh(devices.reshape(procs, -1), ("d", "rest"))))
+        out = []
+        for axis, mesh in meshes:
+            out += [{**s, "axis": axis} for s in self._sweep(mesh, sizes, reps)]
+        return out
+
+    def _sweep(self, mesh, sizes: list[int], reps: int) -> list[dict]:
+        """The sweep over mesh axis "d" (every group of it at once, one per index of "rest")."""
+        import jax
         from jax.sharding import NamedSharding, PartitionSpec as P
 
-        mesh = self._mesh()
-        k = mesh.devices.size
+        k, rest = mesh.shape["d"], mesh.shape["rest"]
         if k < 2:
             return []
-        sh = NamedSharding(mesh, P("d"))
+        spec = P(("d", "rest"))
+        sh = NamedSharding(mesh, spec)
         smap = getattr(jax, "shard_map", None)
         if smap is None:   # pragma: no cover - older jax
             from jax.experimental.shard_map import shard_map as smap
-        ar = jax.jit(smap(lambda v: jax.lax.psum(v, "d"), mesh=mesh, in_specs=P("d"), out_specs=P("d")))
-        ag = jax.jit(smap(lambda v: jax.lax.all_gather(v, "d", tiled=True), mesh=mesh, in_specs=P("d"),
-                          out_specs=P("d")))
+        ar = jax.jit(smap(lambda v: jax.lax.psum(v, "d"), mesh=mesh, in_specs=spec, out_specs=spec))
+        ag = jax.jit(smap(lambda v: jax.lax.all_gather(v, "d", tiled=True), mesh=mesh, in_specs=spec,
+                          out_specs=spec))
         out = []
         for nbytes in sizes:
             per = max(k, nbytes // 4 // k * k)                 # float32 elements per device, divisible by k
-            x = jax.device_put(jnp.ones((k * per,), jnp.float32), sh)             # all-reduce: per per device
+            x = self._ones((k * rest * per,), sh)                                  # all-reduce: per per device
             t = _median_time(lambda: ar(x).block_until_ready(), reps)
             out.append({"kind": "all-reduce", "k": k, "nbytes": 4 * per, "seconds": t})
-            y = jax.device_put(jnp.ones((per,), jnp.float32), sh)                 # all-gather: result per
+            y = self._ones((rest * per,), sh)                                      # all-gather: result per
             t = _median_time(lambda: ag(y).block_until_ready(), reps)
             out.append({"kind": "all-gather", "k": k, "nbytes": 4 * per, "seconds": t})
         return out

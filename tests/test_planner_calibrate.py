@@ -16,7 +16,9 @@ import yaml
 
 from orchestrator.core.config import ConfigError, load_cluster, parse_cluster
 from orchestrator.core.planner.calibrate import (CalibrationError, Fit, Sample, calibrated_raw, default_out,
-                                                 destination, fit_alpha_beta, fit_overhead, write_calibrated)
+                                                 destination, direct_transfers, fit_alpha_beta, fit_overhead,
+                                                 fit_rounds, transfer_sanity, write_calibrated)
+from orchestrator.core.planner.cost import MeshChoice, layer_cost
 from orchestrator.core.planner.search import SearchOptions, search
 from orchestrator.core.planner.topology import LinkClass, Topology, collective_time, from_cluster
 from orchestrator.core.schedule import generate, lower, simulate
@@ -75,6 +77,123 @@ def test_fit_refuses_what_it_cannot_fit(samples, words):
         fit_alpha_beta(samples, what="links.dcn")
 
 
+def test_fit_of_a_cross_host_world_mixes_group_sizes():
+    # what calibrate times in one JAX world over 2 hosts × 2 devices: k = 4 (every device) and k = 2
+    # (the host axis alone); one α-β for both, inverting the cost model's own ring formulas
+    alpha, beta = 500e-6, 0.6e9
+    samples = [Sample(kind, k, n, _ring(kind, k, n, alpha, beta))
+               for k in (4, 2) for kind in ("all-reduce", "all-gather") for n in (1 << 14, 1 << 17, 1 << 20, 1 << 22)]
+    f = fit_alpha_beta(samples, what="links.dcn.collectives")
+    assert f.latency_s == pytest.approx(alpha, rel=1e-6) and f.bandwidth == pytest.approx(beta, rel=1e-6)
+    assert f.samples == 16
+
+
+# -- collectives across hosts in the cost model ----------------------------------------------
+def _coll_topo(send_lat=1e-5, coll_lat=None):
+    links = {c: LinkClass(c, 1e-5 if c != "dcn" else send_lat, 1e10) for c in ("host", "group", "dcn")}
+    coll = {} if coll_lat is None else {"dcn": LinkClass("dcn", coll_lat, 1e8)}
+    return Topology(2, 2, 1, links, 1e9, 1e9, 1e12, collective_links=coll)
+
+
+def test_cost_model_charges_collectives_spanning_hosts_on_the_collective_figures():
+    costs = [1e6] * 2
+    model = fake_model(costs)
+    profiles = FakeProfiles(model, costs)
+    layer = model.layers[1]
+    plain, slow = _coll_topo(), _coll_topo(coll_lat=2e-3)
+    assert slow.collective_link("dcn").latency_s == 2e-3 and slow.links["dcn"].latency_s == 1e-5
+    assert slow.collective_link("host") is slow.links["host"]
+    rules = (("mlp", "model"),)
+
+    def cost(t, choice, micro=8):
+        reqs = {}
+        from orchestrator.core.planner.cost import layer_request
+        for b in (1, 2):
+            r = layer_request(layer, choice, b)
+            reqs.update(profiles([r]))
+        return layer_cost(layer, choice, micro, t, 0, reqs)
+
+    # data = 4 over both hosts: the gradient all-reduce spans them → the collective figures
+    dp4 = MeshChoice(4, 1, ("data", "model"), (), "dp")
+    a, b = cost(plain, dp4), cost(slow, dp4)
+    pb = a.param_bytes
+    assert b.dp_comm_s == pytest.approx(collective_time("all-reduce", pb, 4, slow.collective_link("dcn")))
+    assert a.dp_comm_s == pytest.approx(collective_time("all-reduce", pb, 4, plain.links["dcn"]))
+    assert b.dp_comm_s > a.dp_comm_s + 5 * 2e-3
+    # model = 2 across hosts (model outer): its all-reduces too; data = 2 inside a host: the host link
+    mx = MeshChoice(2, 2, ("model", "data"), rules, "megatron")
+    a, b = cost(plain, mx), cost(slow, mx)
+    assert b.tp_comm_s > a.tp_comm_s and b.dp_comm_s == pytest.approx(a.dp_comm_s)
+    # data outer: the model axis stays inside a host (unchanged), the data axis crosses
+    dx = MeshChoice(2, 2, ("data", "model"), rules, "megatron")
+    a, b = cost(plain, dx), cost(slow, dx)
+    assert b.tp_comm_s == pytest.approx(a.tp_comm_s) and b.dp_comm_s > a.dp_comm_s
+    # a stage on one host never sees them
+    one = MeshChoice(2, 1, ("data", "model"), (), "dp")
+    assert cost(slow, one) == cost(plain, one)
+    # stage-edge transfers stay on the link's own (send) figures
+    assert slow.edge_time("dcn", 1e6) == plain.edge_time("dcn", 1e6)
+    # --explain's what-if link replaces both
+    w = slow.with_link("dcn", 1.0, 3.0)
+    assert w.collective_link("dcn") is w.links["dcn"] and w.links["dcn"].latency_s == pytest.approx(3e-6)
+
+
+def test_search_prices_only_the_plans_whose_collectives_cross_hosts():
+    costs = [1e6] * 4
+    model = fake_model(costs)
+    opts = SearchOptions(microbatches=(4,), schedules=("1f1b",), top=0, max_model=2, exhaustive=True)
+    a = search(model, _coll_topo(), 16, profile=FakeProfiles(model, costs), options=opts)
+    b = search(model, _coll_topo(coll_lat=5e-3), 16, profile=FakeProfiles(model, costs), options=opts)
+    by_a = {c.key(): c for c in a.ranked}
+    changed = 0
+    for c in b.ranked:
+        spans = any(s.hosts[1] > 1 and (s.choice.data > 1 or s.choice.model > 1) for s in c.stages)
+        if spans:
+            assert c.step_s > by_a[c.key()].step_s
+            changed += 1
+        else:
+            assert c.step_s == pytest.approx(by_a[c.key()].step_s)
+    assert changed and len(b.ranked) > changed
+
+
+def test_cluster_yaml_carries_the_collective_figures():
+    c = parse_cluster({"hosts": 2, "devices_per_host": 2, "links": {
+        "dcn": {"bandwidth_gbps": 6, "latency_us": 300, "collectives": {"bandwidth_gbps": 0.5, "latency_us": 1100}}}})
+    t = from_cluster(c)
+    assert t.links["dcn"].latency_s == pytest.approx(300e-6) and t.links["dcn"].bandwidth == pytest.approx(6e9)
+    assert t.collective_link("dcn").latency_s == pytest.approx(1100e-6)
+    assert t.collective_link("dcn").bandwidth == pytest.approx(0.5e9)
+    assert t.collective_link("group") is t.links["group"]            # none given: the link's own
+    with pytest.raises(ConfigError, match=r"links.dcn.collectives.latency_us"):
+        parse_cluster({"hosts": 2, "devices_per_host": 2, "links": {
+            "dcn": {"bandwidth_gbps": 6, "latency_us": 3, "collectives": {"bandwidth_gbps": 1, "latency_us": -1}}}})
+
+
+def test_calibrated_raw_writes_collectives_under_their_class(tmp_path):
+    src = _user_cluster(tmp_path)
+    raw = yaml.safe_load(src.read_text())
+    coll = {"dcn": Fit(1.1e-3, 0.55e9, 16, 0.5)}
+    new = calibrated_raw(raw, tflops=0.08, memory_bandwidth_gbps=4.0, action_overhead_us=290.0, links=FITS,
+                         transfer_overhead_us=520.0, collective_links=coll)
+    assert new["links"]["dcn"] == {"bandwidth_gbps": 1.5, "latency_us": 250.0,
+                                   "collectives": {"bandwidth_gbps": 0.55, "latency_us": 1100.0}}
+    cl = load_cluster(write_calibrated(new, src))
+    assert cl.links.dcn.collectives.latency_us == 1100.0 and cl.links.group.collectives is None
+    topo = from_cluster(cl)
+    assert topo.collective_link("dcn").latency_s == pytest.approx(1.1e-3)
+    assert topo.links["dcn"].latency_s == pytest.approx(250e-6)
+    # a user's group class (written, not measured) can take measured collectives
+    g = calibrated_raw(raw, tflops=1.0, memory_bandwidth_gbps=1.0, action_overhead_us=1.0, links={},
+                       collective_links={"group": coll["dcn"]})
+    assert g["links"]["group"] == {"bandwidth_gbps": 7, "latency_us": 9, "collectives": coll["dcn"].link()}
+    with pytest.raises(CalibrationError, match="cross-host class"):
+        calibrated_raw(raw, tflops=1.0, memory_bandwidth_gbps=1.0, action_overhead_us=1.0, links=FITS,
+                       collective_links={"host": coll["dcn"]})
+    with pytest.raises(CalibrationError, match="links.dcn itself"):
+        calibrated_raw(raw, tflops=1.0, memory_bandwidth_gbps=1.0, action_overhead_us=1.0, links={},
+                       collective_links=coll)
+
+
 # -- the per-action overhead ---------------------------------------------------------------
 def test_overhead_fit_inverts_the_schedule_simulator():
     low = lower(generate("1f1b", 2, 4))
@@ -91,6 +210,53 @@ def test_overhead_fit_inverts_the_schedule_simulator():
         fit_overhead(step, 100.0, hi=1.0)
     with pytest.raises(CalibrationError, match="finite positive"):
         fit_overhead(step, float("inf"))
+
+
+def _tiny_sims():
+    low1, low2 = lower(generate("1f1b", 1, 4)), lower(generate("1f1b", 2, 4))
+    link = 300e-6
+
+    def sim_one(o):
+        return float(simulate(low1, {"F": o, "B": o, "OPT": o}).step_time)
+
+    def sim_two(o, e):
+        return float(simulate(low2, [{"F": o, "B": o, "OPT": o}] * 2, [link + e]).step_time)
+
+    return sim_one, sim_two
+
+
+def test_overhead_rounds_keep_the_least_loaded_figures():
+    sim_one, sim_two = _tiny_sims()
+    o, e = 300e-6, 500e-6
+    quiet1, quiet2 = sim_one(o), sim_two(o, e)
+    # round 0 under load (both runs 2.5× slower), round 1 quiet, round 2 only its two-stage run loaded
+    r = fit_rounds([2.5 * quiet1, quiet1, quiet1 * 1.01], [2.5 * quiet2, quiet2, 3 * quiet2], sim_one, sim_two)
+    assert r["action_overhead_s"] == pytest.approx(o, abs=1e-6)
+    assert r["transfer_overhead_s"] == pytest.approx(e, abs=2e-6)
+    assert len(r["rounds"]) == 3 and r["rounds"][0]["action_overhead_s"] > 2 * o
+    assert r["rounds"][2]["transfer_overhead_s"] > 3 * e
+    # what one loaded round alone would have written (the old single-run fit): far off
+    loaded = fit_rounds([2.5 * quiet1], [2.5 * quiet2], sim_one, sim_two)
+    assert loaded["transfer_overhead_s"] > 2 * e or loaded["action_overhead_s"] > 2 * o
+    one_host = fit_rounds([quiet1, 2 * quiet1], [], sim_one, sim_two)
+    assert one_host["transfer_overhead_s"] is None and one_host["action_overhead_s"] == pytest.approx(o, abs=1e-6)
+    with pytest.raises(CalibrationError, match="no round"):
+        fit_rounds([], [], sim_one, sim_two)
+
+
+def test_direct_transfers_pair_sends_with_waiting_receives():
+    spans = [  # (stage, host, action, start, end): a 2-stage step's transfers
+        (0, 0, "0F0", 0.000, 0.002), (0, 0, "0SEND_F0", 0.002, 0.0025), (1, 0, "1RECV_F0", 0.0, 0.0031),
+        (0, 1, "0SEND_F0", 0.002, 0.0025), (1, 1, "1RECV_F0", 0.0, 0.009),      # host 1: not counted
+        (1, 0, "1SEND_B0", 0.010, 0.0102), (0, 0, "0RECV_B0", 0.004, 0.0112),   # waiting: counted
+        (0, 0, "0SEND_F1", 0.005, 0.0052), (1, 0, "1RECV_F1", 0.012, 0.0121),   # data already there: not
+        (0, 0, "0OPT", 0.02, 0.021), (1, 0, "not an action", 0.0, 1.0)]
+    got = direct_transfers(spans)
+    assert got == pytest.approx([0.0011, 0.0012])
+    assert direct_transfers([]) == []
+    ok, line = transfer_sanity(0.0053, 0.0007)
+    assert not ok and "DISAGREES" in line and "5300 µs" in line
+    assert transfer_sanity(0.0009, 0.0006)[0] and transfer_sanity(0.0, 0.0003)[0]
 
 
 def test_cost_model_adds_the_overhead_to_each_action_of_each_stage():
@@ -267,6 +433,18 @@ def test_meshpipe_calibrate_on_the_local_cluster(tmp_path):
     assert cl.links.group is None            # hosts_per_group 1: no pair of hosts spans `group`
     assert {s["kind"] for s in rep["samples"]["host"]} == {"all-reduce", "all-gather"}
     assert {s["kind"] for s in rep["samples"]["dcn"]} == {"send"}
+    # collectives across the 2 hosts, timed in one JAX world (as a multi-host stage), written
+    # under links.dcn.collectives and read back by the cost model for axes spanning hosts
+    coll = rep["collective_samples"]["dcn"]
+    assert {(s["axis"], s["k"]) for s in coll} == {("all", 4), ("hosts", 2)}
+    assert {s["kind"] for s in coll} == {"all-reduce", "all-gather"} and all(s["seconds"] > 0 for s in coll)
+    cc = cl.links.dcn.collectives
+    assert cc is not None and cc.bandwidth_gbps > 0 and np.isfinite(cc.latency_us) and cc.latency_us >= 0
+    assert (cc.bandwidth_gbps, cc.latency_us) == (rep["collective_links"]["dcn"]["bandwidth_gbps"],
+                                                  rep["collective_links"]["dcn"]["latency_us"])
+    assert from_cluster(cl).collective_link("dcn").latency_s == pytest.approx(cc.latency_us * 1e-6)
+    text = out.read_text()
+    assert "links.dcn.collectives" in text.split("hosts:")[0] and "load average" in text.split("hosts:")[0]
     # the devices' matmul FLOP/s is what a direct timing sees, within a sane factor (two devices
     # share the process's threads in the probe; the machine is shared)
     direct = _direct_matmul_flops()
@@ -279,11 +457,20 @@ def test_meshpipe_calibrate_on_the_local_cluster(tmp_path):
     assert cl.device.transfer_overhead_us is not None and cl.device.transfer_overhead_us >= 0
     if cl.device.transfer_overhead_us > 0:
         assert ov["two_stage"]["simulated_at_fit_s"] == pytest.approx(ov["two_stage"]["measured_step_s"], rel=1e-3)
+    # rounds: each with its load average; the figures written are the least-loaded round's
+    assert len(ov["rounds"]) == 3 and all(len(r["load_avg"]) == 2 for r in ov["rounds"])
+    assert ov["action_overhead_s"] == min(r["action_overhead_s"] for r in ov["rounds"])
+    assert ov["transfer_overhead_s"] <= min(r["transfer_overhead_s"] for r in ov["rounds"]) + 1e-9
+    # and the per-transfer overhead is sane against the transfers read off the run's SEND/RECV spans
+    d = ov["direct"]
+    assert d["transfer_s"] > 0 and all(r["two_stage"]["direct_transfers_s"] for r in ov["rounds"])
+    assert ov["transfer_overhead_s"] <= 4 * max(d["overhead_s"], 0.0) + 1e-3, d
     # running it again without --force refuses to replace the written file (exit 2, before Ray)
     r2 = subprocess.run([sys.executable, "-m", "orchestrator.driver.cli", "calibrate", "--cluster", str(src)],
                         capture_output=True, text=True, timeout=120, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert r2.returncode == 2 and "exists" in r2.stderr and "--force" in r2.stderr
-    print(f"calibrate wall {wall:.1f} s, load {os.getloadavg()[0]:.1f}, flops ratio {ratio:.2f}")
+    print(f"calibrate wall {wall:.1f} s, load {os.getloadavg()[0]:.1f}, flops ratio {ratio:.2f}, "
+          f"transfer overhead {ov['transfer_overhead_s'] * 1e6:.0f} µs vs direct {d['overhead_s'] * 1e6:.0f} µs")
 
 
 def test_measured_table_reports_the_median_relative_error():

@@ -11,13 +11,23 @@ Basic flow:
      all-reduce / all-gather over a size sweep → `links.host`; probe pairs send
      over meshpipe's socket transport → the class the pair spans (hosts 0 and 1:
      `group` with node groups, else `dcn`; with node groups also 0 and the first
-     host of the next group: `dcn`). Every probe is killed and the group removed.
+     host of the next group: `dcn`). Then, per such pair, a fresh pair of probes is
+     placed as ONE 2-host stage's actors and joins one JAX world the way a multi-host
+     stage does (coordinator on the first, `stages.jaxinit`; gloo on CPU), and times
+     all-reduce / all-gather over both hosts' devices and over the host axis alone
+     → `links.<class>.collectives`, what the cost model charges a mesh axis spanning
+     those hosts. Every probe is killed and the group removed.
   4. The runtime's fixed costs: tiny real pipeline jobs (an MLP of width 8, 1F1B,
-     4 microbatches, 8 steps) run on the cluster through `run_job`: one 1-host stage
-     gives the per-action overhead o (the simulator, each F/B/OPT costing o, replays
-     its measured step); with two hosts, two 1-host stages give the per-transfer
-     overhead (each edge at the fitted link's α-β time plus it, o per action)
-     (`planner.calibrate.fit_overhead`; the tiny model's compute is neglected).
+     4 microbatches, 8 steps) run on the cluster through `run_job`, in `ROUNDS`
+     rounds: one 1-host stage gives the per-action overhead o (the simulator, each
+     F/B/OPT costing o, replays its measured step); with two hosts, two 1-host stages
+     give the per-transfer overhead (each edge at the fitted link's α-β time plus it,
+     o per action) (`planner.calibrate.fit_overhead`; the tiny model's compute is
+     neglected). Load only slows a run, so the least-loaded round's figures are kept
+     (`fit_rounds`), the load average is recorded per round, and the per-transfer
+     overhead is checked against the transfers read off the two-stage run's
+     SEND/RECV spans (`direct_transfers`; the spans' wall clocks are comparable on
+     one machine, within clock skew across machines).
   5. Write the cluster YAML with the measured figures (`planner.calibrate`), load it
      back, and report. An embedded Ray we started is stopped.
 Every remote wait has a deadline (`cluster.timeouts.init_s` to start, `CALL_S` per
@@ -39,15 +49,17 @@ import yaml
 from orchestrator.core.config import check_job, load_cluster, load_job, load_raw
 from orchestrator.core.config.check import StagePlan
 from orchestrator.core.planner.calibrate import (CalibrationError, Sample, calibrated_raw, destination,
-                                                 fit_alpha_beta, fit_overhead, write_calibrated)
+                                                 direct_transfers, fit_alpha_beta, fit_rounds, transfer_sanity,
+                                                 write_calibrated)
 from orchestrator.core.planner.topology import from_cluster
 
-__all__ = ["calibrate", "CalibrationError", "COLLECTIVE_SIZES", "SEND_SIZES"]
+__all__ = ["calibrate", "CalibrationError", "COLLECTIVE_SIZES", "SEND_SIZES", "ROUNDS"]
 
 CALL_S = 300.0                                  # one measurement call's deadline
 COLLECTIVE_SIZES = [1 << 14, 1 << 17, 1 << 20, 1 << 22]     # bytes per device
 SEND_SIZES = [1 << 12, 1 << 16, 1 << 20, 1 << 22]           # bytes per send
 TINY_STEPS, TINY_M = 8, 4
+ROUNDS = 3                                      # rounds of the tiny runs (the least loaded is kept)
 
 
 def _probe_checked(cluster):
@@ -107,11 +119,53 @@ def _probes(cluster, echo, run: str) -> dict:
             wait_all([actors[h].close.remote() for h in hosts], init_s, "closing probe transports",
                      [labels[a], labels[b]])
             samples[cls] = got[0]
-        return {"device": dev, "samples": samples, "pairs": pairs, "probes": infos}
+        for a in actors:                 # their bundles' CPUs go to the 2-host worlds below
+            ray.kill(a, no_restart=True)
+        collectives = {}
+        for j, (a, b) in enumerate(pairs):
+            cls = topo.class_of_hosts([a, b])
+            world = _world(checked, (a, b), cluster.hosts + j, pg, run, remote, actors)
+            collectives[cls] = _world_collectives(world, f"hosts {a} and {b}", cluster)
+            echo(f"collectives across hosts {a} and {b} ({cls}): {len(collectives[cls])} timings")
+            for w in world:
+                ray.kill(w, no_restart=True)
+        return {"device": dev, "samples": samples, "collectives": collectives, "pairs": pairs, "probes": infos}
     finally:
         for a in actors:
             ray.kill(a, no_restart=True)
         remove_placement_group(pg)
+
+
+def _world(checked, hosts: tuple, index: int, pg, run: str, remote, actors: list) -> list:
+    """Probes on `hosts` placed as the actors of one 2-host stage (index `index`, a name of its own),
+    appended to `actors` (killed by the caller)."""
+    from orchestrator.driver import placement
+
+    dph = checked.cluster.devices_per_host
+    stage = StagePlan(index, (0, 1), {"data": len(hosts) * dph}, tuple(hosts), dph, {})
+    world = []
+    for i, h in enumerate(hosts):
+        opts = placement.actor_options(checked, stage, i, pg, run)
+        opts["namespace"] = f"meshpipe-{run}"
+        world.append(remote.options(**opts).remote(h))
+        actors.append(world[-1])
+    return world
+
+
+def _world_collectives(world: list, what: str, cluster) -> list[dict]:
+    """Join the probes' JAX world (as a multi-host stage's actors do) and time its collectives."""
+    from orchestrator.driver.waiting import wait_all
+
+    init_s = cluster.timeouts.init_s
+    labels = [f"{what}: process {i}" for i in range(len(world))]
+    coord = wait_all([world[0].coordinator_address.remote()], init_s, f"picking the coordinator of {what}",
+                     labels[:1])[0]
+    join_s = float(cluster.timeouts.jax_distributed_init_s)
+    wait_all([w.join.remote(len(world), i, coord, join_s) for i, w in enumerate(world)], init_s + join_s,
+             f"joining one JAX world across {what}", labels)
+    got = wait_all([w.collectives.remote(COLLECTIVE_SIZES) for w in world], CALL_S,
+                   f"timing collectives across {what}", labels)
+    return got[0]
 
 
 def _tiny_job(cluster, workdir: Path, p: int) -> Path:
@@ -131,8 +185,9 @@ def _tiny_job(cluster, workdir: Path, p: int) -> Path:
     return path
 
 
-def _tiny_run(cluster, p: int, echo) -> tuple[float, list, int]:
-    """Run the tiny p-stage job; (median step of the second half, every step time, microbatch size)."""
+def _tiny_run(cluster, p: int, echo) -> dict:
+    """Run the tiny p-stage job: its step times, the median of their second half, the microbatch
+    size and the last step's spans (stage, host, action, start, end)."""
     from orchestrator.driver.runner import run_job
 
     with tempfile.TemporaryDirectory(prefix="meshpipe-calibrate-") as tmp:
@@ -140,35 +195,72 @@ def _tiny_run(cluster, p: int, echo) -> tuple[float, list, int]:
         echo(f"timing the runtime: a tiny {p}-stage job, {TINY_M} microbatches, {TINY_STEPS} steps ...")
         summary = run_job(checked, echo=lambda s: None)
     times = summary["step_times_s"]
-    return statistics.median(times[TINY_STEPS // 2:]), times, checked.microbatch_size
+    return {"step_times_s": times, "measured_step_s": statistics.median(times[TINY_STEPS // 2:]),
+            "micro": checked.microbatch_size, "spans": summary.get("last_step_spans") or []}
 
 
-def _overhead(cluster, cross, echo) -> dict:
-    """Step 4: the per-action overhead (one stage), then the per-transfer overhead (two stages)."""
+def _overhead(cluster, cross, echo, rounds: int = ROUNDS) -> dict:
+    """Step 4: the per-action overhead (one stage) and the per-transfer overhead (two stages), each
+    the least-loaded of `rounds` rounds (`fit_rounds`), the latter checked against the transfers
+    read off the two-stage runs' spans."""
     from orchestrator.core.schedule import generate, lower, simulate
 
-    measured1, times1, _ = _tiny_run(cluster, 1, echo)
-    low1 = lower(generate("1f1b", 1, TINY_M))
-    o = fit_overhead(lambda x: float(simulate(low1, {"F": x, "B": x, "OPT": x}).step_time), measured1, hi=10.0)
-    out = {"microbatches": TINY_M, "one_stage": {"step_times_s": times1, "measured_step_s": measured1},
-           "action_overhead_s": o, "transfer_overhead_s": None}
-    if cluster.hosts >= 2 and cross is not None:
-        measured2, times2, micro = _tiny_run(cluster, 2, echo)
-        low2 = lower(generate("1f1b", 2, TINY_M))
-        link = cross.latency_s + micro * 8 * 4 / cross.bandwidth      # the activation: micro × d_model float32
+    low1, low2 = lower(generate("1f1b", 1, TINY_M)), lower(generate("1f1b", 2, TINY_M))
+    two = cluster.hosts >= 2 and cross is not None
+    runs = []
+    for r in range(rounds):
+        load0 = os.getloadavg()[0]
+        one = _tiny_run(cluster, 1, echo)
+        pair = _tiny_run(cluster, 2, echo) if two else None
+        runs.append({"one_stage": one, "two_stage": pair, "load_avg": [load0, os.getloadavg()[0]]})
+    micro = runs[0]["two_stage"]["micro"] if two else 0
+    link = cross.latency_s + micro * 8 * 4 / cross.bandwidth if two else 0.0  # the activation: micro × d_model f32
 
-        def step(e: float) -> float:
-            return float(simulate(low2, [{"F": o, "B": o, "OPT": o}] * 2, [link + e]).step_time)
+    def sim_one(x: float) -> float:
+        return float(simulate(low1, {"F": x, "B": x, "OPT": x}).step_time)
 
-        e = fit_overhead(step, measured2, hi=10.0)
-        out["two_stage"] = {"step_times_s": times2, "measured_step_s": measured2, "simulated_at_fit_s": step(e)}
-        out["transfer_overhead_s"] = e
+    def sim_two(o: float, e: float) -> float:
+        return float(simulate(low2, [{"F": o, "B": o, "OPT": o}] * 2, [link + e]).step_time)
+
+    fit = fit_rounds([r["one_stage"]["measured_step_s"] for r in runs],
+                     [r["two_stage"]["measured_step_s"] for r in runs] if two else [], sim_one, sim_two)
+    o, e = fit["action_overhead_s"], fit["transfer_overhead_s"]
+    out = {"microbatches": TINY_M, "rounds": [], "action_overhead_s": o, "transfer_overhead_s": e}
+    for r, (run, f) in enumerate(zip(runs, fit["rounds"])):
+        rec = {"load_avg": run["load_avg"], **f,
+               "one_stage": {k: run["one_stage"][k] for k in ("step_times_s", "measured_step_s")}}
+        if two:
+            direct = direct_transfers(run["two_stage"]["spans"])
+            rec["two_stage"] = {k: run["two_stage"][k] for k in ("step_times_s", "measured_step_s")}
+            rec["two_stage"]["direct_transfers_s"] = direct
+        out["rounds"].append(rec)
+    best1 = min(range(len(runs)), key=lambda r: fit["rounds"][r]["action_overhead_s"])
+    out["one_stage"] = out["rounds"][best1]["one_stage"]
+    if two:
+        best2 = min(range(len(runs)), key=lambda r: fit["rounds"][r]["transfer_overhead_s"])
+        out["two_stage"] = {**out["rounds"][best2]["two_stage"], "simulated_at_fit_s": sim_two(o, e)}
+        direct = [t for rec in out["rounds"] for t in rec["two_stage"]["direct_transfers_s"]]
+        if direct:
+            # the least-loaded round's transfers, as the fit keeps the least-loaded round
+            per_round = [statistics.median(rec["two_stage"]["direct_transfers_s"]) for rec in out["rounds"]
+                         if rec["two_stage"]["direct_transfers_s"]]
+            d = min(per_round)
+            ok, line = transfer_sanity(e, d - link)
+            out["direct"] = {"transfer_s": d, "link_alpha_beta_s": link, "overhead_s": d - link, "agrees": ok,
+                             "check": line}
     return out
 
 
+def _samples(records: list[dict]) -> list[Sample]:
+    """A probe's timing records (which may say more, e.g. the mesh axis) as fit samples."""
+    return [Sample(r["kind"], r["k"], r["nbytes"], r["seconds"]) for r in records]
+
+
 def calibrate(cluster_path: str, *, out: Optional[str] = None, force: bool = False,
-              echo: Callable[[str], None] = print) -> dict:
+              echo: Callable[[str], None] = print, rounds: int = ROUNDS) -> dict:
     """Measure the cluster and write the calibrated YAML (module docstring); returns the report.
+
+    `rounds`: rounds of the tiny runs that fit the runtime's overheads (the least loaded is kept).
 
     Raises:
       ConfigError: the cluster YAML is invalid.
@@ -178,6 +270,7 @@ def calibrate(cluster_path: str, *, out: Optional[str] = None, force: bool = Fal
     import ray
 
     from orchestrator.driver import placement
+    from orchestrator.driver.quiet import filter_worker_logs
 
     raw = load_raw(cluster_path)
     cluster = load_cluster(cluster_path)
@@ -186,12 +279,14 @@ def calibrate(cluster_path: str, *, out: Optional[str] = None, force: bool = Fal
     t0 = time.perf_counter()
     load0 = os.getloadavg()
     started = placement.connect(cluster, namespace=f"meshpipe-{run}")
+    filter_worker_logs()   # Gloo's connection lines from the 2-host worlds (unless `meshpipe -v`)
     try:
         probe = _probes(cluster, echo, run)
-        fits = {cls: fit_alpha_beta([Sample(**s) for s in ss], what=f"links.{cls}")
-                for cls, ss in probe["samples"].items()}
+        fits = {cls: fit_alpha_beta(_samples(ss), what=f"links.{cls}") for cls, ss in probe["samples"].items()}
+        coll = {cls: fit_alpha_beta(_samples(ss), what=f"links.{cls}.collectives")
+                for cls, ss in probe["collectives"].items()}
         cross = next((fits[c] for c in ("group", "dcn") if c in fits), None)
-        over = _overhead(cluster, cross, echo)
+        over = _overhead(cluster, cross, echo, rounds)
     finally:
         if started:
             ray.shutdown()
@@ -200,28 +295,40 @@ def calibrate(cluster_path: str, *, out: Optional[str] = None, force: bool = Fal
                          memory_bandwidth_gbps=dev["bandwidth_per_device"] / 1e9,
                          action_overhead_us=over["action_overhead_s"] * 1e6, links=fits,
                          transfer_overhead_us=None if over["transfer_overhead_s"] is None
-                         else over["transfer_overhead_s"] * 1e6)
+                         else over["transfer_overhead_s"] * 1e6, collective_links=coll)
     load1 = os.getloadavg()
+    loads = " ".join(f"{a:.1f}->{b:.1f}" for a, b in (r["load_avg"] for r in over["rounds"]))
+    coll_note = "".join(f"; links.{c}.collectives: one JAX world across hosts" for c in coll)
     header = (f"written by `meshpipe calibrate --cluster {cluster_path}` on {time.strftime('%Y-%m-%d %H:%M:%S %Z')}\n"
               f"measured: device.* on host 0 ({dev['devices']} devices busy at once), links.{{{','.join(fits)}}} "
-              f"(α-β fits), device.*_overhead_us (tiny real runs)\n"
-              f"load average {load0[0]:.1f} -> {load1[0]:.1f}; figures measured under load are lower bounds of "
-              "what the cluster can do")
+              f"(α-β fits{coll_note}), "
+              f"device.*_overhead_us (tiny real runs, least-loaded of {len(over['rounds'])} rounds)\n"
+              f"load average {load0[0]:.1f} -> {load1[0]:.1f} (1 min; per overhead round {loads}); figures measured "
+              "under load are lower bounds of what the cluster can do")
     path = write_calibrated(new, cluster_path, dest, force=force, header=header)
     report = {"written": str(path), "device": dev, "links": {c: {**f.link(), "samples": f.samples,
                                                                    "max_rel_residual": f.max_rel_residual}
                                                                for c, f in fits.items()},
-              "samples": probe["samples"], "pairs": probe["pairs"], "overhead": over,
-              "load_avg": [load0[0], load1[0]], "wall_s": time.perf_counter() - t0}
+              "collective_links": {c: {**f.link(), "samples": f.samples, "max_rel_residual": f.max_rel_residual}
+                                   for c, f in coll.items()},
+              "samples": probe["samples"], "collective_samples": probe["collectives"], "pairs": probe["pairs"],
+              "overhead": over, "load_avg": [load0[0], load1[0]], "wall_s": time.perf_counter() - t0}
     echo(f"device: {dev['flops_per_device'] / 1e9:.3g} GFLOP/s per device (one device alone "
          f"{dev['single_device_flops'] / 1e9:.3g}), {dev['bandwidth_per_device'] / 1e9:.3g} GB/s")
     for c, f in fits.items():
         echo(f"links.{c}: {f.bandwidth / 1e9:.3g} GB/s, {f.latency_s * 1e6:.3g} µs "
              f"({f.samples} samples, largest residual {f.max_rel_residual:.0%})")
+    for c, f in coll.items():
+        echo(f"links.{c}.collectives: {f.bandwidth / 1e9:.3g} GB/s, {f.latency_s * 1e6:.3g} µs "
+             f"({f.samples} samples, largest residual {f.max_rel_residual:.0%})")
     echo(f"per-action overhead: {over['action_overhead_s'] * 1e6:.0f} µs (tiny 1-stage run: "
-         f"{over['one_stage']['measured_step_s'] * 1e3:.2f} ms per step)")
+         f"{over['one_stage']['measured_step_s'] * 1e3:.2f} ms per step, least loaded of {len(over['rounds'])})")
     if over["transfer_overhead_s"] is not None:
         echo(f"per-transfer overhead: {over['transfer_overhead_s'] * 1e6:.0f} µs (tiny 2-stage run: "
-             f"{over['two_stage']['measured_step_s'] * 1e3:.2f} ms per step)")
-    echo(f"wrote {path} (load average {load0[0]:.1f} -> {load1[0]:.1f})")
+             f"{over['two_stage']['measured_step_s'] * 1e3:.2f} ms per step, least loaded of {len(over['rounds'])})")
+        if "direct" in over:
+            echo(("" if over["direct"]["agrees"] else "WARNING: ") + over["direct"]["check"]
+                 + ("" if over["direct"]["agrees"] else "; the machine was probably busy: calibrate again when "
+                    "it is quiet"))
+    echo(f"wrote {path} (load average {load0[0]:.1f} -> {load1[0]:.1f}; per overhead round {loads})")
     return report

@@ -32,7 +32,9 @@ import re
 import warnings
 
 FORK_WARNING = "os.fork() was called"
-NOISE = re.compile(r"^(\x1b\[[0-9;]*m)*\[Gloo\]|os\.fork\(\) was called|^\s*self\.pid = os\.fork\(\)")
+# (Gloo's line also arrives cut where two of its threads wrote at once: "0 is connected to 1 peer ranks. ...")
+NOISE = re.compile(r"^(\x1b\[[0-9;]*m)*\[Gloo\]|is connected to \d+ peer ranks\. Expected number of connected peer "
+                   r"ranks is|os\.fork\(\) was called|^\s*self\.pid = os\.fork\(\)")
 _ENV = "MESHPIPE_QUIET"
 
 log = logging.getLogger("meshpipe")
@@ -77,6 +79,8 @@ def noise(line: str) -> bool:
     Example:
         >>> noise("\\x1b[0m[Gloo] Rank 0 is connected to 1 peer ranks."), noise("step 1")
         (True, False)
+        >>> noise("0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1")
+        True
     """
     return bool(NOISE.search(line))
 

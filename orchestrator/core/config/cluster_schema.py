@@ -64,11 +64,23 @@ class TpuConfig(Frozen):
         return self
 
 
-class LinkClassConfig(Frozen):
-    """One link class of `links:` for the planner's α-β model: t(bytes) = latency + bytes / bandwidth."""
+class AlphaBetaConfig(Frozen):
+    """An α-β pair: t(bytes) = latency + bytes / bandwidth."""
 
     bandwidth_gbps: PosFloat      # GB/s (1e9 bytes per second) per device on this link
     latency_us: NonNegFloat       # per message, microseconds
+
+
+class LinkClassConfig(AlphaBetaConfig):
+    """One link class of `links:` for the planner's α-β model: t(bytes) = latency + bytes / bandwidth.
+
+    `collectives` (group and dcn): the α-β of JAX collectives over a mesh axis that spans
+    hosts of this class (one multi-process JAX world: gloo on CPU, NCCL on GPU), when they
+    differ from the stage-to-stage sends the link's own figures describe (`meshpipe calibrate`
+    measures both); null: the link's own figures.
+    """
+
+    collectives: Optional[AlphaBetaConfig] = None
 
 
 class LinksConfig(Frozen):

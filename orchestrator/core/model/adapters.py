@@ -26,7 +26,7 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping, Sequence, Union
 
 from orchestrator.core.model.pipeline import (ArraySpec, AxesFn, ModelError, Part, PipelineModel, batch_first,
-                                              by_path, key_path, replicated)
+                                              by_path, key_path, picked, replicated)
 
 __all__ = ["plain", "nnx_model", "linen_model", "eqx_model", "as_spec"]
 
@@ -103,15 +103,15 @@ def plain(init: Callable[[Any], Mapping[str, Any]], parts: Sequence[tuple[str, C
             extra = {k: v for k, v in (("rng", rng), ("train", train)) if k in takes}
             return fn(p, x, **extra)
 
-        def part_init(key, name=name):
-            whole = init(key)
+        def pick(whole, name=name):
             if name not in whole:
                 raise ModelError(f"init returned no parameters for part {name!r} (it has {sorted(whole)})")
             return whole[name]
 
-        built.append(Part(name, part_init, apply,
+        built.append(Part(name, picked(init, pick), apply,
                           axes=lambda path, shape, name=name: rules(f"{name}/{path}", shape),
-                          out_axes=lambda path, shape, name=name: outs(f"{name}/{path}", shape)))
+                          out_axes=lambda path, shape, name=name: outs(f"{name}/{path}", shape),
+                          whole=(init, pick, None)))
     return PipelineModel(tuple(built), loss, as_spec(input), as_spec(label), vocab,
                          ties=tuple(tuple(t) for t in ties))
 
@@ -186,6 +186,11 @@ def nnx_model(make: Callable, parts: Sequence[Union[str, tuple]], *, loss: Calla
 
     with nnx.use_eager_sharding(False):
         abstract = nnx.eval_shape(lambda: make(nnx.Rngs(0)))
+
+    def whole_init(key):        # shared by every part (one trace for all: `pipeline.abstract_inits`)
+        with nnx.use_eager_sharding(False):
+            return make(nnx.Rngs(key))
+
     outs = _out_rules(out_axes)
     built = []
     holders: dict[str, list[str]] = {}      # attribute path -> the parts holding it (two or more: tied)
@@ -214,14 +219,10 @@ def nnx_model(make: Callable, parts: Sequence[Union[str, tuple]], *, loss: Calla
             holders.setdefault(path, []).append(name)
             leaves[path] = list(_nnx_axes(state))
 
-        def part_init(key, paths=paths):
-            with nnx.use_eager_sharding(False):
-                whole = make(nnx.Rngs(key))
+        def pick(whole, paths=paths):
             return {p: nnx.to_pure_dict(nnx.state(_walk(whole, p, "model"), nnx.Param)) for p in paths}
 
-        def state_init(key, stateful=tuple(stateful)):
-            with nnx.use_eager_sharding(False):
-                whole = make(nnx.Rngs(key))
+        def pick_state(whole, stateful=tuple(stateful)):
             return {p: nnx.to_pure_dict(nnx.state(_walk(whole, p, "model"), nnx.BatchStat)) for p in stateful}
 
         def apply(params, x, *, rng=None, train=True, state=None, subs=subs, call=call, paths=paths,
@@ -246,10 +247,11 @@ def nnx_model(make: Callable, parts: Sequence[Union[str, tuple]], *, loss: Calla
             new = {p: nnx.to_pure_dict(nnx.state(m, nnx.BatchStat)) for p, m in zip(paths, mods) if p in stateful}
             return y, new
 
-        built.append(Part(name, part_init, apply,
+        built.append(Part(name, picked(whole_init, pick), apply,
                           axes=lambda path, shape, axes=axes: axes.get(path) or (None,) * len(shape),
                           out_axes=lambda path, shape, name=name: outs(f"{name}/{path}", shape), paths=paths,
-                          state_init=state_init if stateful else None))
+                          state_init=picked(whole_init, pick_state) if stateful else None,
+                          whole=(whole_init, pick, pick_state if stateful else None)))
     ties = tuple((f"{names[0]}/{path}/{leaf}", f"{other}/{path}/{leaf}")
                  for path, names in holders.items() for other in names[1:] for leaf in leaves[path])
     return PipelineModel(tuple(built), loss, as_spec(input), as_spec(label), vocab, ties=ties)
@@ -328,6 +330,10 @@ def linen_model(module, parts: Sequence[tuple], *, loss: Callable, input, label,
         raise ModelError(f"batch_stats entry {orphan[0]!r} belongs to no part: a part owns the batch_stats entry "
                          f"of the same top-level name as its params keys (parts own {sorted(owned)})")
     outs = _out_rules(out_axes)
+
+    def whole_init(key):        # shared by every part (one trace for all: `pipeline.abstract_inits`)
+        return nn.unbox(module.init(key, jax.numpy.zeros(example.shape, example.dtype)))
+
     built = []
     for name, keys, method in parts:
         keys = (keys,) if isinstance(keys, str) else tuple(keys)
@@ -341,16 +347,11 @@ def linen_model(module, parts: Sequence[tuple], *, loss: Callable, input, label,
             axes.update({f"{k}/{key_path(p)}": tuple(v) for p, v in flat})
         stateful = tuple(k for k in keys if k in stats)
 
-        def whole_init(key):
-            return nn.unbox(module.init(key, jax.numpy.zeros(example.shape, example.dtype)))
+        def pick(whole, keys=keys):
+            return {k: whole["params"][k] for k in keys}
 
-        def part_init(key, keys=keys):
-            whole = whole_init(key)["params"]
-            return {k: whole[k] for k in keys}
-
-        def state_init(key, stateful=stateful):
-            whole = whole_init(key)["batch_stats"]
-            return {k: whole[k] for k in stateful}
+        def pick_state(whole, stateful=stateful):
+            return {k: whole["batch_stats"][k] for k in stateful}
 
         takes_train = "train" in _keywords(method)
 
@@ -367,10 +368,11 @@ def linen_model(module, parts: Sequence[tuple], *, loss: Callable, input, label,
             got = upd.get("batch_stats", {})
             return y, {k: got.get(k, state[k]) for k in stateful}
 
-        built.append(Part(name, part_init, apply,
+        built.append(Part(name, picked(whole_init, pick), apply,
                           axes=lambda path, shape, axes=axes: _padded(axes.get(path), shape),
                           out_axes=lambda path, shape, name=name: outs(f"{name}/{path}", shape), paths=keys,
-                          state_init=state_init if stateful else None))
+                          state_init=picked(whole_init, pick_state) if stateful else None,
+                          whole=(whole_init, pick, pick_state if stateful else None)))
     return PipelineModel(tuple(built), loss, spec_in, as_spec(label), vocab)
 
 
@@ -457,13 +459,11 @@ def eqx_model(make: Callable, parts: Sequence[str | tuple], *, loss: Callable, i
         sdef = (jax.tree.structure(abstract_state.substate(tuple(_walk(abstract, p, "model") for p in stateful)))
                 if stateful else None)
 
-        def part_init(key, paths=paths):
-            whole = made(key)[0]
-            return {p: eqx.filter(_walk(whole, p, "model"), eqx.is_array) for p in paths}
+        def pick(whole, paths=paths):
+            return {p: eqx.filter(_walk(whole[0], p, "model"), eqx.is_array) for p in paths}
 
-        def state_init(key, stateful=stateful, index=index):
-            st = made(key)[1]
-            return {p: {ip: st.get(idx) for ip, idx in index[p]} for p in stateful}
+        def pick_state(whole, stateful=stateful, index=index):
+            return {p: {ip: whole[1].get(idx) for ip, idx in index[p]} for p in stateful}
 
         def apply(params, x, *, rng=None, train=True, state=None, paths=paths, call=call, statics=statics,
                   stateful=stateful, index=index, sdef=sdef, name=name):
@@ -482,7 +482,8 @@ def eqx_model(make: Callable, parts: Sequence[str | tuple], *, loss: Callable, i
                                  f"got (y, {type(st).__name__})")
             return y, {p: {ip: st.get(idx) for ip, idx in index[p]} for p in stateful}
 
-        built.append(Part(name, part_init, apply, axes=rules,
+        built.append(Part(name, picked(made, pick), apply, axes=rules,
                           out_axes=lambda path, shape, name=name: outs(f"{name}/{path}", shape), paths=paths,
-                          state_init=state_init if stateful else None))
+                          state_init=picked(made, pick_state) if stateful else None,
+                          whole=(made, pick, pick_state if stateful else None)))
     return PipelineModel(tuple(built), loss, as_spec(input), as_spec(label), vocab)

@@ -176,16 +176,13 @@ def layer_costs(model, spec=None) -> tuple[list[float], str]:
     import jax
     import numpy as np
 
-    from orchestrator.core.model.pipeline import DESCRIBE_BATCH, run_part
+    from orchestrator.core.model.pipeline import DESCRIBE_BATCH, abstract_inits, run_part
 
     try:
         inp, lab = model.input.leaf(), model.label.leaf()
         x = jax.ShapeDtypeStruct(inp.batched(DESCRIBE_BATCH), np.dtype(inp.dtype))
         costs = []
-        for part in model.parts:
-            params = jax.eval_shape(lambda part=part: part.init(jax.random.key(0)))
-            state = None if part.state_init is None else jax.eval_shape(
-                lambda part=part: part.state_init(jax.random.key(0)))
+        for part, (params, state) in zip(model.parts, abstract_inits(model.parts)):
 
             def fwd(p, x, s, part=part):
                 return run_part(part, p, x, s, rng=jax.random.key(0), train=True)[0]

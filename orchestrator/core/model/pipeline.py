@@ -19,7 +19,9 @@ Adapters build one from a framework's model without changing it
 that does (`model: {factory: "pkg.module:fn", args: {...}}`).
 
 `describe(model, ...)` turns a PipelineModel into the pure `ModelSpec` the planner
-uses, by `jax.eval_shape` only (no devices, no arrays): each part's parameter leaves,
+uses, by `jax.eval_shape` only (no devices, no arrays): each part's parameter leaves
+(parts that build the whole model and keep their piece, `Part.whole`, from one trace of
+the whole init: `abstract_inits`),
 each part's output leaves fed to the next part (a mismatch is reported here, at plan
 time), the loss (a scalar), a stateful part's state (it must come back as it went in) and
 the model's tied parameters (`PipelineModel.ties`, resolved to layer indices). jax is imported inside functions only.
@@ -35,8 +37,8 @@ from orchestrator.core.model.spec import LayerSpec, LeafSpec, ModelSpec, ParamDe
 Axes = tuple  # tuple[str | None, ...]
 AxesFn = Callable[[str, tuple], Union[Axes, None]]
 
-__all__ = ["ArraySpec", "ModelError", "Part", "PipelineModel", "by_path", "batch_first", "describe",
-           "key_path", "run_part", "DESCRIBE_BATCH"]
+__all__ = ["ArraySpec", "ModelError", "Part", "PipelineModel", "abstract_inits", "by_path", "batch_first",
+           "describe", "key_path", "picked", "run_part", "DESCRIBE_BATCH"]
 
 DESCRIBE_BATCH = 2     # the batch size shapes are evaluated at (outputs must carry it first)
 
@@ -85,6 +87,11 @@ class Part:
         microbatch updated it, in eval mode the state unchanged. The state is not
         differentiated or optimised; the stage threads it through its forwards in
         microbatch order and checkpoints it with the parameters.
+      whole: for a part whose init builds the whole model and keeps its piece (every
+        adapter's), (whole init, pick, pick state): key -> the whole model's init output,
+        whole -> this part's parameters, whole -> its state (None: stateless). `init` is
+        then `pick(whole init(key))`; parts sharing one whole init (the same function
+        object) are shape-evaluated from ONE trace of it (`abstract_inits`), not one per part.
     """
 
     name: str
@@ -94,6 +101,14 @@ class Part:
     out_axes: AxesFn = batch_first
     paths: tuple[str, ...] = ()
     state_init: Callable[[Any], Any] | None = None
+    whole: tuple[Callable, Callable, Callable | None] | None = None
+
+
+def picked(whole_init: Callable, pick: Callable) -> Callable:
+    """A part's init that builds the whole model and keeps its piece: key -> pick(whole_init(key))."""
+    def init(key):
+        return pick(whole_init(key))
+    return init
 
 
 def run_part(part: Part, params, x, state=None, *, rng=None, train: bool = True):
@@ -173,6 +188,50 @@ def _axes_ok(what: str, axes, shape) -> Axes:
     return axes
 
 
+def abstract_inits(parts: Sequence[Part]) -> list[tuple[Any, Any]]:
+    """Per part, (parameters, state or None) as shape structs, by `jax.eval_shape` of the inits.
+
+    Parts that share a whole init (`Part.whole`) are evaluated from one trace of it, so a
+    model whose every part builds the whole model costs one trace, not one per part; if
+    that trace fails, each part is traced alone so the error names the part.
+
+    Raises:
+      ModelError: a part's init or state init failed (naming the part).
+    """
+    import jax
+
+    out: list = [None] * len(parts)
+    groups: dict[int, list[int]] = {}
+    for i, part in enumerate(parts):
+        if part.whole is not None:
+            groups.setdefault(id(part.whole[0]), []).append(i)
+    for idx in groups.values():
+        def pieces(idx=idx):
+            whole = parts[idx[0]].whole[0](jax.random.key(0))
+            return [(parts[i].whole[1](whole),
+                     None if parts[i].state_init is None or parts[i].whole[2] is None else parts[i].whole[2](whole))
+                    for i in idx]
+        try:
+            got = jax.eval_shape(pieces)
+        except Exception:  # noqa: BLE001 - traced part by part below, so the error names the part
+            continue
+        for i, (params, state) in zip(idx, got):
+            out[i] = [params, state]
+    for i, part in enumerate(parts):
+        what = f"part {i} ({part.name})"
+        if out[i] is None:
+            try:
+                out[i] = [jax.eval_shape(lambda part=part: part.init(jax.random.key(0))), None]
+            except Exception as e:  # noqa: BLE001 - the user's code: report, do not guess
+                raise ModelError(f"{what}: init failed: {type(e).__name__}: {e}") from None
+        if part.state_init is not None and out[i][1] is None:
+            try:
+                out[i][1] = jax.eval_shape(lambda part=part: part.state_init(jax.random.key(0)))
+            except Exception as e:  # noqa: BLE001 - the user's code
+                raise ModelError(f"{what}: state init failed: {type(e).__name__}: {e}") from None
+    return [tuple(o) for o in out]
+
+
 def describe(model: Any, *, name: str, factory: str, args: Mapping[str, Any]) -> ModelSpec:
     """The `ModelSpec` of a PipelineModel, by shape evaluation only.
 
@@ -193,23 +252,15 @@ def describe(model: Any, *, name: str, factory: str, args: Mapping[str, Any]) ->
     x = jax.ShapeDtypeStruct(inp.batched(b), np.dtype(inp.dtype))
     came_from = f"the model input {_struct(x)}"
     layers = []
+    inits = abstract_inits(model.parts)
     for i, part in enumerate(model.parts):
         what = f"part {i} ({part.name})"
-        try:
-            params = jax.eval_shape(lambda: part.init(jax.random.key(0)))
-        except Exception as e:  # noqa: BLE001 - the user's code: report, do not guess
-            raise ModelError(f"{what}: init failed: {type(e).__name__}: {e}") from None
+        params, state = inits[i]
         pdefs = {}
         for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
             p = key_path(path)
             pdefs[p] = ParamDef(tuple(leaf.shape), _axes_ok(f"{what} parameter {p}", part.axes(p, tuple(leaf.shape)),
                                                              leaf.shape), str(leaf.dtype))
-        state = None
-        if part.state_init is not None:
-            try:
-                state = jax.eval_shape(lambda: part.state_init(jax.random.key(0)))
-            except Exception as e:  # noqa: BLE001 - the user's code
-                raise ModelError(f"{what}: state init failed: {type(e).__name__}: {e}") from None
         try:
             y, new = jax.eval_shape(lambda p, x, s: run_part(part, p, x, s, rng=jax.random.key(0), train=True),
                                     params, x, state)

@@ -13,12 +13,19 @@ return timed samples; this module turns them into the cluster's `device:` and
              i.e. t = a·α + x/β, linear in (α, 1/β): least squares over every sample
              of the class; α < 0 (noise on a fast link) is clamped to 0 and 1/β refitted
              through the origin. A slope ≤ 0 is refused (the sweep saw no bandwidth).
+             The collectives of a mesh axis spanning hosts (one multi-process JAX world)
+             are fitted the same way, per cross-host class, into `links.<class>.collectives`.
   overhead   the runtime's fixed costs: per action (`device.action_overhead_us`), the o
              for which the schedule simulator, every F, B and OPT costing o, replays the
              step a tiny ONE-stage real run measured; per stage-edge transfer
              (`device.transfer_overhead_us`), the extra e on each edge's α-β time for
              which it replays a tiny TWO-stage run's step with that o (`fit_overhead`,
-             bisection: the simulated step grows monotonically with either).
+             bisection: the simulated step grows monotonically with either). Load on the
+             machine only ever slows a run, so the tiny runs are repeated in rounds and
+             the least-loaded figure is kept (`fit_rounds`: o the minimum of the rounds'
+             fits, e the minimum of the rounds' fits at that o); e is checked against
+             the per-transfer time read directly off a run's SEND/RECV spans
+             (`direct_transfers`, `transfer_sanity`).
 
 `calibrated_raw` merges the figures into the cluster's raw YAML dict (everything the
 user wrote is kept; `device.memory_gb` is not measured and stays as written) and
@@ -32,12 +39,12 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import yaml
 
-__all__ = ["CalibrationError", "Sample", "Fit", "fit_alpha_beta", "fit_overhead", "calibrated_raw",
-           "default_out", "destination", "write_calibrated"]
+__all__ = ["CalibrationError", "Sample", "Fit", "fit_alpha_beta", "fit_overhead", "fit_rounds", "direct_transfers",
+           "transfer_sanity", "calibrated_raw", "default_out", "destination", "write_calibrated"]
 
 
 class CalibrationError(ValueError):
@@ -149,13 +156,101 @@ def fit_overhead(simulate_step, measured_s: float, hi: float = 1.0, tol: float =
     return (lo + hi) / 2
 
 
+def fit_rounds(one_stage_s: Sequence[float], two_stage_s: Sequence[float], sim_one: Callable[[float], float],
+               sim_two: Callable[[float, float], float], hi: float = 10.0) -> dict[str, Any]:
+    """The per-action overhead o and per-transfer overhead e from rounds of the tiny runs.
+
+    `one_stage_s[r]`, `two_stage_s[r]`: round r's measured steps (seconds; `two_stage_s` empty on
+    one host); `sim_one(o)`: the simulated one-stage step with every action costing o;
+    `sim_two(o, e)`: the two-stage step with that o and every edge e more. Load only slows a run,
+    so o is the smallest round's fit and e the smallest round's fit at that o. Returns
+    {"action_overhead_s", "transfer_overhead_s" (None without two-stage rounds), "rounds":
+    [{"action_overhead_s", "transfer_overhead_s"}] (each round's own fits, for the record)}.
+
+    Example (round 1 ran under load: both its steps 50 % slower):
+        >>> r = fit_rounds([0.009, 0.0135], [0.02, 0.03], lambda o: 9 * o, lambda o, e: 9 * o + 2 * e)
+        >>> round(r["action_overhead_s"], 6), round(r["transfer_overhead_s"], 6)
+        (0.001, 0.0055)
+    """
+    if not one_stage_s:
+        raise CalibrationError("no round of the tiny one-stage run was measured")
+    rounds = [{"action_overhead_s": fit_overhead(sim_one, m1, hi=hi), "transfer_overhead_s": None}
+              for m1 in one_stage_s]
+    o = min(r["action_overhead_s"] for r in rounds)
+    e = None
+    if two_stage_s:
+        es = []
+        for r, m2 in enumerate(two_stage_s):
+            es.append(fit_overhead(lambda x: sim_two(o, x), m2, hi=hi))
+            if r < len(rounds):
+                rounds[r]["transfer_overhead_s"] = es[-1]
+        e = min(es)
+    return {"action_overhead_s": o, "transfer_overhead_s": e, "rounds": rounds}
+
+
+def direct_transfers(spans: Sequence[Sequence[Any]]) -> list[float]:
+    """Per stage-edge transfer of one step, the seconds from its SEND's start to its RECV's end.
+
+    `spans`: (stage, host, action text, start, end) per executed action (a run summary's
+    `last_step_spans`; wall-clock seconds). Only transfers whose RECV began before the SEND
+    count (the receiver was waiting, so the time is the transfer's own, not the receiver's
+    backlog); one host per stage is enough (host 0 of each).
+
+    Example:
+        >>> ts = direct_transfers([(0, 0, "0SEND_F0", 1.0, 1.001), (1, 0, "1RECV_F0", 0.5, 1.004),
+        ...                        (1, 0, "1SEND_B0", 2.0, 2.001), (0, 0, "0RECV_B0", 2.5, 2.6)])
+        >>> [round(t, 6) for t in ts]      # the B0 transfer's receiver was not waiting yet: left out
+        [0.004]
+    """
+    from orchestrator.core.schedule import Action, Kind
+
+    sends, recvs = {}, {}
+    for stage, host, text, t0, t1 in spans:
+        if host != 0:
+            continue
+        try:
+            a = Action.parse(str(text))
+        except Exception:  # noqa: BLE001 - a span of something else (no action text)
+            continue
+        if a.kind in (Kind.SEND_F, Kind.SEND_B):
+            dst = a.stage + (1 if a.kind is Kind.SEND_F else -1)
+            sends[(a.kind.value[-1], a.microbatch, a.chunk, a.stage, dst)] = float(t0)
+        elif a.kind in (Kind.RECV_F, Kind.RECV_B):
+            src = a.stage - (1 if a.kind is Kind.RECV_F else -1)
+            recvs[(a.kind.value[-1], a.microbatch, a.chunk, src, a.stage)] = (float(t0), float(t1))
+    out = []
+    for key, s0 in sorted(sends.items(), key=lambda kv: kv[1]):
+        if key in recvs and recvs[key][0] <= s0:
+            out.append(recvs[key][1] - s0)
+    return out
+
+
+def transfer_sanity(fitted_s: float, direct_s: float, slack_s: float = 5e-4) -> tuple[bool, str]:
+    """Whether the fitted per-transfer overhead agrees with the direct one (within 2× or `slack_s`).
+
+    `direct_s`: the directly measured per-transfer time less the link's α-β time. Returns
+    (ok, a sentence for the report).
+
+    Example:
+        >>> transfer_sanity(0.0053, 0.0011)[0], transfer_sanity(0.0012, 0.0009)[0]
+        (False, True)
+    """
+    ok = abs(fitted_s - direct_s) <= max(slack_s, max(direct_s, 0.0))
+    word = "agrees with" if ok else "DISAGREES with"
+    return ok, (f"the fitted per-transfer overhead {fitted_s * 1e6:.0f} µs {word} the one read off the run's "
+                f"SEND/RECV spans, {direct_s * 1e6:.0f} µs (within 2× or {slack_s * 1e6:.0f} µs)")
+
+
 def calibrated_raw(raw: Mapping[str, Any], *, tflops: float, memory_bandwidth_gbps: float,
                    action_overhead_us: float, links: Mapping[str, Fit],
-                   transfer_overhead_us: Optional[float] = None) -> dict[str, Any]:
+                   transfer_overhead_us: Optional[float] = None,
+                   collective_links: Mapping[str, Fit] | None = None) -> dict[str, Any]:
     """The cluster's raw YAML dict with measured `device:` and `links:` figures merged in.
 
     Keys the user wrote are kept (`device.memory_gb`, `links.hosts_per_group`, every other
     section); only the measured figures are replaced. Link classes not measured stay as written.
+    `collective_links`: per cross-host class, the fit of collectives over a mesh axis spanning its
+    hosts → `links.<class>.collectives` (the class itself must be measured or written).
     """
     for name, v in (("device.tflops", tflops), ("device.memory_bandwidth_gbps", memory_bandwidth_gbps)):
         if not (math.isfinite(v) and v > 0):
@@ -175,7 +270,14 @@ def calibrated_raw(raw: Mapping[str, Any], *, tflops: float, memory_bandwidth_gb
     for name, fit in links.items():
         if name not in ("host", "group", "dcn"):
             raise CalibrationError(f"links.{name}: unknown link class (host, group, dcn)")
-        lk[name] = fit.link()
+        lk[name] = {**dict(lk.get(name) or {}), **fit.link()}
+    for name, fit in (collective_links or {}).items():
+        if name not in ("group", "dcn"):
+            raise CalibrationError(f"links.{name}.collectives: only a cross-host class (group, dcn) has separate "
+                                   "collective figures; within a host the class's own figures are its collectives'")
+        if not lk.get(name):
+            raise CalibrationError(f"links.{name}.collectives: links.{name} itself was neither measured nor written")
+        lk[name] = {**dict(lk[name]), "collectives": fit.link()}
     out["links"] = lk
     return out
 

@@ -10,7 +10,8 @@ its profiled program at b = B / D examples per device (`profile.py`), so
 
 where roofline = max(flops / device flops, bytes / memory bandwidth), each
 collective is charged by `topology.collective_time` on the farthest link class
-its group spans once the stage's mesh is laid onto its hosts (positions are
+its group spans once the stage's mesh is laid onto its hosts — that class's
+collective figures (`Topology.collective_link`), not its stage-edge ones (positions are
 row-major over the mesh in its axis order, `devices_per_host` per host — how the
 stage worker builds its `Mesh`), and the gradient all-reduce moves each
 parameter's local shard over the `data` groups.
@@ -253,18 +254,18 @@ def layer_cost(layer: PlanLayer, choice: MeshChoice, micro: int, topo: Topology,
     for phase, kind, nbytes, groups in prof.collectives:
         k = max(len(g) for g in groups)
         cls = _group_class(topo, first_host, choice, max(groups, key=len), "model") if choice.model > 1 else "host"
-        comm[phase] += collective_time(kind, nbytes, k, topo.links[cls])
+        comm[phase] += collective_time(kind, nbytes, k, topo.collective_link(cls))
         tp_bytes += nbytes
     pbytes = local_param_bytes(layer, choice)
     dp = 0.0
     if choice.data > 1:
         cls = _group_class(topo, first_host, choice, tuple(range(choice.data)), "data")
-        dp = collective_time("all-reduce", pbytes, choice.data, topo.links[cls])
+        dp = collective_time("all-reduce", pbytes, choice.data, topo.collective_link(cls))
     fsdp = {"fwd": 0.0, "bwd": 0.0}
     fsdp_bytes = gathered = 0.0
     if choice.fsdp > 1:     # F and B each gather the parameters; B reduce-scatters their gradient
         gathered = local_param_bytes(layer, choice, fsdp=False)
-        link = topo.links[_group_class(topo, first_host, choice, tuple(range(choice.fsdp)), "fsdp")]
+        link = topo.collective_link(_group_class(topo, first_host, choice, tuple(range(choice.fsdp)), "fsdp"))
         ag = collective_time("all-gather", gathered, choice.fsdp, link)
         fsdp = {"fwd": ag, "bwd": ag + collective_time("reduce-scatter", gathered, choice.fsdp, link)}
         fsdp_bytes = 3 * gathered

@@ -15,6 +15,13 @@ ring formulas XLA's own auto-sharding uses per mesh dimension:
   all-to-all      (k-1)/k · bytes / β + (k-1) α
   permute         bytes / β + α
 
+Stage-to-stage transfers go over meshpipe's transport and collectives inside a
+multi-host stage over JAX's own (gloo on CPU, NCCL on GPU), so a cross-host class may
+carry separate figures for collectives (`links.<class>.collectives`;
+`Topology.collective_link`), used for collectives over mesh axes that span its hosts;
+without them, the class's own figures. Within a host the class's figures are those
+of collectives already (`calibrate` fits `links.host` from them).
+
 Defaults (`DEFAULTS`) are nominal figures per platform, to be replaced by a cluster's
 `links:` / `device:` sections (`meshpipe calibrate` measures them and writes both).
 `device.action_overhead_us` (default 0) is the runtime's fixed cost of one action
@@ -62,7 +69,9 @@ class Topology:
     Attributes:
       hosts, devices_per_host: the cluster's shape (a stage takes whole consecutive hosts).
       hosts_per_group: consecutive hosts that share the `group` link class.
-      links: one `LinkClass` per name in `CLASSES`.
+      links: one `LinkClass` per name in `CLASSES` (stage-edge transfers; collectives within a host).
+      collective_links: per cross-host class, the α-β of collectives over a mesh axis spanning
+        its hosts where measured or given (`collective_link`); absent: `links`.
       memory_bytes, flops, memory_bandwidth: per device.
       action_overhead_s: the runtime's fixed cost of one action on a stage (seconds).
       transfer_overhead_s: the runtime's fixed cost of one stage-edge transfer beyond α-β (seconds).
@@ -79,6 +88,18 @@ class Topology:
     notes: tuple[str, ...] = field(default=())
     action_overhead_s: float = 0.0
     transfer_overhead_s: float = 0.0
+    collective_links: Mapping[str, LinkClass] = field(default_factory=dict)
+
+    def collective_link(self, cls: str) -> LinkClass:
+        """What one collective over devices spanning link class `cls` is charged on.
+
+        Example:
+            >>> t = Topology(2, 2, 1, {c: LinkClass(c, 1e-5, 1e9) for c in CLASSES}, 1e9, 1e12, 1e11,
+            ...              collective_links={"dcn": LinkClass("dcn", 2e-3, 1e8)})
+            >>> t.collective_link("dcn").latency_s, t.collective_link("host").latency_s
+            (0.002, 1e-05)
+        """
+        return self.collective_links.get(cls) or self.links[cls]
 
     def edge_time(self, cls: str, nbytes: float) -> float:
         """One stage-edge transfer of `nbytes` over link class `cls`: α-β plus the runtime's fixed cost."""
@@ -89,10 +110,11 @@ class Topology:
         return self.hosts * self.devices_per_host
 
     def with_link(self, name: str, bandwidth_gbps: float, latency_us: float) -> "Topology":
-        """A copy with one link class replaced (for `--explain` and tests)."""
+        """A copy with one link class replaced, for its transfers and collectives alike (`--explain`, tests)."""
         links = dict(self.links)
         links[name] = LinkClass(name, latency_us * 1e-6, bandwidth_gbps * 1e9)
-        return replace(self, links=links)
+        coll = {k: v for k, v in self.collective_links.items() if k != name}
+        return replace(self, links=links, collective_links=coll)
 
     def class_of_hosts(self, hosts: Iterable[int]) -> str:
         """The farthest link class a set of cluster hosts spans."""
@@ -125,7 +147,7 @@ def collective_time(kind: str, nbytes: float, k: int, link: LinkClass) -> float:
 def from_cluster(cluster) -> Topology:
     """The `Topology` of a `ClusterConfig`: its `links:` and `device:` sections over platform defaults."""
     d = DEFAULTS[cluster.platform]
-    links = {}
+    links, coll = {}, {}
     given = getattr(cluster, "links", None)
     notes = []
     for name in CLASSES:
@@ -134,6 +156,9 @@ def from_cluster(cluster) -> Topology:
         if lc is None:
             notes.append(f"links.{name}: platform default {bw:g} GB/s, {lat:g} µs")
         links[name] = LinkClass(name, lat * 1e-6, bw * 1e9)
+        c = getattr(lc, "collectives", None)
+        if c is not None and name != "host":
+            coll[name] = LinkClass(name, c.latency_us * 1e-6, c.bandwidth_gbps * 1e9)
     hpg = getattr(given, "hosts_per_group", None) if given is not None else None
     if hpg is None:
         if cluster.platform == "tpu" and cluster.tpu is not None:
@@ -157,4 +182,4 @@ def from_cluster(cluster) -> Topology:
             notes.append(f"device.{key}: not set, 0 (meshpipe calibrate measures it)")
     return Topology(cluster.hosts, cluster.devices_per_host, hpg, links, mem * 1e9, tf * 1e12, bw * 1e9,
                     cluster.platform, tuple(notes), float(over["action_overhead_us"] or 0.0) * 1e-6,
-                    float(over["transfer_overhead_us"] or 0.0) * 1e-6)
+                    float(over["transfer_overhead_us"] or 0.0) * 1e-6, coll)
