@@ -25,8 +25,8 @@ def snippets() -> dict:
     return {m.group(1): (m.group(2), m.group(3)) for m in SNIPPET.finditer((ROOT / "README.md").read_text())}
 
 
-def test_the_readme_marks_an_example_for_each_framework_without_an_nnx_one():
-    assert sorted(snippets()) == ["equinox", "linen", "plain"]
+def test_the_readme_marks_an_example_for_each_framework():
+    assert sorted(snippets()) == ["equinox", "linen", "nnx", "plain"]
 
 
 def test_a_verbatim_snippet_is_its_files_text():
@@ -63,13 +63,20 @@ def whole_equinox(ns, key, x):
     return jax.vmap(ns["Decoder"](64, 32, 4, 64, 2, key))(x)
 
 
+def whole_nnx(ns, key, x):
+    from flax import nnx
+
+    with nnx.use_eager_sharding(False):     # axis names only: no mesh here
+        return ns["Llama"](64, 32, 4, 2, 64, 2, nnx.Rngs(key))(x)     # pipeline()'s defaults
+
+
 CASES = {"linen": ("linen_pipeline", whole_linen), "plain": ("plain_pipeline", whole_plain),
-         "equinox": ("pipeline", whole_equinox)}
+         "equinox": ("pipeline", whole_equinox), "nnx": ("pipeline", whole_nnx)}
 
 
 # equinox: its attention compiles slowly (24-52 s on 2 loaded cores); its README text is checked
 # verbatim above and its adapter planned in tests/test_byo_eqx_example.py in the default suite
-@pytest.mark.parametrize("name", ["linen", "plain", pytest.param("equinox", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("name", ["linen", "nnx", "plain", pytest.param("equinox", marks=pytest.mark.slow)])
 def test_readme_snippet_runs_and_its_parts_compute_the_whole_model(name):
     import jax
     import jax.numpy as jnp
