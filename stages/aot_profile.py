@@ -4,17 +4,21 @@ Run as `python -m stages.aot_profile` by `orchestrator.core.planner.profile.Prof
 (in a subprocess whose environment already has
 `XLA_FLAGS=--xla_force_host_platform_device_count=N` and `JAX_PLATFORMS=cpu`).
 Reads one JSON request on stdin:
-    {"protocol": 2, "source": {"kind": "modelspec", "name", "args", "seq_len"[, "compute"]},
+    {"protocol": 3, "source": {"kind": "modelspec", "name", "args", "seq_len"[, "compute"]},
      "requests": [{"key", "layer", "model_size", "rules", "batch"}, ...]}
 and writes one JSON line per request, `{"key": ..., "profile": LayerProfile JSON}` (or
 `{"key": ..., "error": "..."}`), as soon as it is compiled (so a timeout keeps what was done).
 
 For each request it builds the layer as a one-layer `StageProgram` on a
 `(data=1, model=M)` mesh with layout `batch → data` plus the request's rules,
-lowers and compiles its forward and its backward+accumulate (nothing runs; inputs
-are `ShapeDtypeStruct`s), and reads `cost_analysis()`, `memory_analysis()` and
-the collectives of `as_text()`; for the last layer also the temp of its forward+backward
-as one program (`fwd_bwd_acc`, what `pipeline.fuse_loss_chunk` runs). `build_source` and
+lowers and compiles its forward, its backward+accumulate and its zero-bubble I and
+W+accumulate (`StageProgram.zero_bubble`: the same cut of the same backward the stage
+worker runs; nothing runs here, inputs are `ShapeDtypeStruct`s), and reads `cost_analysis()`,
+`memory_analysis()` and the collectives of `as_text()`; what I keeps for W (`held_bytes`) is
+the per-device size of the held leaves (kept residuals and output cotangents, with the
+compiled forward's shardings, plus I's outputs for W, with I's), as
+`benchmarks/stage_bytes.py` counts them. For the last layer also the temp of its
+forward+backward as one program (`fwd_bwd_acc`, what `pipeline.fuse_loss_chunk` runs). `build_source` and
 `build_layer` are the only functions that know the model front-end (`ModelSpec` + the
 factory's `PipelineModel`).
 
@@ -81,6 +85,20 @@ def _figures(compiled, n: int) -> dict:
             "colls": parse_collectives(compiled.as_text(), n)}
 
 
+def _device_bytes(leaves) -> float:
+    """Bytes one device holds of `leaves` (shape structs; a leaf without a sharding counts whole)."""
+    import math
+
+    import numpy as np
+
+    total = 0.0
+    for leaf in leaves:
+        sh = getattr(leaf, "sharding", None)
+        shape = sh.shard_shape(tuple(leaf.shape)) if sh is not None and hasattr(sh, "shard_shape") else leaf.shape
+        total += math.prod(shape) * np.dtype(leaf.dtype).itemsize
+    return float(total)
+
+
 def _program(source: dict, req: dict, memo: dict):
     """The request's layer program, built through `memo`: the model once per source, and the
     last (layer, M, rules) program kept, so the batch-1 and batch-2 requests share one."""
@@ -135,6 +153,12 @@ def profile_one(source: dict, req: dict, memo: dict | None = None) -> dict:
     dy = sds((), "float32", None) if prog.last else [y_info[i] for i in prog.out_diff]
     bwd = _compile(prog.bwd_acc.lower(params, res_info, dy, param_structs()))
     f, g = _figures(fwd, m), _figures(bwd, m)
+    # zero-bubble: the backward cut into I and W as the stage worker cuts it (stages.zb_split)
+    zb = prog.zero_bubble(params, res_info, dy)
+    i_prog = _compile(zb.jit_i.lower(params, res_info, dy))
+    held = zb.split.held(res_info, dy, i_prog.out_info[1])
+    w_prog = _compile(zb.jit_w_acc.lower(params, held, param_structs()))
+    i, w = _figures(i_prog, m), _figures(w_prog, m)
     fused = None
     if prog.last:       # the loss layer's F and B as one program (pipeline.fuse_loss_chunk): its temp
         extra = [None, mstate] if prog.stateful else []
@@ -142,16 +166,21 @@ def profile_one(source: dict, req: dict, memo: dict | None = None) -> dict:
                          m)["temp"]
     colls = [["fwd", k, by, [list(x) for x in gs]] for k, by, gs in f["colls"]]
     colls += [["bwd", k, by, [list(x) for x in gs]] for k, by, gs in g["colls"]]
-    return {"flops": {"fwd": f["flops"], "bwd": g["flops"]},
-            "bytes_accessed": {"fwd": f["bytes"], "bwd": g["bytes"]},
+    for phase, fig in (("i", i), ("w", w)):
+        colls += [[phase, k, by, [list(x) for x in gs]] for k, by, gs in fig["colls"]]
+    return {"flops": {"fwd": f["flops"], "bwd": g["flops"], "i": i["flops"], "w": w["flops"]},
+            "bytes_accessed": {"fwd": f["bytes"], "bwd": g["bytes"], "i": i["bytes"], "w": w["bytes"]},
             "residual_bytes": f["out"], "temp_bytes": max(f["temp"], g["temp"]),
+            "held_bytes": _device_bytes(held), "split_temp_bytes": max(f["temp"], i["temp"], w["temp"]),
             "collectives": colls, "compile_s": time.perf_counter() - t0,
             **({"fused_temp_bytes": fused} if fused is not None else {})}
 
 
 def main() -> int:
+    from orchestrator.core.planner.profile import PROTOCOL
+
     request = json.loads(sys.stdin.read())
-    if request.get("protocol") != 2:
+    if request.get("protocol") != PROTOCOL:
         print(f"aot_profile: unsupported protocol {request.get('protocol')!r}", file=sys.stderr)
         return 2
     memo: dict = {}

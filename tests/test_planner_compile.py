@@ -142,3 +142,36 @@ def test_worker_shortcuts_leave_profiles_unchanged(monkeypatch):
         a.pop("compile_s"), b.pop("compile_s")
         assert a == b
     assert "fused_temp_bytes" in quick[0] and quick[1]["flops"]["fwd"] > quick[0]["flops"]["fwd"]
+
+
+def test_profiled_i_plus_w_is_within_1_2x_of_b_and_held_matches_the_stage_program(tmp_path):
+    # the zero-bubble I and W the worker compiles are the stage program's cut of its backward:
+    # per layer of the GPT (embedding, block, head; one device and Megatron on two) I + W costs
+    # within 1.2x of B through the cost model, and what I keeps for W equals what
+    # benchmarks/stage_bytes.py counts from the stage program's shapes (one device)
+    from benchmarks.stage_bytes import kept_bytes, stage_operands
+    from orchestrator.core.model.registry import build_model
+    from orchestrator.core.planner.cost import MeshChoice, layer_cost, layer_request
+    from orchestrator.core.planner.topology import from_cluster
+    from stages.program import StageProgram, make_optimizer
+
+    spec = build_spec("gpt", {"blocks": 2}, seq_len=32)
+    model = from_spec(spec, "gpt", {"blocks": 2}, 32)
+    topo = from_cluster(load_cluster(ROOT / "cluster_configs" / "local.yaml"))
+    layers = [model.layers[0], model.layers[1], model.layers[-1]]
+    choices = [MeshChoice(1, 1, ("data", "model"), (), "dp"), MeshChoice(1, 2, ("data", "model"), MEGATRON, "megatron")]
+    reqs = [layer_request(layer, c, b) for layer in layers for c in choices for b in (1, 2)]
+    got = Profiler("stages.aot_profile", tmp_path).profile(model.source, reqs)
+    for layer in layers:
+        for c in choices:
+            cost = layer_cost(layer, c, 2, topo, 0, got)
+            assert got[layer_request(layer, c, 2)].split
+            assert cost.bwd_s / 1.2 <= cost.i_s + cost.w_s <= 1.2 * cost.bwd_s, (layer.name, c.label(), cost)
+    built = build_model(spec.factory, spec.args)
+    for layer in layers:
+        prog = StageProgram(spec, built, layer.index, layer.index + 1, microbatches=1,
+                            optimizer=make_optimizer("sgd", {"learning_rate": 0.1}))
+        want = kept_bytes(prog, *stage_operands(prog, 2, 32, model.layers[0].out_shape[-1]))
+        prof = got[layer_request(layer, choices[0], 2)]
+        assert prof.held_bytes == want["I"], layer.name
+        assert prof.held_bytes <= prof.residual_bytes or layer.index == 0

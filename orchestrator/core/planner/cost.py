@@ -37,6 +37,12 @@ b = B / (D·F) examples, and F and B each all-gather the layer's parameters over
 before the `data` all-reduce of its shard — each collective charged on the link class its
 axis's groups span, as above.
 
+Zero-bubble (ZB-H1): where the profile has the split backward (`LayerProfile.split`), I and W
+are charged like B from their own compiled programs (`LayerCost.i_s`, `w_s`): I with its
+collectives and the fsdp all-gather, W with its collectives, the `data` all-reduce and the fsdp
+reduce-scatter; `held_bytes` is what I keeps for W. A profile without the split (synthetic)
+falls back to half of B each and the residuals as held.
+
 Remat (`MeshChoice.remat`, the stage's `remat:`): under `full` each layer runs under
 `jax.checkpoint` (how `stages.program` applies it, part by part), so a microbatch
 keeps only each layer's input between F and B (b examples of the previous layer's
@@ -153,6 +159,10 @@ class LayerCost:
     fused_temp_bytes: float = 0.0      # temp when this (loss) layer's F and B run as one program
     fsdp_comm_s: float = 0.0           # the fsdp axis's parameter all-gathers and gradient reduce-scatter
     fsdp_bytes: float = 0.0            # their bytes per device per microbatch
+    i_s: float = 0.0                   # zero-bubble I (input gradient), W (weight gradients + accumulate)
+    w_s: float = 0.0
+    held_bytes: float = 0.0            # what I keeps for W per microbatch
+    split_temp_bytes: float = 0.0      # the largest temp of F, I and W
 
 
 def optimizer_slots(name: str, args: Mapping[str, object] | None = None) -> int:
@@ -252,6 +262,8 @@ def layer_cost(layer: PlanLayer, choice: MeshChoice, micro: int, topo: Topology,
     comm = {"fwd": 0.0, "bwd": 0.0}
     tp_bytes = 0.0
     for phase, kind, nbytes, groups in prof.collectives:
+        if phase not in comm:       # the zero-bubble I and W programs' own (`_split_times`)
+            continue
         k = max(len(g) for g in groups)
         cls = _group_class(topo, first_host, choice, max(groups, key=len), "model") if choice.model > 1 else "host"
         comm[phase] += collective_time(kind, nbytes, k, topo.collective_link(cls))
@@ -287,8 +299,27 @@ def layer_cost(layer: PlanLayer, choice: MeshChoice, micro: int, topo: Topology,
         raise ValueError(f"remat = {choice.remat!r}: the planner models none and full only")
     # F+B as one program: what XLA compiled for it, else the residuals inside it next to the temporaries
     fused = resid + temp if fused is None else fused + max(0.0, gathered - pbytes)
+    if prof.split:
+        i_s, w_s = _split_times(prof, topo, first_host, choice, fsdp, dp)
+        held, split_temp = float(prof.held_bytes), float(prof.split_temp_bytes or 0.0) + max(0.0, gathered - pbytes)
+        if choice.remat == "full":      # I recomputes the forward (the input-gradient chain needs its residuals)
+            i_s, split_temp = i_s + fwd, max(split_temp, prof.residual_bytes)
+    else:                               # not compiled (synthetic profiles): half of B each, F's residuals held
+        i_s, w_s, held, split_temp = bwd / 2, bwd / 2, resid, temp
     return LayerCost(fwd, bwd, compute_s, tp_s, dp, pbytes, resid, temp, tp_bytes, pbytes if choice.data > 1 else 0.0,
-                     float(layer.state_bytes), fused, fsdp_s, fsdp_bytes)
+                     float(layer.state_bytes), fused, fsdp_s, fsdp_bytes, i_s, w_s, held, split_temp)
+
+
+def _split_times(prof: LayerProfile, topo: Topology, first_host: int, choice: MeshChoice,
+                 fsdp: Mapping[str, float], dp: float) -> tuple[float, float]:
+    """(I, W) seconds of a profile with the split backward, without remat (module docstring)."""
+    t = {ph: max(prof.flops[ph] / topo.flops, prof.bytes_accessed[ph] / topo.memory_bandwidth) for ph in ("i", "w")}
+    for phase, kind, nbytes, groups in prof.collectives:
+        if phase in t:
+            cls = _group_class(topo, first_host, choice, max(groups, key=len), "model") if choice.model > 1 else "host"
+            t[phase] += collective_time(kind, nbytes, max(len(g) for g in groups), topo.collective_link(cls))
+    ag = fsdp["fwd"]        # F's all-gather; B's fsdp time is that gather again plus the reduce-scatter
+    return t["i"] + ag, t["w"] + dp + fsdp["bwd"] - ag
 
 
 def fsdp_axis(model_axes, rules: tuple[tuple[str, str], ...]) -> Optional[str]:

@@ -5,7 +5,8 @@ Basic flow:
     reqs = [ProfileRequest(layer.signature, layer.index, model_size, rules, b) ...]
     profiles = Profiler(worker="stages.aot_profile", cache_dir=...).profile(model, reqs)
 
-A request asks for one layer's forward and backward(+accumulate) compiled on a
+A request asks for one layer's forward, backward(+accumulate) and zero-bubble I and
+W(+accumulate) (the backward cut in two as `stages.program` runs it) compiled on a
 `(data=1, model=M)` mesh with `b` examples per data shard and layout rules
 `rules` (logical axis → "model"; batch → data). Per device, a stage on a
 `(D, M)` mesh with microbatch D·b runs exactly that program plus the gradient
@@ -16,7 +17,10 @@ Each profile is read from the compiled executable: `cost_analysis()` (flops,
 bytes accessed), `memory_analysis()` (argument, output = the forward's residuals,
 temp; for the loss layer also the temp of its F+B as one program, what
 `pipeline.fuse_loss_chunk` runs) and the collectives in `as_text()` (kind, bytes per device, replica groups
-as positions along `model`). The worker runs in a subprocess started with
+as positions along `model`). Phases: "fwd", "bwd", and "i", "w" for the split backward, whose
+profile also carries `held_bytes`, what I keeps for W per device (the kept residual and
+output-cotangent leaves plus what I computes for W, from the I program's shapes and shardings),
+and `split_temp_bytes`, the largest temp of F, I and W. The worker runs in a subprocess started with
 `XLA_FLAGS=--xla_force_host_platform_device_count=N` and `JAX_PLATFORMS=cpu`
 before jax is imported there; the caller's process and environment are never
 touched. Results are cached as JSON files keyed by (worker protocol, jax
@@ -42,7 +46,7 @@ import numpy as np
 __all__ = ["ProfileRequest", "LayerProfile", "Profiler", "ProfileError", "parse_collectives",
            "PROTOCOL", "linear"]
 
-PROTOCOL = 2     # 2: the loss layer's fused F+B temp (fused_temp_bytes)
+PROTOCOL = 3     # 2: the loss layer's fused F+B temp (fused_temp_bytes); 3: the I and W phases, held_bytes
 _DTYPE_BYTES = {"f64": 8, "f32": 4, "f16": 2, "bf16": 2, "s64": 8, "s32": 4, "s16": 2, "s8": 1,
                 "u64": 8, "u32": 4, "u16": 2, "u8": 1, "pred": 1, "c64": 8, "c128": 16}
 _KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
@@ -69,10 +73,13 @@ class ProfileRequest:
 
 @dataclass(frozen=True)
 class LayerProfile:
-    """Per-device figures of one layer's programs (forward "fwd", backward+accumulate "bwd").
+    """Per-device figures of one layer's programs (forward "fwd", backward+accumulate "bwd", and
+    where compiled the zero-bubble input-gradient "i" and weight-gradient+accumulate "w").
 
     `collectives`: (phase, kind, bytes, groups) with groups as tuples of positions
     along the `model` axis. `compile_s` is 0 for a profile read from the cache.
+    `held_bytes`: what the I program keeps for W; `split_temp_bytes`: the largest temp of
+    F, I and W (None for both when the split was not compiled).
     """
 
     flops: Mapping[str, float]
@@ -83,13 +90,22 @@ class LayerProfile:
     compile_s: float = 0.0
     cached: bool = False
     fused_temp_bytes: float | None = None   # the loss layer's F+B as one program (fuse_loss_chunk): its temp
+    held_bytes: float | None = None         # zero-bubble: what I keeps for W, per device
+    split_temp_bytes: float | None = None   # zero-bubble: the largest temp of F, I and W
+
+    @property
+    def split(self) -> bool:
+        """Whether the zero-bubble I and W programs were profiled."""
+        return "i" in self.flops and "w" in self.flops and self.held_bytes is not None
 
     def to_json(self) -> dict:
         return {"flops": dict(self.flops), "bytes_accessed": dict(self.bytes_accessed),
                 "residual_bytes": self.residual_bytes, "temp_bytes": self.temp_bytes,
                 "collectives": [[p, k, b, [list(g) for g in gs]] for p, k, b, gs in self.collectives],
                 "compile_s": self.compile_s,
-                **({"fused_temp_bytes": self.fused_temp_bytes} if self.fused_temp_bytes is not None else {})}
+                **({"fused_temp_bytes": self.fused_temp_bytes} if self.fused_temp_bytes is not None else {}),
+                **({"held_bytes": self.held_bytes} if self.held_bytes is not None else {}),
+                **({"split_temp_bytes": self.split_temp_bytes} if self.split_temp_bytes is not None else {})}
 
     @staticmethod
     def from_json(d: Mapping[str, Any], cached: bool = False) -> "LayerProfile":
@@ -99,7 +115,8 @@ class LayerProfile:
                             {k: float(v) for k, v in d["bytes_accessed"].items()},
                             float(d["residual_bytes"]), float(d["temp_bytes"]), colls,
                             0.0 if cached else float(d.get("compile_s", 0.0)), cached,
-                            None if d.get("fused_temp_bytes") is None else float(d["fused_temp_bytes"]))
+                            *(None if d.get(k) is None else float(d[k])
+                              for k in ("fused_temp_bytes", "held_bytes", "split_temp_bytes")))
 
 
 def linear(p1: LayerProfile, p2: LayerProfile, b: float) -> LayerProfile:
@@ -111,6 +128,9 @@ def linear(p1: LayerProfile, p2: LayerProfile, b: float) -> LayerProfile:
     """
     def lin(a: float, c: float) -> float:
         return max(0.0, a + (c - a) * (b - 1))
+
+    def lin_opt(a: float | None, c: float | None) -> float | None:
+        return None if a is None or c is None else lin(a, c)
 
     keys = sorted(set(p1.flops) | set(p2.flops))
     c1: dict = {}
@@ -124,8 +144,9 @@ def linear(p1: LayerProfile, p2: LayerProfile, b: float) -> LayerProfile:
                         {k: lin(p1.bytes_accessed.get(k, 0), p2.bytes_accessed.get(k, 0)) for k in keys},
                         lin(p1.residual_bytes, p2.residual_bytes), lin(p1.temp_bytes, p2.temp_bytes),
                         tuple(c for c in colls if c[2] > 0),
-                        fused_temp_bytes=None if p1.fused_temp_bytes is None or p2.fused_temp_bytes is None
-                        else lin(p1.fused_temp_bytes, p2.fused_temp_bytes))
+                        fused_temp_bytes=lin_opt(p1.fused_temp_bytes, p2.fused_temp_bytes),
+                        held_bytes=lin_opt(p1.held_bytes, p2.held_bytes),
+                        split_temp_bytes=lin_opt(p1.split_temp_bytes, p2.split_temp_bytes))
 
 
 # ----------------------------------------------------------------------------- HLO collectives

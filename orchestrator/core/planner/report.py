@@ -93,6 +93,7 @@ def candidate_json(c: Candidate) -> dict[str, Any]:
                         "inflight": s.inflight, "tp_bytes": s.tp_bytes, "dp_bytes": s.dp_bytes,
                         "fsdp_bytes": s.fsdp_bytes, "fsdp_comm_s": s.fsdp_comm_s,
                         **({"chunks": [list(r) for r in s.chunks]} if s.chunks else {}),
+                        **({"i_s": s.i_s, "w_s": s.w_s, "held_bytes": s.held_bytes} if c.schedule == "zb-h1" else {}),
                         "overhead_s": s.overhead_s,
                         "compute_s": s.compute_s, "tp_comm_s": s.tp_comm_s, "dp_comm_s": s.dp_comm_s}
                        for s in c.stages],

@@ -26,8 +26,11 @@ Basic flow of `search(model, topo, global_batch, profile=...)`:
      instead (small spaces; the tests compare the two).
 
 Schedules: 1f1b, gpipe, and zb-h1 where this JAX runs it (≥ 0.10, as `check_job`
-requires; its I and W each cost half of B in the simulator's replay, its memory counts
-a microbatch from F to W). interleaved-1f1b (v ∈ `SearchOptions.virtual_stages` chunks
+requires). A zb-h1 plan is replayed with each stage's I and W from the layers' compiled
+I and W programs (`cost.LayerCost.i_s`, `w_s`), and its memory is the stage's peak of
+`orchestrator.core.schedule.stash_timeline` (F keeps the residuals until I, I keeps what W
+reads until W: `held_bytes`); the DP before the replay still costs its stages by F + B and
+counts a microbatch's residuals from F to W (an upper bound where I keeps less than F). interleaved-1f1b (v ∈ `SearchOptions.virtual_stages` chunks
 per stage) is planned apart, after the DP (`interleave.py`, `_search_interleaved`):
 one host count for every stage, a balanced cut into p·v virtual stages.
 
@@ -113,6 +116,9 @@ class StageChoice:
     chunks: tuple[tuple[int, int], ...] = ()    # interleaved: the stage's layer ranges (layers = chunks[0])
     fsdp_comm_s: float = 0.0    # the fsdp axis's all-gathers and reduce-scatter per microbatch (in fwd_s, bwd_s)
     fsdp_bytes: float = 0.0
+    i_s: float = 0.0            # zero-bubble I and W per microbatch (with the per-action overhead)
+    w_s: float = 0.0
+    held_bytes: float = 0.0     # what I keeps for W per microbatch
 
 
 @dataclass(frozen=True)
@@ -583,36 +589,44 @@ def _min_memory(stage_tab, infl, L, H, topo):
 def evaluate(model, topo, choices, tables, stages, m, sched, infl, global_batch, slots, fused=False) -> Candidate:
     """Replay one plan in the schedule simulator: per-stage F/B/OPT and per-edge transfer times.
 
-    Every F, B and OPT action of every stage costs `topo.action_overhead_s` on top of its
+    Every F, B, I, W and OPT action of every stage costs `topo.action_overhead_s` on top of its
     device time, and every stage-edge transfer `topo.transfer_overhead_s` on top of its
     link's α-β time (the runtime's fixed costs, `meshpipe calibrate`). Memory per device is
-    `tables.stage_memory` (`fused`: the loss layer's F+B as one program on the last stage).
+    `tables.stage_memory` (`fused`: the loss layer's F+B as one program on the last stage;
+    zero-bubble: the stage's `stash_timeline` peak of F residuals and I's held-for-W bytes).
     """
-    from orchestrator.core.schedule import simulate
+    from orchestrator.core.schedule import simulate, stash_timeline
 
     micro = global_batch // m
     over = topo.action_overhead_s
+    low = _lowered(sched, len(stages), m)
+    parts = [tables[(k, ci, m)].parts[i:j] for i, j, h, k, ci in stages]
+    stash = [None] * len(stages)
+    if sched == "zb-h1":
+        stash = stash_timeline(low, [{"F": sum(c.residual_bytes for c in cols), "I": sum(c.held_bytes for c in cols)}
+                                     for cols in parts]).peak
     out = []
     for s, (i, j, h, k, ci) in enumerate(stages):
         t = tables[(k, ci, m)]
-        cols = t.parts[i:j]
+        cols = parts[s]
         fuse_here = fused and j == model.num_layers
-        mem = stage_memory(cols, slots, infl[s], fuse_here)
+        mem = stage_memory(cols, slots, infl[s], fuse_here, stash[s])
         out.append(StageChoice((i, j), (h, k), choices[k][ci], float(t.fwd[i:j].sum()) + over,
                                float(t.bwd[i:j].sum()) + over, float(t.opt[i:j].sum()) + over,
                                sum(c.compute_s for c in cols),
                                sum(c.tp_comm_s for c in cols), sum(c.dp_comm_s for c in cols), mem, infl[s],
                                sum(c.tp_bytes for c in cols), sum(c.dp_bytes for c in cols), over,
                                sum(c.state_bytes for c in cols), fuse_here, (),
-                               sum(c.fsdp_comm_s for c in cols), sum(c.fsdp_bytes for c in cols)))
+                               sum(c.fsdp_comm_s for c in cols), sum(c.fsdp_bytes for c in cols),
+                               sum(c.i_s for c in cols) + over, sum(c.w_s for c in cols) + over,
+                               sum(c.held_bytes for c in cols)))
     edges = []
     for a, b in zip(out, out[1:]):
         nbytes = model.layers[a.layers[1] - 1].out_bytes(micro)
         cls = topo.class_of_hosts([a.hosts[0] + a.hosts[1] - 1, b.hosts[0]])
         edges.append({"edge": [len(edges), len(edges) + 1], "bytes": nbytes, "link": cls,
                       "time_s": topo.edge_time(cls, nbytes)})
-    low = _lowered(sched, len(out), m)
-    costs = [{"F": st.fwd_s, "B": st.bwd_s, "OPT": st.opt_s} for st in out]
+    costs = [{"F": st.fwd_s, "B": st.bwd_s, "I": st.i_s, "W": st.w_s, "OPT": st.opt_s} for st in out]
     sim = simulate(low, costs, [e["time_s"] for e in edges] if edges else 0.0)
     return Candidate(tuple(out), m, sched, float(sim.step_time), float(sim.bubble_fraction), tuple(edges))
 

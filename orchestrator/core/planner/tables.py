@@ -53,9 +53,16 @@ def layer_table(cols, slots: int, memory_bandwidth: float) -> Table:
                  arr("temp_bytes"), arr("state_bytes"), arr("fused_temp_bytes"), cols)
 
 
-def stage_memory(cols, slots: int, inflight: int, fused: bool) -> float:
+def stage_memory(cols, slots: int, inflight: int, fused: bool, stash: float | None = None) -> float:
     """Per-device bytes of a stage running layers `cols` (their `LayerCost`s), `fused`: the last
-    of them is the loss layer and its F+B run as one program (module docstring)."""
+    of them is the loss layer and its F+B run as one program (module docstring).
+
+    `stash`: a zero-bubble stage's peak of what it keeps between actions (`stash_timeline` over
+    the F residuals and I's held-for-W bytes) in place of `inflight` × residuals; the temporary
+    is then the largest of its F, I and W programs'."""
+    if stash is not None:
+        return device_bytes(sum(c.param_bytes for c in cols), sum(c.state_bytes for c in cols), stash,
+                            slots=slots, inflight=1, temp=max(c.split_temp_bytes for c in cols))
     resid = [c.residual_bytes for c in cols]
     temps = [c.temp_bytes for c in cols]
     if fused:
