@@ -364,8 +364,8 @@ def calibrate(cluster_path: str, *, out: Optional[str] = None, force: bool = Fal
              f"(tiny 2-stage run: {over['two_stage']['measured_step_s'] * 1e3:.2f} ms per step; median of "
              f"{len(over['rounds'])} rounds' fits)")
         if "direct" in over:
-            echo(("" if over["direct"]["agrees"] else "WARNING: ") + over["direct"]["check"]
-                 + ("" if over["direct"]["agrees"] else "; the machine was probably busy: calibrate again when "
-                    "it is quiet"))
+            spans = over["transfer_source"] == "spans"
+            echo(("WARNING: " if spans else "") + over["direct"]["check"]
+                 + ("; the machine was probably busy: calibrate again when it is quiet" if spans else ""))
     echo(f"wrote {path} (load average {load0[0]:.1f} -> {load1[0]:.1f}; per overhead round {loads})")
     return report
