@@ -176,7 +176,7 @@ def main(argv=None) -> int:
                     "protocol": {"steps": args.steps, "warmup_dropped": args.warmup, "top_repeated": args.top,
                                  "repeats": args.repeats, "order": "round 1 shuffled (seed 0); round 2 alternating"}},
            "label": args.label, "machine": info, "load_avg": loads,
-           "calibrated": {"device": cal["device"], "links": {k: {kk: vv for kk, vv in v.items() if kk != "samples"}
+           "calibrated": {"device": cal["device"], "all_busy": cal.get("all_busy"), "links": {k: {kk: vv for kk, vv in v.items() if kk != "samples"}
                                                               for k, v in cal["links"].items()},
                           "collective_links": cal.get("collective_links", {}),
                           "overhead": cal.get("overhead")},
@@ -228,6 +228,14 @@ def summarize(plans: list[tuple[str, float, float]], runs: dict[int, list[dict]]
             "verdict": verdict, "rows": rows}
 
 
+def _busy(ab) -> str:
+    """The all-hosts-busy device figures in one phrase (calibrate's `all_busy`)."""
+    if not ab:
+        return "not measured"
+    return (f"{ab['flops_per_device'] / 1e9:.3g} GFLOP/s, {ab['bandwidth_per_device'] / 1e9:.3g} GB/s per device "
+            f"(slowest host; windows overlapped {ab['overlap']['matmul']:.0%} / {ab['overlap']['elementwise']:.0%})")
+
+
 def _us(seconds) -> str:
     return "?" if seconds is None else f"{seconds * 1e6:.0f}"
 
@@ -255,7 +263,9 @@ def render(out: dict) -> str:
           f"calibrated: device {out['calibrated']['device']}, links {out['calibrated']['links']}, collectives across "
           f"hosts {out['calibrated'].get('collective_links', {})}, per-action / per-transfer overhead "
           f"{_us((out['calibrated'].get('overhead') or {}).get('action_overhead_s'))} / "
-          f"{_us((out['calibrated'].get('overhead') or {}).get('transfer_overhead_s'))} µs", "",
+          f"{_us((out['calibrated'].get('overhead') or {}).get('transfer_overhead_s'))} µs (transfer from the "
+          f"{(out['calibrated'].get('overhead') or {}).get('transfer_source', 'fit')}); all hosts busy at once: "
+          + _busy(out['calibrated'].get('all_busy')), "",
           f"**{out['verdict']}**", "",
           f"auto pick: #{out['auto']['plan']} {out['auto']['describe']} — measured {out['auto']['measured_s'] * 1e3:.2f} ms, "
           f"rank {out['auto']['measured_rank']} of {out['plans_measured']} measured", "",

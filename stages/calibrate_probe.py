@@ -9,7 +9,12 @@ Basic flow (driven by `orchestrator.driver.calibrate`):
      the way a stage program is (one shard per device): a batched N×N matmul
      (per-device FLOP/s = 2N³ / time) and an elementwise `x·a + b` over a large
      array (per-device bytes/s = 2 × shard bytes / time); also a one-device matmul
-     and a tiny sharded program's dispatch time, for the record.
+     and a tiny sharded program's dispatch time, for the record. The same two programs
+     timed on every host at once: `prepare_device()` on each (build, compile, warm up),
+     then `time_device(which, start_at)` on each, which sleeps until the wall-clock
+     `start_at` the driver gives them all and repeats the program for at least
+     `min_s` (the median of the repetitions; the start and end come back so the driver
+     can check the hosts' windows overlapped; across machines the clocks' skew shifts them).
   2. `collectives(sizes)` — all-reduce and all-gather over the host's devices at
      each size (bytes per device, the convention of `planner.topology`), through
      `shard_map`; the driver fits α-β to them (`planner.calibrate.fit_alpha_beta`).
@@ -94,8 +99,8 @@ class CalibrationProbe:
 
         return jax.make_array_from_callback(shape, sharding, lambda idx: np.ones(shape, np.float32)[idx])
 
-    def device(self, n: int = 384, elems: int = 1 << 22, reps: int = 5) -> dict:
-        """Per-device matmul FLOP/s and memory bandwidth, all devices busy at once (module doc)."""
+    def prepare_device(self, n: int = 384, elems: int = 1 << 22) -> dict:
+        """Build, compile and warm up `device()`'s sharded matmul and elementwise programs; their sizes."""
         import jax
         import jax.numpy as jnp
         from jax.sharding import NamedSharding, PartitionSpec as P
@@ -106,10 +111,41 @@ class CalibrationProbe:
         a = jax.device_put(jnp.ones((k, n, n), jnp.float32) * 0.5, sh)
         b = jax.device_put(jnp.ones((k, n, n), jnp.float32) * 0.25, sh)
         mm = jax.jit(lambda x, y: jnp.einsum("kij,kjl->kil", x, y), out_shardings=sh)
-        t_mm = _median_time(lambda: mm(a, b).block_until_ready(), reps)
         x = jax.device_put(jnp.ones((k, elems), jnp.float32), sh)
         ew = jax.jit(lambda v: v * 1.5 + 1.0, out_shardings=sh)
-        t_ew = _median_time(lambda: ew(x).block_until_ready(), reps)
+        self._programs = {"matmul": lambda: mm(a, b).block_until_ready(),
+                          "elementwise": lambda: ew(x).block_until_ready()}
+        for fn in self._programs.values():
+            fn()                                                   # compile / warm-up
+        self._device_arrays = (a, b, sh)
+        return {"devices": k, "matmul_n": n, "elementwise_bytes_per_device": 8 * elems}
+
+    def time_device(self, which: str, start_at: float = 0.0, min_s: float = 0.3, reps: int = 5) -> dict:
+        """Time a prepared program (`matmul` | `elementwise`) from wall-clock `start_at` (`time.time()`;
+        0: now) for at least `reps` repetitions and `min_s` seconds; the median and the window."""
+        fn = self._programs[which]
+        wait = start_at - time.time()
+        if wait > 0:
+            time.sleep(wait)
+        start = time.time()
+        times = []
+        while len(times) < reps or time.time() - start < min_s:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return {"which": which, "seconds": statistics.median(times), "reps": len(times), "start": start,
+                "end": time.time(), "late_s": max(0.0, -wait)}
+
+    def device(self, n: int = 384, elems: int = 1 << 22, reps: int = 5) -> dict:
+        """Per-device matmul FLOP/s and memory bandwidth, all devices of this host busy at once (module doc)."""
+        import jax
+        import jax.numpy as jnp
+
+        size = self.prepare_device(n, elems)
+        k = size["devices"]
+        t_mm = self.time_device("matmul", reps=reps)["seconds"]
+        t_ew = self.time_device("elementwise", reps=reps)["seconds"]
+        a, b, sh = self._device_arrays
         d0 = jax.devices()[0]
         a1, b1 = jax.device_put(a[0], d0), jax.device_put(b[0], d0)
         mm1 = jax.jit(lambda x, y: x @ y)

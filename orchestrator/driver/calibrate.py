@@ -6,8 +6,13 @@ Basic flow:
   2. Connect to Ray as `meshpipe run` does (`address: null`: an embedded local Ray)
      and reserve one bundle per cluster host (the job's own placement rules: one
      placement group, each probe in its host's bundle with the backend's env).
-  3. Probes (`stages.calibrate_probe`): host 0 times its devices (matmul FLOP/s,
-     memory bandwidth, with every device of the host busy) and its mesh's
+  3. Probes (`stages.calibrate_probe`): host 0 times its devices alone (matmul FLOP/s,
+     memory bandwidth, with every device of the host busy, the other hosts idle) →
+     `device.lone_*`; then every host times the same programs AT ONCE (each compiles
+     first, then all start at one wall-clock time the driver picks, `START_S` ahead) →
+     `device.tflops` / `memory_bandwidth_gbps`, the slowest host's figure
+     (`planner.calibrate.all_busy`; each host's own and the timing windows' overlap go
+     in the report). Host 0 then times its mesh's
      all-reduce / all-gather over a size sweep → `links.host`; probe pairs send
      over meshpipe's socket transport → the class the pair spans (hosts 0 and 1:
      `group` with node groups, else `dcn`; with node groups also 0 and the first
@@ -23,11 +28,13 @@ Basic flow:
      F/B/OPT costing o, replays its measured step); with two hosts, two 1-host stages
      give the per-transfer overhead (each edge at the fitted link's α-β time plus it,
      o per action) (`planner.calibrate.fit_overhead`; the tiny model's compute is
-     neglected). Load only slows a run, so the least-loaded round's figures are kept
-     (`fit_rounds`), the load average is recorded per round, and the per-transfer
-     overhead is checked against the transfers read off the two-stage run's
-     SEND/RECV spans (`direct_transfers`; the spans' wall clocks are comparable on
-     one machine, within clock skew across machines).
+     neglected). The medians of the rounds' fits are kept (`fit_rounds`; each
+     round's per-transfer fit at its own per-action one), the load average is
+     recorded per round, and the per-transfer overhead is checked against the
+     transfers read off the two-stage runs' SEND/RECV spans, all rounds pooled
+     (`direct_transfers`, `choose_transfer`: where the fit is implausible the spans'
+     figure is written, and the report says which; the spans' wall clocks are
+     comparable on one machine, within clock skew across machines).
   5. Write the cluster YAML with the measured figures (`planner.calibrate`), load it
      back, and report. An embedded Ray we started is stopped.
 Every remote wait has a deadline (`cluster.timeouts.init_s` to start, `CALL_S` per
@@ -49,8 +56,8 @@ import yaml
 from orchestrator.core.config import check_job, load_cluster, load_job, load_raw
 from orchestrator.core.config.check import StagePlan
 from orchestrator.core.planner.calibrate import (CalibrationError, Sample, calibrated_raw, destination,
-                                                 direct_transfers, fit_alpha_beta, fit_rounds, transfer_sanity,
-                                                 write_calibrated)
+                                                 all_busy, choose_transfer, direct_transfers, fit_alpha_beta,
+                                                 fit_rounds, write_calibrated)
 from orchestrator.core.planner.topology import from_cluster
 
 __all__ = ["calibrate", "CalibrationError", "COLLECTIVE_SIZES", "SEND_SIZES", "ROUNDS"]
@@ -59,7 +66,8 @@ CALL_S = 300.0                                  # one measurement call's deadlin
 COLLECTIVE_SIZES = [1 << 14, 1 << 17, 1 << 20, 1 << 22]     # bytes per device
 SEND_SIZES = [1 << 12, 1 << 16, 1 << 20, 1 << 22]           # bytes per send
 TINY_STEPS, TINY_M = 8, 4
-ROUNDS = 3                                      # rounds of the tiny runs (the least loaded is kept)
+ROUNDS = 3                                      # rounds of the tiny runs (the medians of their fits are kept)
+START_S = 1.0                                   # how far ahead the hosts' common start time is set
 
 
 def _probe_checked(cluster):
@@ -92,6 +100,7 @@ def _probes(cluster, echo, run: str) -> dict:
         infos = wait_all([a.info.remote() for a in actors], init_s, "starting calibration probes", labels)
         echo(f"probes up on {len(actors)} host(s): {infos[0]['devices']} {infos[0]['platform']} device(s) each")
         dev = wait_all([actors[0].device.remote()], CALL_S, "timing host 0's devices", labels[:1])[0]
+        busy = _all_busy(actors, labels) if len(actors) > 1 else None
         samples = {}
         coll = wait_all([actors[0].collectives.remote(COLLECTIVE_SIZES)], CALL_S, "timing host 0's collectives",
                         labels[:1])[0]
@@ -129,11 +138,29 @@ def _probes(cluster, echo, run: str) -> dict:
             echo(f"collectives across hosts {a} and {b} ({cls}): {len(collectives[cls])} timings")
             for w in world:
                 ray.kill(w, no_restart=True)
-        return {"device": dev, "samples": samples, "collectives": collectives, "pairs": pairs, "probes": infos}
+        return {"device": dev, "all_busy": busy, "samples": samples, "collectives": collectives, "pairs": pairs,
+                "probes": infos}
     finally:
         for a in actors:
             ray.kill(a, no_restart=True)
         remove_placement_group(pg)
+
+
+def _all_busy(actors: list, labels: list[str]) -> dict:
+    """Every host times its devices' matmul and elementwise programs at once (module docstring, step 3)."""
+    from orchestrator.driver.waiting import wait_all
+
+    sizes = wait_all([a.prepare_device.remote() for a in actors], CALL_S, "compiling every host's device probes",
+                     labels)
+    got: dict = {}
+    for which in ("matmul", "elementwise"):
+        start = time.time() + START_S
+        got[which] = wait_all([a.time_device.remote(which, start) for a in actors], CALL_S + START_S,
+                              f"timing every host's {which} at once", labels)
+    hosts = [{"host": h, "matmul": got["matmul"][h], "elementwise": got["elementwise"][h]} for h in range(len(actors))]
+    out = all_busy(hosts, sizes[0]["matmul_n"], sizes[0]["elementwise_bytes_per_device"])
+    out["late_s"] = max(r["late_s"] for w in got.values() for r in w)
+    return out
 
 
 def _world(checked, hosts: tuple, index: int, pg, run: str, remote, actors: list) -> list:
@@ -201,8 +228,8 @@ def _tiny_run(cluster, p: int, echo) -> dict:
 
 def _overhead(cluster, cross, echo, rounds: int = ROUNDS) -> dict:
     """Step 4: the per-action overhead (one stage) and the per-transfer overhead (two stages), each
-    the least-loaded of `rounds` rounds (`fit_rounds`), the latter checked against the transfers
-    read off the two-stage runs' spans."""
+    the median of `rounds` rounds' fits (`fit_rounds`), the latter checked against the transfers
+    read off the two-stage runs' spans (`choose_transfer`: the spans' figure where the fit is implausible)."""
     from orchestrator.core.schedule import generate, lower, simulate
 
     low1, low2 = lower(generate("1f1b", 1, TINY_M)), lower(generate("1f1b", 2, TINY_M))
@@ -225,29 +252,29 @@ def _overhead(cluster, cross, echo, rounds: int = ROUNDS) -> dict:
     fit = fit_rounds([r["one_stage"]["measured_step_s"] for r in runs],
                      [r["two_stage"]["measured_step_s"] for r in runs] if two else [], sim_one, sim_two)
     o, e = fit["action_overhead_s"], fit["transfer_overhead_s"]
-    out = {"microbatches": TINY_M, "rounds": [], "action_overhead_s": o, "transfer_overhead_s": e}
+    out = {"microbatches": TINY_M, "rounds": [], "action_overhead_s": o, "transfer_overhead_s": e,
+           "estimator": "median of the rounds' fits"}
     for r, (run, f) in enumerate(zip(runs, fit["rounds"])):
         rec = {"load_avg": run["load_avg"], **f,
-               "one_stage": {k: run["one_stage"][k] for k in ("step_times_s", "measured_step_s")}}
+               "one_stage": {**{k: run["one_stage"][k] for k in ("step_times_s", "measured_step_s")},
+                             "simulated_at_fit_s": sim_one(f["action_overhead_s"])}}
         if two:
-            direct = direct_transfers(run["two_stage"]["spans"])
-            rec["two_stage"] = {k: run["two_stage"][k] for k in ("step_times_s", "measured_step_s")}
-            rec["two_stage"]["direct_transfers_s"] = direct
+            rec["two_stage"] = {**{k: run["two_stage"][k] for k in ("step_times_s", "measured_step_s")},
+                                "simulated_at_fit_s": sim_two(f["action_overhead_s"], f["transfer_overhead_s"])}
+            rec["two_stage"]["direct_transfers_s"] = direct_transfers(run["two_stage"]["spans"])
         out["rounds"].append(rec)
-    best1 = min(range(len(runs)), key=lambda r: fit["rounds"][r]["action_overhead_s"])
-    out["one_stage"] = out["rounds"][best1]["one_stage"]
+    mid1 = statistics.median_low([m["one_stage"]["measured_step_s"] for m in runs])
+    out["one_stage"] = {"measured_step_s": mid1, "simulated_at_fit_s": sim_one(o)}
     if two:
-        best2 = min(range(len(runs)), key=lambda r: fit["rounds"][r]["transfer_overhead_s"])
-        out["two_stage"] = {**out["rounds"][best2]["two_stage"], "simulated_at_fit_s": sim_two(o, e)}
-        direct = [t for rec in out["rounds"] for t in rec["two_stage"]["direct_transfers_s"]]
-        if direct:
-            # the least-loaded round's transfers, as the fit keeps the least-loaded round
-            per_round = [statistics.median(rec["two_stage"]["direct_transfers_s"]) for rec in out["rounds"]
-                         if rec["two_stage"]["direct_transfers_s"]]
-            d = min(per_round)
-            ok, line = transfer_sanity(e, d - link)
-            out["direct"] = {"transfer_s": d, "link_alpha_beta_s": link, "overhead_s": d - link, "agrees": ok,
-                             "check": line}
+        mid2 = statistics.median_low([m["two_stage"]["measured_step_s"] for m in runs])
+        out["two_stage"] = {"measured_step_s": mid2, "simulated_at_fit_s": sim_two(o, e)}
+        pooled = [t for rec in out["rounds"] for t in rec["two_stage"]["direct_transfers_s"]]
+        choice = choose_transfer(e, pooled, link)
+        out["transfer_overhead_s"] = choice["transfer_overhead_s"]
+        out["transfer_source"] = choice["source"]
+        if pooled:
+            out["direct"] = {k: choice[k] for k in ("transfer_s", "link_alpha_beta_s", "overhead_s", "agrees",
+                                                    "check")}
     return out
 
 
@@ -260,7 +287,7 @@ def calibrate(cluster_path: str, *, out: Optional[str] = None, force: bool = Fal
               echo: Callable[[str], None] = print, rounds: int = ROUNDS) -> dict:
     """Measure the cluster and write the calibrated YAML (module docstring); returns the report.
 
-    `rounds`: rounds of the tiny runs that fit the runtime's overheads (the least loaded is kept).
+    `rounds`: rounds of the tiny runs that fit the runtime's overheads (the medians of their fits are kept).
 
     Raises:
       ConfigError: the cluster YAML is invalid.
@@ -290,9 +317,11 @@ def calibrate(cluster_path: str, *, out: Optional[str] = None, force: bool = Fal
     finally:
         if started:
             ray.shutdown()
-    dev = probe["device"]
-    new = calibrated_raw(raw, tflops=dev["flops_per_device"] / 1e12,
-                         memory_bandwidth_gbps=dev["bandwidth_per_device"] / 1e9,
+    dev, busy = probe["device"], probe["all_busy"] or probe["device"]    # one host: all hosts busy = host 0
+    new = calibrated_raw(raw, tflops=busy["flops_per_device"] / 1e12,
+                         memory_bandwidth_gbps=busy["bandwidth_per_device"] / 1e9,
+                         lone_tflops=dev["flops_per_device"] / 1e12,
+                         lone_memory_bandwidth_gbps=dev["bandwidth_per_device"] / 1e9,
                          action_overhead_us=over["action_overhead_s"] * 1e6, links=fits,
                          transfer_overhead_us=None if over["transfer_overhead_s"] is None
                          else over["transfer_overhead_s"] * 1e6, collective_links=coll)
@@ -300,21 +329,28 @@ def calibrate(cluster_path: str, *, out: Optional[str] = None, force: bool = Fal
     loads = " ".join(f"{a:.1f}->{b:.1f}" for a, b in (r["load_avg"] for r in over["rounds"]))
     coll_note = "".join(f"; links.{c}.collectives: one JAX world across hosts" for c in coll)
     header = (f"written by `meshpipe calibrate --cluster {cluster_path}` on {time.strftime('%Y-%m-%d %H:%M:%S %Z')}\n"
-              f"measured: device.* on host 0 ({dev['devices']} devices busy at once), links.{{{','.join(fits)}}} "
+              f"measured: device.tflops/memory_bandwidth_gbps on all {cluster.hosts} host(s) at once (the slowest "
+              f"host's; {dev['devices']} devices each), device.lone_* on host 0 alone, links.{{{','.join(fits)}}} "
               f"(α-β fits{coll_note}), "
-              f"device.*_overhead_us (tiny real runs, least-loaded of {len(over['rounds'])} rounds)\n"
+              f"device.*_overhead_us (tiny real runs, medians of {len(over['rounds'])} rounds' fits"
+              f"{'; transfer from the ' + over['transfer_source'] if 'transfer_source' in over else ''})\n"
               f"load average {load0[0]:.1f} -> {load1[0]:.1f} (1 min; per overhead round {loads}); figures measured "
               "under load are lower bounds of what the cluster can do")
     path = write_calibrated(new, cluster_path, dest, force=force, header=header)
-    report = {"written": str(path), "device": dev, "links": {c: {**f.link(), "samples": f.samples,
+    report = {"written": str(path), "device": dev, "all_busy": probe["all_busy"], "links": {c: {**f.link(), "samples": f.samples,
                                                                    "max_rel_residual": f.max_rel_residual}
                                                                for c, f in fits.items()},
               "collective_links": {c: {**f.link(), "samples": f.samples, "max_rel_residual": f.max_rel_residual}
                                    for c, f in coll.items()},
               "samples": probe["samples"], "collective_samples": probe["collectives"], "pairs": probe["pairs"],
               "overhead": over, "load_avg": [load0[0], load1[0]], "wall_s": time.perf_counter() - t0}
-    echo(f"device: {dev['flops_per_device'] / 1e9:.3g} GFLOP/s per device (one device alone "
+    echo(f"device, host 0 alone: {dev['flops_per_device'] / 1e9:.3g} GFLOP/s per device (one device alone "
          f"{dev['single_device_flops'] / 1e9:.3g}), {dev['bandwidth_per_device'] / 1e9:.3g} GB/s")
+    if probe["all_busy"]:
+        ab = probe["all_busy"]
+        echo(f"device, all {len(ab['hosts'])} hosts at once (slowest host): {ab['flops_per_device'] / 1e9:.3g} "
+             f"GFLOP/s, {ab['bandwidth_per_device'] / 1e9:.3g} GB/s per device (timing windows overlapped "
+             f"{ab['overlap']['matmul']:.0%} / {ab['overlap']['elementwise']:.0%})")
     for c, f in fits.items():
         echo(f"links.{c}: {f.bandwidth / 1e9:.3g} GB/s, {f.latency_s * 1e6:.3g} µs "
              f"({f.samples} samples, largest residual {f.max_rel_residual:.0%})")
@@ -322,13 +358,14 @@ def calibrate(cluster_path: str, *, out: Optional[str] = None, force: bool = Fal
         echo(f"links.{c}.collectives: {f.bandwidth / 1e9:.3g} GB/s, {f.latency_s * 1e6:.3g} µs "
              f"({f.samples} samples, largest residual {f.max_rel_residual:.0%})")
     echo(f"per-action overhead: {over['action_overhead_s'] * 1e6:.0f} µs (tiny 1-stage run: "
-         f"{over['one_stage']['measured_step_s'] * 1e3:.2f} ms per step, least loaded of {len(over['rounds'])})")
+         f"{over['one_stage']['measured_step_s'] * 1e3:.2f} ms per step; median of {len(over['rounds'])} rounds' fits)")
     if over["transfer_overhead_s"] is not None:
-        echo(f"per-transfer overhead: {over['transfer_overhead_s'] * 1e6:.0f} µs (tiny 2-stage run: "
-             f"{over['two_stage']['measured_step_s'] * 1e3:.2f} ms per step, least loaded of {len(over['rounds'])})")
+        echo(f"per-transfer overhead: {over['transfer_overhead_s'] * 1e6:.0f} µs from the {over['transfer_source']} "
+             f"(tiny 2-stage run: {over['two_stage']['measured_step_s'] * 1e3:.2f} ms per step; median of "
+             f"{len(over['rounds'])} rounds' fits)")
         if "direct" in over:
-            echo(("" if over["direct"]["agrees"] else "WARNING: ") + over["direct"]["check"]
-                 + ("" if over["direct"]["agrees"] else "; the machine was probably busy: calibrate again when "
-                    "it is quiet"))
+            spans = over["transfer_source"] == "spans"
+            echo(("WARNING: " if spans else "") + over["direct"]["check"]
+                 + ("; the machine was probably busy: calibrate again when it is quiet" if spans else ""))
     echo(f"wrote {path} (load average {load0[0]:.1f} -> {load1[0]:.1f}; per overhead round {loads})")
     return report

@@ -102,8 +102,12 @@ class DeviceConfig(Frozen):
     """`device:` (optional; `meshpipe plan --auto` only) — what one device can hold and do."""
 
     memory_gb: Optional[PosFloat] = None      # bytes the planner may fill per device (1e9 bytes)
-    tflops: Optional[PosFloat] = None         # sustained float32 TFLOP/s per device
-    memory_bandwidth_gbps: Optional[PosFloat] = None   # GB/s per device
+    tflops: Optional[PosFloat] = None         # sustained float32 TFLOP/s per device, every host computing
+    memory_bandwidth_gbps: Optional[PosFloat] = None   # GB/s per device, every host computing
+    # the same with only ONE host computing (`meshpipe calibrate`: host 0 alone); plans on one host
+    # use them (null: tflops / memory_bandwidth_gbps). They differ where hosts share hardware.
+    lone_tflops: Optional[PosFloat] = None
+    lone_memory_bandwidth_gbps: Optional[PosFloat] = None
     # fixed runtime cost of one pipeline action (F, B, OPT) on a stage, microseconds: dispatch,
     # interpreter, spans, transport bookkeeping (`meshpipe calibrate` measures it; null: 0)
     action_overhead_us: Optional[NonNegFloat] = None

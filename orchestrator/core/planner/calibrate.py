@@ -15,17 +15,37 @@ return timed samples; this module turns them into the cluster's `device:` and
              through the origin. A slope ≤ 0 is refused (the sweep saw no bandwidth).
              The collectives of a mesh axis spanning hosts (one multi-process JAX world)
              are fitted the same way, per cross-host class, into `links.<class>.collectives`.
+  device     per-device FLOP/s and memory bandwidth, timed twice (`all_busy`): on host 0
+             alone (`device.lone_tflops`, `lone_memory_bandwidth_gbps`) and on EVERY host at
+             once from a common start time (`device.tflops`, `memory_bandwidth_gbps`: the
+             slowest host's figure; each host's own is in the report). A pipeline's steady
+             state has every stage's hosts computing together, so the cost model charges
+             the all-busy figure; on a real cluster it equals the lone one, but simulated
+             hosts sharing one machine's cores compute about hosts× slower together. A
+             one-stage plan on ONE host leaves the others idle, so the cost model charges it
+             the lone figure (`Topology.alone`); a plan on some but not all hosts takes the
+             all-busy one — pessimistic only where hosts share hardware, and the
+             alternative (interpolating by the busy fraction) would need a timing per host
+             count for a case that does not arise on a real cluster.
   overhead   the runtime's fixed costs: per action (`device.action_overhead_us`), the o
              for which the schedule simulator, every F, B and OPT costing o, replays the
              step a tiny ONE-stage real run measured; per stage-edge transfer
              (`device.transfer_overhead_us`), the extra e on each edge's α-β time for
              which it replays a tiny TWO-stage run's step with that o (`fit_overhead`,
-             bisection: the simulated step grows monotonically with either). Load on the
-             machine only ever slows a run, so the tiny runs are repeated in rounds and
-             the least-loaded figure is kept (`fit_rounds`: o the minimum of the rounds'
-             fits, e the minimum of the rounds' fits at that o); e is checked against
-             the per-transfer time read directly off a run's SEND/RECV spans
-             (`direct_transfers`, `transfer_sanity`).
+             bisection: the simulated step grows monotonically with either). The tiny runs
+             are repeated in rounds (`fit_rounds`): each round's e is fitted at that
+             round's own o (its two runs ran back to back, so a load both saw cancels), and
+             the figures kept are the MEDIANS of the rounds' fits — robust to one loaded
+             round, where the minimum (the old rule) is biased low: e is a difference of two
+             noisy steps and the smallest of several came out 0. Both are ≥ 0 (bisection
+             from 0). e is then checked against the per-transfer time read directly off the
+             runs' SEND/RECV spans less the link's α-β time (`direct_transfers`,
+             `choose_transfer`). The spans' figure is a transfer's own cost, so a fit well
+             BELOW it (under half and more than `slack_s` under) is implausible — noise
+             pushed it down — and the spans' figure (≥ 0) is written instead. A fit ABOVE it
+             is kept: it is what the simulator must charge per edge to replay the two-stage
+             step, which also holds costs the spans do not show (on simulated hosts sharing
+             cores, both stages' runtime busy at once); the report notes the disagreement.
 
 `calibrated_raw` merges the figures into the cluster's raw YAML dict (everything the
 user wrote is kept; `device.memory_gb` is not measured and stays as written) and
@@ -37,6 +57,7 @@ from __future__ import annotations
 import copy
 import math
 import os
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
@@ -44,7 +65,8 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import yaml
 
 __all__ = ["CalibrationError", "Sample", "Fit", "fit_alpha_beta", "fit_overhead", "fit_rounds", "direct_transfers",
-           "transfer_sanity", "calibrated_raw", "default_out", "destination", "write_calibrated"]
+           "transfer_sanity", "choose_transfer", "all_busy", "calibrated_raw", "default_out", "destination",
+           "write_calibrated"]
 
 
 class CalibrationError(ValueError):
@@ -162,29 +184,33 @@ def fit_rounds(one_stage_s: Sequence[float], two_stage_s: Sequence[float], sim_o
 
     `one_stage_s[r]`, `two_stage_s[r]`: round r's measured steps (seconds; `two_stage_s` empty on
     one host); `sim_one(o)`: the simulated one-stage step with every action costing o;
-    `sim_two(o, e)`: the two-stage step with that o and every edge e more. Load only slows a run,
-    so o is the smallest round's fit and e the smallest round's fit at that o. Returns
-    {"action_overhead_s", "transfer_overhead_s" (None without two-stage rounds), "rounds":
-    [{"action_overhead_s", "transfer_overhead_s"}] (each round's own fits, for the record)}.
+    `sim_two(o, e)`: the two-stage step with that o and every edge e more. Round r's o_r is
+    fitted to its one-stage step and its e_r to its two-stage step at o_r; o and e are the
+    medians of the rounds' figures (module docstring), each ≥ 0. Returns {"action_overhead_s",
+    "transfer_overhead_s" (None without two-stage rounds), "rounds": [{"action_overhead_s",
+    "transfer_overhead_s"}] (each round's own fits, for the record)}.
+
+    Raises:
+      CalibrationError: no round, or two-stage rounds given but not one per one-stage round.
 
     Example (round 1 ran under load: both its steps 50 % slower):
-        >>> r = fit_rounds([0.009, 0.0135], [0.02, 0.03], lambda o: 9 * o, lambda o, e: 9 * o + 2 * e)
+        >>> r = fit_rounds([0.009, 0.0135, 0.009], [0.02, 0.03, 0.02], lambda o: 9 * o,
+        ...                lambda o, e: 9 * o + 2 * e)
         >>> round(r["action_overhead_s"], 6), round(r["transfer_overhead_s"], 6)
         (0.001, 0.0055)
     """
     if not one_stage_s:
         raise CalibrationError("no round of the tiny one-stage run was measured")
-    rounds = [{"action_overhead_s": fit_overhead(sim_one, m1, hi=hi), "transfer_overhead_s": None}
-              for m1 in one_stage_s]
-    o = min(r["action_overhead_s"] for r in rounds)
-    e = None
-    if two_stage_s:
-        es = []
-        for r, m2 in enumerate(two_stage_s):
-            es.append(fit_overhead(lambda x: sim_two(o, x), m2, hi=hi))
-            if r < len(rounds):
-                rounds[r]["transfer_overhead_s"] = es[-1]
-        e = min(es)
+    if two_stage_s and len(two_stage_s) != len(one_stage_s):
+        raise CalibrationError(f"{len(two_stage_s)} two-stage round(s) for {len(one_stage_s)} one-stage round(s); "
+                               "each round runs both")
+    rounds = []
+    for r, m1 in enumerate(one_stage_s):
+        o_r = fit_overhead(sim_one, m1, hi=hi)
+        e_r = fit_overhead(lambda x, o_r=o_r: sim_two(o_r, x), two_stage_s[r], hi=hi) if two_stage_s else None
+        rounds.append({"action_overhead_s": o_r, "transfer_overhead_s": e_r})
+    o = statistics.median(r["action_overhead_s"] for r in rounds)
+    e = statistics.median(r["transfer_overhead_s"] for r in rounds) if two_stage_s else None
     return {"action_overhead_s": o, "transfer_overhead_s": e, "rounds": rounds}
 
 
@@ -226,34 +252,121 @@ def direct_transfers(spans: Sequence[Sequence[Any]]) -> list[float]:
 
 
 def transfer_sanity(fitted_s: float, direct_s: float, slack_s: float = 5e-4) -> tuple[bool, str]:
-    """Whether the fitted per-transfer overhead agrees with the direct one (within 2× or `slack_s`).
+    """Whether the fitted per-transfer overhead agrees with the direct one (within `slack_s`, or 2× either way).
 
     `direct_s`: the directly measured per-transfer time less the link's α-β time. Returns
     (ok, a sentence for the report).
 
     Example:
-        >>> transfer_sanity(0.0053, 0.0011)[0], transfer_sanity(0.0012, 0.0009)[0]
-        (False, True)
+        >>> transfer_sanity(0.0053, 0.0011)[0], transfer_sanity(0.0012, 0.0009)[0], transfer_sanity(0.0, 0.0015)[0]
+        (False, True, False)
     """
-    ok = abs(fitted_s - direct_s) <= max(slack_s, max(direct_s, 0.0))
+    ok = abs(fitted_s - direct_s) <= slack_s or (direct_s > 0 and direct_s / 2 <= fitted_s <= 2 * direct_s)
     word = "agrees with" if ok else "DISAGREES with"
     return ok, (f"the fitted per-transfer overhead {fitted_s * 1e6:.0f} µs {word} the one read off the run's "
                 f"SEND/RECV spans, {direct_s * 1e6:.0f} µs (within 2× or {slack_s * 1e6:.0f} µs)")
 
 
+def choose_transfer(fitted_s: float, direct_s: Sequence[float], link_s: float,
+                    slack_s: float = 5e-4) -> dict[str, Any]:
+    """The per-transfer overhead to write: the fit, or the SEND/RECV spans' figure where the fit is implausible.
+
+    `direct_s`: transfers read off the runs' spans (`direct_transfers`, every round pooled);
+    `link_s`: the edge's α-β time in the tiny run. The span figure is median(direct_s) − link_s
+    (a median: one transfer delayed by a busy core does not move it). A fit implausibly below it
+    (under half of it and more than `slack_s` under: module docstring) gives way to the span
+    figure (clamped to ≥ 0); otherwise the fit is kept, and `transfer_sanity` records whether the
+    two agree. Without spans, the fit, unchecked. Returns {"transfer_overhead_s", "source"
+    ("fit" | "spans"), "fitted_s", and with spans "transfer_s", "link_alpha_beta_s", "overhead_s",
+    "agrees", "check"}.
+
+    Example:
+        >>> choose_transfer(0.0, [0.0021, 0.0019, 0.0020], 0.0005)["source"]         # fit 0, spans 1.5 ms
+        'spans'
+        >>> round(choose_transfer(0.0004, [0.0009, 0.0008], 0.0005)["transfer_overhead_s"], 6)
+        0.0004
+        >>> choose_transfer(0.003, [0.0009, 0.0008], 0.0005)["source"]     # above the spans: the fit
+        'fit'
+    """
+    out: dict[str, Any] = {"transfer_overhead_s": fitted_s, "source": "fit", "fitted_s": fitted_s}
+    if not direct_s:
+        return out
+    d = statistics.median(direct_s)
+    ok, line = transfer_sanity(fitted_s, d - link_s, slack_s)
+    out.update({"transfer_s": d, "link_alpha_beta_s": link_s, "overhead_s": d - link_s, "agrees": ok})
+    span = d - link_s
+    if fitted_s < span / 2 and span - fitted_s > slack_s:
+        out.update({"transfer_overhead_s": max(0.0, span), "source": "spans"})
+        line += f"; the fit is implausibly low: the spans' figure, {max(0.0, span) * 1e6:.0f} µs, is written"
+    elif not ok:
+        line += ("; the fit is kept: it replays the two-stage step, which holds costs the spans do not show "
+                 "(or a loaded round)")
+    out["check"] = line
+    return out
+
+
+def _overlap(windows: Sequence[Sequence[float]]) -> float:
+    """The fraction of the longest window during which every window was open."""
+    longest = max(b - a for a, b in windows)
+    common = min(b for _, b in windows) - max(a for a, _ in windows)
+    return max(0.0, common) / longest if longest > 0 else 0.0
+
+
+def all_busy(hosts: Sequence[Mapping[str, Any]], matmul_n: int, elementwise_bytes: float) -> dict[str, Any]:
+    """The device figures with every host computing at once, from each host's concurrent timings.
+
+    `hosts[i]`: {"host", "matmul": {...}, "elementwise": {...}}, each a probe's `time_device`
+    record (seconds, start, end); `matmul_n`, `elementwise_bytes`: the programs' sizes per device.
+    Returns per host its FLOP/s and bytes/s per device, the slowest host's figures (what the cost
+    model charges: a pipeline's step waits for its slowest stage), and per program how much of
+    the longest timing window every host was busy in (`overlap`, 1 = fully concurrent).
+
+    Raises:
+      CalibrationError: no host, or a time that is not finite and positive.
+
+    Example:
+        >>> t = lambda s, a, b: {"seconds": s, "start": a, "end": b}
+        >>> r = all_busy([{"host": 0, "matmul": t(2e-3, 0.0, 1.0), "elementwise": t(1e-3, 1.0, 2.0)},
+        ...               {"host": 1, "matmul": t(4e-3, 0.5, 1.5), "elementwise": t(1e-3, 1.0, 2.0)}], 100, 8e6)
+        >>> r["flops_per_device"], r["bandwidth_per_device"], r["overlap"]
+        (500000000.0, 8000000000.0, {'matmul': 0.5, 'elementwise': 1.0})
+    """
+    if not hosts:
+        raise CalibrationError("no host's concurrent device timing came back")
+    per = []
+    for h in hosts:
+        for which in ("matmul", "elementwise"):
+            t = h[which]["seconds"]
+            if not (math.isfinite(t) and t > 0):
+                raise CalibrationError(f"host {h['host']}: its concurrent {which} took {t!r} s; "
+                                       "times must be finite and positive")
+        per.append({"host": h["host"], "flops_per_device": 2 * matmul_n ** 3 / h["matmul"]["seconds"],
+                    "bandwidth_per_device": elementwise_bytes / h["elementwise"]["seconds"],
+                    "matmul_s": h["matmul"]["seconds"], "elementwise_s": h["elementwise"]["seconds"],
+                    "windows": {w: [h[w]["start"], h[w]["end"]] for w in ("matmul", "elementwise")}})
+    return {"hosts": per, "flops_per_device": min(p["flops_per_device"] for p in per),
+            "bandwidth_per_device": min(p["bandwidth_per_device"] for p in per),
+            "overlap": {w: _overlap([p["windows"][w] for p in per]) for w in ("matmul", "elementwise")}}
+
+
 def calibrated_raw(raw: Mapping[str, Any], *, tflops: float, memory_bandwidth_gbps: float,
                    action_overhead_us: float, links: Mapping[str, Fit],
                    transfer_overhead_us: Optional[float] = None,
-                   collective_links: Mapping[str, Fit] | None = None) -> dict[str, Any]:
+                   collective_links: Mapping[str, Fit] | None = None, lone_tflops: Optional[float] = None,
+                   lone_memory_bandwidth_gbps: Optional[float] = None) -> dict[str, Any]:
     """The cluster's raw YAML dict with measured `device:` and `links:` figures merged in.
+
+    `tflops`, `memory_bandwidth_gbps`: with every host busy; `lone_*`: host 0 alone (written when given).
 
     Keys the user wrote are kept (`device.memory_gb`, `links.hosts_per_group`, every other
     section); only the measured figures are replaced. Link classes not measured stay as written.
     `collective_links`: per cross-host class, the fit of collectives over a mesh axis spanning its
     hosts → `links.<class>.collectives` (the class itself must be measured or written).
     """
-    for name, v in (("device.tflops", tflops), ("device.memory_bandwidth_gbps", memory_bandwidth_gbps)):
-        if not (math.isfinite(v) and v > 0):
+    for name, v in (("device.tflops", tflops), ("device.memory_bandwidth_gbps", memory_bandwidth_gbps),
+                    ("device.lone_tflops", lone_tflops),
+                    ("device.lone_memory_bandwidth_gbps", lone_memory_bandwidth_gbps)):
+        if v is not None and not (math.isfinite(v) and v > 0):
             raise CalibrationError(f"{name} = {v!r}: a measured figure must be finite and positive")
     for name, v in (("device.action_overhead_us", action_overhead_us),
                     ("device.transfer_overhead_us", transfer_overhead_us)):
@@ -263,8 +376,10 @@ def calibrated_raw(raw: Mapping[str, Any], *, tflops: float, memory_bandwidth_gb
     dev = dict(out.get("device") or {})
     dev.update({"tflops": float(f"{tflops:.6g}"), "memory_bandwidth_gbps": float(f"{memory_bandwidth_gbps:.6g}"),
                 "action_overhead_us": float(f"{action_overhead_us:.6g}")})
-    if transfer_overhead_us is not None:
-        dev["transfer_overhead_us"] = float(f"{transfer_overhead_us:.6g}")
+    for key, v in (("lone_tflops", lone_tflops), ("lone_memory_bandwidth_gbps", lone_memory_bandwidth_gbps),
+                   ("transfer_overhead_us", transfer_overhead_us)):
+        if v is not None:
+            dev[key] = float(f"{v:.6g}")
     out["device"] = dev
     lk = dict(out.get("links") or {})
     for name, fit in links.items():

@@ -8,7 +8,11 @@ Basic flow of `search(model, topo, global_batch, profile=...)`:
      (`none`, `full`: memory down, B up by the recomputed forward; `cost.py`);
   2. profiles: every distinct (layer signature, model size, rules, b ∈ {1, 2}) is
      profiled once (`profile`, normally the compile subprocess through the cache);
-  3. cost: per (k, choice, microbatch count) and layer, `cost.layer_cost`;
+  3. cost: per (k, choice, microbatch count) and layer, `cost.layer_cost`, with the
+     device figures of every host computing at once (`Topology.flops`, a pipeline's
+     steady state) — except one-stage plans on one host, whose other hosts idle
+     (`Topology.alone`); plans on some but not all hosts take the all-hosts figure,
+     pessimistic only where hosts share hardware (simulated hosts on one machine);
   4. solve: for each microbatch count m, stage count p and schedule, a dynamic
      programme over (stage, first layer, first host) picks for each stage its
      layers, its hosts and its best choice under the device-memory limit (with
@@ -278,22 +282,16 @@ def search(model: PlanModel, topo: Topology, global_batch: int, *, profile: Prof
     # 3. cost tables
     slots = options.optimizer_slots
     tables: dict[tuple[int, int, int], Table] = {}
-    memo: dict = {}
-    for k, cs in choices.items():
-        for ci, c in enumerate(cs):
-            for m in ms:
-                micro = global_batch // m
-                cols = []
-                for layer in model.layers:      # equal layers (same signature) cost the same
-                    key = (layer.signature, c, micro)
-                    if key not in memo:     # the signature covers the input's shape too
-                        in_bytes = model.layers[layer.index - 1].out_bytes(1) if layer.index else 0.0
-                        memo[key] = layer_cost(layer, c, micro, topo, 0, profiles, in_bytes)
-                    cols.append(memo[key])
-                tables[(k, ci, m)] = layer_table(cols, slots, topo.memory_bandwidth)
+    _cost_tables(model, topo, choices, ms, global_batch, profiles, slots, tables)
     n_choices = sum(len(v) for v in choices.values())
     if not options.exhaustive:
         choices, tables = _prune_orders(choices, tables, ms)
+    # a one-stage plan on one host computes while the other hosts idle: its tables take the device
+    # figures measured that way (`Topology.alone`); every other plan has several hosts computing at once
+    tables_one = tables
+    if (topo.alone().flops, topo.alone().memory_bandwidth) != (topo.flops, topo.memory_bandwidth):
+        tables_one = dict(tables)
+        _cost_tables(model, topo.alone(), {1: choices[1]}, ms, global_batch, profiles, slots, tables_one)
     t3 = time.perf_counter()
     # 4. solve
     found: dict[tuple, Candidate] = {}
@@ -305,6 +303,7 @@ def search(model: PlanModel, topo: Topology, global_batch: int, *, profile: Prof
              "max_fsdp": max_fsdp, "virtual_stages": list(vs)}
     plans_considered = 0
     stage_memo: dict = {}
+    stage_memo_one: dict = {}
     plain = tuple(s for s in schedules if s != "interleaved-1f1b")
     for m in ms:
         micro = global_batch // m
@@ -314,17 +313,18 @@ def search(model: PlanModel, topo: Topology, global_batch: int, *, profile: Prof
                 if infl is None:
                     continue
                 fused = options.fuse_loss_chunk and fuses(sched, p, m)
-                stage_tab = stage_tables(model, topo, choices, tables, m, sorted(set(infl)), slots, stage_memo, fused)
+                tabs, smemo = (tables_one, stage_memo_one) if p == 1 else (tables, stage_memo)
+                stage_tab = stage_tables(model, topo, choices, tabs, m, sorted(set(infl)), slots, smemo, fused)
                 edge = _edge_times(model, topo, micro)
                 if options.exhaustive:
-                    plans = _enumerate(choices, tables, m, L, H, topo, p)
+                    plans = _enumerate(choices, tabs, m, L, H, topo, p)
                     mem_need = _min_memory(stage_tab, infl, L, H, topo)
                 else:
                     plans, mem_need = _solve(stage_tab, edge, infl, m, L, H, topo, options.thresholds)
                 min_memory = min(min_memory, mem_need)
                 for stages in plans:
                     plans_considered += 1
-                    cand = evaluate(model, topo, choices, tables, stages, m, sched, infl, global_batch, slots, fused)
+                    cand = evaluate(model, topo, choices, tabs, stages, m, sched, infl, global_batch, slots, fused)
                     if cand.memory_bytes <= topo.memory_bytes:
                         found.setdefault(cand.key(), cand)
     if "interleaved-1f1b" in schedules and vs:
@@ -387,6 +387,23 @@ def _search_interleaved(model, topo, choices, tables, ms, vs, global_batch, slot
                     if cand.memory_bytes <= topo.memory_bytes:
                         found.setdefault(cand.key(), cand)
     return replayed, min_mem
+
+
+def _cost_tables(model, topo, choices, ms, global_batch, profiles, slots, tables) -> None:
+    """Fill `tables[(k, ci, m)]` for every choice of `choices` ({k: [MeshChoice]}) with `topo`'s figures."""
+    memo: dict = {}
+    for k, cs in choices.items():
+        for ci, c in enumerate(cs):
+            for m in ms:
+                micro = global_batch // m
+                cols = []
+                for layer in model.layers:      # equal layers (same signature) cost the same
+                    key = (layer.signature, c, micro)
+                    if key not in memo:     # the signature covers the input's shape too
+                        in_bytes = model.layers[layer.index - 1].out_bytes(1) if layer.index else 0.0
+                        memo[key] = layer_cost(layer, c, micro, topo, 0, profiles, in_bytes)
+                    cols.append(memo[key])
+                tables[(k, ci, m)] = layer_table(cols, slots, topo.memory_bandwidth)
 
 
 def _prune_orders(choices, tables, ms):

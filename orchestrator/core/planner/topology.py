@@ -24,6 +24,11 @@ of collectives already (`calibrate` fits `links.host` from them).
 
 Defaults (`DEFAULTS`) are nominal figures per platform, to be replaced by a cluster's
 `links:` / `device:` sections (`meshpipe calibrate` measures them and writes both).
+`device.tflops` / `memory_bandwidth_gbps` are per device with EVERY host computing at
+once (a pipeline's steady state); `device.lone_tflops` / `lone_memory_bandwidth_gbps`
+with one host computing while the others idle (`Topology.alone`, what a plan on one
+host sees). On a real cluster they agree; simulated hosts sharing a machine's cores
+(this project's CPU tests) compute slower when all are busy.
 `device.action_overhead_us` (default 0) is the runtime's fixed cost of one action
 (F, B, OPT) on a stage; the cost model adds it to each action of each stage.
 `device.transfer_overhead_us` (default 0) is the runtime's fixed cost of one
@@ -32,7 +37,7 @@ stage-to-stage transfer beyond its link's α-β time; added to every stage edge.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, Optional
 
 __all__ = ["LinkClass", "Topology", "DEFAULTS", "CLASSES", "collective_time", "from_cluster"]
 
@@ -72,7 +77,10 @@ class Topology:
       links: one `LinkClass` per name in `CLASSES` (stage-edge transfers; collectives within a host).
       collective_links: per cross-host class, the α-β of collectives over a mesh axis spanning
         its hosts where measured or given (`collective_link`); absent: `links`.
-      memory_bytes, flops, memory_bandwidth: per device.
+      memory_bytes, flops, memory_bandwidth: per device (flops, memory_bandwidth: with every
+        host computing at once).
+      lone_flops, lone_memory_bandwidth: per device with only one host computing (`alone`);
+        None: the same as flops, memory_bandwidth.
       action_overhead_s: the runtime's fixed cost of one action on a stage (seconds).
       transfer_overhead_s: the runtime's fixed cost of one stage-edge transfer beyond α-β (seconds).
     """
@@ -89,6 +97,20 @@ class Topology:
     action_overhead_s: float = 0.0
     transfer_overhead_s: float = 0.0
     collective_links: Mapping[str, LinkClass] = field(default_factory=dict)
+    lone_flops: Optional[float] = None
+    lone_memory_bandwidth: Optional[float] = None
+
+    def alone(self) -> "Topology":
+        """This topology as a plan on ONE host sees it: the device figures with one host computing.
+
+        Example:
+            >>> t = Topology(2, 2, 1, {c: LinkClass(c, 1e-5, 1e9) for c in CLASSES}, 1e9, 1e11, 1e10,
+            ...              lone_flops=2e11)
+            >>> t.alone().flops, t.alone().memory_bandwidth, t.flops
+            (200000000000.0, 10000000000.0, 100000000000.0)
+        """
+        return replace(self, flops=self.lone_flops or self.flops,
+                       memory_bandwidth=self.lone_memory_bandwidth or self.memory_bandwidth)
 
     def collective_link(self, cls: str) -> LinkClass:
         """What one collective over devices spanning link class `cls` is charged on.
@@ -175,6 +197,8 @@ def from_cluster(cluster) -> Topology:
         return float(v)
 
     mem, tf, bw = pick("memory_gb"), pick("tflops"), pick("memory_bandwidth_gbps")
+    lone = {k: getattr(dev, k, None) if dev is not None else None
+            for k in ("lone_tflops", "lone_memory_bandwidth_gbps")}
     over = {}
     for key in ("action_overhead_us", "transfer_overhead_us"):
         over[key] = getattr(dev, key, None) if dev is not None else None
@@ -182,4 +206,7 @@ def from_cluster(cluster) -> Topology:
             notes.append(f"device.{key}: not set, 0 (meshpipe calibrate measures it)")
     return Topology(cluster.hosts, cluster.devices_per_host, hpg, links, mem * 1e9, tf * 1e12, bw * 1e9,
                     cluster.platform, tuple(notes), float(over["action_overhead_us"] or 0.0) * 1e-6,
-                    float(over["transfer_overhead_us"] or 0.0) * 1e-6, coll)
+                    float(over["transfer_overhead_us"] or 0.0) * 1e-6, coll,
+                    None if lone["lone_tflops"] is None else float(lone["lone_tflops"]) * 1e12,
+                    None if lone["lone_memory_bandwidth_gbps"] is None
+                    else float(lone["lone_memory_bandwidth_gbps"]) * 1e9)
