@@ -104,5 +104,6 @@ def test_profile_kernels_survive_json_and_do_not_scale_with_the_batch():
     p1 = LayerProfile({"fwd": 1.0}, {"fwd": 0.0}, 0.0, 0.0, (), kernels={"fwd": 12, "bwd": 20})
     p2 = LayerProfile({"fwd": 2.0}, {"fwd": 0.0}, 0.0, 0.0, (), kernels={"fwd": 13, "bwd": 20})
     assert LayerProfile.from_json(p1.to_json()).kernels == {"fwd": 12, "bwd": 20}
-    assert linear(p1, p2, 8).kernels == {"fwd": 13, "bwd": 20}
+    assert linear(p1, p2, 8).kernels == {"fwd": 13, "bwd": 20}      # batch 2's from 2 up
+    assert linear(p1, p2, 1.5).kernels == {"fwd": 12, "bwd": 20}
     assert LayerProfile.from_json(LayerProfile({"fwd": 1.0}, {"fwd": 0.0}, 0.0, 0.0, ()).to_json()).kernels == {}

@@ -133,7 +133,8 @@ def linear(p1: LayerProfile, p2: LayerProfile, b: float) -> LayerProfile:
     Flops and bytes of batch-linear programs (matmuls, attention, elementwise) are
     exactly c0 + c1·b; memory sizes are close to it. Collectives are matched by
     (phase, kind, groups) and summed; one missing on a side counts as 0 bytes there. Kernel
-    counts do not grow with the batch: the larger of the two per phase.
+    counts do not grow with the batch: batch 2's for b ≥ 2 (XLA simplifies some batch-1
+    programs differently; a GPT block's counts at batch 2 and 4 are equal), else batch 1's.
     """
     def lin(a: float, c: float) -> float:
         return max(0.0, a + (c - a) * (b - 1))
@@ -156,8 +157,7 @@ def linear(p1: LayerProfile, p2: LayerProfile, b: float) -> LayerProfile:
                         fused_temp_bytes=lin_opt(p1.fused_temp_bytes, p2.fused_temp_bytes),
                         held_bytes=lin_opt(p1.held_bytes, p2.held_bytes),
                         split_temp_bytes=lin_opt(p1.split_temp_bytes, p2.split_temp_bytes),
-                        kernels={k: max(p1.kernels.get(k, 0), p2.kernels.get(k, 0))
-                                 for k in sorted(set(p1.kernels) | set(p2.kernels))})
+                        kernels=dict(p2.kernels if b >= 2 else p1.kernels))
 
 
 # ----------------------------------------------------------------------------- HLO collectives
