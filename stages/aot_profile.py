@@ -4,7 +4,7 @@ Run as `python -m stages.aot_profile` by `orchestrator.core.planner.profile.Prof
 (in a subprocess whose environment already has
 `XLA_FLAGS=--xla_force_host_platform_device_count=N` and `JAX_PLATFORMS=cpu`).
 Reads one JSON request on stdin:
-    {"protocol": 3, "source": {"kind": "modelspec", "name", "args", "seq_len"[, "compute"]},
+    {"protocol": 4, "source": {"kind": "modelspec", "name", "args", "seq_len"[, "compute"]},
      "requests": [{"key", "layer", "model_size", "rules", "batch"}, ...]}
 and writes one JSON line per request, `{"key": ..., "profile": LayerProfile JSON}` (or
 `{"key": ..., "error": "..."}`), as soon as it is compiled (so a timeout keeps what was done).
@@ -14,7 +14,7 @@ For each request it builds the layer as a one-layer `StageProgram` on a
 lowers and compiles its forward, its backward+accumulate and its zero-bubble I and
 W+accumulate (`StageProgram.zero_bubble`: the same cut of the same backward the stage
 worker runs; nothing runs here, inputs are `ShapeDtypeStruct`s), and reads `cost_analysis()`,
-`memory_analysis()` and the collectives of `as_text()`; what I keeps for W (`held_bytes`) is
+`memory_analysis()`, the collectives and the kernel count of `as_text()`; what I keeps for W (`held_bytes`) is
 the per-device size of the held leaves (kept residuals and output cotangents, with the
 compiled forward's shardings, plus I's outputs for W, with I's), as
 `benchmarks/stage_bytes.py` counts them. For the last layer also the temp of its
@@ -73,16 +73,17 @@ def _compile(lowered):
 
 
 def _figures(compiled, n: int) -> dict:
-    from orchestrator.core.planner.profile import parse_collectives
+    from orchestrator.core.planner.profile import count_kernels, parse_collectives
 
     cost = compiled.cost_analysis()
     if isinstance(cost, list):  # older jax returned one dict per program
         cost = cost[0] if cost else {}
     mem = compiled.memory_analysis()
+    text = compiled.as_text()
     return {"flops": float(cost.get("flops", 0.0)), "bytes": float(cost.get("bytes accessed", 0.0)),
             "out": float(getattr(mem, "output_size_in_bytes", 0)),
             "temp": float(getattr(mem, "temp_size_in_bytes", 0)),
-            "colls": parse_collectives(compiled.as_text(), n)}
+            "colls": parse_collectives(text, n), "kernels": count_kernels(text)}
 
 
 def _device_bytes(leaves) -> float:
@@ -173,6 +174,7 @@ def profile_one(source: dict, req: dict, memo: dict | None = None) -> dict:
             "residual_bytes": f["out"], "temp_bytes": max(f["temp"], g["temp"]),
             "held_bytes": _device_bytes(held), "split_temp_bytes": max(f["temp"], i["temp"], w["temp"]),
             "collectives": colls, "compile_s": time.perf_counter() - t0,
+            "kernels": {"fwd": f["kernels"], "bwd": g["kernels"], "i": i["kernels"], "w": w["kernels"]},
             **({"fused_temp_bytes": fused} if fused is not None else {})}
 
 

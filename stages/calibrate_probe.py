@@ -9,7 +9,10 @@ Basic flow (driven by `orchestrator.driver.calibrate`):
      the way a stage program is (one shard per device): a batched N×N matmul
      (per-device FLOP/s = 2N³ / time) and an elementwise `x·a + b` over a large
      array (per-device bytes/s = 2 × shard bytes / time); also a one-device matmul
-     and a tiny sharded program's dispatch time, for the record. The same two programs
+     and a tiny sharded program's dispatch time, for the record; and two chains of
+     tiny dots and tanhs, `KERNEL_CHAIN` and 4× as long (`kernels_short`, `kernels_long`:
+     their kernel counts from the compiled HLO, `count_kernels`), whose time difference per
+     kernel is one kernel's own cost (`planner.calibrate.fit_kernel_time`). The same programs
      timed on every host at once: `prepare_device()` on each (build, compile, warm up),
      then `time_device(which, start_at)` on each, which sleeps until the wall-clock
      `start_at` the driver gives them all and repeats the program for at least
@@ -37,7 +40,9 @@ import os
 import statistics
 import time
 
-__all__ = ["CalibrationProbe"]
+__all__ = ["CalibrationProbe", "KERNEL_CHAIN"]
+
+KERNEL_CHAIN = 32       # dot + tanh pairs in the short kernel chain (the long one: 4×)
 
 
 def _median_time(fn, reps: int) -> float:
@@ -115,10 +120,38 @@ class CalibrationProbe:
         ew = jax.jit(lambda v: v * 1.5 + 1.0, out_shardings=sh)
         self._programs = {"matmul": lambda: mm(a, b).block_until_ready(),
                           "elementwise": lambda: ew(x).block_until_ready()}
+        counts = []
+        for name, links in (("kernels_short", KERNEL_CHAIN), ("kernels_long", 4 * KERNEL_CHAIN)):
+            fn, nk = self._chain(mesh, links)
+            self._programs[name] = fn
+            counts.append(nk)
         for fn in self._programs.values():
             fn()                                                   # compile / warm-up
         self._device_arrays = (a, b, sh)
-        return {"devices": k, "matmul_n": n, "elementwise_bytes_per_device": 8 * elems}
+        return {"devices": k, "matmul_n": n, "elementwise_bytes_per_device": 8 * elems, "kernel_counts": counts}
+
+    @staticmethod
+    def _chain(mesh, links: int):
+        """A compiled chain of `links` tiny dot + tanh pairs over the mesh's devices (one shard each):
+        (run it, its kernel count)."""
+        import jax
+        import jax.numpy as jnp
+        from jax.sharding import NamedSharding, PartitionSpec as P
+
+        from orchestrator.core.planner.profile import count_kernels
+
+        k = mesh.devices.size
+        sh, rep = NamedSharding(mesh, P("d")), NamedSharding(mesh, P())
+
+        def chain(v, w):
+            for _ in range(links):
+                v = jnp.tanh(v @ w)
+            return v
+
+        v = jax.device_put(jnp.ones((4 * k, 16), jnp.float32), sh)
+        w = jax.device_put(jnp.full((16, 16), 0.01, jnp.float32), rep)
+        compiled = jax.jit(chain, out_shardings=sh).lower(v, w).compile()
+        return (lambda: compiled(v, w).block_until_ready()), count_kernels(compiled.as_text())
 
     def time_device(self, which: str, start_at: float = 0.0, min_s: float = 0.3, reps: int = 5) -> dict:
         """Time a prepared program (`matmul` | `elementwise`) from wall-clock `start_at` (`time.time()`;
@@ -137,9 +170,12 @@ class CalibrationProbe:
                 "end": time.time(), "late_s": max(0.0, -wait)}
 
     def device(self, n: int = 384, elems: int = 1 << 22, reps: int = 5) -> dict:
-        """Per-device matmul FLOP/s and memory bandwidth, all devices of this host busy at once (module doc)."""
+        """Per-device matmul FLOP/s and memory bandwidth, all devices of this host busy at once, and
+        seconds per kernel (module doc)."""
         import jax
         import jax.numpy as jnp
+
+        from orchestrator.core.planner.calibrate import fit_kernel_time
 
         size = self.prepare_device(n, elems)
         k = size["devices"]
@@ -150,12 +186,15 @@ class CalibrationProbe:
         a1, b1 = jax.device_put(a[0], d0), jax.device_put(b[0], d0)
         mm1 = jax.jit(lambda x, y: x @ y)
         t_one = _median_time(lambda: mm1(a1, b1).block_until_ready(), reps)
+        t_kern = [_median_time(self._programs[w], max(reps, 20)) for w in ("kernels_short", "kernels_long")]
         tiny = jax.device_put(jnp.ones((k, 8), jnp.float32), sh)
         inc = jax.jit(lambda v: v + 1.0, out_shardings=sh)
         t_tiny = _median_time(lambda: inc(tiny).block_until_ready(), max(reps, 20))
         return {"devices": k, "matmul_n": n, "matmul_s": t_mm, "flops_per_device": 2 * n**3 / t_mm,
                 "single_device_flops": 2 * n**3 / t_one, "elementwise_bytes_per_device": 8 * elems,
-                "elementwise_s": t_ew, "bandwidth_per_device": 8 * elems / t_ew, "tiny_dispatch_s": t_tiny}
+                "elementwise_s": t_ew, "bandwidth_per_device": 8 * elems / t_ew, "tiny_dispatch_s": t_tiny,
+                "kernel_counts": size["kernel_counts"], "kernel_chain_s": t_kern,
+                "kernel_s": fit_kernel_time(size["kernel_counts"], t_kern)}
 
     def collectives(self, sizes: list[int], reps: int = 5) -> list[dict]:
         """[{kind, k, nbytes, seconds, axis}] for all-reduce and all-gather over every device of this

@@ -585,6 +585,12 @@ def test_meshpipe_calibrate_on_the_local_cluster(tmp_path):
     assert ab["overlap"]["matmul"] > 0.5 and ab["overlap"]["elementwise"] > 0.5, ab["overlap"]
     t = from_cluster(cl)
     assert t.flops == pytest.approx(cl.device.tflops * 1e12) and t.alone().flops == pytest.approx(cl.device.lone_tflops * 1e12)
+    # seconds per kernel: the slope of two kernel chains, host 0 alone and the slowest host all busy
+    assert rep["device"]["kernel_counts"][1] > rep["device"]["kernel_counts"][0] > 0
+    assert cl.device.lone_kernel_overhead_us == float(f"{rep['device']['kernel_s'] * 1e6:.6g}")
+    assert cl.device.kernel_overhead_us == float(f"{max(h['kernel_s'] for h in ab['hosts']) * 1e6:.6g}")
+    assert 0 < cl.device.lone_kernel_overhead_us < 100 and 0 < cl.device.kernel_overhead_us < 100
+    assert t.kernel_overhead_s == pytest.approx(cl.device.kernel_overhead_us * 1e-6)
     head = text.split("hosts:")[0]
     assert "all 2 host(s) at once" in head and "lone_* on host 0 alone" in head and "medians of 3" in head
     # the overheads: the medians of the rounds' fits, each round's fits reproducing its own tiny runs

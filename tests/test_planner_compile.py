@@ -50,7 +50,10 @@ def test_profiles_come_from_compiled_programs_and_are_cached(cache):
     kinds = {(ph, k) for ph, k, _, _ in p1.collectives}
     assert ("fwd", "all-reduce") in kinds and ("bwd", "all-reduce") in kinds   # Megatron: one per row-parallel matmul
     assert all(g == ((0, 1),) for _, _, _, g in p1.collectives)
+    # each phase's compiled kernels (the per-kernel term): a block has tens; batches 2 and 4 the same
+    assert all(p2.kernels[ph] >= 10 and p2.kernels[ph] == p4.kernels[ph] for ph in ("fwd", "bwd", "i", "w"))
     est = linear(p1, p2, 4)
+    assert est.kernels == p4.kernels
     for ph in ("fwd", "bwd"):
         assert est.flops[ph] == pytest.approx(p4.flops[ph], rel=0.02)
     assert est.residual_bytes == pytest.approx(p4.residual_bytes, rel=0.02)

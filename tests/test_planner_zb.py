@@ -97,14 +97,15 @@ def test_split_profile_round_trips_and_interpolates():
 
 
 def test_profile_cache_key_changes_with_the_protocol(tmp_path, monkeypatch):
-    # protocol 3 added the I/W phases and held_bytes: a record cached by protocol 2 lacks them and must not be read
-    assert profile_mod.PROTOCOL == 3
+    # protocol 3 added the I/W phases and held_bytes, 4 the kernel counts: a record cached by an
+    # older protocol lacks them and must not be read
+    assert profile_mod.PROTOCOL == 4
     src, req = {"kind": "fake"}, ProfileRequest("s", 0, 1, (), 1)
-    monkeypatch.setattr(profile_mod, "PROTOCOL", 2)
+    monkeypatch.setattr(profile_mod, "PROTOCOL", 3)
     old = Profiler("tests.planner_fake_worker", tmp_path)
     old.profile(src, [req])
     assert old.stats.compiled == 1
-    monkeypatch.setattr(profile_mod, "PROTOCOL", 3)
+    monkeypatch.setattr(profile_mod, "PROTOCOL", 4)
     new = Profiler("tests.planner_fake_worker", tmp_path)
     new.profile(src, [req])
     assert new.stats.compiled == 1 and new.stats.cache_hits == 0

@@ -153,12 +153,12 @@ def _all_busy(actors: list, labels: list[str]) -> dict:
     sizes = wait_all([a.prepare_device.remote() for a in actors], CALL_S, "compiling every host's device probes",
                      labels)
     got: dict = {}
-    for which in ("matmul", "elementwise"):
+    for which in ("matmul", "elementwise", "kernels_short", "kernels_long"):
         start = time.time() + START_S
         got[which] = wait_all([a.time_device.remote(which, start) for a in actors], CALL_S + START_S,
                               f"timing every host's {which} at once", labels)
-    hosts = [{"host": h, "matmul": got["matmul"][h], "elementwise": got["elementwise"][h]} for h in range(len(actors))]
-    out = all_busy(hosts, sizes[0]["matmul_n"], sizes[0]["elementwise_bytes_per_device"])
+    hosts = [{"host": h, **{w: got[w][h] for w in got}} for h in range(len(actors))]
+    out = all_busy(hosts, sizes[0]["matmul_n"], sizes[0]["elementwise_bytes_per_device"], sizes[0]["kernel_counts"])
     out["late_s"] = max(r["late_s"] for w in got.values() for r in w)
     return out
 
@@ -324,7 +324,8 @@ def calibrate(cluster_path: str, *, out: Optional[str] = None, force: bool = Fal
                          lone_memory_bandwidth_gbps=dev["bandwidth_per_device"] / 1e9,
                          action_overhead_us=over["action_overhead_s"] * 1e6, links=fits,
                          transfer_overhead_us=None if over["transfer_overhead_s"] is None
-                         else over["transfer_overhead_s"] * 1e6, collective_links=coll)
+                         else over["transfer_overhead_s"] * 1e6, collective_links=coll,
+                         kernel_overhead_us=busy["kernel_s"] * 1e6, lone_kernel_overhead_us=dev["kernel_s"] * 1e6)
     load1 = os.getloadavg()
     loads = " ".join(f"{a:.1f}->{b:.1f}" for a, b in (r["load_avg"] for r in over["rounds"]))
     coll_note = "".join(f"; links.{c}.collectives: one JAX world across hosts" for c in coll)
@@ -332,7 +333,8 @@ def calibrate(cluster_path: str, *, out: Optional[str] = None, force: bool = Fal
               f"measured: device.tflops/memory_bandwidth_gbps on all {cluster.hosts} host(s) at once (the slowest "
               f"host's; {dev['devices']} devices each), device.lone_* on host 0 alone, links.{{{','.join(fits)}}} "
               f"(α-β fits{coll_note}), "
-              f"device.*_overhead_us (tiny real runs, medians of {len(over['rounds'])} rounds' fits"
+              f"device.*kernel_overhead_us (chains of tiny kernels, the same two ways), "
+              f"device.action/transfer_overhead_us (tiny real runs, medians of {len(over['rounds'])} rounds' fits"
               f"{'; transfer from the ' + over['transfer_source'] if 'transfer_source' in over else ''})\n"
               f"load average {load0[0]:.1f} -> {load1[0]:.1f} (1 min; per overhead round {loads}); figures measured "
               "under load are lower bounds of what the cluster can do")
@@ -345,11 +347,13 @@ def calibrate(cluster_path: str, *, out: Optional[str] = None, force: bool = Fal
               "samples": probe["samples"], "collective_samples": probe["collectives"], "pairs": probe["pairs"],
               "overhead": over, "load_avg": [load0[0], load1[0]], "wall_s": time.perf_counter() - t0}
     echo(f"device, host 0 alone: {dev['flops_per_device'] / 1e9:.3g} GFLOP/s per device (one device alone "
-         f"{dev['single_device_flops'] / 1e9:.3g}), {dev['bandwidth_per_device'] / 1e9:.3g} GB/s")
+         f"{dev['single_device_flops'] / 1e9:.3g}), {dev['bandwidth_per_device'] / 1e9:.3g} GB/s, "
+         f"{dev['kernel_s'] * 1e6:.2f} µs per kernel")
     if probe["all_busy"]:
         ab = probe["all_busy"]
         echo(f"device, all {len(ab['hosts'])} hosts at once (slowest host): {ab['flops_per_device'] / 1e9:.3g} "
-             f"GFLOP/s, {ab['bandwidth_per_device'] / 1e9:.3g} GB/s per device (timing windows overlapped "
+             f"GFLOP/s, {ab['bandwidth_per_device'] / 1e9:.3g} GB/s per device, {ab['kernel_s'] * 1e6:.2f} µs per "
+             f"kernel (timing windows overlapped "
              f"{ab['overlap']['matmul']:.0%} / {ab['overlap']['elementwise']:.0%})")
     for c, f in fits.items():
         echo(f"links.{c}: {f.bandwidth / 1e9:.3g} GB/s, {f.latency_s * 1e6:.3g} µs "

@@ -114,6 +114,10 @@ class DeviceConfig(Frozen):
     # fixed runtime cost of one stage-to-stage transfer (its SEND and RECV) beyond the link's α-β time,
     # microseconds: wake-ups, mailbox, framing (`meshpipe calibrate` measures it; null: 0)
     transfer_overhead_us: Optional[NonNegFloat] = None
+    # one kernel's time (a compiled program's fusion, dot, copy, collective) beyond its flops and
+    # bytes, microseconds, every host computing / host 0 alone (`meshpipe calibrate`; null: 0 / the former)
+    kernel_overhead_us: Optional[NonNegFloat] = None
+    lone_kernel_overhead_us: Optional[NonNegFloat] = None
 
 
 class TransportTlsConfig(Frozen):

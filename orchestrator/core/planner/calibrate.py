@@ -27,6 +27,12 @@ return timed samples; this module turns them into the cluster's `device:` and
              all-busy one — pessimistic only where hosts share hardware, and the
              alternative (interpolating by the busy fraction) would need a timing per host
              count for a case that does not arise on a real cluster.
+             The per-kernel time (`device.kernel_overhead_us`, alone `lone_kernel_overhead_us`):
+             two programs over the host's devices, chains of n and 4n tiny dots and tanhs
+             (their flops and bytes negligible), timed the same two ways; the slope
+             (t₂ − t₁) / (kernels₂ − kernels₁) (`fit_kernel_time`) is what one kernel costs
+             beyond its flops and bytes — launch, thunk dispatch, and on simulated devices
+             sharing a process the devices' kernels taking turns.
   overhead   the runtime's fixed costs: per action (`device.action_overhead_us`), the o
              for which the schedule simulator, every F, B and OPT costing o, replays the
              step a tiny ONE-stage real run measured; per stage-edge transfer
@@ -65,8 +71,8 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import yaml
 
 __all__ = ["CalibrationError", "Sample", "Fit", "fit_alpha_beta", "fit_overhead", "fit_rounds", "direct_transfers",
-           "transfer_sanity", "choose_transfer", "all_busy", "calibrated_raw", "default_out", "destination",
-           "write_calibrated"]
+           "transfer_sanity", "choose_transfer", "all_busy", "fit_kernel_time", "calibrated_raw", "default_out",
+           "destination", "write_calibrated"]
 
 
 class CalibrationError(ValueError):
@@ -312,14 +318,17 @@ def _overlap(windows: Sequence[Sequence[float]]) -> float:
     return max(0.0, common) / longest if longest > 0 else 0.0
 
 
-def all_busy(hosts: Sequence[Mapping[str, Any]], matmul_n: int, elementwise_bytes: float) -> dict[str, Any]:
+def all_busy(hosts: Sequence[Mapping[str, Any]], matmul_n: int, elementwise_bytes: float,
+             kernel_counts: Sequence[int] | None = None) -> dict[str, Any]:
     """The device figures with every host computing at once, from each host's concurrent timings.
 
     `hosts[i]`: {"host", "matmul": {...}, "elementwise": {...}}, each a probe's `time_device`
     record (seconds, start, end); `matmul_n`, `elementwise_bytes`: the programs' sizes per device.
     Returns per host its FLOP/s and bytes/s per device, the slowest host's figures (what the cost
     model charges: a pipeline's step waits for its slowest stage), and per program how much of
-    the longest timing window every host was busy in (`overlap`, 1 = fully concurrent).
+    the longest timing window every host was busy in (`overlap`, 1 = fully concurrent). With
+    `kernel_counts` (the short and long kernel chains' counts) and each host's `kernels_short` /
+    `kernels_long` records, also each host's and the slowest host's seconds per kernel (`kernel_s`).
 
     Raises:
       CalibrationError: no host, or a time that is not finite and positive.
@@ -344,19 +353,48 @@ def all_busy(hosts: Sequence[Mapping[str, Any]], matmul_n: int, elementwise_byte
                     "bandwidth_per_device": elementwise_bytes / h["elementwise"]["seconds"],
                     "matmul_s": h["matmul"]["seconds"], "elementwise_s": h["elementwise"]["seconds"],
                     "windows": {w: [h[w]["start"], h[w]["end"]] for w in ("matmul", "elementwise")}})
-    return {"hosts": per, "flops_per_device": min(p["flops_per_device"] for p in per),
-            "bandwidth_per_device": min(p["bandwidth_per_device"] for p in per),
-            "overlap": {w: _overlap([p["windows"][w] for p in per]) for w in ("matmul", "elementwise")}}
+    out = {"hosts": per, "flops_per_device": min(p["flops_per_device"] for p in per),
+           "bandwidth_per_device": min(p["bandwidth_per_device"] for p in per),
+           "overlap": {w: _overlap([p["windows"][w] for p in per]) for w in ("matmul", "elementwise")}}
+    if kernel_counts is not None:
+        for p, h in zip(per, hosts):
+            p["kernel_s"] = fit_kernel_time(kernel_counts, [h["kernels_short"]["seconds"], h["kernels_long"]["seconds"]])
+        out["kernel_s"] = max(p["kernel_s"] for p in per)
+    return out
+
+
+def fit_kernel_time(counts: Sequence[int], seconds: Sequence[float]) -> float:
+    """Seconds per kernel: the slope between two programs of `counts[0]` < `counts[1]` kernels that
+    took `seconds` (clamped at 0: noise can make the longer chain no slower).
+
+    Raises:
+      CalibrationError: not two programs, counts not increasing, or a time not finite and positive.
+
+    Example:
+        >>> fit_kernel_time([64, 256], [40e-6, 136e-6])
+        5e-07
+    """
+    if len(counts) != 2 or len(seconds) != 2:
+        raise CalibrationError(f"kernel timing: {len(counts)} counts and {len(seconds)} times; need two of each")
+    (n1, n2), (t1, t2) = counts, seconds
+    if not n2 > n1 > 0:
+        raise CalibrationError(f"kernel timing: kernel counts {n1}, {n2} must be positive and increasing")
+    for t in (t1, t2):
+        if not (math.isfinite(t) and t > 0):
+            raise CalibrationError(f"kernel timing: a chain took {t!r} s; times must be finite and positive")
+    return max(0.0, (t2 - t1) / (n2 - n1))
 
 
 def calibrated_raw(raw: Mapping[str, Any], *, tflops: float, memory_bandwidth_gbps: float,
                    action_overhead_us: float, links: Mapping[str, Fit],
                    transfer_overhead_us: Optional[float] = None,
                    collective_links: Mapping[str, Fit] | None = None, lone_tflops: Optional[float] = None,
-                   lone_memory_bandwidth_gbps: Optional[float] = None) -> dict[str, Any]:
+                   lone_memory_bandwidth_gbps: Optional[float] = None, kernel_overhead_us: Optional[float] = None,
+                   lone_kernel_overhead_us: Optional[float] = None) -> dict[str, Any]:
     """The cluster's raw YAML dict with measured `device:` and `links:` figures merged in.
 
-    `tflops`, `memory_bandwidth_gbps`: with every host busy; `lone_*`: host 0 alone (written when given).
+    `tflops`, `memory_bandwidth_gbps`, `kernel_overhead_us`: with every host busy; `lone_*`: host 0
+    alone (each written when given).
 
     Keys the user wrote are kept (`device.memory_gb`, `links.hosts_per_group`, every other
     section); only the measured figures are replaced. Link classes not measured stay as written.
@@ -369,7 +407,9 @@ def calibrated_raw(raw: Mapping[str, Any], *, tflops: float, memory_bandwidth_gb
         if v is not None and not (math.isfinite(v) and v > 0):
             raise CalibrationError(f"{name} = {v!r}: a measured figure must be finite and positive")
     for name, v in (("device.action_overhead_us", action_overhead_us),
-                    ("device.transfer_overhead_us", transfer_overhead_us)):
+                    ("device.transfer_overhead_us", transfer_overhead_us),
+                    ("device.kernel_overhead_us", kernel_overhead_us),
+                    ("device.lone_kernel_overhead_us", lone_kernel_overhead_us)):
         if v is not None and not (math.isfinite(v) and v >= 0):
             raise CalibrationError(f"{name} = {v!r}: must be finite and ≥ 0")
     out = copy.deepcopy(dict(raw))
@@ -377,7 +417,8 @@ def calibrated_raw(raw: Mapping[str, Any], *, tflops: float, memory_bandwidth_gb
     dev.update({"tflops": float(f"{tflops:.6g}"), "memory_bandwidth_gbps": float(f"{memory_bandwidth_gbps:.6g}"),
                 "action_overhead_us": float(f"{action_overhead_us:.6g}")})
     for key, v in (("lone_tflops", lone_tflops), ("lone_memory_bandwidth_gbps", lone_memory_bandwidth_gbps),
-                   ("transfer_overhead_us", transfer_overhead_us)):
+                   ("transfer_overhead_us", transfer_overhead_us), ("kernel_overhead_us", kernel_overhead_us),
+                   ("lone_kernel_overhead_us", lone_kernel_overhead_us)):
         if v is not None:
             dev[key] = float(f"{v:.6g}")
     out["device"] = dev

@@ -8,7 +8,8 @@ its profiled program at b = B / D examples per device (`profile.py`), so
   F(layer) = roofline(flops, bytes accessed) of the forward + its collectives
   B(layer) = the same for backward+accumulate + the gradient all-reduce over `data`
 
-where roofline = max(flops / device flops, bytes / memory bandwidth), each
+where roofline = max(flops / device flops, bytes / memory bandwidth) + the phase's compiled
+kernels × `Topology.kernel_overhead_s` (each launch's own cost, in neither figure), each
 collective is charged by `topology.collective_time` on the farthest link class
 its group spans once the stage's mesh is laid onto its hosts — that class's
 collective figures (`Topology.collective_link`), not its stage-edge ones (positions are
@@ -257,8 +258,7 @@ def layer_cost(layer: PlanLayer, choice: MeshChoice, micro: int, topo: Topology,
     b = micro // choice.batch_shards
     p1, p2 = profiles[layer_request(layer, choice, 1)], profiles[layer_request(layer, choice, 2)]
     prof = p1 if b == 1 else p2 if b == 2 else linear(p1, p2, b)
-    compute = {ph: max(prof.flops.get(ph, 0.0) / topo.flops, prof.bytes_accessed.get(ph, 0.0) / topo.memory_bandwidth)
-               for ph in ("fwd", "bwd")}
+    compute = {ph: _device_time(prof, ph, topo) for ph in ("fwd", "bwd")}
     comm = {"fwd": 0.0, "bwd": 0.0}
     tp_bytes = 0.0
     for phase, kind, nbytes, groups in prof.collectives:
@@ -310,10 +310,16 @@ def layer_cost(layer: PlanLayer, choice: MeshChoice, micro: int, topo: Topology,
                      float(layer.state_bytes), fused, fsdp_s, fsdp_bytes, i_s, w_s, held, split_temp)
 
 
+def _device_time(prof: LayerProfile, phase: str, topo: Topology) -> float:
+    """One phase's device seconds: the flops/bytes roofline plus its kernels' own time."""
+    return (max(prof.flops.get(phase, 0.0) / topo.flops, prof.bytes_accessed.get(phase, 0.0) / topo.memory_bandwidth)
+            + prof.kernels.get(phase, 0) * topo.kernel_overhead_s)
+
+
 def _split_times(prof: LayerProfile, topo: Topology, first_host: int, choice: MeshChoice,
                  fsdp: Mapping[str, float], dp: float) -> tuple[float, float]:
     """(I, W) seconds of a profile with the split backward, without remat (module docstring)."""
-    t = {ph: max(prof.flops[ph] / topo.flops, prof.bytes_accessed[ph] / topo.memory_bandwidth) for ph in ("i", "w")}
+    t = {ph: _device_time(prof, ph, topo) for ph in ("i", "w")}
     for phase, kind, nbytes, groups in prof.collectives:
         if phase in t:
             cls = _group_class(topo, first_host, choice, max(groups, key=len), "model") if choice.model > 1 else "host"

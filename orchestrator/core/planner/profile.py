@@ -16,8 +16,10 @@ so compiles depend on (layer, M, rules, b), not on D or on which hosts.
 Each profile is read from the compiled executable: `cost_analysis()` (flops,
 bytes accessed), `memory_analysis()` (argument, output = the forward's residuals,
 temp; for the loss layer also the temp of its F+B as one program, what
-`pipeline.fuse_loss_chunk` runs) and the collectives in `as_text()` (kind, bytes per device, replica groups
-as positions along `model`). Phases: "fwd", "bwd", and "i", "w" for the split backward, whose
+`pipeline.fuse_loss_chunk` runs), the collectives in `as_text()` (kind, bytes per device, replica groups
+as positions along `model`) and the kernels there (`count_kernels`: the entry computation's
+instructions that launch work — fusions, dots, copies, collectives — which the cost model charges a
+per-kernel time each, `Topology.kernel_overhead_s`). Phases: "fwd", "bwd", and "i", "w" for the split backward, whose
 profile also carries `held_bytes`, what I keeps for W per device (the kept residual and
 output-cotangent leaves plus what I computes for W, from the I program's shapes and shardings),
 and `split_temp_bytes`, the largest temp of F, I and W. The worker runs in a subprocess started with
@@ -44,9 +46,11 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 
 __all__ = ["ProfileRequest", "LayerProfile", "Profiler", "ProfileError", "parse_collectives",
-           "PROTOCOL", "linear"]
+           "count_kernels", "PROTOCOL", "linear"]
 
-PROTOCOL = 3     # 2: the loss layer's fused F+B temp (fused_temp_bytes); 3: the I and W phases, held_bytes
+# 2: the loss layer's fused F+B temp (fused_temp_bytes); 3: the I and W phases, held_bytes;
+# 4: each phase's kernel count (`kernels`)
+PROTOCOL = 4
 _DTYPE_BYTES = {"f64": 8, "f32": 4, "f16": 2, "bf16": 2, "s64": 8, "s32": 4, "s16": 2, "s8": 1,
                 "u64": 8, "u32": 4, "u16": 2, "u8": 1, "pred": 1, "c64": 8, "c128": 16}
 _KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
@@ -79,7 +83,8 @@ class LayerProfile:
     `collectives`: (phase, kind, bytes, groups) with groups as tuples of positions
     along the `model` axis. `compile_s` is 0 for a profile read from the cache.
     `held_bytes`: what the I program keeps for W; `split_temp_bytes`: the largest temp of
-    F, I and W (None for both when the split was not compiled).
+    F, I and W (None for both when the split was not compiled). `kernels`: per phase, the
+    compiled program's kernel count (`count_kernels`; empty for a synthetic profile).
     """
 
     flops: Mapping[str, float]
@@ -92,6 +97,7 @@ class LayerProfile:
     fused_temp_bytes: float | None = None   # the loss layer's F+B as one program (fuse_loss_chunk): its temp
     held_bytes: float | None = None         # zero-bubble: what I keeps for W, per device
     split_temp_bytes: float | None = None   # zero-bubble: the largest temp of F, I and W
+    kernels: Mapping[str, int] = field(default_factory=dict)   # per phase: `count_kernels` of its program
 
     @property
     def split(self) -> bool:
@@ -105,7 +111,8 @@ class LayerProfile:
                 "compile_s": self.compile_s,
                 **({"fused_temp_bytes": self.fused_temp_bytes} if self.fused_temp_bytes is not None else {}),
                 **({"held_bytes": self.held_bytes} if self.held_bytes is not None else {}),
-                **({"split_temp_bytes": self.split_temp_bytes} if self.split_temp_bytes is not None else {})}
+                **({"split_temp_bytes": self.split_temp_bytes} if self.split_temp_bytes is not None else {}),
+                **({"kernels": dict(self.kernels)} if self.kernels else {})}
 
     @staticmethod
     def from_json(d: Mapping[str, Any], cached: bool = False) -> "LayerProfile":
@@ -116,7 +123,8 @@ class LayerProfile:
                             float(d["residual_bytes"]), float(d["temp_bytes"]), colls,
                             0.0 if cached else float(d.get("compile_s", 0.0)), cached,
                             *(None if d.get(k) is None else float(d[k])
-                              for k in ("fused_temp_bytes", "held_bytes", "split_temp_bytes")))
+                              for k in ("fused_temp_bytes", "held_bytes", "split_temp_bytes")),
+                            kernels={str(k): int(v) for k, v in (d.get("kernels") or {}).items()})
 
 
 def linear(p1: LayerProfile, p2: LayerProfile, b: float) -> LayerProfile:
@@ -124,7 +132,9 @@ def linear(p1: LayerProfile, p2: LayerProfile, b: float) -> LayerProfile:
 
     Flops and bytes of batch-linear programs (matmuls, attention, elementwise) are
     exactly c0 + c1·b; memory sizes are close to it. Collectives are matched by
-    (phase, kind, groups) and summed; one missing on a side counts as 0 bytes there.
+    (phase, kind, groups) and summed; one missing on a side counts as 0 bytes there. Kernel
+    counts do not grow with the batch: batch 2's for b ≥ 2 (XLA simplifies some batch-1
+    programs differently; a GPT block's counts at batch 2 and 4 are equal), else batch 1's.
     """
     def lin(a: float, c: float) -> float:
         return max(0.0, a + (c - a) * (b - 1))
@@ -146,7 +156,8 @@ def linear(p1: LayerProfile, p2: LayerProfile, b: float) -> LayerProfile:
                         tuple(c for c in colls if c[2] > 0),
                         fused_temp_bytes=lin_opt(p1.fused_temp_bytes, p2.fused_temp_bytes),
                         held_bytes=lin_opt(p1.held_bytes, p2.held_bytes),
-                        split_temp_bytes=lin_opt(p1.split_temp_bytes, p2.split_temp_bytes))
+                        split_temp_bytes=lin_opt(p1.split_temp_bytes, p2.split_temp_bytes),
+                        kernels=dict(p2.kernels if b >= 2 else p1.kernels))
 
 
 # ----------------------------------------------------------------------------- HLO collectives
@@ -257,6 +268,33 @@ def parse_collectives(hlo_text: str, n: int) -> list[tuple[str, float, tuple[tup
             nbytes *= max(len(g) for g in groups)
         out.append((kind, float(nbytes), groups))
     return out
+
+
+_NOT_KERNELS = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all",
+                          "partition-id", "replica-id", "opt-barrier"})
+_INSTR_RE = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?:\([^=]*?\)|\S+)\s+([a-z][a-z0-9\-]*)\(")
+
+
+def count_kernels(hlo_text: str) -> int:
+    r"""The kernels a compiled HLO module launches: instructions of its ENTRY computation other
+    than parameters, constants, tuples, bitcasts and the like (a fusion is one kernel; an async
+    collective's -start/-done pair counts once).
+
+    Example:
+        >>> count_kernels("HloModule m\n\nENTRY %main (p: f32[4]) -> f32[4] {\n"
+        ...               "  %p = f32[4]{0} parameter(0)\n  %f = f32[4]{0} fusion(%p), kind=kLoop\n"
+        ...               "  ROOT %c = f32[4]{0} copy(%f)\n}\n")
+        2
+    """
+    m = re.search(r"^ENTRY\b[^\n]*\{\n(.*?)^\}", hlo_text, re.S | re.M)
+    if not m:
+        raise ValueError("no ENTRY computation in the HLO text")
+    n = 0
+    for line in m.group(1).splitlines():
+        op = _INSTR_RE.match(line)
+        if op and op.group(1) not in _NOT_KERNELS and not op.group(1).endswith("-done"):
+            n += 1
+    return n
 
 
 # ----------------------------------------------------------------------------- cache + worker

@@ -33,6 +33,10 @@ host sees). On a real cluster they agree; simulated hosts sharing a machine's co
 (F, B, OPT) on a stage; the cost model adds it to each action of each stage.
 `device.transfer_overhead_us` (default 0) is the runtime's fixed cost of one
 stage-to-stage transfer beyond its link's α-β time; added to every stage edge.
+`device.kernel_overhead_us` (default 0) is the time of one kernel (a compiled program's
+fusion, dot, copy, collective) beyond its flops and bytes, every host computing at once;
+`device.lone_kernel_overhead_us` with one host computing (`alone`). The cost model adds
+kernels × it to each phase of each layer (`LayerProfile.kernels`).
 """
 from __future__ import annotations
 
@@ -83,6 +87,8 @@ class Topology:
         None: the same as flops, memory_bandwidth.
       action_overhead_s: the runtime's fixed cost of one action on a stage (seconds).
       transfer_overhead_s: the runtime's fixed cost of one stage-edge transfer beyond α-β (seconds).
+      kernel_overhead_s, lone_kernel_overhead_s: one kernel's time beyond its flops and bytes,
+        every host computing / one host alone (seconds; lone None: the same).
     """
 
     hosts: int
@@ -99,6 +105,8 @@ class Topology:
     collective_links: Mapping[str, LinkClass] = field(default_factory=dict)
     lone_flops: Optional[float] = None
     lone_memory_bandwidth: Optional[float] = None
+    kernel_overhead_s: float = 0.0
+    lone_kernel_overhead_s: Optional[float] = None
 
     def alone(self) -> "Topology":
         """This topology as a plan on ONE host sees it: the device figures with one host computing.
@@ -110,7 +118,9 @@ class Topology:
             (200000000000.0, 10000000000.0, 100000000000.0)
         """
         return replace(self, flops=self.lone_flops or self.flops,
-                       memory_bandwidth=self.lone_memory_bandwidth or self.memory_bandwidth)
+                       memory_bandwidth=self.lone_memory_bandwidth or self.memory_bandwidth,
+                       kernel_overhead_s=self.kernel_overhead_s if self.lone_kernel_overhead_s is None
+                       else self.lone_kernel_overhead_s)
 
     def collective_link(self, cls: str) -> LinkClass:
         """What one collective over devices spanning link class `cls` is charged on.
@@ -198,9 +208,9 @@ def from_cluster(cluster) -> Topology:
 
     mem, tf, bw = pick("memory_gb"), pick("tflops"), pick("memory_bandwidth_gbps")
     lone = {k: getattr(dev, k, None) if dev is not None else None
-            for k in ("lone_tflops", "lone_memory_bandwidth_gbps")}
+            for k in ("lone_tflops", "lone_memory_bandwidth_gbps", "lone_kernel_overhead_us")}
     over = {}
-    for key in ("action_overhead_us", "transfer_overhead_us"):
+    for key in ("action_overhead_us", "transfer_overhead_us", "kernel_overhead_us"):
         over[key] = getattr(dev, key, None) if dev is not None else None
         if over[key] is None:
             notes.append(f"device.{key}: not set, 0 (meshpipe calibrate measures it)")
@@ -209,4 +219,6 @@ def from_cluster(cluster) -> Topology:
                     float(over["transfer_overhead_us"] or 0.0) * 1e-6, coll,
                     None if lone["lone_tflops"] is None else float(lone["lone_tflops"]) * 1e12,
                     None if lone["lone_memory_bandwidth_gbps"] is None
-                    else float(lone["lone_memory_bandwidth_gbps"]) * 1e9)
+                    else float(lone["lone_memory_bandwidth_gbps"]) * 1e9,
+                    float(over["kernel_overhead_us"] or 0.0) * 1e-6,
+                    None if lone["lone_kernel_overhead_us"] is None else float(lone["lone_kernel_overhead_us"]) * 1e-6)
