@@ -1,6 +1,6 @@
 """Issue #22's "must hold": the `--auto` plan's MEASURED step against the best of EVERY legal plan, measured.
 
-    python -m benchmarks.planner_exhaustive [--quick] [--steps 12] [--warmup 4] [--top 4] [--repeats 2]
+    python -m benchmarks.planner_exhaustive [--quick] [--steps 30] [--warmup 6] [--pin] [--top 4] [--repeats 2]
 
 The case: the README's GPT (`examples/gpt.yaml`: vocab 128, d_model 64, 4 heads, d_mlp 256,
 2 blocks → 4 layers embed/block0/block1/head, seq 32, adam), global batch 16, on an
@@ -84,16 +84,19 @@ def measure(raw: dict, cand, cluster, tag: str, warmup: int) -> dict:
     t0 = time.perf_counter()
     summary = run_job(checked, echo=lambda s: None)
     times = summary["step_times_s"][warmup:]
-    return {"median_s": statistics.median(times), "steps_timed": len(times), "wall_s": time.perf_counter() - t0}
+    return {"median_s": statistics.median(times), "steps_timed": len(times), "wall_s": time.perf_counter() - t0,
+            "conditions": summary.get("conditions")}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="m ∈ {4} only (half the space)")
-    ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=6)
     ap.add_argument("--top", type=int, default=4, help="plans of round 1 measured again")
     ap.add_argument("--repeats", type=int, default=2, help="extra runs of each of those")
+    ap.add_argument("--pin", action="store_true",
+                    help="cluster pin_cpus: each simulated host's actors (and calibrate's probes) on one core of its own")
     ap.add_argument("--label", default="", help="a note on the conditions, written into the results")
     args = ap.parse_args(argv)
     if args.steps <= args.warmup:
@@ -108,7 +111,8 @@ def main(argv=None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="meshpipe-planner-exhaustive-") as tmp:
         src = Path(tmp) / "cluster.yaml"
-        src.write_text(yaml.safe_dump({"hosts": HOSTS, "devices_per_host": DPH, "cpus_per_host": 0.5}))
+        src.write_text(yaml.safe_dump({"hosts": HOSTS, "devices_per_host": DPH, "cpus_per_host": 0.5,
+                                       "pin_cpus": bool(args.pin)}))
         with loopback_only():
             # Ray's default worker niceness 15 starves the stage actors behind other load (benchmarks/run.py)
             ray.init(address="local", num_cpus=4, include_dashboard=False, namespace="meshpipe-exhaustive",
@@ -175,7 +179,7 @@ def main(argv=None) -> int:
                               "plans": len(plans)},
                     "protocol": {"steps": args.steps, "warmup_dropped": args.warmup, "top_repeated": args.top,
                                  "repeats": args.repeats, "order": "round 1 shuffled (seed 0); round 2 alternating"}},
-           "label": args.label, "machine": info, "load_avg": loads,
+           "label": args.label, "machine": info, "pin_cpus": bool(args.pin), "probe_affinity": cal.get("affinity"), "load_avg": loads,
            "calibrated": {"device": cal["device"], "all_busy": cal.get("all_busy"), "links": {k: {kk: vv for kk, vv in v.items() if kk != "samples"}
                                                               for k, v in cal["links"].items()},
                           "collective_links": cal.get("collective_links", {}),
@@ -204,7 +208,8 @@ def summarize(plans: list[tuple[str, float, float]], runs: dict[int, list[dict]]
                for i, rs in runs.items() if len(rs) > 1}
     rows = [{"plan": i, "describe": d, "predicted_s": pred, "measured_s": measured[i],
              "runs_s": [r["median_s"] for r in runs[i]], "error": (pred - measured[i]) / measured[i],
-             "predicted_rank": i + 1, "measured_rank": by_measured.index(i) + 1, "memory_bytes": mem}
+             "predicted_rank": i + 1, "measured_rank": by_measured.index(i) + 1, "memory_bytes": mem,
+             "conditions": [c for r in runs[i] for c in (r.get("conditions") or [])]}
             for i, (d, pred, mem) in enumerate(plans) if i in measured]
     ratio = measured[auto_i] / measured[best_i]
     max_spread = max(spreads.values()) if spreads else float("nan")
@@ -236,6 +241,15 @@ def _busy(ab) -> str:
             f"(slowest host; windows overlapped {ab['overlap']['matmul']:.0%} / {ab['overlap']['elementwise']:.0%})")
 
 
+def _cores(out: dict) -> str:
+    """The cores the stage actors read back, per cluster host, over every measured run."""
+    seen: dict[str, set] = {}
+    for r in out["rows"]:
+        for c in r.get("conditions") or []:
+            seen.setdefault(f"s{c['stage']}h{c['host']}", set()).add(tuple(c["affinity"] or ()))
+    return "; ".join(f"{k} {sorted(v)}" for k, v in sorted(seen.items())) or "not recorded"
+
+
 def _us(seconds) -> str:
     return "?" if seconds is None else f"{seconds * 1e6:.0f}"
 
@@ -257,7 +271,8 @@ def render(out: dict) -> str:
           f"{case['protocol']['top_repeated']} fastest plus the auto pick {case['protocol']['repeats']} more times; "
           "a plan's figure = median of its runs.", "",
           f"machine: {info['cpu']}, {info['nproc']} CPUs, affinity {info['affinity']} cores, Ray worker niceness "
-          f"{info.get('ray_worker_niceness', '?')}; load average "
+          f"{info.get('ray_worker_niceness', '?')}; pin_cpus {out.get('pin_cpus', False)}: cores read back on "
+          f"calibrate's probes {out.get('probe_affinity')}, on the stage actors {_cores(out)}; load average "
           + ", ".join(f"{k} {load(v)}" for k, v in la.items())
           + (f". {out['label']}" if out.get("label") else ""), "",
           f"calibrated: device {out['calibrated']['device']}, links {out['calibrated']['links']}, collectives across "

@@ -20,7 +20,10 @@ Basic flow (driven by `orchestrator.driver.calibrate`):
      can check the hosts' windows overlapped; across machines the clocks' skew shifts them).
   2. `collectives(sizes)` — all-reduce and all-gather over the host's devices at
      each size (bytes per device, the convention of `planner.topology`), through
-     `shard_map`; the driver fits α-β to them (`planner.calibrate.fit_alpha_beta`).
+     `shard_map`; the driver fits α-β to them (`planner.calibrate.fit_alpha_beta`); and one
+     all-reduce of `COMBINED` arrays of 4 KiB each (one `psum` of a tuple: one combined op, as
+     XLA makes of a backward's gradient all-reduces), whose growth with the count is fitted
+     apart (`planner.calibrate.fit_per_array`).
      Across hosts, a fresh pair of probes placed as one 2-host stage's actors first
      joins one JAX world exactly as a multi-host stage does (`coordinator_address` on
      the first, then `join` on both: `stages.jaxinit`, gloo on CPU); `collectives`
@@ -40,9 +43,11 @@ import os
 import statistics
 import time
 
-__all__ = ["CalibrationProbe", "KERNEL_CHAIN"]
+__all__ = ["CalibrationProbe", "KERNEL_CHAIN", "COMBINED"]
 
 KERNEL_CHAIN = 32       # dot + tanh pairs in the short kernel chain (the long one: 4×)
+COMBINED = (1, 4, 16)   # arrays in one combined all-reduce (`_sweep`)
+COMBINED_BYTES = 4096   # bytes per device of each of them
 
 
 def _median_time(fn, reps: int) -> float:
@@ -56,10 +61,15 @@ def _median_time(fn, reps: int) -> float:
 
 
 class CalibrationProbe:
-    """One host's probe (see the module docstring). `host`: the cluster host index."""
+    """One host's probe (see the module docstring). `host`: the cluster host index; `pin`: the
+    cluster's `pin_cpus` — pin this process to core (host mod cores) before jax loads, as a stage
+    actor of that host pins itself (`stages.worker`), so the probe times what the stages will get."""
 
-    def __init__(self, host: int):
+    def __init__(self, host: int, pin: bool = False):
         self.host = host
+        if pin:
+            cores = sorted(os.sched_getaffinity(0))
+            os.sched_setaffinity(0, {cores[host % len(cores)]})
         self.transport = None
         self._held = None          # the first probe of a 2-host world: the socket holding its coordinator port
 
@@ -87,7 +97,7 @@ class CalibrationProbe:
         import jax
 
         return {"host": self.host, "pid": os.getpid(), "devices": len(jax.devices()),
-                "platform": jax.devices()[0].platform, "affinity": len(os.sched_getaffinity(0))}
+                "platform": jax.devices()[0].platform, "affinity": sorted(os.sched_getaffinity(0))}
 
     def _mesh(self):
         import jax
@@ -239,6 +249,13 @@ class CalibrationProbe:
             y = self._ones((rest * per,), sh)                                      # all-gather: result per
             t = _median_time(lambda: ag(y).block_until_ready(), reps)
             out.append({"kind": "all-gather", "k": k, "nbytes": 4 * per, "seconds": t})
+        for n in COMBINED:     # one all-reduce of n arrays, as XLA combines a backward's gradient all-reduces
+            per = max(k, COMBINED_BYTES // 4 // k * k)
+            xs = [self._ones((k * rest * per,), sh) for _ in range(n)]
+            arn = jax.jit(smap(lambda *v: jax.lax.psum(v, "d"), mesh=mesh, in_specs=(spec,) * n,
+                               out_specs=(spec,) * n))
+            t = _median_time(lambda: jax.block_until_ready(arn(*xs)), reps)
+            out.append({"kind": "all-reduce", "k": k, "nbytes": 4 * per * n, "arrays": n, "seconds": t})
         return out
 
     # -- sends over meshpipe's socket transport --------------------------------------------

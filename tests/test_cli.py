@@ -83,6 +83,11 @@ def test_cli_run_on_embedded_ray_writes_summary(tmp_path, example, run_name):
     assert [r["step"] for r in records] == [0, 1]
     assert [r["loss"] for r in records] == summary["losses"]
     assert [r["step_time_s"] for r in records] == summary["step_times_s"]
+    # every stage actor's CPU affinity and thread count, as read back on the actor
+    hosts = {(st["index"], h) for st in summary["plan"]["stages"] for h in range(len(st["hosts"]))}
+    assert {(c["stage"], c["host"]) for c in summary["conditions"]} == hosts
+    assert all(c["affinity"] and set(c["affinity"]) <= set(range(os.cpu_count())) and c["os_threads"] > 1
+               for c in summary["conditions"]), summary["conditions"]
 
 
 @pytest.mark.ray

@@ -17,12 +17,13 @@ import yaml
 from orchestrator.core.config import ConfigError, load_cluster, parse_cluster
 from orchestrator.core.planner.calibrate import (CalibrationError, Fit, Sample, all_busy, calibrated_raw,
                                                  choose_transfer, default_out, destination, direct_transfers,
-                                                 fit_alpha_beta, fit_overhead, fit_rounds, transfer_sanity,
+                                                 fit_alpha_beta, fit_overhead, fit_per_array, fit_rounds, transfer_sanity,
                                                  write_calibrated)
 from orchestrator.core.planner.cost import MeshChoice, layer_cost
 from orchestrator.core.planner.search import SearchOptions, search
 from orchestrator.core.planner.topology import LinkClass, Topology, collective_time, from_cluster
 from orchestrator.core.schedule import generate, lower, simulate
+from stages.calibrate_probe import COMBINED
 from tests.planner_fakes import FakeProfiles, fake_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -157,6 +158,50 @@ def test_search_prices_only_the_plans_whose_collectives_cross_hosts():
     assert changed and len(b.ranked) > changed
 
 
+def test_per_array_fit_pools_the_groups_slopes():
+    # two meshes, each its own intercept, the same 30 µs per array: the pooled slope is 30 µs
+    recs = [{"kind": "all-reduce", "axis": a, "k": k, "arrays": n, "nbytes": 4096 * n, "seconds": c + n * 30e-6}
+            for a, k, c in (("all", 4, 2e-3), ("hosts", 2, 4e-4)) for n in (1, 4, 16)]
+    assert fit_per_array(recs) == pytest.approx(30e-6)
+    # a single-array sweep (no "arrays") fits nothing; a count that does not grow the time gives 0
+    assert fit_per_array([{"kind": "all-reduce", "k": 2, "nbytes": 8, "seconds": 1e-4}]) is None
+    flat = [{"axis": "all", "k": 2, "arrays": n, "seconds": 1e-3 - n * 1e-6} for n in (1, 4, 16)]
+    assert fit_per_array(flat) == 0.0
+    with pytest.raises(CalibrationError, match="finite and positive"):
+        fit_per_array([{"axis": "all", "k": 2, "arrays": 4, "seconds": 0.0}])
+    # the α-β fit leaves the combined records out (the driver's `_samples`), so a slow combined op
+    # cannot bend the link's latency
+    from orchestrator.driver.calibrate import _samples
+    assert _samples(recs + [{"kind": "send", "k": 2, "nbytes": 8, "seconds": 1e-5}]) == [Sample("send", 2, 8, 1e-5)]
+
+
+def test_cost_model_charges_each_further_array_of_the_combined_gradient_all_reduce():
+    costs = [1e6] * 2
+    model = fake_model(costs)
+    profiles = FakeProfiles(model, costs)
+    layer = model.layers[1]
+    assert len(layer.params) > 1
+    base = _coll_topo()
+    per = dataclasses.replace(base, links={**base.links, "host": dataclasses.replace(base.links["host"], per_array_s=4e-5)},
+                              collective_links={"dcn": dataclasses.replace(base.collective_link("dcn"), per_array_s=7e-4)})
+
+    def cost(t, choice):
+        from orchestrator.core.planner.cost import layer_request
+        reqs = {}
+        for b in (1, 2):
+            reqs.update(profiles([layer_request(layer, choice, b)]))
+        return layer_cost(layer, choice, 8, t, 0, reqs)
+
+    extra = len(layer.params) - 1
+    inside = MeshChoice(2, 1, ("data", "model"), (), "dp")       # data within host 0: the host link's figure
+    assert cost(per, inside).dp_comm_s == pytest.approx(cost(base, inside).dp_comm_s + extra * 4e-5)
+    across = MeshChoice(4, 1, ("data", "model"), (), "dp")       # data over both hosts: the collectives' figure
+    assert cost(per, across).dp_comm_s == pytest.approx(cost(base, across).dp_comm_s + extra * 7e-4)
+    assert cost(per, across).bwd_s == pytest.approx(cost(base, across).bwd_s + extra * 7e-4)
+    tp = MeshChoice(1, 2, ("data", "model"), (("mlp", "model"),), "megatron")   # no data axis: nothing added
+    assert cost(per, tp) == cost(base, tp)
+
+
 def test_cluster_yaml_carries_the_collective_figures():
     c = parse_cluster({"hosts": 2, "devices_per_host": 2, "links": {
         "dcn": {"bandwidth_gbps": 6, "latency_us": 300, "collectives": {"bandwidth_gbps": 0.5, "latency_us": 1100}}}})
@@ -165,6 +210,17 @@ def test_cluster_yaml_carries_the_collective_figures():
     assert t.collective_link("dcn").latency_s == pytest.approx(1100e-6)
     assert t.collective_link("dcn").bandwidth == pytest.approx(0.5e9)
     assert t.collective_link("group") is t.links["group"]            # none given: the link's own
+    c = parse_cluster({"hosts": 2, "devices_per_host": 2, "links": {
+        "host": {"bandwidth_gbps": 20, "latency_us": 40, "per_array_us": 35},
+        "dcn": {"bandwidth_gbps": 6, "latency_us": 300,
+                "collectives": {"bandwidth_gbps": 0.5, "latency_us": 1100, "per_array_us": 600}}}})
+    t = from_cluster(c)
+    assert t.links["host"].per_array_s == pytest.approx(35e-6) and t.links["dcn"].per_array_s == 0.0
+    assert t.collective_link("dcn").per_array_s == pytest.approx(600e-6)
+    with pytest.raises(ConfigError, match=r"links.dcn.collectives.per_array_us"):
+        parse_cluster({"hosts": 2, "devices_per_host": 2, "links": {
+            "dcn": {"bandwidth_gbps": 6, "latency_us": 3,
+                    "collectives": {"bandwidth_gbps": 1, "latency_us": 1, "per_array_us": -5}}}})
     with pytest.raises(ConfigError, match=r"links.dcn.collectives.latency_us"):
         parse_cluster({"hosts": 2, "devices_per_host": 2, "links": {
             "dcn": {"bandwidth_gbps": 6, "latency_us": 3, "collectives": {"bandwidth_gbps": 1, "latency_us": -1}}}})
@@ -178,6 +234,10 @@ def test_calibrated_raw_writes_collectives_under_their_class(tmp_path):
                          transfer_overhead_us=520.0, collective_links=coll)
     assert new["links"]["dcn"] == {"bandwidth_gbps": 1.5, "latency_us": 250.0,
                                    "collectives": {"bandwidth_gbps": 0.55, "latency_us": 1100.0}}
+    with_per = calibrated_raw(raw, tflops=0.08, memory_bandwidth_gbps=4.0, action_overhead_us=290.0, links=FITS,
+                              collective_links={"dcn": dataclasses.replace(coll["dcn"], per_array_s=6.2e-4)})
+    assert with_per["links"]["dcn"]["collectives"]["per_array_us"] == 620.0
+    assert load_cluster(write_calibrated(with_per, src, tmp_path / "per.yaml")).links.dcn.collectives.per_array_us == 620.0
     cl = load_cluster(write_calibrated(new, src))
     assert cl.links.dcn.collectives.latency_us == 1100.0 and cl.links.group.collectives is None
     topo = from_cluster(cl)
@@ -566,6 +626,14 @@ def test_meshpipe_calibrate_on_the_local_cluster(tmp_path):
     assert (cc.bandwidth_gbps, cc.latency_us) == (rep["collective_links"]["dcn"]["bandwidth_gbps"],
                                                   rep["collective_links"]["dcn"]["latency_us"])
     assert from_cluster(cl).collective_link("dcn").latency_s == pytest.approx(cc.latency_us * 1e-6)
+    # one combined all-reduce of 1, 4, 16 arrays on each mesh: per_array_us on the host link and
+    # on the collectives across hosts, read back by the cost model
+    assert sorted(s["arrays"] for s in rep["samples"]["host"] if "arrays" in s) == sorted(COMBINED)
+    assert sorted((s["axis"], s["arrays"]) for s in coll if "arrays" in s) == \
+        sorted((a, n) for a in ("all", "hosts") for n in COMBINED)
+    for lc in (cl.links.host, cc):
+        assert lc.per_array_us is not None and np.isfinite(lc.per_array_us) and lc.per_array_us >= 0
+    assert from_cluster(cl).collective_link("dcn").per_array_s == pytest.approx(cc.per_array_us * 1e-6)
     text = out.read_text()
     assert "links.dcn.collectives" in text.split("hosts:")[0] and "load average" in text.split("hosts:")[0]
     # the devices' matmul FLOP/s is what a direct timing sees, within a sane factor (two devices

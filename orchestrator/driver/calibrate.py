@@ -48,6 +48,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from dataclasses import replace
 from types import SimpleNamespace
 from typing import Callable, Optional
 
@@ -57,7 +58,7 @@ from orchestrator.core.config import check_job, load_cluster, load_job, load_raw
 from orchestrator.core.config.check import StagePlan
 from orchestrator.core.planner.calibrate import (CalibrationError, Sample, calibrated_raw, destination,
                                                  all_busy, choose_transfer, direct_transfers, fit_alpha_beta,
-                                                 fit_rounds, write_calibrated)
+                                                 fit_per_array, fit_rounds, write_calibrated)
 from orchestrator.core.planner.topology import from_cluster
 
 __all__ = ["calibrate", "CalibrationError", "COLLECTIVE_SIZES", "SEND_SIZES", "ROUNDS"]
@@ -95,10 +96,11 @@ def _probes(cluster, echo, run: str) -> dict:
         for st in checked.stages:
             opts = placement.actor_options(checked, st, 0, pg, run)
             opts["namespace"] = f"meshpipe-{run}"
-            actors.append(remote.options(**opts).remote(st.hosts[0]))
+            actors.append(remote.options(**opts).remote(st.hosts[0], cluster.pin_cpus))
         labels = [f"host {h}" for h in range(cluster.hosts)]
         infos = wait_all([a.info.remote() for a in actors], init_s, "starting calibration probes", labels)
-        echo(f"probes up on {len(actors)} host(s): {infos[0]['devices']} {infos[0]['platform']} device(s) each")
+        echo(f"probes up on {len(actors)} host(s): {infos[0]['devices']} {infos[0]['platform']} device(s) each; "
+             f"cores read back per host: {[i['affinity'] for i in infos]}")
         dev = wait_all([actors[0].device.remote()], CALL_S, "timing host 0's devices", labels[:1])[0]
         busy = _all_busy(actors, labels) if len(actors) > 1 else None
         samples = {}
@@ -138,7 +140,7 @@ def _probes(cluster, echo, run: str) -> dict:
             echo(f"collectives across hosts {a} and {b} ({cls}): {len(collectives[cls])} timings")
             for w in world:
                 ray.kill(w, no_restart=True)
-        return {"device": dev, "all_busy": busy, "samples": samples, "collectives": collectives, "pairs": pairs,
+        return {"affinity": [i["affinity"] for i in infos], "device": dev, "all_busy": busy, "samples": samples, "collectives": collectives, "pairs": pairs,
                 "probes": infos}
     finally:
         for a in actors:
@@ -174,7 +176,7 @@ def _world(checked, hosts: tuple, index: int, pg, run: str, remote, actors: list
     for i, h in enumerate(hosts):
         opts = placement.actor_options(checked, stage, i, pg, run)
         opts["namespace"] = f"meshpipe-{run}"
-        world.append(remote.options(**opts).remote(h))
+        world.append(remote.options(**opts).remote(h, checked.cluster.pin_cpus))
         actors.append(world[-1])
     return world
 
@@ -279,8 +281,9 @@ def _overhead(cluster, cross, echo, rounds: int = ROUNDS) -> dict:
 
 
 def _samples(records: list[dict]) -> list[Sample]:
-    """A probe's timing records (which may say more, e.g. the mesh axis) as fit samples."""
-    return [Sample(r["kind"], r["k"], r["nbytes"], r["seconds"]) for r in records]
+    """A probe's timing records (which may say more, e.g. the mesh axis) as α-β fit samples; the
+    combined all-reduces of several arrays (`arrays`) are fitted on their own (`fit_per_array`)."""
+    return [Sample(r["kind"], r["k"], r["nbytes"], r["seconds"]) for r in records if "arrays" not in r]
 
 
 def calibrate(cluster_path: str, *, out: Optional[str] = None, force: bool = False,
@@ -309,8 +312,10 @@ def calibrate(cluster_path: str, *, out: Optional[str] = None, force: bool = Fal
     filter_worker_logs()   # Gloo's connection lines from the 2-host worlds (unless `meshpipe -v`)
     try:
         probe = _probes(cluster, echo, run)
-        fits = {cls: fit_alpha_beta(_samples(ss), what=f"links.{cls}") for cls, ss in probe["samples"].items()}
-        coll = {cls: fit_alpha_beta(_samples(ss), what=f"links.{cls}.collectives")
+        fits = {cls: replace(fit_alpha_beta(_samples(ss), what=f"links.{cls}"), per_array_s=fit_per_array(ss))
+                for cls, ss in probe["samples"].items()}
+        coll = {cls: replace(fit_alpha_beta(_samples(ss), what=f"links.{cls}.collectives"),
+                             per_array_s=fit_per_array(ss))
                 for cls, ss in probe["collectives"].items()}
         cross = next((fits[c] for c in ("group", "dcn") if c in fits), None)
         over = _overhead(cluster, cross, echo, rounds)
@@ -339,7 +344,7 @@ def calibrate(cluster_path: str, *, out: Optional[str] = None, force: bool = Fal
               f"load average {load0[0]:.1f} -> {load1[0]:.1f} (1 min; per overhead round {loads}); figures measured "
               "under load are lower bounds of what the cluster can do")
     path = write_calibrated(new, cluster_path, dest, force=force, header=header)
-    report = {"written": str(path), "device": dev, "all_busy": probe["all_busy"], "links": {c: {**f.link(), "samples": f.samples,
+    report = {"written": str(path), "affinity": probe["affinity"], "device": dev, "all_busy": probe["all_busy"], "links": {c: {**f.link(), "samples": f.samples,
                                                                    "max_rel_residual": f.max_rel_residual}
                                                                for c, f in fits.items()},
               "collective_links": {c: {**f.link(), "samples": f.samples, "max_rel_residual": f.max_rel_residual}
@@ -356,11 +361,13 @@ def calibrate(cluster_path: str, *, out: Optional[str] = None, force: bool = Fal
              f"kernel (timing windows overlapped "
              f"{ab['overlap']['matmul']:.0%} / {ab['overlap']['elementwise']:.0%})")
     for c, f in fits.items():
-        echo(f"links.{c}: {f.bandwidth / 1e9:.3g} GB/s, {f.latency_s * 1e6:.3g} µs "
-             f"({f.samples} samples, largest residual {f.max_rel_residual:.0%})")
+        echo(f"links.{c}: {f.bandwidth / 1e9:.3g} GB/s, {f.latency_s * 1e6:.3g} µs"
+             + ("" if f.per_array_s is None else f", {f.per_array_s * 1e6:.3g} µs per further array combined")
+             + f" ({f.samples} samples, largest residual {f.max_rel_residual:.0%})")
     for c, f in coll.items():
-        echo(f"links.{c}.collectives: {f.bandwidth / 1e9:.3g} GB/s, {f.latency_s * 1e6:.3g} µs "
-             f"({f.samples} samples, largest residual {f.max_rel_residual:.0%})")
+        echo(f"links.{c}.collectives: {f.bandwidth / 1e9:.3g} GB/s, {f.latency_s * 1e6:.3g} µs"
+             + ("" if f.per_array_s is None else f", {f.per_array_s * 1e6:.3g} µs per further array combined")
+             + f" ({f.samples} samples, largest residual {f.max_rel_residual:.0%})")
     echo(f"per-action overhead: {over['action_overhead_s'] * 1e6:.0f} µs (tiny 1-stage run: "
          f"{over['one_stage']['measured_step_s'] * 1e3:.2f} ms per step; median of {len(over['rounds'])} rounds' fits)")
     if over["transfer_overhead_s"] is not None:

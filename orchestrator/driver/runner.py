@@ -290,6 +290,9 @@ def _run_pipeline(checked, plan, source, on_step, out: Path, echo, extra: dict, 
                         recovering = None
                     last_spans = r.spans     # only the last step's spans are kept (trace.json: telemetry's own)
                     st = tel.add(r.step, r.wall_s, r.loss, r.spans, r.stats)
+                    # what each stage actor last ran under, read back on it (stages.telemetry.conditions)
+                    extra["conditions"] = [{k: s.get(k) for k in ("stage", "host", "affinity", "os_threads")}
+                                           for s in r.stats if "affinity" in s]
                     if metrics is not None:
                         metrics.record(st, eval_loss=r.eval_loss)
                     on_step({"step": r.step, "loss": r.loss, "step_time_s": r.wall_s, "eval_loss": r.eval_loss,

@@ -65,10 +65,12 @@ class TpuConfig(Frozen):
 
 
 class AlphaBetaConfig(Frozen):
-    """An α-β pair: t(bytes) = latency + bytes / bandwidth."""
+    """An α-β pair: t(bytes) = latency + bytes / bandwidth. `per_array_us` (collectives only,
+    optional, default 0): what each further array of one combined all-reduce adds, µs."""
 
     bandwidth_gbps: PosFloat      # GB/s (1e9 bytes per second) per device on this link
     latency_us: NonNegFloat       # per message, microseconds
+    per_array_us: Optional[NonNegFloat] = None
 
 
 class LinkClassConfig(AlphaBetaConfig):

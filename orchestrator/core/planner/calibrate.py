@@ -15,6 +15,9 @@ return timed samples; this module turns them into the cluster's `device:` and
              through the origin. A slope ≤ 0 is refused (the sweep saw no bandwidth).
              The collectives of a mesh axis spanning hosts (one multi-process JAX world)
              are fitted the same way, per cross-host class, into `links.<class>.collectives`.
+             Each collectives fit also gets `per_array_us` (`fit_per_array`): what each further
+             array of ONE combined all-reduce adds — a backward's gradient all-reduces, which
+             XLA combines, are reduced array by array on CPU (in-process and gloo).
   device     per-device FLOP/s and memory bandwidth, timed twice (`all_busy`): on host 0
              alone (`device.lone_tflops`, `lone_memory_bandwidth_gbps`) and on EVERY host at
              once from a common start time (`device.tflops`, `memory_bandwidth_gbps`: the
@@ -70,7 +73,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import yaml
 
-__all__ = ["CalibrationError", "Sample", "Fit", "fit_alpha_beta", "fit_overhead", "fit_rounds", "direct_transfers",
+__all__ = ["CalibrationError", "Sample", "Fit", "fit_alpha_beta", "fit_per_array", "fit_overhead", "fit_rounds", "direct_transfers",
            "transfer_sanity", "choose_transfer", "all_busy", "fit_kernel_time", "calibrated_raw", "default_out",
            "destination", "write_calibrated"]
 
@@ -97,10 +100,14 @@ class Fit:
     bandwidth: float
     samples: int
     max_rel_residual: float
+    per_array_s: Optional[float] = None     # each further array of one combined all-reduce (`fit_per_array`)
 
     def link(self) -> dict[str, float]:
         """The `links.<class>` YAML entry (GB/s, µs)."""
-        return {"bandwidth_gbps": float(f"{self.bandwidth / 1e9:.6g}"), "latency_us": float(f"{self.latency_s * 1e6:.6g}")}
+        out = {"bandwidth_gbps": float(f"{self.bandwidth / 1e9:.6g}"), "latency_us": float(f"{self.latency_s * 1e6:.6g}")}
+        if self.per_array_s is not None:
+            out["per_array_us"] = float(f"{self.per_array_s * 1e6:.6g}")
+        return out
 
 
 def _terms(s: Sample) -> tuple[float, float]:
@@ -151,6 +158,41 @@ def fit_alpha_beta(samples: Sequence[Sample], what: str = "link") -> Fit:
                                "no bandwidth can be fitted; sweep larger sizes")
     pred = a * alpha + x * inv_beta
     return Fit(float(alpha), float(1.0 / inv_beta), len(rows), float(np.max(np.abs(pred - t) / t)))
+
+
+def fit_per_array(records: Sequence[Mapping]) -> Optional[float]:
+    """Seconds each further array adds to one combined all-reduce, or None without such records.
+
+    XLA combines a backward's gradient all-reduces into one all-reduce of many arrays; on CPU
+    (in-process and gloo) the arrays are reduced one after another, so its time grows with the
+    count beyond what its bytes explain. `records`: the probe's timings, those with `arrays`
+    (n arrays of equal size, one program) used; grouped by (axis, k), the slope of time over n
+    pooled across the groups (each its own intercept): Σ cov(n, t) / Σ var(n). Clamped at 0.
+
+    Example:
+        >>> recs = [{"axis": "all", "k": 2, "arrays": n, "seconds": 1e-4 + n * 3e-5} for n in (1, 4, 16)]
+        >>> recs += [{"axis": "hosts", "k": 2, "arrays": n, "seconds": 5e-3 + n * 3e-5} for n in (1, 4, 16)]
+        >>> round(fit_per_array(recs) * 1e6, 6)
+        30.0
+        >>> fit_per_array([{"kind": "all-reduce", "k": 2, "nbytes": 8, "seconds": 1e-4}]) is None
+        True
+    """
+    groups: dict[tuple, list[tuple[float, float]]] = {}
+    for r in records:
+        if "arrays" in r:
+            if not (math.isfinite(r["seconds"]) and r["seconds"] > 0):
+                raise CalibrationError(f"a combined all-reduce of {r['arrays']} arrays took {r['seconds']!r} s; "
+                                       "times must be finite and positive")
+            groups.setdefault((r.get("axis"), r["k"]), []).append((float(r["arrays"]), float(r["seconds"])))
+    cov = var = 0.0
+    for pts in groups.values():
+        n_mean = sum(n for n, _ in pts) / len(pts)
+        t_mean = sum(t for _, t in pts) / len(pts)
+        cov += sum((n - n_mean) * (t - t_mean) for n, t in pts)
+        var += sum((n - n_mean) ** 2 for n, _ in pts)
+    if var == 0:
+        return None
+    return max(0.0, cov / var)
 
 
 def fit_overhead(simulate_step, measured_s: float, hi: float = 1.0, tol: float = 1e-7) -> float:

@@ -15,7 +15,9 @@ its group spans once the stage's mesh is laid onto its hosts — that class's
 collective figures (`Topology.collective_link`), not its stage-edge ones (positions are
 row-major over the mesh in its axis order, `devices_per_host` per host — how the
 stage worker builds its `Mesh`), and the gradient all-reduce moves each
-parameter's local shard over the `data` groups.
+parameter's local shard over the `data` groups. XLA combines a backward's gradient
+all-reduces into one of many arrays, so each array beyond the first adds the link's
+`per_array_s` (measured by `meshpipe calibrate`: on CPU the arrays go one by one).
 
 Memory per device (`orchestrator.core.memory.device_bytes`, the sum `meshpipe plan`
 uses too) = parameters × (2 + optimizer slots) (parameters, gradient accumulator,
@@ -272,7 +274,8 @@ def layer_cost(layer: PlanLayer, choice: MeshChoice, micro: int, topo: Topology,
     dp = 0.0
     if choice.data > 1:
         cls = _group_class(topo, first_host, choice, tuple(range(choice.data)), "data")
-        dp = collective_time("all-reduce", pbytes, choice.data, topo.collective_link(cls))
+        link = topo.collective_link(cls)    # XLA combines the gradients' all-reduces: one, of every array
+        dp = collective_time("all-reduce", pbytes, choice.data, link) + (len(layer.params) - 1) * link.per_array_s
     fsdp = {"fwd": 0.0, "bwd": 0.0}
     fsdp_bytes = gathered = 0.0
     if choice.fsdp > 1:     # F and B each gather the parameters; B reduce-scatters their gradient

@@ -50,11 +50,13 @@ CLASSES = ("host", "group", "dcn")   # nearest first
 
 @dataclass(frozen=True)
 class LinkClass:
-    """One class of link: per-message latency (s) and bandwidth (bytes/s)."""
+    """One class of link: per-message latency (s) and bandwidth (bytes/s); `per_array_s`: what
+    each further array of one combined all-reduce adds (collectives; `links.*.per_array_us`)."""
 
     name: str
     latency_s: float
     bandwidth: float
+    per_array_s: float = 0.0
 
     def time(self, nbytes: float) -> float:
         return self.latency_s + nbytes / self.bandwidth
@@ -187,10 +189,10 @@ def from_cluster(cluster) -> Topology:
         bw, lat = (lc.bandwidth_gbps, lc.latency_us) if lc is not None else d[name]
         if lc is None:
             notes.append(f"links.{name}: platform default {bw:g} GB/s, {lat:g} µs")
-        links[name] = LinkClass(name, lat * 1e-6, bw * 1e9)
+        links[name] = LinkClass(name, lat * 1e-6, bw * 1e9, float(getattr(lc, "per_array_us", None) or 0.0) * 1e-6)
         c = getattr(lc, "collectives", None)
         if c is not None and name != "host":
-            coll[name] = LinkClass(name, c.latency_us * 1e-6, c.bandwidth_gbps * 1e9)
+            coll[name] = LinkClass(name, c.latency_us * 1e-6, c.bandwidth_gbps * 1e9, float(c.per_array_us or 0.0) * 1e-6)
     hpg = getattr(given, "hosts_per_group", None) if given is not None else None
     if hpg is None:
         if cluster.platform == "tpu" and cluster.tpu is not None:
