@@ -445,7 +445,7 @@ def _busy_topo(lone=None, bw_lone=None):
     return Topology(2, 2, 1, links, 1e9, 0.5e9, 1e12, lone_flops=lone, lone_memory_bandwidth=bw_lone)
 
 
-def test_cost_model_charges_the_all_hosts_busy_figure_except_one_stage_on_one_host():
+def test_cost_model_charges_the_all_hosts_busy_figure_to_every_plan():
     costs = [1e6] * 4
     model = fake_model(costs)
     opts = SearchOptions(microbatches=(4,), schedules=("1f1b",), top=0, max_model=2, exhaustive=True)
@@ -459,14 +459,13 @@ def test_cost_model_charges_the_all_hosts_busy_figure_except_one_stage_on_one_ho
     one_host = [k for k, c in both.items() if len(c.stages) == 1 and c.stages[0].hosts[1] == 1]
     several = [k for k, c in both.items() if k not in one_host]
     assert one_host and several and any(len(both[k].stages) == 2 for k in several)
-    for k in several:       # several hosts compute at once: the all-busy figure, not the lone one
+    # the all-busy figure, not the lone one — a one-stage plan on one host included (the lone
+    # figure, from big probe programs, predicted those plans 42-54 % low on simulated devices)
+    for k in several + one_host:
         assert both[k].step_s == pytest.approx(busy[k].step_s)
         assert both[k].step_s > lone_everywhere[k].step_s * 1.2
         assert sum(s.compute_s for s in both[k].stages) == pytest.approx(
             2 * sum(s.compute_s for s in lone_everywhere[k].stages))
-    for k in one_host:      # the other hosts idle: the lone figure
-        assert both[k].step_s == pytest.approx(lone_everywhere[k].step_s)
-        assert both[k].step_s < busy[k].step_s
     # without a lone figure (a cluster YAML written before, or by hand) nothing changes
     assert _busy_topo().alone() == _busy_topo()
     t = _busy_topo(lone=1e9, bw_lone=3e12).alone()

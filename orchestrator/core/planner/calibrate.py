@@ -24,12 +24,11 @@ return timed samples; this module turns them into the cluster's `device:` and
              slowest host's figure; each host's own is in the report). A pipeline's steady
              state has every stage's hosts computing together, so the cost model charges
              the all-busy figure; on a real cluster it equals the lone one, but simulated
-             hosts sharing one machine's cores compute about hosts× slower together. A
-             one-stage plan on ONE host leaves the others idle, so the cost model charges it
-             the lone figure (`Topology.alone`); a plan on some but not all hosts takes the
-             all-busy one — pessimistic only where hosts share hardware, and the
-             alternative (interpolating by the busy fraction) would need a timing per host
-             count for a case that does not arise on a real cluster.
+             hosts sharing one machine's cores compute about hosts× slower together. The
+             cost model charges the all-busy figure to one-stage plans on ONE host too
+             (`search`, step 3): the lone figure comes from big programs whose devices
+             compute side by side, while a stage's small kernels on simulated CPU devices
+             take turns, and it predicted those plans 42–54 % low (issue #22's runs).
              The per-kernel time (`device.kernel_overhead_us`, alone `lone_kernel_overhead_us`):
              two programs over the host's devices, chains of n and 4n tiny dots and tanhs
              (their flops and bytes negligible), timed the same two ways; the slope

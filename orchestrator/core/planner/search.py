@@ -10,9 +10,11 @@ Basic flow of `search(model, topo, global_batch, profile=...)`:
      profiled once (`profile`, normally the compile subprocess through the cache);
   3. cost: per (k, choice, microbatch count) and layer, `cost.layer_cost`, with the
      device figures of every host computing at once (`Topology.flops`, a pipeline's
-     steady state) — except one-stage plans on one host, whose other hosts idle
-     (`Topology.alone`); plans on some but not all hosts take the all-hosts figure,
-     pessimistic only where hosts share hardware (simulated hosts on one machine);
+     steady state) for every plan, one-stage plans on one host included: the figures
+     with that host alone (`Topology.alone`) come from big probe programs whose devices
+     compute side by side, while a stage's small kernels on simulated CPU devices take
+     turns, and charged to those plans they predicted them 42–54 % low in two measured
+     runs (all-busy: −7 … +14 %; README, issue #22). On real hardware the two agree;
   4. solve: for each microbatch count m, stage count p and schedule, a dynamic
      programme over (stage, first layer, first host) picks for each stage its
      layers, its hosts and its best choice under the device-memory limit (with
@@ -286,12 +288,6 @@ def search(model: PlanModel, topo: Topology, global_batch: int, *, profile: Prof
     n_choices = sum(len(v) for v in choices.values())
     if not options.exhaustive:
         choices, tables = _prune_orders(choices, tables, ms)
-    # a one-stage plan on one host computes while the other hosts idle: its tables take the device
-    # figures measured that way (`Topology.alone`); every other plan has several hosts computing at once
-    tables_one = tables
-    if (topo.alone().flops, topo.alone().memory_bandwidth) != (topo.flops, topo.memory_bandwidth):
-        tables_one = dict(tables)
-        _cost_tables(model, topo.alone(), {1: choices[1]}, ms, global_batch, profiles, slots, tables_one)
     t3 = time.perf_counter()
     # 4. solve
     found: dict[tuple, Candidate] = {}
@@ -303,7 +299,6 @@ def search(model: PlanModel, topo: Topology, global_batch: int, *, profile: Prof
              "max_fsdp": max_fsdp, "virtual_stages": list(vs)}
     plans_considered = 0
     stage_memo: dict = {}
-    stage_memo_one: dict = {}
     plain = tuple(s for s in schedules if s != "interleaved-1f1b")
     for m in ms:
         micro = global_batch // m
@@ -313,18 +308,17 @@ def search(model: PlanModel, topo: Topology, global_batch: int, *, profile: Prof
                 if infl is None:
                     continue
                 fused = options.fuse_loss_chunk and fuses(sched, p, m)
-                tabs, smemo = (tables_one, stage_memo_one) if p == 1 else (tables, stage_memo)
-                stage_tab = stage_tables(model, topo, choices, tabs, m, sorted(set(infl)), slots, smemo, fused)
+                stage_tab = stage_tables(model, topo, choices, tables, m, sorted(set(infl)), slots, stage_memo, fused)
                 edge = _edge_times(model, topo, micro)
                 if options.exhaustive:
-                    plans = _enumerate(choices, tabs, m, L, H, topo, p)
+                    plans = _enumerate(choices, tables, m, L, H, topo, p)
                     mem_need = _min_memory(stage_tab, infl, L, H, topo)
                 else:
                     plans, mem_need = _solve(stage_tab, edge, infl, m, L, H, topo, options.thresholds)
                 min_memory = min(min_memory, mem_need)
                 for stages in plans:
                     plans_considered += 1
-                    cand = evaluate(model, topo, choices, tabs, stages, m, sched, infl, global_batch, slots, fused)
+                    cand = evaluate(model, topo, choices, tables, stages, m, sched, infl, global_batch, slots, fused)
                     if cand.memory_bytes <= topo.memory_bytes:
                         found.setdefault(cand.key(), cand)
     if "interleaved-1f1b" in schedules and vs:

@@ -26,9 +26,11 @@ Defaults (`DEFAULTS`) are nominal figures per platform, to be replaced by a clus
 `links:` / `device:` sections (`meshpipe calibrate` measures them and writes both).
 `device.tflops` / `memory_bandwidth_gbps` are per device with EVERY host computing at
 once (a pipeline's steady state); `device.lone_tflops` / `lone_memory_bandwidth_gbps`
-with one host computing while the others idle (`Topology.alone`, what a plan on one
-host sees). On a real cluster they agree; simulated hosts sharing a machine's cores
-(this project's CPU tests) compute slower when all are busy.
+with one host computing while the others idle (`Topology.alone`). On a real cluster they
+agree; simulated hosts sharing a machine's cores (this project's CPU tests) compute slower
+when all are busy. The cost model charges the all-busy figures to every plan (`search`,
+step 3: the lone ones, from big probe programs, overstate a stage's small kernels on
+simulated devices); the lone ones are the record of what host 0 does alone.
 `device.action_overhead_us` (default 0) is the runtime's fixed cost of one action
 (F, B, OPT) on a stage; the cost model adds it to each action of each stage.
 `device.transfer_overhead_us` (default 0) is the runtime's fixed cost of one
