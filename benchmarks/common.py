@@ -215,6 +215,29 @@ def machine_info() -> dict:
             "load_start": os.getloadavg()}
 
 
+def cpu_times() -> list[int]:
+    """The machine's CPU time counters from /proc/stat's `cpu` line (user, nice, system, idle,
+    iowait, irq, softirq, steal, …; in clock ticks); [] where there is no /proc/stat."""
+    try:
+        with open("/proc/stat") as f:
+            return [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return []
+
+
+def steal_share(before: Sequence[int], after: Sequence[int]) -> float | None:
+    """The share of CPU time the hypervisor took (steal) between two `cpu_times()` readings — a
+    condition of a VM the load average does not show; None without the counters.
+
+    >>> steal_share([100, 0, 10, 800, 0, 0, 0, 5], [180, 0, 20, 890, 0, 0, 0, 25])
+    0.1
+    """
+    if len(before) < 8 or len(after) < 8:
+        return None
+    total = sum(after[:8]) - sum(before[:8])
+    return (after[7] - before[7]) / total if total > 0 else None
+
+
 def load_note(before: Sequence[float], after: Sequence[float], cores: int | None = None) -> str:
     """What the observed 1-minute load averages say about the conditions — read, not assumed.
 

@@ -1,6 +1,6 @@
 """Issue #22's "must hold": the `--auto` plan's MEASURED step against the best of EVERY legal plan, measured.
 
-    python -m benchmarks.planner_exhaustive [--quick] [--steps 30] [--warmup 6] [--pin] [--top 4] [--repeats 2]
+    python -m benchmarks.planner_exhaustive [--quick] [--steps 30] [--warmup 6] [--pin] [--rounds 3]
 
 The case: the README's GPT (`examples/gpt.yaml`: vocab 128, d_model 64, 4 heads, d_mlp 256,
 2 blocks → 4 layers embed/block0/block1/head, seq 32, adam), global batch 16, on an
@@ -19,13 +19,15 @@ Protocol (Ray's workers at niceness 0, as benchmarks/run.py does, recorded):
   0. `meshpipe calibrate` on that cluster (the same Ray), so predictions use this machine's figures;
   1. the pure search picks the `--auto` plan (the DP + simulator replay, not exhaustive) over
      the same bounded options; `legal_plans` lists the space with each plan's prediction;
-  2. round 1: every legal plan runs `--steps` steps in a shuffled order; its figure is the
-     median step after dropping the first `--warmup` (compilation, warm-up);
-  3. round 2: the `--top` fastest of round 1 plus the auto pick run `--repeats` more times,
-     alternating (order reversed every pass); a plan's measured step is the median of its runs;
-  4. reported: auto ÷ best measured, auto's rank, predicted-vs-measured error of every plan
-     (median |error|), the spread of the repeated plans (the noise floor: a 1.05 target is only
-     decided when the spread is below 5 %), load averages before/after each phase, affinity.
+  2. `--rounds` rounds: in each, every legal plan runs `--steps` steps, in a new shuffled order
+     (seed = the round); a run's figure is the median step after dropping the first `--warmup`
+     (compilation, warm-up), a plan's the median of its runs — every plan measured as often and
+     spread over the same stretch of time, so a drift of the machine's speed (seen here: the same
+     plan 10 vs 20 ms an hour apart) does not favour the plans measured in a fast moment;
+  3. reported: auto ÷ best measured, auto's rank, predicted-vs-measured error of every plan
+     (median |error|), each plan's run-to-run spread (the noise floor: a 1.05 target is only
+     decided when it is below 5 %), load averages after each phase, the hypervisor's steal
+     share, pinning and the cores read back on the actors.
 
 Writes benchmarks/results/planner_exhaustive{.quick}.{json,md}.
 """
@@ -42,7 +44,7 @@ from pathlib import Path
 
 import yaml
 
-from benchmarks.common import RESULTS, ROOT, machine_info
+from benchmarks.common import RESULTS, ROOT, cpu_times, machine_info, steal_share
 from orchestrator.core.config import check_job, check_output_dir, load_cluster, parse_job
 from orchestrator.core.planner import Profiler, SearchOptions, from_cluster, search
 from orchestrator.core.planner.adapter import from_job
@@ -93,17 +95,19 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="m ∈ {4} only (half the space)")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=6)
-    ap.add_argument("--top", type=int, default=4, help="plans of round 1 measured again")
-    ap.add_argument("--repeats", type=int, default=2, help="extra runs of each of those")
+    ap.add_argument("--rounds", type=int, default=3, help="runs of every plan, one per round")
     ap.add_argument("--pin", action="store_true",
                     help="cluster pin_cpus: each simulated host's actors (and calibrate's probes) on one core of its own")
     ap.add_argument("--label", default="", help="a note on the conditions, written into the results")
     args = ap.parse_args(argv)
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds = {args.rounds}: must be ≥ 1")
     if args.steps <= args.warmup:
         raise SystemExit(f"--steps = {args.steps}: must be > --warmup ({args.warmup})")
     ms = (4,) if args.quick else (2, 4)
     info = machine_info()
     loads = {"start": os.getloadavg()}
+    ticks0 = cpu_times()
     import ray
 
     from orchestrator.driver.calibrate import calibrate
@@ -140,36 +144,26 @@ def main(argv=None) -> int:
             auto_i = keys.index(auto.key())
             print(f"{len(plans)} legal plans; auto = #{auto_i} {describe(auto)}", flush=True)
             runs: dict[int, list[dict]] = {i: [] for i in range(len(plans))}
-            order = list(range(len(plans)))
-            random.Random(0).shuffle(order)
             failed: dict[int, str] = {}
-            for n, i in enumerate(order):
-                try:
-                    r = measure(raw, plans[i], cluster, f"{i}-r1", args.warmup)
-                except Exception as e:  # noqa: BLE001 - a legal plan that does not run is a finding, not the end
-                    failed[i] = f"{type(e).__name__}: {e}"[:500]
-                    print(f"[{n + 1}/{len(plans)}] #{i} FAILED {failed[i]}", flush=True)
-                    continue
-                runs[i].append(r)
-                print(f"[{n + 1}/{len(plans)}] #{i} {r['median_s'] * 1e3:.2f} ms (predicted "
-                      f"{plans[i].step_s * 1e3:.2f}) {describe(plans[i])}", flush=True)
-            loads["after_round1"] = os.getloadavg()
-            t3 = time.perf_counter()
-            again = sorted((i for i in runs if runs[i]), key=lambda i: runs[i][0]["median_s"])[: args.top]
-            if auto_i not in again and runs[auto_i]:
-                again.append(auto_i)
-            for rep in range(args.repeats):
-                for i in (again if rep % 2 == 0 else again[::-1]):
+            round_s = []
+            for rnd in range(args.rounds):       # every plan in every round, a new order each round
+                t_r = time.perf_counter()
+                order = [i for i in range(len(plans)) if i not in failed]
+                random.Random(rnd).shuffle(order)
+                for n, i in enumerate(order):
                     try:
-                        r = measure(raw, plans[i], cluster, f"{i}-r{rep + 2}", args.warmup)
-                    except Exception as e:  # noqa: BLE001 - recorded; its other runs still count
-                        failed[i] = f"repeat {rep + 1}: {type(e).__name__}: {e}"[:500]
-                        print(f"repeat {rep + 1}: #{i} FAILED {failed[i]}", flush=True)
+                        r = measure(raw, plans[i], cluster, f"{i}-r{rnd + 1}", args.warmup)
+                    except Exception as e:  # noqa: BLE001 - a legal plan that does not run is a finding, not the end
+                        failed[i] = f"round {rnd + 1}: {type(e).__name__}: {e}"[:500]
+                        print(f"round {rnd + 1} [{n + 1}/{len(order)}] #{i} FAILED {failed[i]}", flush=True)
                         continue
                     runs[i].append(r)
-                    print(f"repeat {rep + 1}: #{i} {r['median_s'] * 1e3:.2f} ms", flush=True)
+                    print(f"round {rnd + 1} [{n + 1}/{len(order)}] #{i} {r['median_s'] * 1e3:.2f} ms (predicted "
+                          f"{plans[i].step_s * 1e3:.2f}) {describe(plans[i])}", flush=True)
+                loads[f"after_round{rnd + 1}"] = os.getloadavg()
+                round_s.append(time.perf_counter() - t_r)
             loads["end"] = os.getloadavg()
-            t4 = time.perf_counter()
+            info["steal_share"] = steal_share(ticks0, cpu_times())
         finally:
             ray.shutdown()
     out = {"case": {"model": "gpt", "model_args": raw["model"]["args"], "seq_len": raw["data"]["seq_len"],
@@ -177,14 +171,14 @@ def main(argv=None) -> int:
                     "space": {"microbatches": list(ms), "schedules": ["1f1b"], "stages": [1, 2], "max_model": 2,
                               "rulesets": {k: list(v) for k, v in RULESETS.items()}, "remats": ["none"],
                               "plans": len(plans)},
-                    "protocol": {"steps": args.steps, "warmup_dropped": args.warmup, "top_repeated": args.top,
-                                 "repeats": args.repeats, "order": "round 1 shuffled (seed 0); round 2 alternating"}},
+                    "protocol": {"steps": args.steps, "warmup_dropped": args.warmup, "rounds": args.rounds,
+                                 "order": "every plan in every round, each round shuffled (seed = round)"}},
            "label": args.label, "machine": info, "pin_cpus": bool(args.pin), "probe_affinity": cal.get("affinity"), "load_avg": loads,
            "calibrated": {"device": cal["device"], "all_busy": cal.get("all_busy"), "links": {k: {kk: vv for kk, vv in v.items() if kk != "samples"}
                                                               for k, v in cal["links"].items()},
                           "collective_links": cal.get("collective_links", {}),
                           "overhead": cal.get("overhead")},
-           "wall_s": {"calibrate": t1 - t0, "plan": t2 - t1, "round1": t3 - t2, "round2": t4 - t3},
+           "wall_s": {"calibrate": t1 - t0, "plan": t2 - t1, "rounds": round_s},
            "failed": failed,
            **summarize([(describe(c), c.step_s, c.memory_bytes) for c in plans], runs, auto_i)}
     stem = "planner_exhaustive.quick" if args.quick else "planner_exhaustive"
@@ -214,11 +208,11 @@ def summarize(plans: list[tuple[str, float, float]], runs: dict[int, list[dict]]
     ratio = measured[auto_i] / measured[best_i]
     max_spread = max(spreads.values()) if spreads else float("nan")
     if not max_spread <= 0.05:
-        verdict = (f"NOT DECIDED: the repeated plans' run-to-run spread is up to {max_spread * 100:.0f} % "
+        verdict = (f"NOT DECIDED: the plans' run-to-run spread is up to {max_spread * 100:.0f} % "
                    f"(> 5 %) on this machine, so a ratio of {ratio:.3f} can neither confirm nor refute the 1.05 target")
     else:
         verdict = (f"{'MET' if ratio <= 1.05 else 'NOT MET'}: auto ÷ best measured = {ratio:.3f} "
-                   f"(run-to-run spread of the repeated plans ≤ {max_spread * 100:.1f} %)")
+                   f"(every plan's run-to-run spread ≤ {max_spread * 100:.1f} %)")
     return {"auto": {"plan": auto_i, "describe": plans[auto_i][0], "predicted_s": plans[auto_i][1],
                      "measured_s": measured[auto_i], "measured_rank": by_measured.index(auto_i) + 1,
                      "predicted_rank_in_space": auto_i + 1},
@@ -239,6 +233,10 @@ def _busy(ab) -> str:
         return "not measured"
     return (f"{ab['flops_per_device'] / 1e9:.3g} GFLOP/s, {ab['bandwidth_per_device'] / 1e9:.3g} GB/s per device "
             f"(slowest host; windows overlapped {ab['overlap']['matmul']:.0%} / {ab['overlap']['elementwise']:.0%})")
+
+
+def _pct(x) -> str:
+    return "not read" if x is None else f"{x * 100:.2f} %"
 
 
 def _cores(out: dict) -> str:
@@ -267,11 +265,10 @@ def render(out: dict) -> str:
           f"stages {sp['stages']}, every cut and host count, meshes with model axis ≤ {sp['max_model']} (both axis "
           f"orders across hosts), rules {sp['rulesets']}, remat {sp['remats']}.", "",
           f"protocol: {case['protocol']['steps']} steps per run, first {case['protocol']['warmup_dropped']} dropped, "
-          f"median of the rest; every plan once ({case['protocol']['order']}); the "
-          f"{case['protocol']['top_repeated']} fastest plus the auto pick {case['protocol']['repeats']} more times; "
+          f"median of the rest; {case['protocol']['rounds']} rounds ({case['protocol']['order']}); "
           "a plan's figure = median of its runs.", "",
           f"machine: {info['cpu']}, {info['nproc']} CPUs, affinity {info['affinity']} cores, Ray worker niceness "
-          f"{info.get('ray_worker_niceness', '?')}; pin_cpus {out.get('pin_cpus', False)}: cores read back on "
+          f"{info.get('ray_worker_niceness', '?')}; hypervisor steal {_pct(info.get('steal_share'))} of CPU time; pin_cpus {out.get('pin_cpus', False)}: cores read back on "
           f"calibrate's probes {out.get('probe_affinity')}, on the stage actors {_cores(out)}; load average "
           + ", ".join(f"{k} {load(v)}" for k, v in la.items())
           + (f". {out['label']}" if out.get("label") else ""), "",
@@ -296,8 +293,8 @@ def render(out: dict) -> str:
         md.append(f"| {r['plan']}{mark} | {r['describe']} | {r['predicted_s'] * 1e3:.2f} | {r['measured_s'] * 1e3:.2f} | "
                   f"{runs} | {r['error'] * 100:+.1f}% | {r['measured_rank']} |")
     ws = out["wall_s"]
-    md += ["", f"wall: calibrate {ws['calibrate']:.0f} s, plan {ws['plan']:.0f} s, round 1 {ws['round1']:.0f} s, "
-           f"round 2 {ws['round2']:.0f} s"]
+    md += ["", f"wall: calibrate {ws['calibrate']:.0f} s, plan {ws['plan']:.0f} s, rounds "
+           + ", ".join(f"{x:.0f} s" for x in ws["rounds"])]
     return "\n".join(md) + "\n"
 
 

@@ -222,9 +222,10 @@ def test_exhaustive_benchmark_summary_ratio_rank_error_and_noise_verdict():
     out = {"case": {"model_args": {}, "seq_len": 32, "global_batch": 16, "hosts": 2, "devices_per_host": 2,
                     "space": {"microbatches": [4], "schedules": ["1f1b"], "stages": [1, 2], "max_model": 2,
                               "rulesets": {}, "remats": ["none"], "plans": 4},
-                    "protocol": {"steps": 12, "warmup_dropped": 4, "top_repeated": 2, "repeats": 2, "order": "x"}},
+                    "protocol": {"steps": 12, "warmup_dropped": 4, "rounds": 3, "order": "x"}},
            "machine": {"when": "now", "cpu": "cpu", "nproc": 2, "affinity": 2}, "load_avg": {"start": (1, 2, 3)},
            "calibrated": {"device": {}, "links": {}}, "failed": {3: "boom"},
-           "wall_s": {"calibrate": 1, "plan": 1, "round1": 1, "round2": 1}, **s}
+           "wall_s": {"calibrate": 1, "plan": 1, "rounds": [1, 2, 3]}, **s}
     md = render(out)
     assert "NOT MET" in md and "| 0 **auto** |" in md and "1 plan(s) failed to run" in md
+    assert "3 rounds" in md and "rounds 1 s, 2 s, 3 s" in md and "hypervisor steal not read" in md
