@@ -30,7 +30,7 @@ Basic flow (driven by `orchestrator.driver.calibrate`):
      then runs over the mesh of both hosts' devices (k = all of them) and, with more
      than one device per host, over its host axis alone (k = 2, one group per local
      device, all at once) — what a mesh axis spanning hosts does in a stage program.
-  3. `open_transport(...)` / `connect(...)` / `pingpong(...)` — meshpipe's own socket
+  3. `open_transport(...)` / `connect(...)` / `expect_sends(...)` / `pingpong(...)` — meshpipe's own socket
      transport (`stages.socket_transport`, the stage-to-stage path) between two probes,
      one-device "stages" on each side; a tensor goes A → B and back, so one send is
      half the round trip.
@@ -281,8 +281,21 @@ class CalibrationProbe:
     def connect(self, addresses: list[list]) -> None:
         self.transport.connect(addresses)
 
+    def expect_sends(self, peer: int, sizes: list[int]) -> None:
+        """Accept `pingpong`'s tensors of every size from probe-stage `peer`. Both sides call this,
+        and the driver waits for both, BEFORE either starts `pingpong`: a tensor that arrives
+        before its receiver expects it closes the connection (`SocketTransport.expect`), and
+        expecting each size only as its turn came raced the sender's next size."""
+        import numpy as np
+
+        from stages.transport import Edge
+
+        for nbytes in sizes:
+            self.transport.expect(Edge(peer, self.geoms[peer], (None,)), (max(1, nbytes // 4),), np.float32)
+
     def pingpong(self, peer: int, first: bool, sizes: list[int], reps: int, timeout: float) -> list[dict]:
-        """Bounce a float32 tensor of each size with probe-stage `peer`; `first` sends first.
+        """Bounce a float32 tensor of each size with probe-stage `peer` (`expect_sends` first, on
+        both sides); `first` sends first.
 
         Returns [{kind: "send", k: 2, nbytes, seconds}] (seconds: half the median round
         trip) on the first side, [] on the other.
@@ -298,7 +311,6 @@ class CalibrationProbe:
             n = max(1, nbytes // 4)
             to_peer = Edge(peer, self.geoms[peer], (None,))
             from_peer = Edge(peer, self.geoms[peer], (None,))
-            self.transport.expect(from_peer, (n,), np.float32)
             x = jax.device_put(np.ones((n,), np.float32), d0)
             rounds = []
             for r in range(reps + 1):                        # round 0 warms the connection up

@@ -124,6 +124,8 @@ def _probes(cluster, echo, run: str) -> dict:
                              "opening probe transports", [labels[a], labels[b]])
             wait_all([actors[h].connect.remote([[addrs[0]], [addrs[1]]]) for h in hosts], init_s,
                      "connecting probe transports", [labels[a], labels[b]])
+            wait_all([actors[a].expect_sends.remote(1, SEND_SIZES), actors[b].expect_sends.remote(0, SEND_SIZES)],
+                     init_s, "registering the probe sends", [labels[a], labels[b]])
             got = wait_all([actors[a].pingpong.remote(1, True, SEND_SIZES, 5, CALL_S),
                             actors[b].pingpong.remote(0, False, SEND_SIZES, 5, CALL_S)], CALL_S,
                            f"sends between hosts {a} and {b}", [labels[a], labels[b]])
