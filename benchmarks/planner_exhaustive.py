@@ -96,6 +96,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=6)
     ap.add_argument("--rounds", type=int, default=3, help="runs of every plan, one per round")
+    ap.add_argument("--recalibrate", action="store_true",
+                    help="calibrate again before every round after the first and predict that round's runs from it")
     ap.add_argument("--pin", action="store_true",
                     help="cluster pin_cpus: each simulated host's actors (and calibrate's probes) on one core of its own")
     ap.add_argument("--label", default="", help="a note on the conditions, written into the results")
@@ -146,8 +148,17 @@ def main(argv=None) -> int:
             runs: dict[int, list[dict]] = {i: [] for i in range(len(plans))}
             failed: dict[int, str] = {}
             round_s = []
+            first = {k: c.step_s for k, c in zip(keys, plans)}
+            calibrations = [_cal_note(cal, "before round 1")]
             for rnd in range(args.rounds):       # every plan in every round, a new order each round
                 t_r = time.perf_counter()
+                predicted = first
+                if args.recalibrate and rnd > 0:     # this round's runs against this round's figures
+                    again = calibrate(str(src), out=str(Path(tmp) / f"cluster.round{rnd + 1}.yaml"), echo=lambda _: None)
+                    calibrations.append(_cal_note(again, f"before round {rnd + 1}"))
+                    topo_r = from_cluster(load_cluster(again["written"]))
+                    predicted = {c.key(): c.step_s for c in legal_plans(model, topo_r, GLOBAL_BATCH, profile=profile,
+                                                                         options=opts)}
                 order = [i for i in range(len(plans)) if i not in failed]
                 random.Random(rnd).shuffle(order)
                 for n, i in enumerate(order):
@@ -157,9 +168,9 @@ def main(argv=None) -> int:
                         failed[i] = f"round {rnd + 1}: {type(e).__name__}: {e}"[:500]
                         print(f"round {rnd + 1} [{n + 1}/{len(order)}] #{i} FAILED {failed[i]}", flush=True)
                         continue
-                    runs[i].append(r)
+                    runs[i].append({**r, "predicted_s": predicted.get(keys[i])})
                     print(f"round {rnd + 1} [{n + 1}/{len(order)}] #{i} {r['median_s'] * 1e3:.2f} ms (predicted "
-                          f"{plans[i].step_s * 1e3:.2f}) {describe(plans[i])}", flush=True)
+                          f"{(predicted.get(keys[i]) or float('nan')) * 1e3:.2f}) {describe(plans[i])}", flush=True)
                 loads[f"after_round{rnd + 1}"] = os.getloadavg()
                 round_s.append(time.perf_counter() - t_r)
             loads["end"] = os.getloadavg()
@@ -172,14 +183,15 @@ def main(argv=None) -> int:
                               "rulesets": {k: list(v) for k, v in RULESETS.items()}, "remats": ["none"],
                               "plans": len(plans)},
                     "protocol": {"steps": args.steps, "warmup_dropped": args.warmup, "rounds": args.rounds,
-                                 "order": "every plan in every round, each round shuffled (seed = round)"}},
+                                 "order": "every plan in every round, each round shuffled (seed = round)",
+                                 "recalibrate": bool(args.recalibrate)}},
            "label": args.label, "machine": info, "pin_cpus": bool(args.pin), "probe_affinity": cal.get("affinity"), "load_avg": loads,
            "calibrated": {"device": cal["device"], "all_busy": cal.get("all_busy"), "links": {k: {kk: vv for kk, vv in v.items() if kk != "samples"}
                                                               for k, v in cal["links"].items()},
                           "collective_links": cal.get("collective_links", {}),
                           "overhead": cal.get("overhead")},
            "wall_s": {"calibrate": t1 - t0, "plan": t2 - t1, "rounds": round_s},
-           "failed": failed,
+           "calibrations": calibrations, "failed": failed,
            **summarize([(describe(c), c.step_s, c.memory_bytes) for c in plans], runs, auto_i)}
     stem = "planner_exhaustive.quick" if args.quick else "planner_exhaustive"
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -203,7 +215,8 @@ def summarize(plans: list[tuple[str, float, float]], runs: dict[int, list[dict]]
     rows = [{"plan": i, "describe": d, "predicted_s": pred, "measured_s": measured[i],
              "runs_s": [r["median_s"] for r in runs[i]], "error": (pred - measured[i]) / measured[i],
              "predicted_rank": i + 1, "measured_rank": by_measured.index(i) + 1, "memory_bytes": mem,
-             "conditions": [c for r in runs[i] for c in (r.get("conditions") or [])]}
+             "conditions": [c for r in runs[i] for c in (r.get("conditions") or [])],
+             "error_each_round": _round_error(runs[i])}
             for i, (d, pred, mem) in enumerate(plans) if i in measured]
     ratio = measured[auto_i] / measured[best_i]
     max_spread = max(spreads.values()) if spreads else float("nan")
@@ -220,6 +233,8 @@ def summarize(plans: list[tuple[str, float, float]], runs: dict[int, list[dict]]
                               "predicted_rank": best_i + 1},
             "ratio_auto_over_best": ratio, "target": 1.05,
             "median_abs_error": statistics.median(abs(r["error"]) for r in rows),
+            "median_abs_error_each_round": (statistics.median(abs(r["error_each_round"]) for r in rows)
+                                            if all(r["error_each_round"] is not None for r in rows) else None),
             "plans_measured": len(measured),
             "repeated_spread": {"max": max_spread,
                                 "median": statistics.median(spreads.values()) if spreads else None,
@@ -233,6 +248,22 @@ def _busy(ab) -> str:
         return "not measured"
     return (f"{ab['flops_per_device'] / 1e9:.3g} GFLOP/s, {ab['bandwidth_per_device'] / 1e9:.3g} GB/s per device "
             f"(slowest host; windows overlapped {ab['overlap']['matmul']:.0%} / {ab['overlap']['elementwise']:.0%})")
+
+
+def _round_error(runs: list[dict]) -> float | None:
+    """A plan's error against the figures calibrated before each of its runs: the median over its
+    runs of (that run's prediction − its measured step) ÷ its measured step; None without them."""
+    if not runs or any(r.get("predicted_s") is None for r in runs):
+        return None
+    return statistics.median((r["predicted_s"] - r["median_s"]) / r["median_s"] for r in runs)
+
+
+def _cal_note(cal: dict, when: str) -> dict:
+    """What one calibration measured, for the record (the device figures all hosts busy, the overheads)."""
+    ab = cal.get("all_busy") or cal["device"]
+    over = cal.get("overhead") or {}
+    return {"when": when, "flops_per_device": ab["flops_per_device"], "bandwidth_per_device": ab["bandwidth_per_device"],
+            "action_overhead_s": over.get("action_overhead_s"), "transfer_overhead_s": over.get("transfer_overhead_s")}
 
 
 def _pct(x) -> str:
@@ -285,6 +316,12 @@ def render(out: dict) -> str:
           f"{out['best_measured']['measured_s'] * 1e3:.2f} ms (rank {out['best_measured']['predicted_rank']} by prediction)", "",
           f"prediction error: median |error| {out['median_abs_error'] * 100:.1f} % over {out['plans_measured']} plans "
           "(target ≤ 15 %)" + (f"; {len(out['failed'])} plan(s) failed to run: {out['failed']}" if out.get("failed") else ""), "",
+          *([f"with each run predicted from the calibration taken just before its round (`--recalibrate`): median "
+             f"|error| {out['median_abs_error_each_round'] * 100:.1f} %; the calibrations: "
+             + "; ".join(f"{c['when']}: {c['flops_per_device'] / 1e9:.3g} GFLOP/s, {c['bandwidth_per_device'] / 1e9:.3g} "
+                         f"GB/s per device, overheads {_us(c['action_overhead_s'])} / {_us(c['transfer_overhead_s'])} µs"
+                         for c in out.get("calibrations", [])), ""]
+            if out["case"]["protocol"].get("recalibrate") and out.get("median_abs_error_each_round") is not None else []),
           "| # (by prediction) | plan | predicted ms | measured ms | runs ms | error | measured rank |",
           "|---:|---|---:|---:|---|---:|---:|"]
     for r in out["rows"]:

@@ -3,6 +3,7 @@ measures), remat in the search and the schedules it searches (synthetic profiles
 from __future__ import annotations
 
 import itertools
+import statistics
 from pathlib import Path
 
 import pytest
@@ -229,3 +230,37 @@ def test_exhaustive_benchmark_summary_ratio_rank_error_and_noise_verdict():
     md = render(out)
     assert "NOT MET" in md and "| 0 **auto** |" in md and "1 plan(s) failed to run" in md
     assert "3 rounds" in md and "rounds 1 s, 2 s, 3 s" in md and "hypervisor steal not read" in md
+
+
+def test_recalibrated_rounds_score_each_run_against_its_own_rounds_prediction():
+    from benchmarks.planner_exhaustive import render, summarize
+
+    plans = [("a", 0.010, 1.0), ("b", 0.020, 1.0)]
+    # the first calibration predicts 10 and 20 ms; the machine slows, and later rounds predict more
+    runs = {0: [{"median_s": 0.011, "predicted_s": 0.010}, {"median_s": 0.016, "predicted_s": 0.015},
+                {"median_s": 0.020, "predicted_s": 0.022}],
+            1: [{"median_s": 0.022, "predicted_s": 0.020}, {"median_s": 0.030, "predicted_s": 0.030},
+                {"median_s": 0.040, "predicted_s": 0.044}]}
+    s = summarize(plans, runs, auto_i=0)
+    # against the first calibration: (10 - 16) / 16 and (20 - 30) / 30
+    assert s["median_abs_error"] == pytest.approx(statistics.median([6 / 16, 10 / 30]))
+    # each run against its own round's figures: medians of (-1/11, -1/16, +2/20) and (-2/22, 0, +4/40)
+    a = statistics.median([-1 / 11, -1 / 16, 2 / 20])
+    b = statistics.median([-2 / 22, 0.0, 4 / 40])
+    assert [r["error_each_round"] for r in s["rows"]] == [pytest.approx(a), pytest.approx(b)]
+    assert s["median_abs_error_each_round"] == pytest.approx(statistics.median([abs(a), abs(b)]))
+    # a run without its prediction: no each-round figure at all, rather than one from some runs
+    partial = summarize(plans, {**runs, 1: runs[1][:2] + [{"median_s": 0.04}]}, auto_i=0)
+    assert partial["median_abs_error_each_round"] is None
+    out = {"case": {"model_args": {}, "seq_len": 32, "global_batch": 16, "hosts": 2, "devices_per_host": 2,
+                    "space": {"microbatches": [4], "schedules": ["1f1b"], "stages": [1, 2], "max_model": 2,
+                              "rulesets": {}, "remats": ["none"], "plans": 2},
+                    "protocol": {"steps": 12, "warmup_dropped": 4, "rounds": 3, "order": "x", "recalibrate": True}},
+           "machine": {"when": "now", "cpu": "cpu", "nproc": 2, "affinity": 2}, "load_avg": {"start": (1, 2, 3)},
+           "calibrated": {"device": {}, "links": {}}, "failed": {},
+           "calibrations": [{"when": "before round 1", "flops_per_device": 1e11, "bandwidth_per_device": 2e10,
+                             "action_overhead_s": 3e-4, "transfer_overhead_s": None}],
+           "wall_s": {"calibrate": 1, "plan": 1, "rounds": [1, 2, 3]}, **s}
+    md = render(out)
+    assert f"(`--recalibrate`): median |error| {s['median_abs_error_each_round'] * 100:.1f} %" in md
+    assert "before round 1: 100 GFLOP/s, 20 GB/s per device, overheads 300 / ? µs" in md
