@@ -466,10 +466,6 @@ def test_cost_model_charges_the_all_hosts_busy_figure_to_every_plan():
         assert both[k].step_s > lone_everywhere[k].step_s * 1.2
         assert sum(s.compute_s for s in both[k].stages) == pytest.approx(
             2 * sum(s.compute_s for s in lone_everywhere[k].stages))
-    # without a lone figure (a cluster YAML written before, or by hand) nothing changes
-    assert _busy_topo().alone() == _busy_topo()
-    t = _busy_topo(lone=1e9, bw_lone=3e12).alone()
-    assert (t.flops, t.memory_bandwidth) == (1e9, 3e12)
 
 
 def test_lone_device_figures_are_read_written_and_validated(tmp_path):
@@ -477,7 +473,7 @@ def test_lone_device_figures_are_read_written_and_validated(tmp_path):
         "tflops": 0.05, "memory_bandwidth_gbps": 10, "lone_tflops": 0.1, "lone_memory_bandwidth_gbps": 20}})
     t = from_cluster(c)
     assert (t.flops, t.memory_bandwidth) == (pytest.approx(0.05e12), pytest.approx(10e9))
-    assert (t.alone().flops, t.alone().memory_bandwidth) == (pytest.approx(0.1e12), pytest.approx(20e9))
+    assert (t.lone_flops, t.lone_memory_bandwidth) == (pytest.approx(0.1e12), pytest.approx(20e9))
     assert from_cluster(parse_cluster({"hosts": 2, "devices_per_host": 2})).lone_flops is None
     for key in ("lone_tflops", "lone_memory_bandwidth_gbps"):
         with pytest.raises(ConfigError, match=f"device.{key}"):
@@ -651,7 +647,7 @@ def test_meshpipe_calibrate_on_the_local_cluster(tmp_path):
     assert cl.device.tflops <= 1.5 * cl.device.lone_tflops, (cl.device.tflops, cl.device.lone_tflops)   # load: noisy
     assert ab["overlap"]["matmul"] > 0.5 and ab["overlap"]["elementwise"] > 0.5, ab["overlap"]
     t = from_cluster(cl)
-    assert t.flops == pytest.approx(cl.device.tflops * 1e12) and t.alone().flops == pytest.approx(cl.device.lone_tflops * 1e12)
+    assert t.flops == pytest.approx(cl.device.tflops * 1e12) and t.lone_flops == pytest.approx(cl.device.lone_tflops * 1e12)
     # seconds per kernel: the slope of two kernel chains, host 0 alone and the slowest host all busy
     assert rep["device"]["kernel_counts"][1] > rep["device"]["kernel_counts"][0] > 0
     assert cl.device.lone_kernel_overhead_us == float(f"{rep['device']['kernel_s'] * 1e6:.6g}")

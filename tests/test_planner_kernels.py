@@ -68,7 +68,7 @@ def test_calibrated_yaml_carries_the_kernel_figures_into_the_topology():
     assert raw["device"]["kernel_overhead_us"] == 0.9 and raw["device"]["lone_kernel_overhead_us"] == 0.45
     topo = from_cluster(ClusterConfig.model_validate(raw))
     assert topo.kernel_overhead_s == pytest.approx(0.9e-6)
-    assert topo.alone().kernel_overhead_s == pytest.approx(0.45e-6)
+    assert topo.lone_kernel_overhead_s == pytest.approx(0.45e-6)
     with pytest.raises(CalibrationError, match="device.kernel_overhead_us"):
         calibrated_raw({"hosts": 1}, tflops=0.1, memory_bandwidth_gbps=10.0, action_overhead_us=0.0, links={},
                        kernel_overhead_us=-1.0)

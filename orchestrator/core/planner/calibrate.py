@@ -72,8 +72,8 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import yaml
 
-__all__ = ["CalibrationError", "Sample", "Fit", "fit_alpha_beta", "fit_per_array", "fit_overhead", "fit_rounds", "direct_transfers",
-           "transfer_sanity", "choose_transfer", "all_busy", "fit_kernel_time", "calibrated_raw", "default_out",
+__all__ = ["CalibrationError", "Sample", "Fit", "fit_alpha_beta", "fit_per_array", "fit_overhead", "fit_rounds",
+           "direct_transfers", "transfer_sanity", "choose_transfer", "all_busy", "fit_kernel_time", "calibrated_raw", "default_out",
            "destination", "write_calibrated"]
 
 

@@ -11,7 +11,7 @@ Basic flow of `search(model, topo, global_batch, profile=...)`:
   3. cost: per (k, choice, microbatch count) and layer, `cost.layer_cost`, with the
      device figures of every host computing at once (`Topology.flops`, a pipeline's
      steady state) for every plan, one-stage plans on one host included: the figures
-     with that host alone (`Topology.alone`) come from big probe programs whose devices
+     with that host alone (`Topology.lone_flops`, ...) come from big probe programs whose devices
      compute side by side, while a stage's small kernels on simulated CPU devices take
      turns, and charged to those plans they predicted them 42–54 % low in two measured
      runs (all-busy: −7 … +14 %; README, issue #22). On real hardware the two agree;

@@ -26,7 +26,7 @@ Defaults (`DEFAULTS`) are nominal figures per platform, to be replaced by a clus
 `links:` / `device:` sections (`meshpipe calibrate` measures them and writes both).
 `device.tflops` / `memory_bandwidth_gbps` are per device with EVERY host computing at
 once (a pipeline's steady state); `device.lone_tflops` / `lone_memory_bandwidth_gbps`
-with one host computing while the others idle (`Topology.alone`). On a real cluster they
+with one host computing while the others idle (`lone_flops`, ...). On a real cluster they
 agree; simulated hosts sharing a machine's cores (this project's CPU tests) compute slower
 when all are busy. The cost model charges the all-busy figures to every plan (`search`,
 step 3: the lone ones, from big probe programs, overstate a stage's small kernels on
@@ -37,7 +37,7 @@ simulated devices); the lone ones are the record of what host 0 does alone.
 stage-to-stage transfer beyond its link's α-β time; added to every stage edge.
 `device.kernel_overhead_us` (default 0) is the time of one kernel (a compiled program's
 fusion, dot, copy, collective) beyond its flops and bytes, every host computing at once;
-`device.lone_kernel_overhead_us` with one host computing (`alone`). The cost model adds
+`device.lone_kernel_overhead_us` with one host computing (recorded, not charged). The cost model adds
 kernels × it to each phase of each layer (`LayerProfile.kernels`).
 """
 from __future__ import annotations
@@ -87,12 +87,12 @@ class Topology:
         its hosts where measured or given (`collective_link`); absent: `links`.
       memory_bytes, flops, memory_bandwidth: per device (flops, memory_bandwidth: with every
         host computing at once).
-      lone_flops, lone_memory_bandwidth: per device with only one host computing (`alone`);
-        None: the same as flops, memory_bandwidth.
+      lone_flops, lone_memory_bandwidth: per device with only one host computing (the record:
+        the cost model charges the all-busy figures); None: not measured.
       action_overhead_s: the runtime's fixed cost of one action on a stage (seconds).
       transfer_overhead_s: the runtime's fixed cost of one stage-edge transfer beyond α-β (seconds).
       kernel_overhead_s, lone_kernel_overhead_s: one kernel's time beyond its flops and bytes,
-        every host computing / one host alone (seconds; lone None: the same).
+        every host computing / one host alone (seconds; lone: recorded, not charged; None: not measured).
     """
 
     hosts: int
@@ -111,20 +111,6 @@ class Topology:
     lone_memory_bandwidth: Optional[float] = None
     kernel_overhead_s: float = 0.0
     lone_kernel_overhead_s: Optional[float] = None
-
-    def alone(self) -> "Topology":
-        """This topology as a plan on ONE host sees it: the device figures with one host computing.
-
-        Example:
-            >>> t = Topology(2, 2, 1, {c: LinkClass(c, 1e-5, 1e9) for c in CLASSES}, 1e9, 1e11, 1e10,
-            ...              lone_flops=2e11)
-            >>> t.alone().flops, t.alone().memory_bandwidth, t.flops
-            (200000000000.0, 10000000000.0, 100000000000.0)
-        """
-        return replace(self, flops=self.lone_flops or self.flops,
-                       memory_bandwidth=self.lone_memory_bandwidth or self.memory_bandwidth,
-                       kernel_overhead_s=self.kernel_overhead_s if self.lone_kernel_overhead_s is None
-                       else self.lone_kernel_overhead_s)
 
     def collective_link(self, cls: str) -> LinkClass:
         """What one collective over devices spanning link class `cls` is charged on.
