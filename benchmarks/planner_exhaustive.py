@@ -1,6 +1,6 @@
 """Issue #22's "must hold": the `--auto` plan's MEASURED step against the best of EVERY legal plan, measured.
 
-    python -m benchmarks.planner_exhaustive [--quick] [--steps 30] [--warmup 6] [--pin] [--rounds 3]
+    python -m benchmarks.planner_exhaustive [--quick] [--steps 30] [--warmup 6] [--pin] [--rounds 3] [--pairs 8]
 
 The case: the README's GPT (`examples/gpt.yaml`: vocab 128, d_model 64, 4 heads, d_mlp 256,
 2 blocks → 4 layers embed/block0/block1/head, seq 32, adam), global batch 16, on an
@@ -24,7 +24,13 @@ Protocol (Ray's workers at niceness 0, as benchmarks/run.py does, recorded):
      (compilation, warm-up), a plan's the median of its runs — every plan measured as often and
      spread over the same stretch of time, so a drift of the machine's speed (seen here: the same
      plan 10 vs 20 ms an hour apart) does not favour the plans measured in a fast moment;
-  3. reported: auto ÷ best measured, auto's rank, predicted-vs-measured error of every plan
+  3. head to head (`--pairs` blocks, default 8): the auto pick and the `--challengers` (2) best
+     measured other plans run back to back in each block, the order rotating through their
+     permutations; each block gives auto's step ÷ each challenger's, and the verdict on the 1.05
+     target comes from those ratios' median and its order-statistic interval (`benchmarks.paired`):
+     MET when every interval lies at or below 1.05, NOT MET when one lies above, else NOT DECIDED.
+     A drift of the machine hits both runs of a block and cancels in its ratio;
+  4. reported: auto ÷ best measured, auto's rank, predicted-vs-measured error of every plan
      (median |error|), each plan's run-to-run spread (the noise floor: a 1.05 target is only
      decided when it is below 5 %), load averages after each phase, the hypervisor's steal
      share, pinning and the cores read back on the actors.
@@ -45,6 +51,7 @@ from pathlib import Path
 import yaml
 
 from benchmarks.common import RESULTS, ROOT, cpu_times, machine_info, steal_share
+from benchmarks.paired import block_order, verdict as paired_verdict
 from orchestrator.core.config import check_job, check_output_dir, load_cluster, parse_job
 from orchestrator.core.planner import Profiler, SearchOptions, from_cluster, search
 from orchestrator.core.planner.adapter import from_job
@@ -55,6 +62,7 @@ from orchestrator.core.planner.search import legal_plans
 WORKER = "stages.aot_profile"
 HOSTS, DPH, GLOBAL_BATCH = 2, 2, 16
 RULESETS = {"megatron": ("heads", "mlp", "vocab")}
+TARGET = 1.05          # the auto pick's measured step ÷ the best plan's
 
 
 def base_job(out_dir: str, steps: int) -> dict:
@@ -100,10 +108,16 @@ def main(argv=None) -> int:
                     help="calibrate again before every round after the first and predict that round's runs from it")
     ap.add_argument("--pin", action="store_true",
                     help="cluster pin_cpus: each simulated host's actors (and calibrate's probes) on one core of its own")
+    ap.add_argument("--pairs", type=int, default=8,
+                    help="head-to-head blocks after the rounds: the auto pick beside each challenger (0: none)")
+    ap.add_argument("--challengers", type=int, default=2,
+                    help="the best measured plans other than the auto pick run head to head with it")
     ap.add_argument("--label", default="", help="a note on the conditions, written into the results")
     args = ap.parse_args(argv)
     if args.rounds < 1:
         raise SystemExit(f"--rounds = {args.rounds}: must be ≥ 1")
+    if args.pairs < 0 or args.challengers < 1:
+        raise SystemExit(f"--pairs = {args.pairs}, --challengers = {args.challengers}: need pairs ≥ 0, challengers ≥ 1")
     if args.steps <= args.warmup:
         raise SystemExit(f"--steps = {args.steps}: must be > --warmup ({args.warmup})")
     ms = (4,) if args.quick else (2, 4)
@@ -173,6 +187,10 @@ def main(argv=None) -> int:
                           f"{(predicted.get(keys[i]) or float('nan')) * 1e3:.2f}) {describe(plans[i])}", flush=True)
                 loads[f"after_round{rnd + 1}"] = os.getloadavg()
                 round_s.append(time.perf_counter() - t_r)
+            t_h = time.perf_counter()
+            h2h = head_to_head(raw, plans, runs, auto_i, cluster, args) if args.pairs else None
+            loads["after_head_to_head"] = os.getloadavg()
+            h2h_s = time.perf_counter() - t_h
             loads["end"] = os.getloadavg()
             info["steal_share"] = steal_share(ticks0, cpu_times())
         finally:
@@ -190,7 +208,8 @@ def main(argv=None) -> int:
                                                               for k, v in cal["links"].items()},
                           "collective_links": cal.get("collective_links", {}),
                           "overhead": cal.get("overhead")},
-           "wall_s": {"calibrate": t1 - t0, "plan": t2 - t1, "rounds": round_s},
+           "wall_s": {"calibrate": t1 - t0, "plan": t2 - t1, "rounds": round_s, "head_to_head": h2h_s},
+           "head_to_head": h2h,
            "calibrations": calibrations, "failed": failed,
            **summarize([(describe(c), c.step_s, c.memory_bytes) for c in plans], runs, auto_i)}
     stem = "planner_exhaustive.quick" if args.quick else "planner_exhaustive"
@@ -200,6 +219,34 @@ def main(argv=None) -> int:
     (RESULTS / f"{stem}.md").write_text(md)
     print(md)
     return 0
+
+
+def head_to_head(raw: dict, plans: list, runs: dict[int, list[dict]], auto_i: int, cluster, args) -> dict:
+    """The auto pick beside the best measured other plans, in blocks run back to back
+    (`benchmarks.paired`): the decision on the 1.05 target that the rounds' spread cannot make."""
+    measured = {i: statistics.median(r["median_s"] for r in rs) for i, rs in runs.items() if rs}
+    others = sorted((i for i in measured if i != auto_i), key=measured.get)[:args.challengers]
+    if auto_i not in measured or not others:
+        return None
+    names = [auto_i, *others]
+    blocks, failed = [], []
+    for b in range(args.pairs):
+        got = {}
+        try:
+            for i in block_order(b, names):
+                got[i] = measure(raw, plans[i], cluster, f"{i}-h{b + 1}", args.warmup)["median_s"]
+        except Exception as e:  # noqa: BLE001 - a failed block is recorded and left out, not the end
+            failed.append(f"block {b + 1}: {type(e).__name__}: {e}"[:300])
+            print(f"head to head, block {b + 1} FAILED {failed[-1]}", flush=True)
+            continue
+        blocks.append({"order": list(block_order(b, names)), "median_s": {str(i): got[i] for i in names}})
+        print(f"head to head, block {b + 1}/{args.pairs}: "
+              + ", ".join(f"#{i} {got[i] * 1e3:.2f} ms" for i in block_order(b, names)), flush=True)
+    if not blocks:
+        return {"auto": auto_i, "challengers": others, "blocks": [], "failed": failed, "overall": "NOT DECIDED",
+                "line": "NOT DECIDED: every head-to-head block failed to run"}
+    ratios = {f"#{c}": [blk["median_s"][str(auto_i)] / blk["median_s"][str(c)] for blk in blocks] for c in others}
+    return {"auto": auto_i, "challengers": others, "blocks": blocks, "failed": failed, **paired_verdict(ratios, TARGET)}
 
 
 def summarize(plans: list[tuple[str, float, float]], runs: dict[int, list[dict]], auto_i: int) -> dict:
@@ -309,7 +356,15 @@ def render(out: dict) -> str:
           f"{_us((out['calibrated'].get('overhead') or {}).get('transfer_overhead_s'))} µs (transfer from the "
           f"{(out['calibrated'].get('overhead') or {}).get('transfer_source', 'fit')}); all hosts busy at once: "
           + _busy(out['calibrated'].get('all_busy')), "",
-          f"**{out['verdict']}**", "",
+          *([f"**head to head: {out['head_to_head']['line']}**", "",
+             f"(auto #{out['head_to_head']['auto']} beside the best measured other plans "
+             f"{', '.join('#' + str(c) for c in out['head_to_head']['challengers'])}, in "
+             f"{len(out['head_to_head']['blocks'])} blocks run back to back, each block's order one permutation in "
+             "turn; one ratio per block: auto's median step ÷ the challenger's; `benchmarks/paired.py`)"
+             + (f"; {len(out['head_to_head']['failed'])} block(s) failed: {out['head_to_head']['failed']}"
+                if out['head_to_head'].get('failed') else ""), ""]
+            if out.get("head_to_head") else []),
+          f"rounds alone: **{out['verdict']}**", "",
           f"auto pick: #{out['auto']['plan']} {out['auto']['describe']} — measured {out['auto']['measured_s'] * 1e3:.2f} ms, "
           f"rank {out['auto']['measured_rank']} of {out['plans_measured']} measured", "",
           f"best measured: #{out['best_measured']['plan']} {out['best_measured']['describe']} — "
@@ -331,7 +386,8 @@ def render(out: dict) -> str:
                   f"{runs} | {r['error'] * 100:+.1f}% | {r['measured_rank']} |")
     ws = out["wall_s"]
     md += ["", f"wall: calibrate {ws['calibrate']:.0f} s, plan {ws['plan']:.0f} s, rounds "
-           + ", ".join(f"{x:.0f} s" for x in ws["rounds"])]
+           + ", ".join(f"{x:.0f} s" for x in ws["rounds"])
+           + (f", head to head {ws['head_to_head']:.0f} s" if ws.get("head_to_head") else "")]
     return "\n".join(md) + "\n"
 
 

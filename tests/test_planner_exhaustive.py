@@ -264,3 +264,78 @@ def test_recalibrated_rounds_score_each_run_against_its_own_rounds_prediction():
     md = render(out)
     assert f"(`--recalibrate`): median |error| {s['median_abs_error_each_round'] * 100:.1f} %" in md
     assert "before round 1: 100 GFLOP/s, 20 GB/s per device, overheads 300 / ? µs" in md
+
+
+# ---- the head-to-head decision (benchmarks/paired.py) -----------------------------------------
+
+def test_the_median_interval_has_the_binomial_coverage_it_claims():
+    import math
+
+    from benchmarks.paired import median_interval
+
+    xs = [1.3, 0.9, 1.1, 1.0, 1.2, 0.8, 1.05, 0.95, 1.15, 0.85]        # n = 10
+    r = median_interval(xs, 0.9)
+    # P(Binomial(10, 1/2) <= 1) = 11/1024; k = 2 covers 1 - 22/1024 ≥ 0.9, k = 3 covers 1 - 112/1024 < 0.9
+    assert r["k"] == 2 and r["coverage"] == pytest.approx(1 - 2 * 11 / 1024)
+    assert (r["lo"], r["hi"]) == (sorted(xs)[1], sorted(xs)[8])
+    assert math.isclose(median_interval(xs, 0.8)["coverage"], 1 - 2 * 56 / 1024)    # k = 3 suffices at 0.8
+    assert median_interval(xs[:4], 0.9) is None                       # 4 pairs reach only 0.875
+    with pytest.raises(ValueError, match="confidence = 1.5"):
+        median_interval(xs, 1.5)
+    import doctest
+
+    from benchmarks import paired
+    result = doctest.testmod(paired)
+    assert result.attempted >= 5 and result.failed == 0
+
+
+def test_block_order_puts_every_plan_in_every_position_equally_often():
+    from benchmarks.paired import block_order
+
+    blocks = [block_order(i, (0, 3, 7)) for i in range(6)]
+    assert len(set(blocks)) == 6
+    for pos in range(3):
+        assert sorted(b[pos] for b in blocks) == [0, 0, 3, 3, 7, 7]
+
+
+def test_paired_verdict_decides_through_a_drift_that_the_rounds_cannot():
+    from benchmarks.paired import verdict
+
+    # the machine slows 2x over eight blocks; auto is 2 % slower than #1 and 20 % slower than #2 within each block
+    speed = [1 + i / 7 for i in range(8)]
+    auto = [0.0102 * s for s in speed]
+    one, two = [0.0100 * s for s in speed], [0.0085 * s for s in speed]
+    spread = (max(auto) - min(auto)) / sorted(auto)[4]
+    assert spread > 0.5                                                # unpaired: far too noisy for a 5 % claim
+    v = verdict({"#1": [a / b for a, b in zip(auto, one)]}, 1.05)
+    assert v["overall"] == "MET" and v["per"]["#1"]["status"] == "within"
+    v = verdict({"#1": [a / b for a, b in zip(auto, one)], "#2": [a / b for a, b in zip(auto, two)]}, 1.05)
+    assert v["overall"] == "NOT MET" and v["per"]["#2"]["status"] == "beyond" and "#2 median 1.200" in v["line"]
+    # ratios straddling the target: no claim
+    v = verdict({"#1": [1.0, 1.1, 0.98, 1.12, 1.02, 1.09, 1.0, 1.1]}, 1.05)
+    assert v["overall"] == "NOT DECIDED" and "undecided" in v["line"]
+    assert verdict({"#1": [1.0, 1.01, 1.0]}, 1.05)["overall"] == "NOT DECIDED"       # too few pairs
+    with pytest.raises(ValueError, match="challenger #1"):
+        verdict({"#1": [1.0, float("nan")]}, 1.05)
+    with pytest.raises(ValueError, match="nothing to decide"):
+        verdict({}, 1.05)
+
+
+def test_the_head_to_head_line_is_rendered_beside_the_rounds_verdict():
+    from benchmarks.paired import verdict
+    from benchmarks.planner_exhaustive import render, summarize
+
+    plans = [("a", 0.010, 1.0), ("b", 0.011, 1.0)]
+    s = summarize(plans, {0: [{"median_s": 0.012}, {"median_s": 0.020}], 1: [{"median_s": 0.011}]}, auto_i=0)
+    h2h = {"auto": 0, "challengers": [1], "blocks": [{}] * 8, "failed": ["block 9: boom"],
+           **verdict({"#1": [1.0, 1.01, 0.99, 1.02, 1.0, 0.98, 1.01, 1.0]}, 1.05)}
+    out = {"case": {"model_args": {}, "seq_len": 32, "global_batch": 16, "hosts": 2, "devices_per_host": 2,
+                    "space": {"microbatches": [4], "schedules": ["1f1b"], "stages": [1, 2], "max_model": 2,
+                              "rulesets": {}, "remats": ["none"], "plans": 2},
+                    "protocol": {"steps": 12, "warmup_dropped": 4, "rounds": 2, "order": "x"}},
+           "machine": {"when": "now", "cpu": "cpu", "nproc": 2, "affinity": 2}, "load_avg": {"start": (1, 2, 3)},
+           "calibrated": {"device": {}, "links": {}}, "failed": {}, "head_to_head": h2h,
+           "wall_s": {"calibrate": 1, "plan": 1, "rounds": [1, 2], "head_to_head": 42}, **s}
+    md = render(out)
+    assert "**head to head: MET (target ≤ 1.05): ÷ #1 median 1.000 over 8 pairs" in md
+    assert "rounds alone: **NOT DECIDED" in md and "1 block(s) failed" in md and "head to head 42 s" in md
