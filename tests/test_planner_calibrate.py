@@ -440,6 +440,27 @@ def test_all_busy_takes_the_slowest_host_and_measures_the_overlap():
         all_busy([], 100, 8e6)
 
 
+def test_all_busy_keeps_each_hosts_median_over_windows_so_one_descheduled_window_does_not_set_the_figure():
+    def t(s, a, b):
+        return {"seconds": s, "start": a, "end": b}
+
+    # three windows; in the second, host 1 was descheduled (its elementwise 6x slower)
+    hosts = [{"host": 0, "matmul": [t(1e-3, 0, 1), t(1e-3, 5, 6), t(1.2e-3, 10, 11)],
+              "elementwise": [t(2e-3, 1, 2), t(2.2e-3, 6, 7), t(2e-3, 11, 12)]},
+             {"host": 1, "matmul": [t(1.1e-3, 0, 1), t(1e-3, 5.5, 6.5), t(1.2e-3, 10, 11)],
+              "elementwise": [t(2e-3, 1, 2), t(12e-3, 6, 7), t(2.1e-3, 11, 12)]}]
+    r = all_busy(hosts, 100, 8e6)
+    assert r["bandwidth_per_device"] == pytest.approx(8e6 / 2.1e-3)      # host 1's median, not its 12 ms window
+    assert r["flops_per_device"] == pytest.approx(2 * 100 ** 3 / 1.1e-3)   # host 1's median 1.1 (host 0's is 1.0)
+    assert r["hosts"][1]["window_s"]["elementwise"] == [2e-3, 12e-3, 2.1e-3]
+    assert r["overlap"]["matmul"] == pytest.approx(0.5) and r["overlap"]["elementwise"] == pytest.approx(1.0)
+    with pytest.raises(CalibrationError, match="different numbers of windows"):
+        all_busy([hosts[0], {**hosts[1], "matmul": hosts[1]["matmul"][:2]}], 100, 8e6)
+    with pytest.raises(CalibrationError, match="host 1.*elementwise"):
+        all_busy([hosts[0], {**hosts[1], "elementwise": [t(2e-3, 1, 2), t(float("inf"), 6, 7), t(2e-3, 11, 12)]}],
+                 100, 8e6)
+
+
 def _busy_topo(lone=None, bw_lone=None):
     links = {c: LinkClass(c, 1e-5, 1e10) for c in ("host", "group", "dcn")}
     return Topology(2, 2, 1, links, 1e9, 0.5e9, 1e12, lone_flops=lone, lone_memory_bandwidth=bw_lone)

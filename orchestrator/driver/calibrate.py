@@ -9,7 +9,8 @@ Basic flow:
   3. Probes (`stages.calibrate_probe`): host 0 times its devices alone (matmul FLOP/s,
      memory bandwidth, with every device of the host busy, the other hosts idle) →
      `device.lone_*`; then every host times the same programs AT ONCE (each compiles
-     first, then all start at one wall-clock time the driver picks, `START_S` ahead) →
+     first, then all start at one wall-clock time the driver picks, `START_S` ahead),
+     in `BUSY_WINDOWS` windows, each host's median kept →
      `device.tflops` / `memory_bandwidth_gbps`, the slowest host's figure
      (`planner.calibrate.all_busy`; each host's own and the timing windows' overlap go
      in the report). Host 0 then times its mesh's
@@ -69,6 +70,7 @@ SEND_SIZES = [1 << 12, 1 << 16, 1 << 20, 1 << 22]           # bytes per send
 TINY_STEPS, TINY_M = 8, 4
 ROUNDS = 3                                      # rounds of the tiny runs (the medians of their fits are kept)
 START_S = 1.0                                   # how far ahead the hosts' common start time is set
+BUSY_WINDOWS = 3                                # all-hosts-busy timing windows (each host's median is kept)
 
 
 def _probe_checked(cluster):
@@ -157,13 +159,15 @@ def _all_busy(actors: list, labels: list[str]) -> dict:
     sizes = wait_all([a.prepare_device.remote() for a in actors], CALL_S, "compiling every host's device probes",
                      labels)
     got: dict = {}
-    for which in ("matmul", "elementwise", "kernels_short", "kernels_long"):
-        start = time.time() + START_S
-        got[which] = wait_all([a.time_device.remote(which, start) for a in actors], CALL_S + START_S,
-                              f"timing every host's {which} at once", labels)
-    hosts = [{"host": h, **{w: got[w][h] for w in got}} for h in range(len(actors))]
+    for window in range(BUSY_WINDOWS):
+        for which in ("matmul", "elementwise", "kernels_short", "kernels_long"):
+            start = time.time() + START_S
+            got.setdefault(which, []).append(wait_all([a.time_device.remote(which, start) for a in actors],
+                                                      CALL_S + START_S, f"timing every host's {which} at once "
+                                                      f"(window {window + 1} of {BUSY_WINDOWS})", labels))
+    hosts = [{"host": h, **{w: [win[h] for win in got[w]] for w in got}} for h in range(len(actors))]
     out = all_busy(hosts, sizes[0]["matmul_n"], sizes[0]["elementwise_bytes_per_device"], sizes[0]["kernel_counts"])
-    out["late_s"] = max(r["late_s"] for w in got.values() for r in w)
+    out["late_s"] = max(r["late_s"] for w in got.values() for win in w for r in win)
     return out
 
 

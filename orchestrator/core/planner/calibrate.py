@@ -20,8 +20,9 @@ return timed samples; this module turns them into the cluster's `device:` and
              XLA combines, are reduced array by array on CPU (in-process and gloo).
   device     per-device FLOP/s and memory bandwidth, timed twice (`all_busy`): on host 0
              alone (`device.lone_tflops`, `lone_memory_bandwidth_gbps`) and on EVERY host at
-             once from a common start time (`device.tflops`, `memory_bandwidth_gbps`: the
-             slowest host's figure; each host's own is in the report). A pipeline's steady
+             once from a common start time, in several windows (`device.tflops`,
+             `memory_bandwidth_gbps`: the slowest host's median over the windows; each host's
+             own is in the report). A pipeline's steady
              state has every stage's hosts computing together, so the cost model charges
              the all-busy figure; on a real cluster it equals the lone one, but simulated
              hosts sharing one machine's cores compute about hosts× slower together. The
@@ -359,20 +360,40 @@ def _overlap(windows: Sequence[Sequence[float]]) -> float:
     return max(0.0, common) / longest if longest > 0 else 0.0
 
 
+def _windows(rec: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """One program's timing records on one host: a record, or one per window."""
+    return [rec] if isinstance(rec, Mapping) else list(rec)
+
+
+def _median_seconds(host: Any, which: str, recs: Sequence[Mapping[str, Any]]) -> float:
+    for r in recs:
+        t = r["seconds"]
+        if not (math.isfinite(t) and t > 0):
+            raise CalibrationError(f"host {host}: its concurrent {which} took {t!r} s; "
+                                   "times must be finite and positive")
+    if not recs:
+        raise CalibrationError(f"host {host}: no window of its concurrent {which} came back")
+    return statistics.median(r["seconds"] for r in recs)
+
+
 def all_busy(hosts: Sequence[Mapping[str, Any]], matmul_n: int, elementwise_bytes: float,
              kernel_counts: Sequence[int] | None = None) -> dict[str, Any]:
     """The device figures with every host computing at once, from each host's concurrent timings.
 
-    `hosts[i]`: {"host", "matmul": {...}, "elementwise": {...}}, each a probe's `time_device`
-    record (seconds, start, end); `matmul_n`, `elementwise_bytes`: the programs' sizes per device.
-    Returns per host its FLOP/s and bytes/s per device, the slowest host's figures (what the cost
-    model charges: a pipeline's step waits for its slowest stage), and per program how much of
-    the longest timing window every host was busy in (`overlap`, 1 = fully concurrent). With
-    `kernel_counts` (the short and long kernel chains' counts) and each host's `kernels_short` /
-    `kernels_long` records, also each host's and the slowest host's seconds per kernel (`kernel_s`).
+    `hosts[i]`: {"host", "matmul": ..., "elementwise": ...}, each a probe's `time_device` record
+    (seconds, start, end) or a list of them, one per timing window (every host times the program
+    at once in each window; the driver takes several, since one window on a shared machine can
+    catch a host descheduled: seen here, one host's bandwidth 6× below the other's in the same
+    window). A host's figure is the median over its windows; `matmul_n`, `elementwise_bytes`: the
+    programs' sizes per device. Returns per host its FLOP/s and bytes/s per device, the slowest
+    host's figures (what the cost model charges: a pipeline's step waits for its slowest stage),
+    and per program how much of the longest timing window every host was busy in (`overlap`, 1 =
+    fully concurrent; with several windows, the least-overlapped one). With `kernel_counts` (the
+    short and long kernel chains' counts) and each host's `kernels_short` / `kernels_long`
+    records, also each host's and the slowest host's seconds per kernel (`kernel_s`).
 
     Raises:
-      CalibrationError: no host, or a time that is not finite and positive.
+      CalibrationError: no host, a window missing, or a time that is not finite and positive.
 
     Example:
         >>> t = lambda s, a, b: {"seconds": s, "start": a, "end": b}
@@ -383,23 +404,28 @@ def all_busy(hosts: Sequence[Mapping[str, Any]], matmul_n: int, elementwise_byte
     """
     if not hosts:
         raise CalibrationError("no host's concurrent device timing came back")
+    recs = [{w: _windows(h[w]) for w in ("matmul", "elementwise")} for h in hosts]
+    n_windows = {w: {len(r[w]) for r in recs} for w in ("matmul", "elementwise")}
+    for w, ns in n_windows.items():
+        if len(ns) != 1:
+            raise CalibrationError(f"{w}: the hosts timed different numbers of windows {sorted(ns)}; "
+                                   "each window times every host at once")
     per = []
-    for h in hosts:
-        for which in ("matmul", "elementwise"):
-            t = h[which]["seconds"]
-            if not (math.isfinite(t) and t > 0):
-                raise CalibrationError(f"host {h['host']}: its concurrent {which} took {t!r} s; "
-                                       "times must be finite and positive")
-        per.append({"host": h["host"], "flops_per_device": 2 * matmul_n ** 3 / h["matmul"]["seconds"],
-                    "bandwidth_per_device": elementwise_bytes / h["elementwise"]["seconds"],
-                    "matmul_s": h["matmul"]["seconds"], "elementwise_s": h["elementwise"]["seconds"],
-                    "windows": {w: [h[w]["start"], h[w]["end"]] for w in ("matmul", "elementwise")}})
+    for h, r in zip(hosts, recs):
+        mm, ew = _median_seconds(h["host"], "matmul", r["matmul"]), _median_seconds(h["host"], "elementwise", r["elementwise"])
+        per.append({"host": h["host"], "flops_per_device": 2 * matmul_n ** 3 / mm,
+                    "bandwidth_per_device": elementwise_bytes / ew, "matmul_s": mm, "elementwise_s": ew,
+                    "window_s": {w: [x["seconds"] for x in r[w]] for w in ("matmul", "elementwise")},
+                    "windows": {w: [[x["start"], x["end"]] for x in r[w]] for w in ("matmul", "elementwise")}})
     out = {"hosts": per, "flops_per_device": min(p["flops_per_device"] for p in per),
            "bandwidth_per_device": min(p["bandwidth_per_device"] for p in per),
-           "overlap": {w: _overlap([p["windows"][w] for p in per]) for w in ("matmul", "elementwise")}}
+           "overlap": {w: min(_overlap([p["windows"][w][i] for p in per]) for i in range(len(per[0]["windows"][w])))
+                       for w in ("matmul", "elementwise")}}
     if kernel_counts is not None:
         for p, h in zip(per, hosts):
-            p["kernel_s"] = fit_kernel_time(kernel_counts, [h["kernels_short"]["seconds"], h["kernels_long"]["seconds"]])
+            short = _median_seconds(h["host"], "kernels_short", _windows(h["kernels_short"]))
+            long_ = _median_seconds(h["host"], "kernels_long", _windows(h["kernels_long"]))
+            p["kernel_s"] = fit_kernel_time(kernel_counts, [short, long_])
         out["kernel_s"] = max(p["kernel_s"] for p in per)
     return out
 
