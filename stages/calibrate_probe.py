@@ -18,6 +18,10 @@ Basic flow (driven by `orchestrator.driver.calibrate`):
      `start_at` the driver gives them all and repeats the program for at least
      `min_s` (the median of the repetitions; the start and end come back so the driver
      can check the hosts' windows overlapped; across machines the clocks' skew shifts them).
+     And a program shaped like a small stage's forward (`stage_sized`: residual MLP blocks
+     of 64 × 64 and 64 × 256 matmuls per device), timed the same two ways: its all-busy ÷
+     alone time is `device.shared_slowdown`, what simulated hosts sharing cores cost each
+     other at stage scale (`planner.topology`).
   2. `collectives(sizes)` — all-reduce and all-gather over the host's devices at
      each size (bytes per device, the convention of `planner.topology`), through
      `shard_map`; the driver fits α-β to them (`planner.calibrate.fit_alpha_beta`); and one
@@ -48,6 +52,7 @@ __all__ = ["CalibrationProbe", "KERNEL_CHAIN", "COMBINED"]
 KERNEL_CHAIN = 32       # dot + tanh pairs in the short kernel chain (the long one: 4×)
 COMBINED = (1, 4, 16)   # arrays in one combined all-reduce (`_sweep`)
 COMBINED_BYTES = 4096   # bytes per device of each of them
+STAGE_ROWS, STAGE_WIDTH, STAGE_BLOCKS = 64, 64, 8    # the stage-sized program (`_stage_sized`)
 
 
 def _median_time(fn, reps: int) -> float:
@@ -135,10 +140,34 @@ class CalibrationProbe:
             fn, nk = self._chain(mesh, links)
             self._programs[name] = fn
             counts.append(nk)
+        self._programs["stage_sized"] = self._stage_sized(mesh)
         for fn in self._programs.values():
             fn()                                                   # compile / warm-up
         self._device_arrays = (a, b, sh)
         return {"devices": k, "matmul_n": n, "elementwise_bytes_per_device": 8 * elems, "kernel_counts": counts}
+
+    @staticmethod
+    def _stage_sized(mesh):
+        """A program shaped like a small stage's forward: `STAGE_BLOCKS` residual MLP blocks
+        x + tanh(x W₁) W₂ over `STAGE_ROWS` rows per device (the batch sharded over the mesh),
+        width `STAGE_WIDTH`, 4× in the middle; run it."""
+        import jax
+        import jax.numpy as jnp
+        from jax.sharding import NamedSharding, PartitionSpec as P
+
+        k = mesh.devices.size
+        sh, rep = NamedSharding(mesh, P("d")), NamedSharding(mesh, P())
+        x = jax.device_put(jnp.full((k * STAGE_ROWS, STAGE_WIDTH), 0.1, jnp.float32), sh)
+        w1 = jax.device_put(jnp.full((STAGE_WIDTH, 4 * STAGE_WIDTH), 0.01, jnp.float32), rep)
+        w2 = jax.device_put(jnp.full((4 * STAGE_WIDTH, STAGE_WIDTH), 0.01, jnp.float32), rep)
+
+        def blocks(v, a, b):
+            for _ in range(STAGE_BLOCKS):
+                v = v + jnp.tanh(v @ a) @ b
+            return v
+
+        fn = jax.jit(blocks, out_shardings=sh)
+        return lambda: fn(x, w1, w2).block_until_ready()
 
     @staticmethod
     def _chain(mesh, links: int):
@@ -197,6 +226,7 @@ class CalibrationProbe:
         mm1 = jax.jit(lambda x, y: x @ y)
         t_one = _median_time(lambda: mm1(a1, b1).block_until_ready(), reps)
         t_kern = [_median_time(self._programs[w], max(reps, 20)) for w in ("kernels_short", "kernels_long")]
+        t_stage = self.time_device("stage_sized", reps=max(reps, 20))["seconds"]
         tiny = jax.device_put(jnp.ones((k, 8), jnp.float32), sh)
         inc = jax.jit(lambda v: v + 1.0, out_shardings=sh)
         t_tiny = _median_time(lambda: inc(tiny).block_until_ready(), max(reps, 20))
@@ -204,7 +234,7 @@ class CalibrationProbe:
                 "single_device_flops": 2 * n**3 / t_one, "elementwise_bytes_per_device": 8 * elems,
                 "elementwise_s": t_ew, "bandwidth_per_device": 8 * elems / t_ew, "tiny_dispatch_s": t_tiny,
                 "kernel_counts": size["kernel_counts"], "kernel_chain_s": t_kern,
-                "kernel_s": fit_kernel_time(size["kernel_counts"], t_kern)}
+                "kernel_s": fit_kernel_time(size["kernel_counts"], t_kern), "stage_sized_s": t_stage}
 
     def collectives(self, sizes: list[int], reps: int = 5) -> list[dict]:
         """[{kind, k, nbytes, seconds, axis}] for all-reduce and all-gather over every device of this

@@ -715,3 +715,34 @@ def test_measured_table_reports_the_median_relative_error():
     text = measured_table(rows)
     assert "median |error| 20.0% over 3 candidate(s)" in text and "-20.0%" in text and "25.0%" in text
     assert np.isnan(median_abs_error([]))
+
+
+def test_shared_slowdown_is_all_busy_over_alone_is_written_and_charged_only_to_plans_on_several_hosts():
+    from orchestrator.core.planner.calibrate import shared_slowdown
+
+    def t(s, a, b):
+        return {"seconds": s, "start": a, "end": b}
+
+    w = [t(1e-3, 0, 1)] * 3
+    hosts = [{"host": h, "matmul": w, "elementwise": w, "stage_sized": [t(s, 0, 1) for s in ss]}
+             for h, ss in ((0, (4e-3, 5e-3, 4.5e-3)), (1, (6e-3, 20e-3, 5e-3)))]
+    busy = all_busy(hosts, 100, 8e6)
+    assert busy["stage_sized_s"] == pytest.approx(6e-3)                 # host 1's median, the slowest host
+    assert shared_slowdown({"stage_sized_s": 2e-3}, busy) == pytest.approx(3.0)
+    assert shared_slowdown({"stage_sized_s": 7e-3}, busy) == 1.0          # never below 1
+    assert shared_slowdown({"stage_sized_s": 2e-3}, None) is None         # one host: nothing to share
+    assert shared_slowdown({"stage_sized_s": 2e-3}, all_busy([{k: v for k, v in h.items() if k != "stage_sized"}
+                                                             for h in hosts], 100, 8e6)) is None
+    with pytest.raises(CalibrationError, match="host 0 alone"):
+        shared_slowdown({"stage_sized_s": 0.0}, busy)
+    raw = calibrated_raw({"hosts": 2, "devices_per_host": 2}, tflops=0.1, memory_bandwidth_gbps=10,
+                         action_overhead_us=100, links={}, shared_slowdown=3.0)
+    assert raw["device"]["shared_slowdown"] == 3.0
+    with pytest.raises(CalibrationError, match="device.shared_slowdown = 0.5"):
+        calibrated_raw({"hosts": 2, "devices_per_host": 2}, tflops=0.1, memory_bandwidth_gbps=10,
+                       action_overhead_us=100, links={}, shared_slowdown=0.5)
+    topo = from_cluster(parse_cluster(raw))
+    assert topo.shared_slowdown == 3.0 and topo.shared().flops == pytest.approx(topo.flops / 3)
+    assert from_cluster(parse_cluster({"hosts": 2, "devices_per_host": 2})).shared_slowdown == 1.0
+    with pytest.raises(ConfigError, match="device.shared_slowdown"):
+        parse_cluster({"hosts": 2, "devices_per_host": 2, "device": {"shared_slowdown": 0.9}})

@@ -106,6 +106,31 @@ def test_the_dp_pick_is_one_of_the_legal_plans_and_within_5_percent_of_the_best_
     assert auto.step_s <= 1.05 * plans[0].step_s
 
 
+def test_shared_slowdown_is_charged_to_plans_on_several_hosts_and_not_to_a_one_host_plan():
+    import dataclasses
+
+    model = gpt_model()
+    opts = SearchOptions(microbatches=(4,), schedules=("1f1b",), rulesets=MEGATRON, max_model=2, remats=("none",),
+                         max_fsdp=1)
+    prof = FakeProfiles(model, [1e6, 4e6, 4e6, 2e6])
+    plain = {key(c): c.step_s for c in legal_plans(model, topo(), 16, profile=prof, options=opts)}
+    shared = {key(c): c.step_s for c in legal_plans(model, dataclasses.replace(topo(), shared_slowdown=3.0), 16,
+                                                    profile=prof, options=opts)}
+    assert plain.keys() == shared.keys()
+    one_host = [k for k in plain if len(k[2]) == 1 and k[2][0][1][1] == 1]
+    several = [k for k in plain if k not in one_host]
+    assert one_host and several
+    for k in one_host:
+        assert shared[k] == pytest.approx(plain[k])
+    for k in several:      # compute (and its kernels) 3x, the runtime's per-action and transfer costs not
+        assert plain[k] < shared[k] <= 3 * plain[k] + 1e-12
+    # the search picks with the same figures: a compute-bound model that wins on 2 hosts unshared moves to 1
+    best = search(model, topo(), 16, profile=prof, options=opts).best
+    best_shared = search(model, dataclasses.replace(topo(), shared_slowdown=3.0), 16, profile=prof, options=opts).best
+    assert key(best_shared) in one_host and shared[key(best_shared)] == pytest.approx(best_shared.step_s)
+    assert key(best) not in one_host
+
+
 # ---- remat ----------------------------------------------------------------------------------
 
 def _choice(remat):

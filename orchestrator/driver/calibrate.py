@@ -59,7 +59,7 @@ from orchestrator.core.config import check_job, load_cluster, load_job, load_raw
 from orchestrator.core.config.check import StagePlan
 from orchestrator.core.planner.calibrate import (CalibrationError, Sample, calibrated_raw, destination,
                                                  all_busy, choose_transfer, direct_transfers, fit_alpha_beta,
-                                                 fit_per_array, fit_rounds, write_calibrated)
+                                                 fit_per_array, fit_rounds, shared_slowdown, write_calibrated)
 from orchestrator.core.planner.topology import from_cluster
 
 __all__ = ["calibrate", "CalibrationError", "COLLECTIVE_SIZES", "SEND_SIZES", "ROUNDS"]
@@ -160,7 +160,7 @@ def _all_busy(actors: list, labels: list[str]) -> dict:
                      labels)
     got: dict = {}
     for window in range(BUSY_WINDOWS):
-        for which in ("matmul", "elementwise", "kernels_short", "kernels_long"):
+        for which in ("matmul", "elementwise", "kernels_short", "kernels_long", "stage_sized"):
             start = time.time() + START_S
             got.setdefault(which, []).append(wait_all([a.time_device.remote(which, start) for a in actors],
                                                       CALL_S + START_S, f"timing every host's {which} at once "
@@ -336,7 +336,8 @@ def calibrate(cluster_path: str, *, out: Optional[str] = None, force: bool = Fal
                          action_overhead_us=over["action_overhead_s"] * 1e6, links=fits,
                          transfer_overhead_us=None if over["transfer_overhead_s"] is None
                          else over["transfer_overhead_s"] * 1e6, collective_links=coll,
-                         kernel_overhead_us=busy["kernel_s"] * 1e6, lone_kernel_overhead_us=dev["kernel_s"] * 1e6)
+                         kernel_overhead_us=busy["kernel_s"] * 1e6, lone_kernel_overhead_us=dev["kernel_s"] * 1e6,
+                         shared_slowdown=shared_slowdown(dev, probe["all_busy"]))
     load1 = os.getloadavg()
     loads = " ".join(f"{a:.1f}->{b:.1f}" for a, b in (r["load_avg"] for r in over["rounds"]))
     coll_note = "".join(f"; links.{c}.collectives: one JAX world across hosts" for c in coll)
@@ -344,7 +345,8 @@ def calibrate(cluster_path: str, *, out: Optional[str] = None, force: bool = Fal
               f"measured: device.tflops/memory_bandwidth_gbps on all {cluster.hosts} host(s) at once (the slowest "
               f"host's; {dev['devices']} devices each), device.lone_* on host 0 alone, links.{{{','.join(fits)}}} "
               f"(α-β fits{coll_note}), "
-              f"device.*kernel_overhead_us (chains of tiny kernels, the same two ways), "
+              f"device.*kernel_overhead_us (chains of tiny kernels, the same two ways), device.shared_slowdown "
+              f"(a stage-sized program, all hosts ÷ host 0 alone), "
               f"device.action/transfer_overhead_us (tiny real runs, medians of {len(over['rounds'])} rounds' fits"
               f"{'; transfer from the ' + over['transfer_source'] if 'transfer_source' in over else ''})\n"
               f"load average {load0[0]:.1f} -> {load1[0]:.1f} (1 min; per overhead round {loads}); figures measured "
@@ -365,7 +367,9 @@ def calibrate(cluster_path: str, *, out: Optional[str] = None, force: bool = Fal
         echo(f"device, all {len(ab['hosts'])} hosts at once (slowest host): {ab['flops_per_device'] / 1e9:.3g} "
              f"GFLOP/s, {ab['bandwidth_per_device'] / 1e9:.3g} GB/s per device, {ab['kernel_s'] * 1e6:.2f} µs per "
              f"kernel (timing windows overlapped "
-             f"{ab['overlap']['matmul']:.0%} / {ab['overlap']['elementwise']:.0%})")
+             f"{ab['overlap']['matmul']:.0%} / {ab['overlap']['elementwise']:.0%}); a stage-sized program "
+             f"{ab['stage_sized_s'] * 1e3:.3g} ms against {dev['stage_sized_s'] * 1e3:.3g} ms alone: "
+             f"device.shared_slowdown {shared_slowdown(dev, ab):.3g}")
     for c, f in fits.items():
         echo(f"links.{c}: {f.bandwidth / 1e9:.3g} GB/s, {f.latency_s * 1e6:.3g} µs"
              + ("" if f.per_array_s is None else f", {f.per_array_s * 1e6:.3g} µs per further array combined")

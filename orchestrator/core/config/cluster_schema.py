@@ -5,7 +5,7 @@ Per-value rules only; the checks that need the job and the cluster together live
 from __future__ import annotations
 
 import re
-from typing import Any, ClassVar, Literal, Mapping, Optional
+from typing import Annotated, Any, ClassVar, Literal, Mapping, Optional
 
 from pydantic import Field, field_validator, model_validator
 
@@ -106,8 +106,8 @@ class DeviceConfig(Frozen):
     memory_gb: Optional[PosFloat] = None      # bytes the planner may fill per device (1e9 bytes)
     tflops: Optional[PosFloat] = None         # sustained float32 TFLOP/s per device, every host computing
     memory_bandwidth_gbps: Optional[PosFloat] = None   # GB/s per device, every host computing
-    # the same with only ONE host computing (`meshpipe calibrate`: host 0 alone); plans on one host
-    # use them (null: tflops / memory_bandwidth_gbps). They differ where hosts share hardware.
+    # the same with only ONE host computing (`meshpipe calibrate`: host 0 alone); the record, not
+    # charged (the cost model charges tflops / memory_bandwidth_gbps). They differ where hosts share hardware.
     lone_tflops: Optional[PosFloat] = None
     lone_memory_bandwidth_gbps: Optional[PosFloat] = None
     # fixed runtime cost of one pipeline action (F, B, OPT) on a stage, microseconds: dispatch,
@@ -120,6 +120,10 @@ class DeviceConfig(Frozen):
     # bytes, microseconds, every host computing / host 0 alone (`meshpipe calibrate`; null: 0 / the former)
     kernel_overhead_us: Optional[NonNegFloat] = None
     lone_kernel_overhead_us: Optional[NonNegFloat] = None
+    # how many times slower a stage-sized program runs with every host computing than on host 0
+    # alone (`meshpipe calibrate`); plans on more than one host have their device time charged
+    # this many times. 1 where hosts do not share hardware (null: 1)
+    shared_slowdown: Optional[Annotated[float, Field(ge=1, allow_inf_nan=False)]] = None
 
 
 class TransportTlsConfig(Frozen):

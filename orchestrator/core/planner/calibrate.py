@@ -36,6 +36,11 @@ return timed samples; this module turns them into the cluster's `device:` and
              (t₂ − t₁) / (kernels₂ − kernels₁) (`fit_kernel_time`) is what one kernel costs
              beyond its flops and bytes — launch, thunk dispatch, and on simulated devices
              sharing a process the devices' kernels taking turns.
+             `device.shared_slowdown` (`shared_slowdown`): a stage-sized program (residual
+             MLP blocks of small matmuls) timed the same two ways, all-busy ÷ alone, ≥ 1; the
+             cost model charges plans on more than one host that many times the device time
+             (`Topology.shared`). Simulated hosts sharing cores slow each other at stage scale
+             far more than the big programs show.
   overhead   the runtime's fixed costs: per action (`device.action_overhead_us`), the o
              for which the schedule simulator, every F, B and OPT costing o, replays the
              step a tiny ONE-stage real run measured; per stage-edge transfer
@@ -74,7 +79,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import yaml
 
 __all__ = ["CalibrationError", "Sample", "Fit", "fit_alpha_beta", "fit_per_array", "fit_overhead", "fit_rounds",
-           "direct_transfers", "transfer_sanity", "choose_transfer", "all_busy", "fit_kernel_time", "calibrated_raw", "default_out",
+           "direct_transfers", "transfer_sanity", "choose_transfer", "all_busy", "fit_kernel_time", "shared_slowdown", "calibrated_raw", "default_out",
            "destination", "write_calibrated"]
 
 
@@ -421,6 +426,10 @@ def all_busy(hosts: Sequence[Mapping[str, Any]], matmul_n: int, elementwise_byte
            "bandwidth_per_device": min(p["bandwidth_per_device"] for p in per),
            "overlap": {w: min(_overlap([p["windows"][w][i] for p in per]) for i in range(len(per[0]["windows"][w])))
                        for w in ("matmul", "elementwise")}}
+    if all("stage_sized" in h for h in hosts):
+        for p, h in zip(per, hosts):
+            p["stage_sized_s"] = _median_seconds(h["host"], "stage_sized", _windows(h["stage_sized"]))
+        out["stage_sized_s"] = max(p["stage_sized_s"] for p in per)
     if kernel_counts is not None:
         for p, h in zip(per, hosts):
             short = _median_seconds(h["host"], "kernels_short", _windows(h["kernels_short"]))
@@ -428,6 +437,27 @@ def all_busy(hosts: Sequence[Mapping[str, Any]], matmul_n: int, elementwise_byte
             p["kernel_s"] = fit_kernel_time(kernel_counts, [short, long_])
         out["kernel_s"] = max(p["kernel_s"] for p in per)
     return out
+
+
+def shared_slowdown(lone: Mapping[str, Any], busy: Optional[Mapping[str, Any]]) -> Optional[float]:
+    """`device.shared_slowdown`: the stage-sized program's time with every host busy (the slowest
+    host's median, `all_busy`) ÷ host 0's alone, at least 1; None on one host or when not timed.
+
+    Raises:
+      CalibrationError: host 0's time is not finite and positive.
+
+    Example:
+        >>> shared_slowdown({"stage_sized_s": 2e-3}, {"stage_sized_s": 5e-3}), shared_slowdown({"stage_sized_s": 2e-3}, None)
+        (2.5, None)
+        >>> shared_slowdown({"stage_sized_s": 2e-3}, {"stage_sized_s": 1.9e-3})    # noise: never below 1
+        1.0
+    """
+    if busy is None or "stage_sized_s" not in busy or "stage_sized_s" not in lone:
+        return None
+    t = lone["stage_sized_s"]
+    if not (math.isfinite(t) and t > 0):
+        raise CalibrationError(f"the stage-sized program took {t!r} s on host 0 alone; need a finite positive time")
+    return max(1.0, busy["stage_sized_s"] / t)
 
 
 def fit_kernel_time(counts: Sequence[int], seconds: Sequence[float]) -> float:
@@ -457,11 +487,12 @@ def calibrated_raw(raw: Mapping[str, Any], *, tflops: float, memory_bandwidth_gb
                    transfer_overhead_us: Optional[float] = None,
                    collective_links: Mapping[str, Fit] | None = None, lone_tflops: Optional[float] = None,
                    lone_memory_bandwidth_gbps: Optional[float] = None, kernel_overhead_us: Optional[float] = None,
-                   lone_kernel_overhead_us: Optional[float] = None) -> dict[str, Any]:
+                   lone_kernel_overhead_us: Optional[float] = None,
+                   shared_slowdown: Optional[float] = None) -> dict[str, Any]:
     """The cluster's raw YAML dict with measured `device:` and `links:` figures merged in.
 
     `tflops`, `memory_bandwidth_gbps`, `kernel_overhead_us`: with every host busy; `lone_*`: host 0
-    alone (each written when given).
+    alone; `shared_slowdown` (≥ 1): a stage-sized program all hosts busy ÷ alone (each written when given).
 
     Keys the user wrote are kept (`device.memory_gb`, `links.hosts_per_group`, every other
     section); only the measured figures are replaced. Link classes not measured stay as written.
@@ -479,13 +510,15 @@ def calibrated_raw(raw: Mapping[str, Any], *, tflops: float, memory_bandwidth_gb
                     ("device.lone_kernel_overhead_us", lone_kernel_overhead_us)):
         if v is not None and not (math.isfinite(v) and v >= 0):
             raise CalibrationError(f"{name} = {v!r}: must be finite and ≥ 0")
+    if shared_slowdown is not None and not (math.isfinite(shared_slowdown) and shared_slowdown >= 1):
+        raise CalibrationError(f"device.shared_slowdown = {shared_slowdown!r}: must be finite and ≥ 1")
     out = copy.deepcopy(dict(raw))
     dev = dict(out.get("device") or {})
     dev.update({"tflops": float(f"{tflops:.6g}"), "memory_bandwidth_gbps": float(f"{memory_bandwidth_gbps:.6g}"),
                 "action_overhead_us": float(f"{action_overhead_us:.6g}")})
     for key, v in (("lone_tflops", lone_tflops), ("lone_memory_bandwidth_gbps", lone_memory_bandwidth_gbps),
                    ("transfer_overhead_us", transfer_overhead_us), ("kernel_overhead_us", kernel_overhead_us),
-                   ("lone_kernel_overhead_us", lone_kernel_overhead_us)):
+                   ("lone_kernel_overhead_us", lone_kernel_overhead_us), ("shared_slowdown", shared_slowdown)):
         if v is not None:
             dev[key] = float(f"{v:.6g}")
     out["device"] = dev

@@ -14,7 +14,10 @@ Basic flow of `search(model, topo, global_batch, profile=...)`:
      with that host alone (`Topology.lone_flops`, ...) come from big probe programs whose devices
      compute side by side, while a stage's small kernels on simulated CPU devices take
      turns, and charged to those plans they predicted them 42–54 % low in two measured
-     runs (all-busy: −7 … +14 %; README, issue #22). On real hardware the two agree;
+     runs (all-busy: −7 … +14 %; README, issue #22). On real hardware the two agree.
+     Every plan on MORE than one host is charged those figures `Topology.shared_slowdown`
+     times slower (`Topology.shared`: calibrate times a stage-sized program on host 0
+     alone and on every host at once); a one-stage plan on one host is not;
   4. solve: for each microbatch count m, stage count p and schedule, a dynamic
      programme over (stage, first layer, first host) picks for each stage its
      layers, its hosts and its best choice under the device-memory limit (with
@@ -284,10 +287,16 @@ def search(model: PlanModel, topo: Topology, global_batch: int, *, profile: Prof
     # 3. cost tables
     slots = options.optimizer_slots
     tables: dict[tuple[int, int, int], Table] = {}
-    _cost_tables(model, topo, choices, ms, global_batch, profiles, slots, tables)
+    _cost_tables(model, topo.shared(), choices, ms, global_batch, profiles, slots, tables)
     n_choices = sum(len(v) for v in choices.values())
     if not options.exhaustive:
         choices, tables = _prune_orders(choices, tables, ms)
+    # a one-stage plan on ONE host computes while the other hosts idle: its tables take the
+    # unshared figures; every other plan has more than one host computing (`Topology.shared`)
+    tables_one = tables
+    if topo.shared_slowdown != 1.0:
+        tables_one = dict(tables)
+        _cost_tables(model, topo, {1: choices[1]}, ms, global_batch, profiles, slots, tables_one)
     t3 = time.perf_counter()
     # 4. solve
     found: dict[tuple, Candidate] = {}
@@ -299,6 +308,7 @@ def search(model: PlanModel, topo: Topology, global_batch: int, *, profile: Prof
              "max_fsdp": max_fsdp, "virtual_stages": list(vs)}
     plans_considered = 0
     stage_memo: dict = {}
+    stage_memo_one: dict = {}
     plain = tuple(s for s in schedules if s != "interleaved-1f1b")
     for m in ms:
         micro = global_batch // m
@@ -308,17 +318,18 @@ def search(model: PlanModel, topo: Topology, global_batch: int, *, profile: Prof
                 if infl is None:
                     continue
                 fused = options.fuse_loss_chunk and fuses(sched, p, m)
-                stage_tab = stage_tables(model, topo, choices, tables, m, sorted(set(infl)), slots, stage_memo, fused)
+                tabs, smemo = (tables_one, stage_memo_one) if p == 1 else (tables, stage_memo)
+                stage_tab = stage_tables(model, topo, choices, tabs, m, sorted(set(infl)), slots, smemo, fused)
                 edge = _edge_times(model, topo, micro)
                 if options.exhaustive:
-                    plans = _enumerate(choices, tables, m, L, H, topo, p)
+                    plans = _enumerate(choices, tabs, m, L, H, topo, p)
                     mem_need = _min_memory(stage_tab, infl, L, H, topo)
                 else:
                     plans, mem_need = _solve(stage_tab, edge, infl, m, L, H, topo, options.thresholds)
                 min_memory = min(min_memory, mem_need)
                 for stages in plans:
                     plans_considered += 1
-                    cand = evaluate(model, topo, choices, tables, stages, m, sched, infl, global_batch, slots, fused)
+                    cand = evaluate(model, topo, choices, tabs, stages, m, sched, infl, global_batch, slots, fused)
                     if cand.memory_bytes <= topo.memory_bytes:
                         found.setdefault(cand.key(), cand)
     if "interleaved-1f1b" in schedules and vs:

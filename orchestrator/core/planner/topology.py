@@ -39,6 +39,13 @@ stage-to-stage transfer beyond its link's α-β time; added to every stage edge.
 fusion, dot, copy, collective) beyond its flops and bytes, every host computing at once;
 `device.lone_kernel_overhead_us` with one host computing (recorded, not charged). The cost model adds
 kernels × it to each phase of each layer (`LayerProfile.kernels`).
+`device.shared_slowdown` (default 1, ≥ 1) is how many times slower a STAGE-SIZED program (a
+chain of small matmuls, `stages.calibrate_probe`) runs with every host computing than on host 0
+alone. Plans on more than one host are charged device figures that much slower
+(`Topology.shared`, `search` step 3); plans on one host are not. On simulated hosts sharing
+this VM's 2 cores it is ≈ 2–2.5: a one-stage plan on host 0 measured 3.2 + 8.1 ms of F + B per
+step, while a 2-stage plan's stages each took 14.5 ms for HALF the layers (2026-12-04). The big
+probes' all-busy figures do not show that: their lone and all-busy runs split the cores alike.
 """
 from __future__ import annotations
 
@@ -93,6 +100,8 @@ class Topology:
       transfer_overhead_s: the runtime's fixed cost of one stage-edge transfer beyond α-β (seconds).
       kernel_overhead_s, lone_kernel_overhead_s: one kernel's time beyond its flops and bytes,
         every host computing / one host alone (seconds; lone: recorded, not charged; None: not measured).
+      shared_slowdown: a stage-sized program's time with every host computing ÷ host 0 alone (≥ 1):
+        the factor plans on more than one host are charged (`shared`).
     """
 
     hosts: int
@@ -111,6 +120,23 @@ class Topology:
     lone_memory_bandwidth: Optional[float] = None
     kernel_overhead_s: float = 0.0
     lone_kernel_overhead_s: Optional[float] = None
+    shared_slowdown: float = 1.0
+
+    def shared(self) -> "Topology":
+        """This topology as a plan on MORE than one host sees it: every device figure
+        `shared_slowdown` times slower (flops and bandwidth divided, the kernel time multiplied).
+
+        Example:
+            >>> t = Topology(2, 2, 1, {c: LinkClass(c, 1e-5, 1e9) for c in CLASSES}, 1e9, 1e11, 1e10,
+            ...              kernel_overhead_s=1e-6, shared_slowdown=2.0)
+            >>> t.shared().flops, t.shared().memory_bandwidth, t.shared().kernel_overhead_s, t.flops
+            (50000000000.0, 5000000000.0, 2e-06, 100000000000.0)
+        """
+        c = self.shared_slowdown
+        if c == 1.0:
+            return self
+        return replace(self, flops=self.flops / c, memory_bandwidth=self.memory_bandwidth / c,
+                       kernel_overhead_s=self.kernel_overhead_s * c)
 
     def collective_link(self, cls: str) -> LinkClass:
         """What one collective over devices spanning link class `cls` is charged on.
@@ -211,4 +237,5 @@ def from_cluster(cluster) -> Topology:
                     None if lone["lone_memory_bandwidth_gbps"] is None
                     else float(lone["lone_memory_bandwidth_gbps"]) * 1e9,
                     float(over["kernel_overhead_us"] or 0.0) * 1e-6,
-                    None if lone["lone_kernel_overhead_us"] is None else float(lone["lone_kernel_overhead_us"]) * 1e-6)
+                    None if lone["lone_kernel_overhead_us"] is None else float(lone["lone_kernel_overhead_us"]) * 1e-6,
+                    float(getattr(dev, "shared_slowdown", None) or 1.0) if dev is not None else 1.0)
