@@ -743,6 +743,8 @@ def test_shared_slowdown_is_all_busy_over_alone_is_written_and_charged_only_to_p
                        action_overhead_us=100, links={}, shared_slowdown=0.5)
     topo = from_cluster(parse_cluster(raw))
     assert topo.shared_slowdown == 3.0 and topo.shared().flops == pytest.approx(topo.flops / 3)
-    assert from_cluster(parse_cluster({"hosts": 2, "devices_per_host": 2})).shared_slowdown == 1.0
+    assert any("device.shared_slowdown 3: plans on more than one host are charged 3×" in n for n in topo.notes)
+    plain = from_cluster(parse_cluster({"hosts": 2, "devices_per_host": 2}))
+    assert plain.shared_slowdown == 1.0 and not any("shared_slowdown" in n for n in plain.notes)
     with pytest.raises(ConfigError, match="device.shared_slowdown"):
         parse_cluster({"hosts": 2, "devices_per_host": 2, "device": {"shared_slowdown": 0.9}})

@@ -225,6 +225,10 @@ def from_cluster(cluster) -> Topology:
     mem, tf, bw = pick("memory_gb"), pick("tflops"), pick("memory_bandwidth_gbps")
     lone = {k: getattr(dev, k, None) if dev is not None else None
             for k in ("lone_tflops", "lone_memory_bandwidth_gbps", "lone_kernel_overhead_us")}
+    shared = float(getattr(dev, "shared_slowdown", None) or 1.0) if dev is not None else 1.0
+    if shared > 1.0:
+        notes.append(f"device.shared_slowdown {shared:.3g}: plans on more than one host are charged {shared:.3g}× the "
+                     "device time (hosts share hardware); a one-stage plan on one host is not")
     over = {}
     for key in ("action_overhead_us", "transfer_overhead_us", "kernel_overhead_us"):
         over[key] = getattr(dev, key, None) if dev is not None else None
@@ -238,4 +242,4 @@ def from_cluster(cluster) -> Topology:
                     else float(lone["lone_memory_bandwidth_gbps"]) * 1e9,
                     float(over["kernel_overhead_us"] or 0.0) * 1e-6,
                     None if lone["lone_kernel_overhead_us"] is None else float(lone["lone_kernel_overhead_us"]) * 1e-6,
-                    float(getattr(dev, "shared_slowdown", None) or 1.0) if dev is not None else 1.0)
+                    shared)
