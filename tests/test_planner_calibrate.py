@@ -675,6 +675,11 @@ def test_meshpipe_calibrate_on_the_local_cluster(tmp_path):
     assert cl.device.kernel_overhead_us == float(f"{max(h['kernel_s'] for h in ab['hosts']) * 1e6:.6g}")
     assert 0 < cl.device.lone_kernel_overhead_us < 100 and 0 < cl.device.kernel_overhead_us < 100
     assert t.kernel_overhead_s == pytest.approx(cl.device.kernel_overhead_us * 1e-6)
+    # every host timed in BUSY_WINDOWS windows; the stage-sized program's all-busy ÷ alone is written
+    from orchestrator.driver.calibrate import BUSY_WINDOWS
+    assert all(len(h["window_s"][w]) == BUSY_WINDOWS for h in ab["hosts"] for w in ("matmul", "elementwise"))
+    assert cl.device.shared_slowdown == float(f"{max(1.0, ab['stage_sized_s'] / rep['device']['stage_sized_s']):.6g}")
+    assert cl.device.shared_slowdown >= 1.0 and t.shared_slowdown == cl.device.shared_slowdown
     head = text.split("hosts:")[0]
     assert "all 2 host(s) at once" in head and "lone_* on host 0 alone" in head and "medians of 3" in head
     # the overheads: the medians of the rounds' fits, each round's fits reproducing its own tiny runs

@@ -43,8 +43,9 @@ kernels × it to each phase of each layer (`LayerProfile.kernels`).
 chain of small matmuls, `stages.calibrate_probe`) runs with every host computing than on host 0
 alone. Plans on more than one host are charged device figures that much slower
 (`Topology.shared`, `search` step 3); plans on one host are not. On simulated hosts sharing
-this VM's 2 cores it is ≈ 2–2.5: a one-stage plan on host 0 measured 3.2 + 8.1 ms of F + B per
-step, while a 2-stage plan's stages each took 14.5 ms for HALF the layers (2026-12-04). The big
+this VM's 2 cores calibrate measured 1.72–1.93 (2026-12-04); in real runs a one-stage plan on host
+0 spent 3.2 + 8.1 ms of F + B per step, while a 2-stage plan's stages each took 14.5 ms for HALF
+the layers (about 2.5×). The big
 probes' all-busy figures do not show that: their lone and all-busy runs split the cores alike.
 """
 from __future__ import annotations
