@@ -228,19 +228,28 @@ def head_to_head(raw: dict, plans: list, runs: dict[int, list[dict]], auto_i: in
     others = sorted((i for i in measured if i != auto_i), key=measured.get)[:args.challengers]
     if auto_i not in measured or not others:
         return None
+    return run_blocks(raw, plans, auto_i, others, args.pairs, cluster, args.warmup)
+
+
+def run_blocks(raw: dict, plans: list, auto_i: int, others: list[int], pairs: int, cluster, warmup: int) -> dict:
+    """`pairs` blocks of the auto pick and `others` run back to back, each block's order the next
+    permutation (`block_order`); the verdict on the target from auto ÷ each challenger per block."""
     names = [auto_i, *others]
     blocks, failed = [], []
-    for b in range(args.pairs):
-        got = {}
+    for b in range(pairs):
+        got, seen = {}, []
         try:
             for i in block_order(b, names):
-                got[i] = measure(raw, plans[i], cluster, f"{i}-h{b + 1}", args.warmup)["median_s"]
+                r = measure(raw, plans[i], cluster, f"{i}-h{b + 1}", warmup)
+                got[i] = r["median_s"]
+                seen.append(r.get("conditions"))
         except Exception as e:  # noqa: BLE001 - a failed block is recorded and left out, not the end
             failed.append(f"block {b + 1}: {type(e).__name__}: {e}"[:300])
             print(f"head to head, block {b + 1} FAILED {failed[-1]}", flush=True)
             continue
-        blocks.append({"order": list(block_order(b, names)), "median_s": {str(i): got[i] for i in names}})
-        print(f"head to head, block {b + 1}/{args.pairs}: "
+        blocks.append({"order": list(block_order(b, names)), "median_s": {str(i): got[i] for i in names},
+                       "conditions": seen})
+        print(f"head to head, block {b + 1}/{pairs}: "
               + ", ".join(f"#{i} {got[i] * 1e3:.2f} ms" for i in block_order(b, names)), flush=True)
     if not blocks:
         return {"auto": auto_i, "challengers": others, "blocks": [], "failed": failed, "overall": "NOT DECIDED",

@@ -364,3 +364,46 @@ def test_the_head_to_head_line_is_rendered_beside_the_rounds_verdict():
     md = render(out)
     assert "**head to head: MET (target ≤ 1.05): ÷ #1 median 1.000 over 8 pairs" in md
     assert "rounds alone: **NOT DECIDED" in md and "1 block(s) failed" in md and "head to head 42 s" in md
+
+
+def _source(h2h):
+    rows = [{"plan": i, "describe": d, "measured_rank": r} for i, (d, r) in enumerate([("a", 1), ("b", 3), ("c", 2)])]
+    return {"rows": rows, "auto": {"plan": 0}, "head_to_head": h2h}
+
+
+def test_the_long_head_to_head_takes_up_what_the_source_run_left_undecided():
+    from benchmarks.paired import verdict
+    from benchmarks.planner_h2h import chosen, find, render
+
+    v = verdict({"#2": [0.7, 0.8, 0.75, 0.7, 0.72, 0.8, 0.71, 0.74], "#1": [0.9, 1.2, 1.0, 1.1, 0.95, 1.3, 0.9, 1.0]},
+                1.05)
+    assert v["per"]["#2"]["status"] == "within" and v["per"]["#1"]["status"] == "undecided"
+    assert chosen(_source({"challengers": [2, 1], **v}), 2) == ("a", ["b"])     # #2 is decided: not run again
+    assert chosen(_source(None), 1) == ("a", ["c"])                              # no head to head: best measured other
+    assert chosen(_source(None), 2) == ("a", ["c", "b"])
+    done = verdict({"#2": [0.7] * 8}, 1.05)
+    with pytest.raises(ValueError, match="without deciding it"):
+        chosen(_source({"challengers": [2], **done}), 1)
+    with pytest.raises(ValueError, match="--challengers = 0"):
+        chosen(_source(None), 0)
+
+    class P:      # a plan as `describe` reads it
+        def __init__(self, label):
+            self.stages, self.microbatches, self.schedule = [], 4, label
+
+    plans = [P("x"), P("y")]
+    from benchmarks.planner_exhaustive import describe
+    assert find(plans, [describe(plans[1]), describe(plans[0])]) == [1, 0]
+    with pytest.raises(ValueError, match="not among today's 2 legal plans"):
+        find(plans, ["nope"])
+
+    ratios = {"#1": [1.0, 1.01, 0.99, 1.02, 1.0, 0.98, 1.01, 1.0]}
+    out = {"source": {"path": "s.json", "when": "then"}, "label": "", "pin_cpus": False, "wall_s": 9.0,
+           "machine": {"when": "now", "cpu": "cpu", "nproc": 2, "steal_share": 0.001},
+           "load_avg": {"start": (1, 2, 3), "end": (1, 1, 1)}, "protocol": {"steps": 30, "warmup_dropped": 6, "pairs": 9},
+           "describe": {"0": "a", "1": "b"}, "auto": 0, "challengers": [1], "failed": ["block 9: boom"],
+           "blocks": [{"conditions": [[{"affinity": [0, 1]}]]}] * 8, **verdict(ratios, 1.05)}
+    md = render(out)
+    assert "**MET (target ≤ 1.05): ÷ #1 median 1.000 over 8 pairs" in md
+    assert "#0 (auto) a; #1 b" in md and "9 blocks asked, 8 ran" in md and "cores read back on the stage actors [0, 1]" in md
+    assert "| #1 | 8 | 1.000 | 0.990–1.010 |" in md and "failed: ['block 9: boom']" in md
