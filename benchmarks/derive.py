@@ -35,14 +35,17 @@ def _plain_on(records: list[dict], size: str, m: int, cores: int | None) -> dict
                  and r["cores"] == n), None)
 
 
-def _against_plain(d: dict, records: list[dict], size: str, m: int, step: float, schedule: str) -> None:
-    """The honest bound (perfect pipeline of the 1-core plain program) and vs plain on all cores.
+def _against_plain(d: dict, records: list[dict], size: str, m: int, step: float, schedule: str,
+                   stages_fb_s: float, what: str) -> None:
+    """The honest bound (perfect pipeline of the 1-core work: the plain program, or the stage
+    programs' standalone F + B per microbatch `stages_fb_s` when less) and vs plain on all cores.
     The bound has the GPipe/1F1B bubble, so it is left out for the schedules that shrink it."""
     one, full = _plain_on(records, size, m, 1), _plain_on(records, size, m, None)
     if one and schedule in formulas.HONEST_BOUND_SCHEDULES:
         d["plain1_s"] = one["step_s"]
-        d["honest_bound_s"] = formulas.honest_bound_s(one["step_s"], m, P)
-        d["of_honest_bound"] = formulas.of_honest_bound(one["step_s"], m, P, step)
+        d["honest_base_s"], d["honest_base"] = formulas.honest_base_s(one["step_s"], m, stages_fb_s)
+        d["honest_bound_s"] = formulas.honest_bound_s(one["step_s"], m, P, stages_fb_s)
+        d["of_honest_bound"] = formulas.checked_of_honest_bound(one["step_s"], m, P, step, stages_fb_s, what)
     if full and full is not one:
         d["plain_all_s"], d["plain_all_cores"] = full["step_s"], full["cores"]
         d["vs_plain_all"] = formulas.vs_plain(full["step_s"], step)
@@ -87,14 +90,14 @@ def derive_meshpipe(rec: dict, raw: dict) -> dict:
     costs = rec["standalone"]["stages"]
     d["in_run_vs_standalone"] = _in_run_vs_standalone(rec["costs"], costs)
     plains = raw.get("jax", {}).get("records", [])
-    _against_plain(d, plains, rec["size"], m, step, rec["schedule"])
+    kinds = ("I", "W") if rec["schedule"].startswith("zb") else ("B",)
+    v = max(1, len(rec["standalone"].get("chunks", [])) // P)   # chunks per stage; costs are per-chunk means
+    fbs = [v * (c["F"] + sum(c[k] for k in kinds)) for c in costs]
+    _against_plain(d, plains, rec["size"], m, step, rec["schedule"], sum(fbs), what)
     ref = _plain_on(plains, rec["size"], m, 1) or _plain_on(plains, rec["size"], m, None)
     if ref:
         n = min(len(ref["losses"]), len(rec["losses"]))
         d["loss_rel_diff"] = max(abs(a - b) / abs(b) for a, b in zip(rec["losses"][:n], ref["losses"][:n]))
-    kinds = ("I", "W") if rec["schedule"].startswith("zb") else ("B",)
-    v = max(1, len(rec["standalone"].get("chunks", [])) // P)   # chunks per stage; costs are per-chunk means
-    fbs = [v * (c["F"] + sum(c[k] for k in kinds)) for c in costs]
     busy = [m * x for x in fbs]
     f1 = unsplit_mb_s(_plain_on(plains, rec["size"], m, 1) or _jax(raw, rec["size"], None, 1))
     fb_sum = sum(fbs)
@@ -148,7 +151,8 @@ def derive_torch(rec: dict, raw: dict) -> dict:
          "ideal_spans_s": simulate(low, sim_costs(rec["costs"])).step_time,
          "in_run_vs_standalone": _in_run_vs_standalone(rec["costs"], rec["standalone"]),
          "bound": formulas.bound(rec["m"], P)}
-    _against_plain(d, raw.get("torch", {}).get("plain", []), rec["size"], rec["m"], step, rec["schedule"])
+    _against_plain(d, raw.get("torch", {}).get("plain", []), rec["size"], rec["m"], step, rec["schedule"],
+                   sum(formulas.fb(c) for c in rec["standalone"]), what)
     return d
 
 
