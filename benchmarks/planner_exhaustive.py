@@ -83,6 +83,31 @@ def describe(c) -> str:
                          for s in c.stages))
 
 
+def write_cluster(path: Path, pin: bool) -> None:
+    """The benchmark's cluster YAML: HOSTS simulated hosts × DPH CPU devices."""
+    path.write_text(yaml.safe_dump({"hosts": HOSTS, "devices_per_host": DPH, "cpus_per_host": 0.5, "pin_cpus": pin}))
+
+
+def search_options(job, microbatches: tuple, max_model: int = 2) -> SearchOptions:
+    """The bounded space's options (module docstring): 1F1B, `megatron` rules, no remat, no fsdp."""
+    return SearchOptions(microbatches=microbatches, schedules=("1f1b",), rulesets=RULESETS, max_model=max_model,
+                         remats=("none",), max_fsdp=1,
+                         optimizer_slots=optimizer_slots(job.optimizer.name, job.optimizer.args))
+
+
+def start_ray(namespace: str) -> int:
+    """An embedded local Ray on loopback with its workers at niceness 0 (Ray's default 15 starves the
+    stage actors behind other load, as in benchmarks/run.py); the niceness a worker reads back."""
+    import ray
+
+    from orchestrator.driver.placement import loopback_only
+
+    with loopback_only():
+        ray.init(address="local", num_cpus=4, include_dashboard=False, namespace=namespace,
+                 logging_level="WARNING", _system_config={"worker_niceness": 0})
+    return ray.get(ray.remote(num_cpus=0)(_niceness).remote(), timeout=120)
+
+
 def measure(raw: dict, cand, cluster, tag: str, warmup: int) -> dict:
     """Run one plan once; the median step after the first `warmup` steps."""
     from orchestrator.driver.runner import run_job
@@ -127,18 +152,12 @@ def main(argv=None) -> int:
     import ray
 
     from orchestrator.driver.calibrate import calibrate
-    from orchestrator.driver.placement import loopback_only
 
     with tempfile.TemporaryDirectory(prefix="meshpipe-planner-exhaustive-") as tmp:
         src = Path(tmp) / "cluster.yaml"
-        src.write_text(yaml.safe_dump({"hosts": HOSTS, "devices_per_host": DPH, "cpus_per_host": 0.5,
-                                       "pin_cpus": bool(args.pin)}))
-        with loopback_only():
-            # Ray's default worker niceness 15 starves the stage actors behind other load (benchmarks/run.py)
-            ray.init(address="local", num_cpus=4, include_dashboard=False, namespace="meshpipe-exhaustive",
-                     logging_level="WARNING", _system_config={"worker_niceness": 0})
+        write_cluster(src, bool(args.pin))
         try:
-            info["ray_worker_niceness"] = ray.get(ray.remote(num_cpus=0)(_niceness).remote(), timeout=120)
+            info["ray_worker_niceness"] = start_ray("meshpipe-exhaustive")
             t0 = time.perf_counter()
             cal = calibrate(str(src), echo=print)
             cluster = load_cluster(cal["written"])
@@ -148,9 +167,7 @@ def main(argv=None) -> int:
             model = from_job(job)
             topo = from_cluster(cluster)
             prof = Profiler(WORKER, Path(tmp) / "cache", timeout_s=1800)
-            opts = SearchOptions(microbatches=ms, schedules=("1f1b",), rulesets=RULESETS, max_model=2,
-                                 remats=("none",), max_fsdp=1,
-                                 optimizer_slots=optimizer_slots(job.optimizer.name, job.optimizer.args))
+            opts = search_options(job, ms)
             profile = lambda reqs: prof.profile(model.source, reqs)
             t1 = time.perf_counter()
             plans = legal_plans(model, topo, GLOBAL_BATCH, profile=profile, options=opts)

@@ -28,15 +28,12 @@ import tempfile
 import time
 from pathlib import Path
 
-import yaml
-
 from benchmarks.common import RESULTS, cpu_times, machine_info, steal_share
-from benchmarks.planner_exhaustive import (GLOBAL_BATCH, RULESETS, WORKER, _niceness, base_job, describe,
-                                           run_blocks)
+from benchmarks.planner_exhaustive import (GLOBAL_BATCH, WORKER, base_job, describe, run_blocks, search_options,
+                                           start_ray, write_cluster)
 from orchestrator.core.config import load_cluster, parse_job
-from orchestrator.core.planner import Profiler, SearchOptions, from_cluster
+from orchestrator.core.planner import Profiler, from_cluster
 from orchestrator.core.planner.adapter import from_job
-from orchestrator.core.planner.cost import optimizer_slots
 from orchestrator.core.planner.search import legal_plans
 
 
@@ -85,30 +82,22 @@ def main(argv=None) -> int:
     info, loads, ticks0 = machine_info(), {"start": os.getloadavg()}, cpu_times()
     import ray
 
-    from orchestrator.driver.placement import loopback_only
-
     with tempfile.TemporaryDirectory(prefix="meshpipe-planner-h2h-") as tmp:
         src = Path(tmp) / "cluster.yaml"
-        src.write_text(yaml.safe_dump({"hosts": case["hosts"], "devices_per_host": case["devices_per_host"],
-                                       "cpus_per_host": 0.5, "pin_cpus": bool(source.get("pin_cpus"))}))
+        write_cluster(src, bool(source.get("pin_cpus")))
         cluster = load_cluster(str(src))
         raw = base_job(str(Path(tmp) / "runs"), args.steps)
         job = parse_job(raw)
         model = from_job(job)
         prof = Profiler(WORKER, Path(tmp) / "cache", timeout_s=1800)
-        opts = SearchOptions(microbatches=tuple(case["space"]["microbatches"]), schedules=("1f1b",),
-                             rulesets=RULESETS, max_model=case["space"]["max_model"], remats=("none",), max_fsdp=1,
-                             optimizer_slots=optimizer_slots(job.optimizer.name, job.optimizer.args))
+        opts = search_options(job, tuple(case["space"]["microbatches"]), case["space"]["max_model"])
         plans = legal_plans(model, from_cluster(cluster), GLOBAL_BATCH,
                             profile=lambda reqs: prof.profile(model.source, reqs), options=opts)
         auto_i, *others = find(plans, [auto_d, *other_d])
         print(f"auto #{auto_i} {auto_d}; challengers " + "; ".join(f"#{i} {describe(plans[i])}" for i in others),
               flush=True)
-        with loopback_only():
-            ray.init(address="local", num_cpus=4, include_dashboard=False, namespace="meshpipe-h2h",
-                     logging_level="WARNING", _system_config={"worker_niceness": 0})
         try:
-            info["ray_worker_niceness"] = ray.get(ray.remote(num_cpus=0)(_niceness).remote(), timeout=120)
+            info["ray_worker_niceness"] = start_ray("meshpipe-h2h")
             t0 = time.perf_counter()
             h2h = run_blocks(raw, plans, auto_i, others, args.pairs, cluster, args.warmup)
             wall = time.perf_counter() - t0
