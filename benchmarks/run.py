@@ -49,10 +49,11 @@ TORCH_PLAIN_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
 RAY_WORKER_NICENESS = 0    # see _ray_session
 
 MODES = {
-    "full": {"sizes": ["small", "large"], "ms": [4, 8], "schedules": list(SCHEDULES), "steps": 10, "warmup": 3,
-             "overhead": {"size": "tiny", "m": 8, "schedules": list(SCHEDULES), "steps": 30},
+    "full": {"sizes": ["small", "large"], "ms": [4, 8], "schedules": list(SCHEDULES), "steps": 12, "warmup": 4,
+             # tiny's steps are ~5 ms: 120 of them (30 calls of 4) after 8 whose first ones are still slow
+             "overhead": {"size": "tiny", "m": 8, "schedules": list(SCHEDULES), "steps": 120, "warmup": 8},
              "executors": {"runs": [
-                 {"size": "tiny", "schedule": "1f1b", "m": 8, "steps": 30, "reps": 3,
+                 {"size": "tiny", "schedule": "1f1b", "m": 8, "steps": 32, "reps": 3,
                   "variants": [["step_calls", 1], ["step_calls", 4], ["compiled_graph", 1], ["compiled_graph", 4],
                                ["action_calls", 1]]},
                  {"size": "large", "schedule": "1f1b", "m": 8, "steps": 8, "reps": 1,
@@ -71,7 +72,9 @@ All times are medians; a run's first `warmup` steps (compilation) are dropped. p
 
 - **step** — meshpipe: the step's period — per actor, the time between its consecutive step ends on
   its own clock, the largest over actors (`StepResult.wall_s`; the driver keeps the next call queued on
-  the actors, so this is the throughput period); torch: time between consecutive
+  the actors, so this is the throughput period), taken per executor call: the median over the run's
+  complete calls of each call's mean period (`formulas.call_period_s`), so the Ray task boundary paid
+  once per call (4 steps by default) is in it — a median of single steps would drop it; torch: time between consecutive
   step ends (pipeline `step()` + adam) on rank 0; plain: one jitted / eager step.
 - **action costs** — per stage and kind (F, B, I, W, OPT), from STANDALONE timings of the stage's own
   programs: meshpipe: each stage's jitted programs timed one at a time in a child process pinned to
@@ -198,10 +201,11 @@ def measure_overhead(cfg: dict, pin: bool, echo) -> list[dict]:
     oc, out = cfg["overhead"], []
     for sched in oc["schedules"]:
         t = time.perf_counter()
-        rec = one(SIZES[oc["size"]], sched, oc["m"], steps=oc["steps"], warmup=cfg["warmup"], pin=pin)
+        rec = one(SIZES[oc["size"]], sched, oc["m"], steps=oc["steps"], warmup=oc.get("warmup", cfg["warmup"]),
+                  pin=pin)
         echo(_progress(rec, time.perf_counter() - t))
         out.append(rec)
-    _second_pass(out, oc["steps"], cfg["warmup"], echo)
+    _second_pass(out, oc["steps"], oc.get("warmup", cfg["warmup"]), echo)
     return out
 
 

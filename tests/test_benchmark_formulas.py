@@ -91,7 +91,7 @@ def test_module_docstring_example_holds():
     import doctest
 
     result = doctest.testmod(formulas)
-    assert result.attempted == 4 and result.failed == 0
+    assert result.attempted == 6 and result.failed == 0
 
 
 def test_the_conditions_note_reads_the_observed_load():
@@ -310,3 +310,18 @@ def test_the_honest_bound_is_a_bound_whatever_the_plain_program_costs(monkeypatc
                     "jax": {"records": [_plain(1, 0.5)]}})                # bound 0.281 s > step 0.26 s
     with pytest.raises(ValueError, match="stages_fb_s"):
         formulas.honest_base_s(1.0, 8, 0.0)
+
+
+def test_the_step_counts_what_each_executor_call_costs_once():
+    """Steps 4..11 at 4 steps per call: steps 4 and 8 start a call and carry the Ray task boundary
+    (+4 ms). The median step (1 ms) would drop it; the per-call statistic keeps it (2 ms), and a
+    partial call at either end of the window is left out rather than weighed as a whole one."""
+    walls = [5.0, 1.0, 1.0, 1.0, 5.0, 1.0, 1.0, 1.0]                 # steps 4..11: calls 1 and 2
+    assert formulas.call_period_s(walls, 4, 4) == pytest.approx(2.0)
+    assert formulas.call_period_s([9.0] + walls + [9.0], 3, 4) == pytest.approx(2.0)   # steps 3 and 12: partial
+    assert formulas.call_period_s([1.0, 2.0, 3.0, 50.0], 0, 1) == pytest.approx(2.5)  # 1 per call: the median
+    assert formulas.call_period_s([1.0, 3.0], 1, 4) == pytest.approx(2.0)   # no complete call: the mean
+    with pytest.raises(ValueError, match="no step periods"):
+        formulas.call_period_s([], 0, 4)
+    with pytest.raises(ValueError, match="per_call"):
+        formulas.call_period_s([1.0], 0, 0)
