@@ -102,7 +102,9 @@ All times are medians; a run's first `warmup` steps (compilation) are dropped. p
   microbatch's forward+backward as one unsplit plain-JAX program on ONE core (the faster of the scanned
   step's share, (step − update) ÷ m, and one microbatch's value_and_grad timed alone); *split penalty* = m × (Σₛ(Fₛ + Bₛ) − f₁) ÷ p,
   the cost of compiling forward and backward separately per stage instead of one fused program
-  (zb-h1: Bₛ = Iₛ + Wₛ; interleaved: every chunk of the stage); a negative one is refused as mis-measured; *imbalance* = busiest stage's compute − mean stage compute; *bubble* =
+  (zb-h1: Bₛ = Iₛ + Wₛ; interleaved: every chunk of the stage); where the stage programs run faster than
+  the unsplit one (smaller working sets), f₁ is their sum instead, as in the honest bound, and the split
+  penalty is 0 (the row is marked *(s)*, `split_gain` in the JSON says by how much); *imbalance* = busiest stage's compute − mean stage compute; *bubble* =
   ideal without OPT − busiest stage's compute; *optimizer* = ideal − ideal without OPT; *transfers* = mean
   over stages of (SEND + RECV span time − the stage's idle time in the ideal schedule), clipped to
   [0, T − ideal] — RECV spans include waiting caused by the peer's own delays, so this is an upper bound
@@ -367,8 +369,9 @@ def _observed_summary(raw: dict) -> str:
             for o in r.get("observed", []):
                 seen.add(f"meshpipe stage {o['stage']} on {{{','.join(map(str, o['affinity']))}}}")
             alone = r.get("standalone", {}).get("observed")
-            if alone:
-                seen.add(f"standalone timings on {{{','.join(map(str, alone['affinity']))}}}")
+            for i, o in enumerate([alone] if isinstance(alone, dict) else alone or []):   # one per stage since 12-04
+                where = "standalone timings" if isinstance(alone, dict) else f"standalone stage {i}"
+                seen.add(f"{where} on {{{','.join(map(str, o['affinity']))}}}")
     for r in raw.get("torch", {}).get("pipe", []):
         for rank, o in enumerate(r.get("observed", [])):
             seen.add(f"torch rank {rank} on {{{','.join(map(str, o['affinity']))}}} with {o['threads']} thread(s)")
@@ -477,8 +480,9 @@ def _render_breakdown(raw, der) -> list[str]:
         if sched != "1f1b":
             continue
         s = d["breakdown_share"]
-        rows.append([size, m, sched] + [fmt(s[k]) if s.get(k) is not None else "–" for k in BREAKDOWN_KEYS]
-                    + [fmt(d.get("of_honest_bound"))])
+        mark = " (s)" if d.get("unsplit_base") == "stages" else ""
+        rows.append([size, m, sched] + [fmt(s[k]) + (mark if k == "split" else "") if s.get(k) is not None else "–"
+                                        for k in BREAKDOWN_KEYS] + [fmt(d.get("of_honest_bound"))])
     if not rows:
         return []
     note = ("" if any(d.get("fused_mb_1core_s") for d in der["pipeline"]) else
@@ -559,7 +563,10 @@ def _render_torch(raw, der) -> list[str]:
            ("torch 2 ranks (gloo, `torch.set_num_threads(1)`, pinned one per core; affinity and threads read "
            "back per rank, see the header), same GPT shapes (same FLOPs, not the same parameters). Both "
            "runtimes' ideals come from standalone stage timings (torch: its stage modules timed outside the "
-           "pipeline on both ranks at once). *of honest bound* uses each framework's own 1-core work: its plain "
+           "pipeline, one rank at a time with the other core idle, as meshpipe's; a torch backward needs its own "
+           "forward, so its B reads fresh activations, while meshpipe's B is timed again and again on one set of "
+           "residuals, which ran it 3-13 % faster at `large` than right after its F: meshpipe's ideal is the "
+           "stricter). *of honest bound* uses each framework's own 1-core work: its plain "
            "run (plain torch: Python microbatch loop + adam, one thread per core given, OMP_WAIT_POLICY=PASSIVE), "
            "or its stage programs' standalone F + B × m when less, marked *(s)*. "
            "*meshpipe ÷ torch step* < 1 means meshpipe is faster in absolute terms (kernels differ: XLA vs "

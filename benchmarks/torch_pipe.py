@@ -21,7 +21,7 @@ stage actors); per schedule (Schedule1F1B, ScheduleGPipe) and m: `warmup` then
            schedule's sends/receives and waits are outside them, as meshpipe's
            SEND/RECV are outside its F/B spans), and adam `step()` = OPT;
   standalone  the same three timed outside the pipeline right after the timed
-           steps, on both ranks at once: the action costs of torch's ideal, as
+           steps, one rank at a time (the other core idle): the action costs of torch's ideal, as
            meshpipe's come from its standalone stage timings (`costs` cross-check them);
   observed each rank's CPU affinity and torch thread counts, read back in the rank.
 Plain (`plain`): one process, one thread per core of its affinity (the runner
@@ -228,29 +228,36 @@ def _second_pass(results: list[dict], rank: int, torch, dist) -> None:
 
 
 def _standalone_costs(size, rank, mod, opt, torch, dist, reps: int = 10) -> dict:
-    """Median F, B, OPT of this rank's stage module, timed on both ranks at once."""
+    """Median F, B, OPT of this rank's stage module, timed alone: rank 0 first while rank 1 waits at
+    a barrier, then rank 1 — each on its own core with the other core idle, as meshpipe's stage
+    programs are timed (`benchmarks.pipeline.standalone_costs`). (Timing both ranks at once, as
+    before 2026-12-04, put the other core's memory traffic into torch's ideal and not into meshpipe's.)
+    A backward needs its own forward here, so B always reads fresh activations."""
     x, y = _batch(size, 1, 0)
     if rank == 1:
         x = torch.randn(size.mbs, size.seq, size.d_model, requires_grad=True)
-    dist.barrier()
     tf, tb, to = [], [], []
-    for i in range(reps + 2):
-        t0 = time.perf_counter()
-        out = mod(x)
-        if rank == 1:
-            out = _loss(out, y)
-        t1 = time.perf_counter()
-        if rank == 0:
-            out.backward(torch.ones_like(out))
-        else:
-            out.backward()
-        t2 = time.perf_counter()
-        opt.step()
-        t3 = time.perf_counter()
-        if i >= 2:
-            tf.append(t1 - t0)
-            tb.append(t2 - t1)
-            to.append(t3 - t2)
+    for turn in range(dist.get_world_size()):
+        dist.barrier()
+        if turn != rank:
+            continue
+        for i in range(reps + 2):
+            t0 = time.perf_counter()
+            out = mod(x)
+            if rank == 1:
+                out = _loss(out, y)
+            t1 = time.perf_counter()
+            if rank == 0:
+                out.backward(torch.ones_like(out))
+            else:
+                out.backward()
+            t2 = time.perf_counter()
+            opt.step()
+            t3 = time.perf_counter()
+            if i >= 2:
+                tf.append(t1 - t0)
+                tb.append(t2 - t1)
+                to.append(t3 - t2)
     opt.zero_grad()
     dist.barrier()
     return {"F": median(tf), "B": median(tb), "OPT": median(to)}

@@ -157,7 +157,8 @@ def test_the_honest_bound_is_left_out_for_schedules_that_shrink_the_bubble(monke
 
 def test_the_split_penalty_is_measured_against_the_faster_unsplit_program(monkeypatch):
     """The unsplit baseline is the faster of the scanned 1-core step's share per microbatch and one
-    microbatch's program alone; stage programs beating it cannot be true and are refused."""
+    microbatch's program alone — or the stage programs themselves when they run faster still (smaller
+    working sets; measured at `large`): then the split penalty is 0, not negative, and the row says so."""
     from benchmarks import derive, run
 
     monkeypatch.setattr(derive.os, "cpu_count", lambda: 2)
@@ -167,30 +168,16 @@ def test_the_split_penalty_is_measured_against_the_faster_unsplit_program(monkey
     assert d["fused_mb_1core_s"] == pytest.approx(0.03)
     assert d["split_fb_sum_s"] == pytest.approx(0.064)       # (10 + 20) + (12 + 22) ms
     assert d["breakdown_s"]["split"] == pytest.approx(8 * (0.064 - 0.03) / 2)
+    assert d["breakdown_s"]["useful"] == pytest.approx(8 * 0.03 / 2)
+    assert (d["unsplit_base"], d["split_gain"]) == ("plain1", 0.0)
     plain1["step_s"] = 8 * 0.07 + 0.01                      # both unsplit programs now take 70 ms per
     plain1["fused_mb_s"] = 0.07                             # microbatch: slower than the stages' 64 ms
-    with pytest.raises(formulas.ImplausibleMeasurement, match="split penalty"):
-        run.derive({"pipeline": {"records": [_record(step_s=1.0, ideal_s=0.9)]},
-                    "jax": {"records": [_plain(2, 0.2), plain1]}})
-
-
-def test_a_negative_split_within_the_passes_noise_is_left_unresolved(monkeypatch):
-    """Stage programs beating the unsplit one by less than their two standalone passes disagree is
-    noise: that row's breakdown is not published (and says why); by more, the run is refused."""
-    from benchmarks import derive, run
-
-    monkeypatch.setattr(derive.os, "cpu_count", lambda: 2)
-    plain1 = {**_plain(1, 8 * 0.07 + 0.01), "fused_mb_s": 0.07}       # unsplit: 70 ms per microbatch
-    rec = _record(step_s=1.0, ideal_s=0.9)                              # stage programs: 64 ms
-    slower = [{k: 1.2 * x for k, x in c.items()} for c in rec["standalone"]["stages"]]
-    rec["standalone"]["passes"] = [{"stages": rec["standalone"]["stages"]}, {"stages": slower}]   # 20 % apart
-    d = run.derive({"pipeline": {"records": [rec]}, "jax": {"records": [_plain(2, 0.2), plain1]}})["pipeline"][0]
-    assert "within the 20%" in d["breakdown_unresolved"]
-    assert set(d["breakdown_share"].values()) == {None}
-    rec["standalone"]["passes"][1] = {"stages": [{k: 1.05 * x for k, x in c.items()}
-                                                 for c in rec["standalone"]["stages"]]}
-    with pytest.raises(formulas.ImplausibleMeasurement, match="by more than the 5%"):
-        run.derive({"pipeline": {"records": [rec]}, "jax": {"records": [_plain(2, 0.2), plain1]}})
+    raw = {"pipeline": {"records": [_record(step_s=1.0, ideal_s=0.9)]}, "jax": {"records": [_plain(2, 0.2), plain1]}}
+    d = run.derive(raw)["pipeline"][0]
+    assert d["breakdown_s"]["split"] == 0.0
+    assert d["breakdown_s"]["useful"] == pytest.approx(8 * 0.064 / 2)
+    assert d["unsplit_base"] == "stages" and d["split_gain"] == pytest.approx(0.006 / 0.07)
+    assert "| 0.00 (s) |" in "\n".join(run._render_breakdown(raw, run.derive(raw)))
 
 
 def test_interleaved_stages_count_every_chunk_in_their_compute():
