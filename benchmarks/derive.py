@@ -97,10 +97,10 @@ def derive_meshpipe(rec: dict, raw: dict) -> dict:
     comm = [sum(v for k, v in t.items() if k.startswith(("SEND", "RECV"))) for t in rec["totals"]]
     excess = sum(c - i for c, i in zip(comm, idle)) / len(comm)
     transfers = min(max(0.0, excess), step - ideal)
-    # the unsplit work: the faster of the 1-core plain program and the stages' own programs, as the
-    # honest bound's base — two stage programs can run faster than the whole (smaller working sets:
-    # measured 105.8 against 110.7 ms per microbatch at `large` m = 4), so the split penalty is ≥ 0
-    base = min(f1, fb_sum) if f1 else None
+    # the unsplit work per microbatch: the faster of the 1-core plain program and the stages' own
+    # programs, chosen as the honest bound's base is — two stage programs can run faster than the whole
+    # (smaller working sets: 105.8 against 110.7 ms per microbatch at `large` m = 4), so split ≥ 0
+    base, which = formulas.honest_base_s(f1, 1, fb_sum) if f1 else (None, None)
     parts = {
         "useful": m * base / P if base else None,
         "split": m * (fb_sum - base) / P if base else None,
@@ -112,8 +112,8 @@ def derive_meshpipe(rec: dict, raw: dict) -> dict:
         "orchestration": step - ideal - transfers,
     }
     if f1:
-        d["unsplit_base"] = "plain1" if f1 <= fb_sum else "stages"
-        d["split_gain"] = max(0.0, (f1 - fb_sum) / f1)    # how much faster the stages ran than the whole
+        d["unsplit_base"] = which
+        d["split_gain"] = (f1 - base) / f1    # how much faster the stages ran than the whole (0: they did not)
     d["breakdown_s"] = parts
     d["breakdown_share"] = {k: (v / step if v is not None else None) for k, v in parts.items()}
     d["fused_mb_1core_s"], d["split_fb_sum_s"] = f1, fb_sum

@@ -21,6 +21,8 @@ records `benchmarks/pipeline.py` writes, compute their figures here:
   of honest bound    = honest bound ÷ step (1.0: as fast as that perfect pipeline)
   vs plain           = plain step ÷ pipelined step (same global batch; plain on all cores is
                        its own column, it is not a bound: plain does not scale perfectly)
+  step (meshpipe)    = `call_period_s`: the median over complete executor calls of each call's mean
+                       step period, so a cost paid once per Ray call is counted
   F + B              = a microbatch's compute on one stage: F + B, or F + I + W (zero-bubble)
 
 Times are in seconds unless the name says ms.

@@ -369,9 +369,8 @@ def _observed_summary(raw: dict) -> str:
             for o in r.get("observed", []):
                 seen.add(f"meshpipe stage {o['stage']} on {{{','.join(map(str, o['affinity']))}}}")
             alone = r.get("standalone", {}).get("observed")
-            for i, o in enumerate([alone] if isinstance(alone, dict) else alone or []):   # one per stage since 12-04
-                where = "standalone timings" if isinstance(alone, dict) else f"standalone stage {i}"
-                seen.add(f"{where} on {{{','.join(map(str, o['affinity']))}}}")
+            if alone:
+                seen.add(f"standalone timings on {{{','.join(map(str, alone['affinity']))}}}")
     for r in raw.get("torch", {}).get("pipe", []):
         for rank, o in enumerate(r.get("observed", [])):
             seen.add(f"torch rank {rank} on {{{','.join(map(str, o['affinity']))}}} with {o['threads']} thread(s)")
