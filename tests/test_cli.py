@@ -140,3 +140,38 @@ def _mlp_job(tmp_path, name: str, steps: int, data: int) -> dict:
                      "stages": [{"layers": [a, a + 2], "mesh": {"data": data}} for a in (0, 2)]},
         "layout": {"batch": "data"},
     }
+
+
+@pytest.mark.ray
+def test_json_stdout_keeps_forwarded_actor_lines_off_stdout(ray_local, capsys):
+    """`calibrate --json` and `plan --auto --measure --json` print while Ray forwards the actors'
+    output to this process's stdout: with --json those lines must land on stderr (a stray probe line
+    once made the calibrate JSON unparseable), and without it they stay on stdout."""
+    import ray
+
+    from orchestrator.driver.cli import json_stdout
+    from tests.conftest import wait_until
+
+    @ray.remote(num_cpus=0)
+    def speak(word: str) -> None:
+        print(word, flush=True)
+
+    capsys.readouterr()
+    for as_json, word in ((False, "plain-mode-actor-line"), (True, "json-mode-actor-line")):
+        seen = {"out": "", "err": ""}
+
+        def arrived() -> bool:
+            got = capsys.readouterr()
+            seen["out"] += got.out
+            seen["err"] += got.err
+            return word in seen["out"] + seen["err"]
+
+        with json_stdout(as_json) as echo:
+            ray.get(speak.remote(word), timeout=60)
+            wait_until(arrived, 30, f"Ray to forward {word!r}")
+            echo('{"ok": 1}')
+        arrived()
+        if as_json:
+            assert seen["out"] == '{"ok": 1}\n' and word in seen["err"], seen
+        else:
+            assert word in seen["out"] and '{"ok": 1}' in seen["out"], seen

@@ -31,6 +31,7 @@ such job, 130 interrupted (the job keeps running). See `orchestrator.driver.jobs
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -344,9 +345,10 @@ def _auto(job, cluster, overrides, out, explain_, top, max_model, microbatches, 
                    "e.g. 4,8", err=True)
         sys.exit(2)
     try:
-        auto_plan(job, cluster or str(DEFAULT_CLUSTER), overrides, out=out, explain_=explain_, top=top,
-                  max_model=max_model, microbatches=ms, target_step_ms=target_step_ms, cache_dir=cache_dir,
-                  as_json=as_json, echo=click.echo, measure=measure)
+        with json_stdout(as_json) as echo:   # --measure starts Ray: its forwarded actor lines go to stderr
+            auto_plan(job, cluster or str(DEFAULT_CLUSTER), overrides, out=out, explain_=explain_, top=top,
+                      max_model=max_model, microbatches=ms, target_step_ms=target_step_ms, cache_dir=cache_dir,
+                      as_json=as_json, echo=echo, measure=measure)
     except ConfigError as e:
         click.echo(f"meshpipe: invalid configuration:\n{e}", err=True)
         sys.exit(2)
@@ -377,7 +379,8 @@ def calibrate(cluster, out, force, as_json):
     from orchestrator.driver.calibrate import CalibrationError, calibrate as run_calibration
 
     try:
-        report = run_calibration(cluster, out=out, force=force, echo=(lambda s: None) if as_json else click.echo)
+        with json_stdout(as_json) as echo:   # the probes' forwarded lines go to stderr with --json
+            report = run_calibration(cluster, out=out, force=force, echo=(lambda s: None) if as_json else echo)
     except ConfigError as e:
         click.echo(f"meshpipe: invalid configuration:\n{e}", err=True)
         sys.exit(2)
@@ -389,6 +392,24 @@ def calibrate(cluster, out, force, as_json):
         sys.exit(1)
     if as_json:
         click.echo(json.dumps(report, indent=1))
+
+
+@contextlib.contextmanager
+def json_stdout(as_json: bool):
+    """Yield an echo to this process's stdout. With --json, stdout must hold the JSON document
+    alone, so meanwhile anything else printed there goes to stderr: Ray prints the actors'
+    forwarded output to `sys.stdout` as it is at that moment (a probe's stray line broke
+    `calibrate --json | jq` before)."""
+    out = sys.stdout
+
+    def echo(s: str) -> None:
+        click.echo(s, file=out)
+
+    if not as_json:
+        yield echo
+        return
+    with contextlib.redirect_stdout(sys.stderr):
+        yield echo
 
 
 address_opt = click.option("--address", envvar="RAY_API_SERVER_ADDRESS", default="http://127.0.0.1:8265",
