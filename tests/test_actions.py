@@ -48,3 +48,55 @@ def test_stash_counts_bytes_and_peak_of_what_is_kept():
     assert (st.stash.now, st.stash.peak, st.stash.peak_items) == (256, 384, 1)
     st.stash.drop(("missing", (9, 9)))                     # dropping what is not held changes nothing
     assert st.stash.now == 256
+
+
+READY_CHECK = """
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from stages.actions import _ready
+
+mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "model"))
+
+def prog(x, w):                  # the first leaf is cheap, the others wait for a matmul chain
+    y = x
+    for _ in range(12):
+        y = jnp.tanh(y @ w)
+    return {"a": x[0, 0] + 1, "b": y, "c": [y.sum(), x * 2]}
+
+f = jax.jit(prog)
+x = jax.device_put(jnp.ones((512, 512)) * 0.01, NamedSharding(mesh, P("data", "model")))
+w = jax.device_put(jnp.eye(512), NamedSharding(mesh, P(None, "model")))
+jax.block_until_ready(f(x, w))
+out = f(x, w)
+pending = [leaf.is_ready() for leaf in jax.tree_util.tree_leaves(out)]
+jax.block_until_ready(out)
+out = f(x, w)
+same = _ready(out) is out
+import json
+print(json.dumps([pending, [leaf.is_ready() for leaf in jax.tree_util.tree_leaves(out)], same]))
+"""
+
+
+def test_ready_waits_for_every_output_of_the_program_by_waiting_on_one():
+    """A handler's span must cover its program (module invariant). `_ready` waits on one leaf only:
+    on a 2×2 mesh, right after dispatch the outputs are still pending (so this check can tell), and
+    after `_ready` every leaf — the slow ones included — is ready."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "-c", READY_CHECK], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    pending, ready, same = json.loads(r.stdout.strip().splitlines()[-1])
+    assert not all(pending), "every output was ready at dispatch: this check cannot tell a wait from none"
+    assert ready == [True] * 4 and same
+
+
+def test_ready_passes_host_arrays_and_empty_trees_through():
+    tree = {"x": np.ones(3), "y": [np.zeros(2)]}
+    assert actions._ready(tree) is tree and actions._ready({}) == {} and actions._ready(None) is None
