@@ -73,7 +73,10 @@ jax.block_until_ready(out)
 out = f(x, w)
 same = _ready(out) is out
 import json
-print(json.dumps([pending, [leaf.is_ready() for leaf in jax.tree_util.tree_leaves(out)], same]))
+ready = [leaf.is_ready() for leaf in jax.tree_util.tree_leaves(out)]
+out = f(x, w)
+_ready({"0": np.ones(2), "1": out})
+print(json.dumps([pending, ready, same, [leaf.is_ready() for leaf in jax.tree_util.tree_leaves(out)]]))
 """
 
 
@@ -92,9 +95,10 @@ def test_ready_waits_for_every_output_of_the_program_by_waiting_on_one():
            "PYTHONPATH": str(ROOT)}
     r = subprocess.run([sys.executable, "-c", READY_CHECK], capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 0, r.stderr[-2000:]
-    pending, ready, same = json.loads(r.stdout.strip().splitlines()[-1])
+    pending, ready, same, behind_host = json.loads(r.stdout.strip().splitlines()[-1])
     assert not all(pending), "every output was ready at dispatch: this check cannot tell a wait from none"
     assert ready == [True] * 4 and same
+    assert behind_host == [True] * 4       # a host array first in the tree: the wait goes on to a device leaf
 
 
 def test_ready_passes_host_arrays_and_empty_trees_through():
