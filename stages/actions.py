@@ -147,7 +147,7 @@ def _ready(tree):
 def _operands(w, st: StepState, a, prog):
     """F's input and labels: this host's rows of the batch on the first / last stage."""
     cfg = w.cfg
-    mbs = cfg.data.global_batch // cfg.microbatches
+    mbs = cfg.microbatch_size
     if prog.first:
         x = [w.host_operand(st.batch.xs[a.microbatch], w.rows_in, (mbs, *cfg.spec.input_shape),
                             prog.input_sharding())]

@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from orchestrator.core.contract import RestorePlan
 from orchestrator.core.checkpoint import file_table, opt_name, stage_dir, step_dir
 from orchestrator.core.checkpoint import state_name as _state_name
 from orchestrator.core.model.pipeline import key_path
@@ -251,7 +252,7 @@ class StageCheckpointer:
             self._ckptr.close()
 
 
-def restore(worker, plan: dict) -> None:
+def restore(worker, plan: RestorePlan) -> None:
     """Replace `worker.params` / `worker.opt_state` / `worker.mstate` by the checkpoint's arrays, by
     name, in place.
 
@@ -272,16 +273,16 @@ def restore(worker, plan: dict) -> None:
         return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sh)
 
     where = {}       # name -> (stage record index, key)
-    for i, rec in enumerate(plan["stages"]):
-        for name, meta in rec["arrays"].items():
-            where.setdefault(name, (i, meta["key"]))
+    for i, rec in enumerate(plan.stages):
+        for arr in rec.arrays:
+            where.setdefault(arr.name, (i, arr.key))
     named = named_state(worker.progs, worker.params, worker.opt_state)
     named_s = named_mstate(worker.progs, worker.mstate)
     want: dict[int, dict] = {}
     for names_, leaves in _all_named(worker):
         for name, leaf in zip(names_, leaves):
             if name not in where:
-                raise RuntimeError(f"{worker.cfg.who}: checkpoint step {plan['step']} has no array {name!r}")
+                raise RuntimeError(f"{worker.cfg.who}: checkpoint step {plan.step} has no array {name!r}")
             i, key = where[name]
             want.setdefault(i, {})[key] = (name, target(leaf))
     got: dict[str, Any] = {}
@@ -289,7 +290,7 @@ def restore(worker, plan: dict) -> None:
         for i, targets in sorted(want.items()):
             item = {"arrays": {k: s for k, (_, s) in targets.items()}}
             args = {"arrays": {k: ocp.ArrayRestoreArgs(sharding=s.sharding) for k, (_, s) in targets.items()}}
-            directory = step_dir(plan["root"], plan["step"]) / plan["stages"][i]["path"]
+            directory = step_dir(plan.root, plan.step) / plan.stages[i].path
             try:
                 out = ckptr.restore(directory, args=ocp.args.PyTreeRestore(item, restore_args=args,
                                                                            partial_restore=True))
@@ -308,19 +309,19 @@ def restore(worker, plan: dict) -> None:
     jax.block_until_ready((worker.params, worker.opt_state, worker.mstate))
 
 
-def _restore_scale(worker, plan: dict, where: dict) -> tuple[float, int]:
+def _restore_scale(worker, plan: RestorePlan, where: dict) -> tuple[float, int]:
     """The loss-scale state (scale, finite steps in a row) saved with the checkpoint's step."""
     import orbax.checkpoint as ocp
 
     missing = [n for n in SCALE_NAMES if n not in where]
     if missing:
-        raise RuntimeError(f"{worker.cfg.who}: checkpoint step {plan['step']} has no loss-scale state "
+        raise RuntimeError(f"{worker.cfg.who}: checkpoint step {plan.step} has no loss-scale state "
                            f"({missing[0]!r}): it was saved without precision.loss_scale")
     i = where[SCALE_NAMES[0]][0]
     keys = [where[n][1] for n in SCALE_NAMES]
     item = {"arrays": {keys[0]: np.zeros((), np.float64), keys[1]: np.zeros((), np.int64)}}
     args = {"arrays": {k: ocp.RestoreArgs(restore_type=np.ndarray) for k in keys}}
-    directory = step_dir(plan["root"], plan["step"]) / plan["stages"][i]["path"]
+    directory = step_dir(plan.root, plan.step) / plan.stages[i].path
     with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as ckptr:
         out = ckptr.restore(directory, args=ocp.args.PyTreeRestore(item, restore_args=args, partial_restore=True))
     return float(out["arrays"][keys[0]]), int(out["arrays"][keys[1]])

@@ -33,11 +33,10 @@ All hosts of a stage execute the same actions in the same order (SPMD).
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import time
-from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
@@ -45,56 +44,10 @@ from stages.actions import EVAL_HANDLERS, StepState, handler_for, program_of
 from stages.data import HostLoader, rows_array, rows_of
 from stages.mailbox import Mailbox, MailboxClosed
 from stages.telemetry import LivePeak
+from orchestrator.core.contract import WorkerConfig
 from orchestrator.core.recovery import STEP_NOTE
 from orchestrator.core.schedule.ir import RECVS
 from orchestrator.core.model.spec import ModelSpec, param_name
-
-
-@dataclass(frozen=True)
-class WorkerConfig:
-    run: str
-    stage: int
-    host: int                 # host index within the stage (= jax process id there)
-    stage_hosts: int          # hosts in this stage
-    cluster_host: int         # host index in the cluster (bundle index)
-    layers: tuple[int, int]
-    mesh: dict[str, int]
-    layout: dict[str, Any]
-    spec: ModelSpec
-    data: Any                 # orchestrator.core.data.DataPlan: each host opens its own reader
-    microbatches: int
-    optimizer: dict                 # the job's optimizer section (JobConfig.optimizer.spec())
-    seed: int
-    actions: tuple[str, ...]
-    num_stages: int
-    timeouts: dict[str, float] = field(default_factory=dict)
-    hosts: tuple[int, ...] = (0,)   # cluster host index of each host of this stage
-    devices_per_host: int = 1
-    geoms: tuple = ()               # orchestrator.core.edges.StageGeom of every stage (peers' meshes/layouts)
-    chunks: tuple[tuple[int, int], ...] = ()   # layer range per virtual chunk; () means (layers,)
-    pin_cpus: bool = False          # pin this process to core (cluster_host mod cores) before jax loads
-    hooks: tuple = ()               # stages.hooks.WorkerHook objects, called at setup and each step's start
-    transport: str = "ray"          # "ray" (actor calls) or "socket" (stages.socket_transport)
-    transport_token: bytes | None = field(default=None, repr=False)   # per-run secret for "socket"
-    transport_same_machine: str = "unix"   # "socket": same-machine peers over "unix" (+ shared memory) or "tcp"
-    transport_tls: dict | None = None      # "socket": {cert_file, key_file, ca_file} paths on this node, or None
-    remat: str = "none"             # rematerialisation of this stage's parts (orchestrator.core.model.policy)
-    fuse_loss_chunk: bool = False   # pipeline.fuse_loss_chunk (stages.actions.fused_chunks)
-    eval_actions: tuple[str, ...] = ()   # this stage's forward-only eval list (data.eval), else ()
-    eval_every: int | None = None        # evaluate after every k-th step ...
-    total_steps: int = 0                 # ... and after the last one
-    checkpoint: dict | None = None  # {root, every, total, async[, restore]} (stages.checkpoint); None: off
-    loss_scale: dict | None = None  # DynamicLossScale fields (orchestrator.core.model.policy); None: off
-    compile_cache: str | None = None   # JAX persistent compilation cache directory (recovery.compile_cache_dir)
-    tie_stages: tuple = ()          # per spec.ties entry: (stage of its earlier side, of its later side)
-
-    @property
-    def layer_chunks(self) -> tuple[tuple[int, int], ...]:
-        return tuple(self.chunks) or (tuple(self.layers),)
-
-    @property
-    def who(self) -> str:
-        return f"{self.run} stage {self.stage} host {self.host}"
 
 
 def use_compile_cache(jax, path: str, who: str) -> None:
@@ -126,26 +79,24 @@ class StageWorker:
         self.last_done: int | None = None     # the newest step finished here (heartbeat's `done`)
         # what a RECV (and the end-of-step flush) waits: timeouts.step_s until the driver has
         # measured steps, then what it sets (`set_recv_deadline`: a multiple of its progress deadline)
-        self.recv_s = float(cfg.timeouts.get("step_s", 600.0))
+        self.recv_s = float(cfg.timeouts.step_s)
         self.live_peak = LivePeak()      # live device bytes at the training steps' peak (telemetry)
         self._stash_sizes: dict = {}     # (kind, chunk) -> bytes of what that action keeps (`Stash`)
         self.ckpt = None                # stages.checkpoint.StageCheckpointer when checkpointing
         self._coordinator_port = None   # host 0 of a multi-host stage: the socket holding its port
-        from orchestrator.core.model.policy import DynamicLossScale
-
         # loss scaling: the rule and (scale, finite steps in a row); the same on every stage
-        self.scaler = DynamicLossScale(**cfg.loss_scale) if cfg.loss_scale else None
+        self.scaler = cfg.loss_scale
         self.scale_state = self.scaler.start() if self.scaler else None
         from orchestrator.core.schedule import Action
 
-        self.actions = [Action.parse(text) for text in cfg.actions]
+        self.actions = [Action.parse(text) for text in cfg.stage_spec.actions]
         # the step program: each action with its text (span label) and its kind's handler, resolved once
         # (the loss chunk's F and B run as one program where the schedule puts them back to back)
         loss_chunk = next((c for c, (_, stop) in enumerate(cfg.layer_chunks) if stop == cfg.spec.num_layers), None)
-        self.program = program_of(self.actions, cfg.who, loss_chunk, fuse=cfg.fuse_loss_chunk)
+        self.program = program_of(self.actions, cfg.who, loss_chunk, fuse=cfg.stage_spec.fuse_loss_chunk)
         # the forward-only eval program (data.eval), resolved the same way from its own table
         self.eval_program = [(a, str(a), handler_for(a, cfg.who, EVAL_HANDLERS))
-                             for a in (Action.parse(text) for text in cfg.eval_actions)]
+                             for a in (Action.parse(text) for text in cfg.stage_spec.eval_actions)]
         self._eval_batches = None       # this host's rows of the eval batches, read once
         self.pinned: set[int] | None = None
         self.pinned_threads: set[int] = set()
@@ -185,7 +136,7 @@ class StageWorker:
 
         # as the platform's backend planned it (MESHPIPE_JAX_INIT): explicit coordinator, TPU auto-detect, none
         held, self._coordinator_port = self._coordinator_port, None
-        join_submesh(cfg.stage_hosts, cfg.host, coordinator, cfg.timeouts.get("jax_distributed_init_s", 60),
+        join_submesh(cfg.stage_hosts, cfg.host, coordinator, cfg.timeouts.jax_distributed_init_s,
                      who=cfg.who, reservation=held)
         from jax.sharding import Mesh
 
@@ -193,17 +144,18 @@ class StageWorker:
         from stages.program import StageProgram
 
         devices = np.array(jax.devices())
-        n = int(np.prod(list(cfg.mesh.values())))
+        mesh_shape = cfg.stage_spec.mesh_shape
+        n = int(np.prod(list(mesh_shape.values())))
         if devices.size != n:
-            raise RuntimeError(f"{cfg.who}: mesh {cfg.mesh} needs {n} devices, the stage has {devices.size}")
+            raise RuntimeError(f"{cfg.who}: mesh {mesh_shape} needs {n} devices, the stage has {devices.size}")
         owners = [d.process_index for d in devices]
-        if owners != sorted(owners) or owners.count(cfg.host) != cfg.devices_per_host:
+        if owners != sorted(owners) or owners.count(cfg.host) != cfg.stage_spec.devices_per_host:
             raise RuntimeError(f"{cfg.who}: jax device order {owners} is not host-major with "
-                               f"{cfg.devices_per_host} devices per host")
-        self.mesh = Mesh(devices.reshape(tuple(cfg.mesh.values())), tuple(cfg.mesh))
-        model, tx = build_model(cfg.spec.factory, cfg.spec.args), cfg.optimizer
+                               f"{cfg.stage_spec.devices_per_host} devices per host")
+        self.mesh = Mesh(devices.reshape(tuple(mesh_shape.values())), tuple(mesh_shape))
+        model, tx = build_model(cfg.spec.factory, cfg.spec.args), cfg.optimizer.to_spec()
         self.progs = [StageProgram(cfg.spec, model, start, stop, microbatches=cfg.microbatches, optimizer=tx,
-                                   mesh=self.mesh, layout=cfg.layout, remat=cfg.remat)
+                                   mesh=self.mesh, layout=cfg.stage_spec.layout_map, remat=cfg.stage_spec.remat)
                       for start, stop in cfg.layer_chunks]
         self.params = [prog.init_params(cfg.seed) for prog in self.progs]
         self.mstate = [prog.init_mstate(cfg.seed) for prog in self.progs]     # mutable model state (BatchNorm)
@@ -211,17 +163,19 @@ class StageWorker:
         self.opt_state = [st[0] for st in states]
         self.grads = [st[1] for st in states]
         restore_s = self._setup_checkpoint()
-        args = {"me": cfg.hosts[cfg.host], "geom": cfg.geoms[cfg.stage], "mesh": self.mesh,
+        args = {"me": cfg.stage_spec.hosts[cfg.host], "geom": cfg.geoms[cfg.stage], "mesh": self.mesh,
                 "inbox": self.inbox, "peers": lambda stage: self.actors[stage]}
-        if cfg.transport == "socket":
+        if cfg.transport.kind == "socket":
             from orchestrator.core.tls import TlsError
             from stages.socket_transport import SocketTransport
 
             try:
-                self.transport = SocketTransport(**args, token=cfg.transport_token, stage=cfg.stage, geoms=cfg.geoms,
+                tls = cfg.transport.tls
+                self.transport = SocketTransport(**args, token=cfg.transport.token, stage=cfg.stage, geoms=cfg.geoms,
                                                  io_timeout=self.recv_s,    # then set_recv_deadline's
-                                                 shared_memory=cfg.transport_same_machine == "unix",
-                                                 tls=cfg.transport_tls, in_flight=self._in_flight())
+                                                 shared_memory=cfg.transport.same_machine == "unix",
+                                                 tls=None if tls is None else dataclasses.asdict(tls),
+                                                 in_flight=self._in_flight())
             except TlsError as e:        # the driver checked its own copy; this node's differs
                 raise RuntimeError(f"{cfg.who} on {socket.gethostname()}: {e}") from None
         else:
@@ -230,9 +184,9 @@ class StageWorker:
             self.transport = RayTransport(**args)
         self._plan_edges()
         self._open_data()
-        restored = (cfg.checkpoint or {}).get("restore") or {}
-        if "source" in restored.get("data", {}):
-            self.load_data_state(restored["data"])     # checks seed and source, then the position
+        restore = cfg.checkpoint.restore if cfg.checkpoint is not None else None
+        if restore is not None and restore.position is not None:
+            self.load_data_state(restore.position.to_dict())     # checks seed and source, then the position
         jax.block_until_ready(self.params)
         import ray
 
@@ -253,14 +207,14 @@ class StageWorker:
 
         from orchestrator.core.checkpoint import check_probe
 
-        check_probe(ck["root"], ck["probe"], f"{self.cfg.who} on {socket.gethostname()}")
+        check_probe(ck.root, ck.probe, f"{self.cfg.who} on {socket.gethostname()}")
         took = None
-        if ck.get("restore"):
+        if ck.restore is not None:
             t0 = time.perf_counter()
-            restore(self, ck["restore"])
+            restore(self, ck.restore)
             took = time.perf_counter() - t0
-        self.ckpt = StageCheckpointer(ck["root"], ck["every"], ck["total"], ck["async"], self.cfg.stage,
-                                      self.cfg.host, timeout=self.cfg.timeouts.get("step_s", 600.0))
+        self.ckpt = StageCheckpointer(ck.root, ck.every, ck.total, ck.asynchronous, self.cfg.stage,
+                                      self.cfg.host, timeout=self.cfg.timeouts.step_s)
         return took
 
     def checkpoint_flush(self) -> list[dict]:
@@ -275,7 +229,7 @@ class StageWorker:
 
         cfg, p = self.cfg, self.cfg.num_stages
         v = len(self.progs)
-        mbs = cfg.data.global_batch // cfg.microbatches
+        mbs = cfg.microbatch_size
 
         def leaves(layer: int, peer: int):
             geom = cfg.geoms[peer % p]
@@ -304,7 +258,7 @@ class StageWorker:
     def _open_data(self) -> None:
         """Loaders for this host's rows: inputs on the first stage, labels on the last (else none)."""
         cfg = self.cfg
-        mbs = cfg.data.global_batch // cfg.microbatches
+        mbs = cfg.microbatch_size
         first, last = self.progs[0], self.progs[-1]
         self.rows_in = rows_of(first.input_sharding(), (mbs, *cfg.spec.input_shape)) if first.first else None
         self.rows_lab = rows_of(last.label_sharding(), (mbs, *cfg.spec.label_shape)) if last.last else None
@@ -424,7 +378,7 @@ class StageWorker:
         """Called in the "io" group once steps are measured: the seconds a RECV of a step that starts
         from now on may wait (never above `timeouts.step_s`, never below 1 s), and the transport's
         own waits (a frame under way, a blocked write: `Transport.set_io_timeout`); returns it."""
-        self.recv_s = min(max(float(seconds), 1.0), float(self.cfg.timeouts.get("step_s", 600.0)))
+        self.recv_s = min(max(float(seconds), 1.0), float(self.cfg.timeouts.step_s))
         if getattr(self, "transport", None) is not None:
             self.transport.set_io_timeout(self.recv_s)
         return self.recv_s
@@ -551,7 +505,7 @@ class StageWorker:
         step) and add `eval_losses` (last stage: one mean loss per eval batch) and `eval_s`."""
         cfg = self.cfg
         due = self.eval_program and ((cfg.eval_every and (step + 1) % cfg.eval_every == 0)
-                                     or step + 1 == cfg.total_steps)
+                                     or step + 1 == cfg.steps)
         if not due:
             return out
         t0 = time.perf_counter()

@@ -44,7 +44,9 @@ from orchestrator.core.edges import stage_geoms
 from orchestrator.driver.waiting import wait_all
 from stages.hooks import WorkerHook
 from stages.ties import tie_stages
-from stages.worker import StageWorker, WorkerConfig
+from stages.worker import StageWorker
+from orchestrator.core.contract import (CheckpointSpec, OptimizerSpec, StageSpec, Timeouts, TlsFiles,
+                                        TransportSpec, WorkerConfig)
 
 RECV_FACTOR = 2.0    # an actor's RECV deadline: this × the driver's progress deadline for a call
 # After a failure: the seconds the survivors (told to abort) get to end their step and close before they
@@ -67,15 +69,14 @@ class StepResult:
 
 class PipelineExecutor:
     def __init__(self, checked, lowered, data_source, run: str, eval_schedule=None,
-                 hooks: Sequence[WorkerHook] = (), checkpoint: dict | None = None, deadline=None,
+                 hooks: Sequence[WorkerHook] = (), checkpoint: CheckpointSpec | None = None, deadline=None,
                  placement_wait: float = 0.0, avoid_nodes: Sequence[str] = ()):
         self.checked, self.lowered, self.data, self.run = checked, lowered, data_source, run
         self.eval_schedule = eval_schedule
         self.hooks = tuple(hooks)       # stages.hooks.WorkerHook objects, passed to every actor
-        self.checkpoint = checkpoint     # WorkerConfig.checkpoint (orchestrator.driver.checkpoint.prepare)
+        self.checkpoint = checkpoint     # the stages' CheckpointSpec (orchestrator.driver.checkpoint.prepare)
         t = checked.cluster.timeouts
-        self.timeouts = {"init_s": t.init_s, "step_s": t.step_s, "shutdown_s": t.shutdown_s,
-                         "jax_distributed_init_s": t.jax_distributed_init_s}
+        self.timeouts = Timeouts(t.init_s, t.step_s, t.shutdown_s, t.jax_distributed_init_s)
         from orchestrator.core.recovery import ProgressDeadline
 
         self.deadline = deadline if deadline is not None else ProgressDeadline(t.step_s)
@@ -97,33 +98,33 @@ class PipelineExecutor:
 
     # -- lifecycle ---------------------------------------------------------
     def worker_config(self, stage, host: int) -> WorkerConfig:
+        """The contract of `stage`'s host `host` (`orchestrator.core.contract`)."""
         from orchestrator.core.recovery import compile_cache_dir
 
-        job = self.checked.job
-        grid = self.lowered.actions[stage.index]
-        geoms = stage_geoms(self.checked)
+        checked, job = self.checked, self.checked.job
+        cluster = checked.cluster
+        evals = () if self.eval_schedule is None else self.eval_schedule.actions[stage.index]
+        tls = cluster.transport_tls
         return WorkerConfig(
-            run=self.run, stage=stage.index, host=host, stage_hosts=len(stage.hosts),
-            cluster_host=stage.hosts[host], layers=tuple(stage.layers), mesh=dict(stage.mesh),
-            layout=dict(stage.layout), spec=self.checked.model, data=self.data,
-            microbatches=job.pipeline.microbatches,
-            optimizer=job.optimizer.spec(), seed=job.run.seed,
-            actions=tuple(str(a) for a in grid if a is not None), num_stages=len(self.checked.stages),
-            timeouts=dict(self.timeouts), pin_cpus=self.checked.cluster.pin_cpus,
-            hooks=self.hooks,
-            hosts=tuple(stage.hosts), devices_per_host=stage.devices_per_host,
-            geoms=tuple(geoms), chunks=tuple(tuple(c) for c in stage.chunks),
-            transport=self.checked.cluster.transport, transport_token=self.token, remat=stage.remat,
-            transport_same_machine=self.checked.cluster.transport_same_machine,
-            transport_tls=(None if self.checked.cluster.transport_tls is None
-                           else self.checked.cluster.transport_tls.model_dump()),
-            fuse_loss_chunk=self.checked.job.pipeline.fuse_loss_chunk,
-            eval_actions=() if self.eval_schedule is None else tuple(
-                str(a) for a in self.eval_schedule.actions[stage.index] if a is not None),
-            eval_every=job.run.eval_every, total_steps=job.run.steps, checkpoint=self.checkpoint,
-            compile_cache=compile_cache_dir(job),
-            loss_scale=None if job.precision.scaling() is None else job.precision.scaling().to_dict(),
-            tie_stages=tie_stages(self.checked.model.ties, [s.chunks for s in self.checked.stages]))
+            run=self.run, stage=stage.index, host=host, cluster_host=stage.hosts[host],
+            stage_spec=StageSpec(
+                index=stage.index, hosts=tuple(stage.hosts), devices_per_host=stage.devices_per_host,
+                mesh=tuple(dict(stage.mesh).items()), layout=tuple(dict(stage.layout).items()),
+                chunks=tuple(tuple(c) for c in stage.chunks),
+                actions=tuple(str(a) for a in self.lowered.actions[stage.index] if a is not None),
+                eval_actions=tuple(str(a) for a in evals if a is not None),
+                remat=stage.remat, fuse_loss_chunk=job.pipeline.fuse_loss_chunk),
+            spec=checked.model, data=self.data, microbatches=job.pipeline.microbatches,
+            microbatch_size=checked.microbatch_size, optimizer=OptimizerSpec.of(job.optimizer.spec()),
+            seed=job.run.seed, num_stages=len(checked.stages), steps=job.run.steps, eval_every=job.run.eval_every,
+            geoms=tuple(stage_geoms(checked)),
+            tie_stages=tie_stages(checked.model.ties, [s.chunks for s in checked.stages]),
+            timeouts=self.timeouts,
+            transport=TransportSpec(kind=cluster.transport, token=self.token,
+                                    same_machine=cluster.transport_same_machine,
+                                    tls=None if tls is None else TlsFiles(tls.cert_file, tls.key_file, tls.ca_file)),
+            loss_scale=job.precision.scaling(), checkpoint=self.checkpoint,
+            compile_cache=compile_cache_dir(job), pin_cpus=cluster.pin_cpus, hooks=self.hooks)
 
     def start(self) -> None:
         import ray
@@ -131,7 +132,7 @@ class PipelineExecutor:
         from ray.util import placement_group_table
 
         t0 = time.perf_counter()
-        self.pg = placement.reserve(self.checked, f"{self.run}/pg", self.timeouts["init_s"],
+        self.pg = placement.reserve(self.checked, f"{self.run}/pg", self.timeouts.init_s,
                                     wait_for_fit=self.placement_wait, avoid=self.avoid_nodes)
         self.placement_s = time.perf_counter() - t0
         bundle_nodes = placement_group_table(self.pg).get("bundles_to_node_id", {})
@@ -149,7 +150,7 @@ class PipelineExecutor:
         coords = []
         for row, names in zip(self.actors, self.labels):
             if len(row) > 1:
-                coords.append(wait_all([row[0].coordinator_address.remote()], self.timeouts["init_s"],
+                coords.append(wait_all([row[0].coordinator_address.remote()], self.timeouts.init_s,
                                        "picking the stage coordinator", names[:1])[0])
             else:
                 coords.append(None)
@@ -157,7 +158,7 @@ class PipelineExecutor:
         for row, names, coord in zip(self.actors, self.labels, coords):
             refs += [a.setup.remote(coord) for a in row]
             labels += names
-        self.info = wait_all(refs, self.timeouts["init_s"], "stage setup", labels)
+        self.info = wait_all(refs, self.timeouts.init_s, "stage setup", labels)
         for rec in self.info:
             bundle = self.checked.stages[rec["stage"]].hosts[rec["host"]]
             rec["bundle"], rec["bundle_node_id"] = bundle, bundle_nodes.get(bundle)
@@ -165,11 +166,11 @@ class PipelineExecutor:
             refs = [a.connect.remote(self.actors) for row in self.actors for a in row]
         else:   # socket transport: every actor's listening address, [stage][host]
             flat = wait_all([a.transport_address.remote() for row in self.actors for a in row],
-                            self.timeouts["init_s"], "collecting transport addresses", labels)
+                            self.timeouts.init_s, "collecting transport addresses", labels)
             it = iter(flat)
             addresses = [[next(it) for _ in row] for row in self.actors]
             refs = [a.connect.remote(self.actors, addresses) for row in self.actors for a in row]
-        wait_all(refs, self.timeouts["init_s"], "connecting stages", labels)
+        wait_all(refs, self.timeouts.init_s, "connecting stages", labels)
 
     def unresponsive(self, labels: list[str], timeout: float = 5.0) -> list[str]:
         """Of these actors, those whose "io" group does not answer a heartbeat within `timeout`
@@ -232,7 +233,7 @@ class PipelineExecutor:
         # before `shutdown`, which queues behind a step that waits on a dead peer, and before a compiled
         # graph's teardown, which waits for every actor's step to end
         self.abort("the driver is shutting the run down")
-        grace = min(ABORT_GRACE_S, self.timeouts["shutdown_s"]) if after_failure else self.timeouts["shutdown_s"]
+        grace = min(ABORT_GRACE_S, self.timeouts.shutdown_s) if after_failure else self.timeouts.shutdown_s
         t0 = time.perf_counter()
         stuck = []
         dispatcher, self.dispatcher = self.dispatcher, None
@@ -268,7 +269,7 @@ class PipelineExecutor:
         counts = [len(self.lowered.actions[s]) - self.lowered.actions[s].count(None)
                   for s, row in enumerate(self.actors) for _ in row]
         if self.dispatcher is None:    # an attempt's first call compiles: the configured deadline
-            self.dispatcher = dispatch.make(self.kind, flat, labels, counts, self.timeouts["step_s"],
+            self.dispatcher = dispatch.make(self.kind, flat, labels, counts, self.timeouts.step_s,
                                             self.checked.cluster.calls_of_steps)
             # a lost node or a hang noticed in seconds; under compiled_graph also a death (its channel
             # reads do not see one: the heartbeats do), so there always
@@ -276,7 +277,7 @@ class PipelineExecutor:
                 from orchestrator.driver.recovery import HeartbeatWatch, NodeWatch
 
                 nodes = NodeWatch(self.info)
-                self.beats = HeartbeatWatch(dict(zip(labels, flat)), self.timeouts["step_s"])
+                self.beats = HeartbeatWatch(dict(zip(labels, flat)), self.timeouts.step_s)
 
                 def watch() -> None:
                     nodes()
@@ -310,7 +311,7 @@ class PipelineExecutor:
         """Set every actor's RECV deadline to RECV_FACTOR × the progress deadline of a call (fire and
         forget, in the "io" group) when it moved by more than a tenth since last set."""
         per_call = getattr(self.dispatcher, "per_call", 1)
-        want = min(self.timeouts["step_s"], RECV_FACTOR * self.deadline.call_s(per_call))
+        want = min(self.timeouts.step_s, RECV_FACTOR * self.deadline.call_s(per_call))
         if self.recv_s is not None and abs(want - self.recv_s) <= 0.1 * self.recv_s:
             return
         self.recv_s = want
@@ -338,7 +339,7 @@ class PipelineExecutor:
         for row, names in zip(self.actors, self.labels):
             refs += [a.checkpoint_flush.remote() for a in row]
             labels += names
-        return [rec for part in wait_all(refs, self.timeouts["step_s"], "finishing checkpoint saves", labels)
+        return [rec for part in wait_all(refs, self.timeouts.step_s, "finishing checkpoint saves", labels)
                 for rec in part]
 
     def param_norms(self) -> dict[str, float]:
@@ -354,6 +355,6 @@ class PipelineExecutor:
             refs += [getattr(a, method).remote() for a in row]
             labels += names
         out: dict = {}
-        for part in wait_all(refs, self.timeouts["step_s"], what, labels):
+        for part in wait_all(refs, self.timeouts.step_s, what, labels):
             out.update(part)
         return dict(sorted(out.items()))

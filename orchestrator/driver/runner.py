@@ -267,7 +267,7 @@ def _run_pipeline(checked, plan, source, on_step, out: Path, echo, extra: dict, 
         last = None                         # (failure, where) of the newest restart
         while True:
             ex = PipelineExecutor(checked, plan.schedule, source, run, plan.eval_schedule, hooks=hooks,
-                                  checkpoint=ckpt.worker if ckpt else None, deadline=deadline,
+                                  checkpoint=ckpt.spec if ckpt else None, deadline=deadline,
                                   placement_wait=wait_s if recovering is not None else 0.0, avoid_nodes=gone)
             progress_at = time.monotonic()
             try:
