@@ -1,24 +1,24 @@
-"""The stage half of checkpoints: save this stage's own shards with orbax, restore into the current shardings.
+"""The stage half of checkpoints: save a stage host's `StageState` with orbax, restore it into the current shardings.
 
 Basic flow (the worker calls it; `orchestrator.core.checkpoint` is the on-disk layout and
 `orchestrator.driver.checkpoint` the commit protocol above it):
-  - after a step, `due(steps_done)` → `save(steps_done, worker)`: the stage's state as one
-    pytree — {"arrays": params, optimizer state and mutable model state (BatchNorm's running
-    statistics, `state_name`), one leaf per model-wide name
-    (`named_state`; under loss scaling also the scale state, `SCALE_NAMES`, the same on every
-    stage), "step", "data": {"next_step"}, "rng": {"seed"}} — goes to an orbax
-    `AsyncCheckpointer` (PyTree handler). The call blocks only for the device→host copy; the
-    bytes are written on orbax's thread while the next steps run. A thread of ours waits for
-    orbax to finish and then (host 0) lists the directory's files with size and sha256: the
-    host's report for the driver (`reports()`, handed back with the step results).
+  - after a step, `due(steps_done)` → `save(state, progs, data)`: the state (`stages.state`) as
+    one orbax tree — {"arrays": every persistent leaf under its model-wide name (`named_leaves`:
+    parameters `param_name`, optimizer state `opt_name`, mutable model state `state_name`,
+    stage-wide fields `opt:<field>|<path>`), "step", "data": {"next_step"}, "rng": {"seed"}} —
+    goes to an orbax `AsyncCheckpointer` (PyTree handler). The call blocks only for the
+    device→host copy; the bytes are written on orbax's thread while the next steps run. A
+    thread of ours waits for orbax to finish and then (host 0) lists the directory's files
+    with size and sha256: the host's report for the driver (`reports()`, handed back with the
+    step results).
   - one save in flight: the next `save` first waits (bounded) for the previous one.
   - multi-host stage: every host of the stage calls `save` on the same directory; orbax writes
     only each host's own shards (its addressable data) and host 0 finalises (orbax's
     primary host, barriers over the stage's own jax.distributed world).
-  - `restore(worker, plan)`: for each stage directory of the checkpoint that holds names this
-    stage needs, one partial orbax restore straight into the current shardings
-    (`jax.ShapeDtypeStruct(..., sharding=...)` targets); the arrays are then put back into the
-    params / optimizer-state pytrees by name, so another layout restores the same names.
+  - `restore(plan, state, progs, mesh, who)`: for each stage directory of the commit that holds
+    names this stage needs, one partial orbax restore straight into `stages.state.abstract`'s
+    targets; the leaves go back into the state by name, so another layout restores the same
+    names. Knows nothing of the actor: a state in, a state out.
 """
 from __future__ import annotations
 
@@ -97,16 +97,36 @@ def named_mstate(progs, mstate) -> list[tuple[Any, list[str]]]:
     return out
 
 
-def _all_named(worker):
-    """Per chunk: (names, leaves) of its params, optimizer state and mutable model state."""
+def named_leaves(progs, state) -> list[tuple[str, Any]]:
+    """Every persistent leaf of `state` (a `stages.state.StageState`) under its model-wide name, in
+    save order: per chunk its parameters, optimizer state and mutable model state (a leaf shared by
+    chunks, adam's `count`, once), then the stage-wide fields (`stage_fields`). TRANSIENT fields
+    (the gradient accumulators) are not saved."""
     import jax
 
-    out = []
-    for (_, pn, _, on), (_, sn), p, o, s in zip(named_state(worker.progs, worker.params, worker.opt_state),
-                                                 named_mstate(worker.progs, worker.mstate),
-                                                 worker.params, worker.opt_state, worker.mstate):
-        out.append((pn + on + sn, jax.tree.leaves(p) + jax.tree.leaves(o) + jax.tree.leaves(s)))
+    from stages.state import stage_fields
+
+    chunks = state.chunks
+    named = named_state(progs, [c.params for c in chunks], [c.opt_state for c in chunks])
+    out, seen = [], set()
+    for (_, pn, _, on), (_, sn), c in zip(named, named_mstate(progs, [c.mstate for c in chunks]), chunks):
+        for name, leaf in zip(pn + on + sn, jax.tree.leaves(c.params) + jax.tree.leaves(c.opt_state)
+                              + jax.tree.leaves(c.mstate)):
+            if name not in seen:
+                seen.add(name)
+                out.append((name, leaf))
+    for field, value in stage_fields(state):
+        out += [(stage_name(field, path), leaf) for path, leaf in jax.tree_util.tree_flatten_with_path(value)[0]]
     return out
+
+
+def stage_name(field: str, path=()) -> str:
+    """The name of a stage-wide state leaf: `opt:<field>|<its path in the field>` (`*`: the field itself).
+
+    >>> stage_name("skips")
+    'opt:skips|*'
+    """
+    return opt_name(field, "/".join(_keys(path)) or None)
 
 
 def _save_registry():
@@ -147,15 +167,17 @@ class StageCheckpointer:
       every: save after every `every` steps done, and after the last (`total`).
       asynchronous: False waits for each save to finish before the step loop goes on.
       stage, host: who this is (host 0 lists the files).
+      seed: `run.seed`, recorded with each save.
       timeout: bound on waiting for a previous save.
     """
 
     def __init__(self, root: str, every: int, total: int, asynchronous: bool, stage: int, host: int,
-                 timeout: float = 600.0):
+                 seed: int = 0, timeout: float = 600.0):
         import orbax.checkpoint as ocp
 
         self.root, self.every, self.total = Path(root), every, total
         self.asynchronous, self.stage, self.host, self.timeout = asynchronous, stage, host, timeout
+        self.seed = seed                # recorded with each save (`rng.seed`)
         self._ckptr = ocp.AsyncCheckpointer(ocp.PyTreeCheckpointHandler(type_handler_registry=_save_registry()))
         self._thread: threading.Thread | None = None
         self._done: list[dict] = []
@@ -167,31 +189,31 @@ class StageCheckpointer:
     def due(self, steps_done: int) -> bool:
         return steps_done % self.every == 0 or steps_done == self.total
 
-    def save(self, steps_done: int, worker) -> float:
-        """Start saving the state after `steps_done` steps; returns the blocking seconds."""
+    def save(self, state, progs, data: dict | None = None, scale_state=None) -> float:
+        """Start saving `state` (a `stages.state.StageState`: after `state.step` steps); `data`: the
+        loader's position (None on a host that loads nothing), reported with the save. Returns the
+        blocking seconds."""
         import orbax.checkpoint as ocp
+
+        from stages.state import host_array
 
         self._wait_previous()
         t0 = time.perf_counter()
-        tree, names, seen = {}, {}, set()
-        for names_, leaves in _all_named(worker):
-            for name, leaf in zip(names_, leaves):
-                if name in seen:
-                    continue                  # a shared leaf (count) of a second chunk
-                key = f"a{len(tree):05d}"
-                tree[key], names[key] = leaf, name
-                seen.add(name)
-        if worker.scale_state is not None:
-            for name, value in zip(SCALE_NAMES, (np.float64(worker.scale_state[0]), np.int64(worker.scale_state[1]))):
+        steps_done = int(state.step)
+        tree, names = {}, {}
+        for name, leaf in named_leaves(progs, state):
+            key = f"a{len(tree):05d}"
+            tree[key], names[key] = (leaf if hasattr(leaf, "sharding") else host_array(leaf)), name
+        if scale_state is not None:
+            for name, value in zip(SCALE_NAMES, (np.float64(scale_state[0]), np.int64(scale_state[1]))):
                 key = f"a{len(tree):05d}"
                 tree[key], names[key] = np.asarray(value), name
-        state = {"arrays": tree, "step": np.int64(steps_done), "data": {"next_step": np.int64(steps_done)},
-                 "rng": {"seed": np.int64(worker.cfg.seed)}}
-        data = worker.data_state()            # None on a host that loads nothing
+        saved = {"arrays": tree, "step": np.int64(steps_done), "data": {"next_step": np.int64(steps_done)},
+                 "rng": {"seed": np.int64(self.seed)}}
         directory = stage_dir(self.root, steps_done, self.stage)
         self._step = steps_done
         directory.parent.mkdir(parents=True, exist_ok=True)
-        self._ckptr.save(directory, args=ocp.args.PyTreeSave(state))
+        self._ckptr.save(directory, args=ocp.args.PyTreeSave(saved))
         blocking = self.last_blocking_s = time.perf_counter() - t0
         meta = {name: {"shape": list(leaf.shape), "dtype": str(leaf.dtype), "key": key}
                 for key, (name, leaf) in ((k, (names[k], tree[k])) for k in tree)}
@@ -252,70 +274,95 @@ class StageCheckpointer:
             self._ckptr.close()
 
 
-def restore(worker, plan: RestorePlan) -> None:
-    """Replace `worker.params` / `worker.opt_state` / `worker.mstate` by the checkpoint's arrays, by
-    name, in place.
-
-    `plan`: {"root", "step", "stages": [{"path", "arrays": {name: {"shape", "dtype", "key"}}}]} (the
-    commit marker's records, `orchestrator.driver.checkpoint.restore_plan`). Each array lands
-    directly in the sharding the current state has for it.
-    """
+def restore(plan: RestorePlan, state, progs, mesh, who: str, scale_state=None):
+    """`state` (a `stages.state.StageState`, which gives the structure, names and shardings) with
+    every persistent leaf read from committed step `plan.step`, by name: each array lands directly
+    in the sharding `state` has for it. Returns the restored state (and, with `scale_state`, the
+    restored loss-scale state beside it)."""
     import jax
     import orbax.checkpoint as ocp
-    from jax.sharding import NamedSharding, PartitionSpec
 
-    replicated = NamedSharding(worker.mesh, PartitionSpec())
-
-    def target(leaf):
-        """The leaf's own sharding; a leaf jit left uncommitted on one device (adam's count) is
-        restored replicated over the stage mesh, so programs see one device set."""
-        sh = leaf.sharding if isinstance(leaf.sharding, NamedSharding) else replicated
-        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sh)
+    from stages.state import abstract
 
     where = {}       # name -> (stage record index, key)
     for i, rec in enumerate(plan.stages):
         for arr in rec.arrays:
             where.setdefault(arr.name, (i, arr.key))
-    named = named_state(worker.progs, worker.params, worker.opt_state)
-    named_s = named_mstate(worker.progs, worker.mstate)
+    named = named_leaves(progs, state)
+    targets = abstract([leaf for _, leaf in named], mesh)
     want: dict[int, dict] = {}
-    for names_, leaves in _all_named(worker):
-        for name, leaf in zip(names_, leaves):
-            if name not in where:
-                raise RuntimeError(f"{worker.cfg.who}: checkpoint step {plan.step} has no array {name!r}")
-            i, key = where[name]
-            want.setdefault(i, {})[key] = (name, target(leaf))
+    for (name, _), target in zip(named, targets):
+        if name not in where:
+            raise RuntimeError(f"{who}: checkpoint step {plan.step} has no array {name!r}")
+        i, key = where[name]
+        want.setdefault(i, {})[key] = (name, target)
     got: dict[str, Any] = {}
     with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as ckptr:
-        for i, targets in sorted(want.items()):
-            item = {"arrays": {k: s for k, (_, s) in targets.items()}}
-            args = {"arrays": {k: ocp.ArrayRestoreArgs(sharding=s.sharding) for k, (_, s) in targets.items()}}
+        for i, keyed in sorted(want.items()):
+            item = {"arrays": {k: t for k, (_, t) in keyed.items()}}
+            args = {"arrays": {k: _restore_args(t) for k, (_, t) in keyed.items()}}
             directory = step_dir(plan.root, plan.step) / plan.stages[i].path
             try:
                 out = ckptr.restore(directory, args=ocp.args.PyTreeRestore(item, restore_args=args,
                                                                            partial_restore=True))
             except Exception as e:
-                raise RuntimeError(f"{worker.cfg.who}: restoring {directory} failed: {type(e).__name__}: "
+                raise RuntimeError(f"{who}: restoring {directory} failed: {type(e).__name__}: "
                                    f"{str(e)[:400]}") from e
-            for key, (name, _) in targets.items():
+            for key, (name, _) in keyed.items():
                 got[name] = out["arrays"][key]
-    if worker.scale_state is not None:
-        worker.scale_state = _restore_scale(worker, plan, where)
+    restored = _rebuild(state, progs, got)
+    jax.block_until_ready(restored)
+    if scale_state is not None:
+        return restored, _restore_scale(plan, where, who)
+    return restored
+
+
+def _restore_args(target):
+    import orbax.checkpoint as ocp
+
+    if isinstance(target, np.ndarray):
+        return ocp.RestoreArgs(restore_type=np.ndarray)
+    return ocp.ArrayRestoreArgs(sharding=target.sharding)
+
+
+def _rebuild(state, progs, got: dict):
+    """`state` with its persistent leaves replaced by `got` (name -> restored leaf); a host scalar
+    comes back as the Python type it was."""
+    import jax
+
+    from stages.state import ChunkState, stage_fields
+
+    chunks = state.chunks
+    named = named_state(progs, [c.params for c in chunks], [c.opt_state for c in chunks])
+    named_s = named_mstate(progs, [c.mstate for c in chunks])
+    new = []
     for c, (ptree, pn, otree, on) in enumerate(named):
-        worker.params[c] = jax.tree_util.tree_unflatten(ptree, [got[n] for n in pn])
-        worker.opt_state[c] = jax.tree_util.tree_unflatten(otree, [got[n] for n in on])
         stree, sn = named_s[c]
-        worker.mstate[c] = jax.tree_util.tree_unflatten(stree, [got[n] for n in sn])
-    jax.block_until_ready((worker.params, worker.opt_state, worker.mstate))
+        new.append(ChunkState(jax.tree_util.tree_unflatten(ptree, [got[n] for n in pn]),
+                              jax.tree_util.tree_unflatten(otree, [got[n] for n in on]),
+                              chunks[c].grads, jax.tree_util.tree_unflatten(stree, [got[n] for n in sn])))
+    fields = {}
+    for field, value in stage_fields(state):
+        leaves, tree = jax.tree_util.tree_flatten_with_path(value)
+        fields[field] = jax.tree_util.tree_unflatten(
+            tree, [_as_host(leaf, got[stage_name(field, path)]) for path, leaf in leaves])
+    return state._replace(chunks=tuple(new), **fields)
 
 
-def _restore_scale(worker, plan: RestorePlan, where: dict) -> tuple[float, int]:
+def _as_host(like, value):
+    """A restored host scalar as the Python type `like` is (a device array stays as it came)."""
+    if isinstance(like, (bool, int, float)) and not hasattr(like, "sharding"):
+        return type(like)(np.asarray(value).item())
+    return value
+
+
+def _restore_scale(plan: RestorePlan, where: dict, who: str) -> tuple[float, int]:
     """The loss-scale state (scale, finite steps in a row) saved with the checkpoint's step."""
     import orbax.checkpoint as ocp
 
     missing = [n for n in SCALE_NAMES if n not in where]
     if missing:
-        raise RuntimeError(f"{worker.cfg.who}: checkpoint step {plan.step} has no loss-scale state "
+        raise RuntimeError(f"{who}: checkpoint step {plan.step} has no loss-scale state "
                            f"({missing[0]!r}): it was saved without precision.loss_scale")
     i = where[SCALE_NAMES[0]][0]
     keys = [where[n][1] for n in SCALE_NAMES]

@@ -7,7 +7,8 @@ Basic flow (driven by `orchestrator.driver.executor`):
      world as the platform's backend planned it (`orchestrator.core.backends.jaxinit`:
      explicit coordinator on CPU/GPU, auto-detection on whole TPU slices;
      bounded timeout); builds the stage's
-     named `Mesh`, the jitted programs, parameters and optimizer state. With
+     named `Mesh`, the jitted programs, and the stage's training state (`stages.state.StageState`:
+     initialised, or restored from the checkpoint the driver names). With
      `compile_cache` (`failure.compile_cache`) JAX's persistent compilation cache
      is on first: a restarted stage loads its programs instead of compiling them.
   3. `connect(actors[, addresses])` — every stage's actor handles (interleaved
@@ -18,7 +19,9 @@ Basic flow (driven by `orchestrator.driver.executor`):
      block), RECV_* take from this actor's mailbox (bounded wait), OPT updates.
      Returns the step's losses (last stage) and per-action spans.
      Each action runs its kind's handler (`stages.actions.HANDLERS`, resolved
-     once per action at construction) over the step's `StepState`.
+     once per action at construction): `state = handler(ctx, state, step_state, action)` —
+     the context (`stages.actions.StageContext`: programs and I/O) in, the training state in
+     and out, the step's tensors in `StepState`; no handler reaches into the actor.
      The same list can be driven as `run_steps(first, count)` (several steps in
      one call) or `run_action(step, i)` (one call per action: the reference
      executor); all three share `_begin` / `_act` / `_finish`.
@@ -33,21 +36,20 @@ All hosts of a stage execute the same actions in the same order (SPMD).
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import socket
 import time
 
 import numpy as np
 
-from stages.actions import EVAL_HANDLERS, StepState, handler_for, program_of
-from stages.data import HostLoader, rows_array, rows_of
+from stages.actions import EVAL_HANDLERS, StageContext, StepState, handler_for, program_of
+from stages.data import HostLoader, rows_of
 from stages.mailbox import Mailbox, MailboxClosed
 from stages.telemetry import LivePeak
 from orchestrator.core.contract import WorkerConfig
 from orchestrator.core.recovery import STEP_NOTE
 from orchestrator.core.schedule.ir import RECVS
-from orchestrator.core.model.spec import ModelSpec, param_name
+from orchestrator.core.model.spec import param_name
 
 
 def use_compile_cache(jax, path: str, who: str) -> None:
@@ -83,10 +85,12 @@ class StageWorker:
         self.live_peak = LivePeak()      # live device bytes at the training steps' peak (telemetry)
         self._stash_sizes: dict = {}     # (kind, chunk) -> bytes of what that action keeps (`Stash`)
         self.ckpt = None                # stages.checkpoint.StageCheckpointer when checkpointing
+        self.state = None               # the stage's training state (stages.state.StageState), from setup
+        self.ctx: StageContext | None = None     # what the handlers read: programs, I/O (setup)
+        self._restored_scale = None     # the loss-scale state a restore read (setup)
+        self.loader = None              # this host's data loader (first / last stage), from setup
         self._coordinator_port = None   # host 0 of a multi-host stage: the socket holding its port
         # loss scaling: the rule and (scale, finite steps in a row); the same on every stage
-        self.scaler = cfg.loss_scale
-        self.scale_state = self.scaler.start() if self.scaler else None
         from orchestrator.core.schedule import Action
 
         self.actions = [Action.parse(text) for text in cfg.stage_spec.actions]
@@ -138,11 +142,42 @@ class StageWorker:
         held, self._coordinator_port = self._coordinator_port, None
         join_submesh(cfg.stage_hosts, cfg.host, coordinator, cfg.timeouts.jax_distributed_init_s,
                      who=cfg.who, reservation=held)
-        from jax.sharding import Mesh
-
         from orchestrator.core.model.registry import build_model
         from stages.program import StageProgram
+        from stages.stage_io import StageIO, make_transport
+        from stages.state import init as init_state
 
+        self.mesh = self._stage_mesh(jax)
+        model = build_model(cfg.spec.factory, cfg.spec.args)
+        self.progs = [StageProgram(cfg.spec, model, start, stop, microbatches=cfg.microbatches,
+                                   optimizer=cfg.optimizer.to_spec(), mesh=self.mesh,
+                                   layout=cfg.stage_spec.layout_map, remat=cfg.stage_spec.remat)
+                      for start, stop in cfg.layer_chunks]
+        self.state = init_state(self.progs, cfg.seed)
+        restore_s = self._setup_checkpoint()
+        transport = make_transport(cfg, self.mesh, self.inbox, lambda stage: self.actors[stage], self.recv_s)
+        rows_in, rows_lab = self._open_data()
+        self.ctx = StageContext(cfg, self.progs, StageIO(cfg, transport, self.inbox, rows_in, rows_lab), cfg.loss_scale)
+        if self._restored_scale is not None:
+            self.ctx.scale_state = self._restored_scale
+        restore = cfg.checkpoint.restore if cfg.checkpoint is not None else None
+        if restore is not None and restore.position is not None:
+            self.load_data_state(restore.position.to_dict())     # checks seed and source, then the position
+        jax.block_until_ready(self.state)
+        import ray
+
+        return {"stage": cfg.stage, "host": cfg.host, "pid": os.getpid(),
+                "node_id": ray.get_runtime_context().get_node_id(),
+                "devices": int(self.mesh.devices.size), "local_devices": len(jax.local_devices()),
+                "transport": type(transport).__name__, "setup_s": time.perf_counter() - t0,
+                "transport_tls": getattr(transport, "tls_server", None) is not None,
+                "restore_s": restore_s}
+
+    def _stage_mesh(self, jax):
+        """The stage's named Mesh over every device of its world, checked host-major."""
+        from jax.sharding import Mesh
+
+        cfg = self.cfg
         devices = np.array(jax.devices())
         mesh_shape = cfg.stage_spec.mesh_shape
         n = int(np.prod(list(mesh_shape.values())))
@@ -152,55 +187,17 @@ class StageWorker:
         if owners != sorted(owners) or owners.count(cfg.host) != cfg.stage_spec.devices_per_host:
             raise RuntimeError(f"{cfg.who}: jax device order {owners} is not host-major with "
                                f"{cfg.stage_spec.devices_per_host} devices per host")
-        self.mesh = Mesh(devices.reshape(tuple(mesh_shape.values())), tuple(mesh_shape))
-        model, tx = build_model(cfg.spec.factory, cfg.spec.args), cfg.optimizer.to_spec()
-        self.progs = [StageProgram(cfg.spec, model, start, stop, microbatches=cfg.microbatches, optimizer=tx,
-                                   mesh=self.mesh, layout=cfg.stage_spec.layout_map, remat=cfg.stage_spec.remat)
-                      for start, stop in cfg.layer_chunks]
-        self.params = [prog.init_params(cfg.seed) for prog in self.progs]
-        self.mstate = [prog.init_mstate(cfg.seed) for prog in self.progs]     # mutable model state (BatchNorm)
-        states = [prog.init_state(p) for prog, p in zip(self.progs, self.params)]
-        self.opt_state = [st[0] for st in states]
-        self.grads = [st[1] for st in states]
-        restore_s = self._setup_checkpoint()
-        args = {"me": cfg.stage_spec.hosts[cfg.host], "geom": cfg.geoms[cfg.stage], "mesh": self.mesh,
-                "inbox": self.inbox, "peers": lambda stage: self.actors[stage]}
-        if cfg.transport.kind == "socket":
-            from orchestrator.core.tls import TlsError
-            from stages.socket_transport import SocketTransport
+        return Mesh(devices.reshape(tuple(mesh_shape.values())), tuple(mesh_shape))
 
-            try:
-                tls = cfg.transport.tls
-                self.transport = SocketTransport(**args, token=cfg.transport.token, stage=cfg.stage, geoms=cfg.geoms,
-                                                 io_timeout=self.recv_s,    # then set_recv_deadline's
-                                                 shared_memory=cfg.transport.same_machine == "unix",
-                                                 tls=None if tls is None else dataclasses.asdict(tls),
-                                                 in_flight=self._in_flight())
-            except TlsError as e:        # the driver checked its own copy; this node's differs
-                raise RuntimeError(f"{cfg.who} on {socket.gethostname()}: {e}") from None
-        else:
-            from stages.transport import RayTransport
-
-            self.transport = RayTransport(**args)
-        self._plan_edges()
-        self._open_data()
-        restore = cfg.checkpoint.restore if cfg.checkpoint is not None else None
-        if restore is not None and restore.position is not None:
-            self.load_data_state(restore.position.to_dict())     # checks seed and source, then the position
-        jax.block_until_ready(self.params)
-        import ray
-
-        return {"stage": cfg.stage, "host": cfg.host, "pid": os.getpid(),
-                "node_id": ray.get_runtime_context().get_node_id(),
-                "devices": int(devices.size), "local_devices": len(jax.local_devices()),
-                "transport": type(self.transport).__name__, "setup_s": time.perf_counter() - t0,
-                "transport_tls": getattr(self.transport, "tls_server", None) is not None,
-                "restore_s": restore_s}
+    @property
+    def transport(self):
+        """The stage's transport (None before setup)."""
+        return None if self.ctx is None else self.ctx.io.transport
 
     def _setup_checkpoint(self) -> float | None:
         """The stage's checkpointer (`cfg.checkpoint`); restores the saved state first when asked.
         Returns the restore's seconds (None: nothing restored)."""
-        ck, self.ckpt = self.cfg.checkpoint, None
+        ck, self.ckpt, self._restored_scale = self.cfg.checkpoint, None, None
         if not ck:
             return None
         from stages.checkpoint import StageCheckpointer, restore
@@ -211,66 +208,31 @@ class StageWorker:
         took = None
         if ck.restore is not None:
             t0 = time.perf_counter()
-            restore(self, ck.restore)
+            scaled = None if self.cfg.loss_scale is None else self.cfg.loss_scale.start()
+            got = restore(ck.restore, self.state, self.progs, self.mesh, self.cfg.who, scale_state=scaled)
+            self.state, self._restored_scale = got if scaled is not None else (got, None)
+            self.state = self.state._replace(step=ck.restore.step)
             took = time.perf_counter() - t0
         self.ckpt = StageCheckpointer(ck.root, ck.every, ck.total, ck.asynchronous, self.cfg.stage,
-                                      self.cfg.host, timeout=self.cfg.timeouts.step_s)
+                                      self.cfg.host, seed=self.cfg.seed, timeout=self.cfg.timeouts.step_s)
         return took
 
     def checkpoint_flush(self) -> list[dict]:
         """Wait (bounded) for this host's save in flight; the reports not yet handed back."""
         return [] if getattr(self, "ckpt", None) is None else self.ckpt.flush()
 
-    def _plan_edges(self) -> None:
-        """Per chunk: where its input comes from and its output goes (virtual stage c·p + s ± 1), one
-        (Edge, global shape, dtype) per leaf of the activation that crosses."""
-        from orchestrator.core.edges import leaf_dtype
-        from stages.transport import Edge
-
-        cfg, p = self.cfg, self.cfg.num_stages
-        v = len(self.progs)
-        mbs = cfg.microbatch_size
-
-        def leaves(layer: int, peer: int):
-            geom = cfg.geoms[peer % p]
-            return [(Edge(peer % p, geom, tuple(leaf.axes)), leaf.batched(mbs), leaf_dtype(leaf.dtype))
-                    for leaf in cfg.spec.layers[layer].outputs]
-
-        self.edge_in, self.edge_out = [], []
-        for c, (start, stop) in enumerate(cfg.layer_chunks):
-            virtual = c * p + cfg.stage
-            before, after = virtual - 1, virtual + 1
-            self.edge_in.append(None if before < 0 else leaves(start - 1, before))
-            self.edge_out.append(None if after >= p * v else leaves(stop - 1, after))
-            # what may arrive (the transport refuses anything else): activations in, gradients back
-            for edge, shape, dtype in (self.edge_in[c] or []) + (self.edge_out[c] or []):
-                self.transport.expect(edge, shape, dtype)
-
-    def _in_flight(self) -> int:
-        """How many tensors of one expected kind (one edge leaf) may have arrived here and not been
-        taken yet: a training step's microbatches (the next step's cannot come before this host
-        has taken them: a sender needs this stage's gradients first), plus every evaluation
-        batch's (forward-only: the first stage may run all of them ahead), with one more step's
-        worth as margin. The transport refuses a connection that makes it hold more."""
-        cfg = self.cfg
-        return cfg.microbatches * (2 + (cfg.data.eval_batches if cfg.data is not None else 0))
-
-    def _open_data(self) -> None:
-        """Loaders for this host's rows: inputs on the first stage, labels on the last (else none)."""
+    def _open_data(self) -> tuple:
+        """This host's rows of a microbatch (inputs on the first stage, labels on the last, else None)
+        and their loader."""
         cfg = self.cfg
         mbs = cfg.microbatch_size
         first, last = self.progs[0], self.progs[-1]
-        self.rows_in = rows_of(first.input_sharding(), (mbs, *cfg.spec.input_shape)) if first.first else None
-        self.rows_lab = rows_of(last.label_sharding(), (mbs, *cfg.spec.label_shape)) if last.last else None
+        rows_in = rows_of(first.input_sharding(), (mbs, *cfg.spec.input_shape)) if first.first else None
+        rows_lab = rows_of(last.label_sharding(), (mbs, *cfg.spec.label_shape)) if last.last else None
         self.loader = None
-        if self.rows_in is not None or self.rows_lab is not None:
-            self.loader = HostLoader(cfg.data, self.rows_in, self.rows_lab, cfg.microbatches, who=cfg.who)
-
-    def host_operand(self, local, rows, shape, sharding):
-        """This host's rows of a microbatch as the jitted program's operand."""
-        if self.transport.single_device:
-            return local                  # one device: the host holds every row (see recv_operand)
-        return rows_array(local, rows, shape, sharding)
+        if rows_in is not None or rows_lab is not None:
+            self.loader = HostLoader(cfg.data, rows_in, rows_lab, cfg.microbatches, who=cfg.who)
+        return rows_in, rows_lab
 
     def data_state(self) -> dict | None:
         """The loader's position (a small dict for a checkpoint); None on a host that loads nothing."""
@@ -288,6 +250,7 @@ class StageWorker:
         """Handles of every stage's actors (interleaved schedules talk to more than two neighbours),
         and for the socket transport every actor's `transport_address()` ([stage][host])."""
         self.actors = [list(row) for row in actors]
+        self.ctx.io.actors = self.actors
         if addresses is not None:
             self.transport.connect(addresses)
 
@@ -433,48 +396,9 @@ class StageWorker:
         """One action of the list (`stages.actions`: its kind's handler), with its span."""
         self._doing(st.step, text, a.kind in RECVS)
         t0 = time.time()
-        handler(self, st, a)
+        self.state = handler(self.ctx, self.state, st, a)
         st.spans.append((text, t0, time.time()))
         st.done += 1
-
-    def sum_over_stages(self, step: int, local: float, timeout: float, tag: str = "NORM") -> float:
-        """`local` summed over every stage (the global gradient norm's square): host 0 of each stage
-        sends its scalar to every host of the other stages, each host adds what the others sent.
-        Every stage's hosts hold the same value (their arrays are global), so one sender suffices."""
-        cfg = self.cfg
-        if cfg.num_stages == 1:
-            return local
-        refs = []
-        if cfg.host == 0:
-            for s, row in enumerate(self.actors):
-                if s != cfg.stage:
-                    refs += [a.deliver.options(concurrency_group="io").remote((step, tag, cfg.stage), local)
-                             for a in row]
-        total = local + sum(float(self.inbox.take((step, tag, s), timeout))
-                            for s in range(cfg.num_stages) if s != cfg.stage)
-        if refs:
-            import ray
-
-            ray.get(refs, timeout=timeout)
-        return total
-
-    def exchange_tie(self, step: int, tie: int, mine: np.ndarray, timeout: float) -> np.ndarray:
-        """A tied array's gradient swapped with the stage holding the tie's other side
-        (`stages.ties`): host 0 sends this stage's (global) array to every host of that stage,
-        every host takes the one that stage's host 0 sent (bounded wait)."""
-        cfg = self.cfg
-        a, b = cfg.tie_stages[tie]
-        peer = b if cfg.stage == a else a
-        refs = []
-        if cfg.host == 0:
-            refs = [h.deliver.options(concurrency_group="io").remote((step, "TIE", tie, cfg.stage), mine)
-                    for h in self.actors[peer]]
-        got = self.inbox.take((step, "TIE", tie, peer), timeout)
-        if refs:
-            import ray
-
-            ray.get(refs, timeout=timeout)
-        return got
 
     def _finish(self, st: StepState) -> dict:
         cfg = self.cfg
@@ -492,9 +416,14 @@ class StageWorker:
             out["losses"] = [float(st.losses[i]) for i in range(cfg.microbatches)]
         if st.loss_scale is not None:
             out["stats"].update(loss_scale=float(st.loss_scale), skipped=bool(st.skipped))
+        if self.state.step != st.step + 1:
+            raise RuntimeError(f"{cfg.who}: step {st.step} ended with the state at step {self.state.step} "
+                               "(its OPT did not run once)")
         if self.ckpt is not None:       # between steps: the state after this step's OPT
-            if self.ckpt.due(st.step + 1):
-                out["stats"]["checkpoint_blocking_s"] = self.ckpt.save(st.step + 1, self)
+            if self.ckpt.due(self.state.step):
+                scale = self.ctx.scale_state
+                out["stats"]["checkpoint_blocking_s"] = self.ckpt.save(self.state, self.progs, self.data_state(),
+                                                                       scale_state=scale)
             out["checkpoints"] = self.ckpt.reports()
         self.last_done = st.step
         return out
@@ -511,7 +440,7 @@ class StageWorker:
         t0 = time.perf_counter()
         if self._eval_batches is None:
             loader = None if self.loader is None else HostLoader(
-                cfg.data.eval, self.rows_in, self.rows_lab, cfg.microbatches, who=f"{cfg.who} eval")
+                cfg.data.eval, self.ctx.io.rows_in, self.ctx.io.rows_lab, cfg.microbatches, who=f"{cfg.who} eval")
             self._eval_batches = [None if loader is None else loader.load(b) for b in range(cfg.data.eval_batches)]
         losses = []
         for b, batch in enumerate(self._eval_batches):
@@ -519,7 +448,7 @@ class StageWorker:
             st.batch = batch
             for a, text, handler in self.eval_program:
                 self._doing(step, f"eval {b} {text}", a.kind in RECVS)
-                handler(self, st, a)
+                handler(self.ctx, self.state, st, a)      # a forward-only list leaves the state as it is
             if self.progs[-1].last:
                 losses.append(float(np.mean([float(st.losses[i]) for i in range(cfg.microbatches)])))
         self.transport.flush(self.recv_s)
@@ -543,7 +472,7 @@ class StageWorker:
         from stages.checkpoint import state_name
 
         out = self._gathered()
-        for prog, mstate in zip(self.progs, self.mstate):
+        for prog, mstate in zip(self.progs, (c.mstate for c in self.state.chunks)):
             for i, (layer, s) in enumerate(zip(prog.layers, mstate), start=prog.start):
                 for path, leaf in jax.tree_util.tree_flatten_with_path(s)[0]:
                     out[state_name(i, layer, key_path(path))] = np.asarray(
@@ -557,7 +486,7 @@ class StageWorker:
         from orchestrator.core.model.pipeline import key_path
 
         out = {}
-        for prog, params in zip(self.progs, self.params):
+        for prog, params in zip(self.progs, (c.params for c in self.state.chunks)):
             for i, (layer, p) in enumerate(zip(prog.layers, params), start=prog.start):
                 for path, leaf in jax.tree_util.tree_flatten_with_path(p)[0]:
                     full = multihost_utils.process_allgather(leaf, tiled=True)
