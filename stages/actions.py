@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from orchestrator.core.schedule import Kind
-from stages.state import StageState, with_chunk
+from stages.state import LossScaleState, StageState, with_chunk
 
 
 class StepState:
@@ -153,14 +153,12 @@ class StageContext:
       progs: one `stages.program.StageProgram` per chunk.
       io: the stage's `stages.stage_io.StageIO` (transport, edges, rows, scalar exchanges).
       scaler: `precision.loss_scale`'s rule (`orchestrator.core.model.policy.DynamicLossScale`), or None.
-      scale_state: the loss scaler's (scale, finite steps in a row), or None.
     """
 
-    __slots__ = ("cfg", "progs", "io", "scaler", "scale_state")
+    __slots__ = ("cfg", "progs", "io", "scaler")
 
     def __init__(self, cfg, progs, io, scaler=None):
         self.cfg, self.progs, self.io, self.scaler = cfg, progs, io, scaler
-        self.scale_state = scaler.start() if scaler is not None else None
 
 
 def _operands(ctx: StageContext, st: StepState, a, prog):
@@ -227,12 +225,12 @@ def _input_grad(ctx: StageContext, st: StepState, a, dx) -> None:
         st.dxs[(a.microbatch, c)] = dx
 
 
-def _output_grad(ctx: StageContext, st: StepState, c: int, key, pop: bool):
+def _output_grad(ctx: StageContext, state: StageState, st: StepState, c: int, key, pop: bool):
     """The output gradient B/I start from: received (or from the next chunk here); on the
     model's last part under loss scaling, the scale (the program seeds scale / m)."""
     dy = st.dys.pop(key, None) if pop else st.dys.get(key)
-    if dy is None and ctx.progs[c].last and ctx.scale_state is not None:
-        return np.float32(ctx.scale_state[0])
+    if dy is None and ctx.progs[c].last and state.loss_scale is not None:
+        return np.float32(state.loss_scale.scale)
     return dy
 
 
@@ -240,7 +238,7 @@ def backward(ctx: StageContext, state: StageState, st: StepState, a) -> StageSta
     """B: full backward; accumulates the weight gradient, releases the residuals."""
     c, key = a.chunk, (a.microbatch, a.chunk)
     chunk = state.chunks[c]
-    dy = _output_grad(ctx, st, c, key, pop=True)
+    dy = _output_grad(ctx, state, st, c, key, pop=True)
     dx, grads = ctx.progs[c].bwd_acc(chunk.params, st.residuals.pop(key), dy, chunk.grads)
     _ready(grads)
     st.stash.drop(("r", key))
@@ -253,7 +251,7 @@ def backward_input(ctx: StageContext, state: StageState, st: StepState, a) -> St
     the residuals and output cotangents its weight gradients need) and releases the rest."""
     c, key = a.chunk, (a.microbatch, a.chunk)
     dx, st.held[key] = ctx.progs[c].bwd_i(state.chunks[c].params, st.residuals.pop(key),
-                                          _output_grad(ctx, st, c, key, pop=True))
+                                          _output_grad(ctx, state, st, c, key, pop=True))
     _ready(st.held[key])
     st.stash.drop(("r", key))
     st.stash.add(("w", key), st.held[key], ("w", c))      # kept until W
@@ -277,7 +275,7 @@ def forward_backward(ctx: StageContext, state: StageState, st: StepState, a) -> 
     chunk = state.chunks[c]
     x, labels = _operands(ctx, st, a, prog)
     ids = np.array([ctx.cfg.seed, st.step, a.microbatch], np.int32)
-    scale = None if ctx.scale_state is None else np.float32(ctx.scale_state[0])   # loss scaling: seed scale / m
+    scale = None if state.loss_scale is None else np.float32(state.loss_scale.scale)   # loss scaling: seed scale / m
     if prog.stateful:
         loss, dx, grads, mstate = prog.fwd_bwd_acc(chunk.params, x, labels, ids, chunk.grads, scale, chunk.mstate)
         state = with_chunk(state, c, grads=grads, mstate=mstate)
@@ -367,15 +365,15 @@ def optimizer_step(ctx: StageContext, state: StageState, st: StepState, a) -> St
 
     progs, io = ctx.progs, ctx.io
     grads = [c.grads for c in state.chunks]
-    if ctx.scale_state is not None:
-        scale = ctx.scale_state[0]
+    if state.loss_scale is not None:
+        scale = state.loss_scale.scale
         bad = 0.0
         for i, p in enumerate(progs):
             grads[i], n = p.unscale(grads[i], np.float32(scale))
             bad += float(n)
         finite = io.sum_over_stages(st.step, bad, st.timeout, tag="FINITE") == 0
         st.loss_scale, st.skipped = scale, not finite
-        ctx.scale_state = ctx.scaler.next(ctx.scale_state, finite)
+        state = state._replace(loss_scale=LossScaleState(*ctx.scaler.next(state.loss_scale, finite)))
         if not finite:
             zeros = [p.zero_grads(g) for p, g in zip(progs, grads)]
             jax.block_until_ready(zeros)

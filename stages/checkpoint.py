@@ -36,10 +36,6 @@ from orchestrator.core.checkpoint import state_name as _state_name
 from orchestrator.core.model.pipeline import key_path
 from orchestrator.core.model.spec import param_name
 
-# precision.loss_scale's state (scale, finite steps in a row): host numpy scalars, not model arrays
-SCALE_NAMES = ("opt:loss_scale|scale", "opt:loss_scale|good")
-
-
 def _keys(path) -> tuple[str, ...]:
     return tuple(key_path([k]) for k in path)
 
@@ -189,7 +185,7 @@ class StageCheckpointer:
     def due(self, steps_done: int) -> bool:
         return steps_done % self.every == 0 or steps_done == self.total
 
-    def save(self, state, progs, data: dict | None = None, scale_state=None) -> float:
+    def save(self, state, progs, data: dict | None = None) -> float:
         """Start saving `state` (a `stages.state.StageState`: after `state.step` steps); `data`: the
         loader's position (None on a host that loads nothing), reported with the save. Returns the
         blocking seconds."""
@@ -204,10 +200,6 @@ class StageCheckpointer:
         for name, leaf in named_leaves(progs, state):
             key = f"a{len(tree):05d}"
             tree[key], names[key] = (leaf if hasattr(leaf, "sharding") else host_array(leaf)), name
-        if scale_state is not None:
-            for name, value in zip(SCALE_NAMES, (np.float64(scale_state[0]), np.int64(scale_state[1]))):
-                key = f"a{len(tree):05d}"
-                tree[key], names[key] = np.asarray(value), name
         saved = {"arrays": tree, "step": np.int64(steps_done), "data": {"next_step": np.int64(steps_done)},
                  "rng": {"seed": np.int64(self.seed)}}
         directory = stage_dir(self.root, steps_done, self.stage)
@@ -274,11 +266,10 @@ class StageCheckpointer:
             self._ckptr.close()
 
 
-def restore(plan: RestorePlan, state, progs, mesh, who: str, scale_state=None):
+def restore(plan: RestorePlan, state, progs, mesh, who: str):
     """`state` (a `stages.state.StageState`, which gives the structure, names and shardings) with
     every persistent leaf read from committed step `plan.step`, by name: each array lands directly
-    in the sharding `state` has for it. Returns the restored state (and, with `scale_state`, the
-    restored loss-scale state beside it)."""
+    in the sharding `state` has for it. Returns the restored state."""
     import jax
     import orbax.checkpoint as ocp
 
@@ -293,6 +284,10 @@ def restore(plan: RestorePlan, state, progs, mesh, who: str, scale_state=None):
     want: dict[int, dict] = {}
     for (name, _), target in zip(named, targets):
         if name not in where:
+            field = name[len("opt:"):].split("|", 1)[0]
+            if field in state._fields:      # a stage-wide field (e.g. loss_scale): a run saved without it
+                raise RuntimeError(f"{who}: checkpoint step {plan.step} has no {field.replace('_', '-')} state "
+                                   f"({name!r}): it was saved without it")
             raise RuntimeError(f"{who}: checkpoint step {plan.step} has no array {name!r}")
         i, key = where[name]
         want.setdefault(i, {})[key] = (name, target)
@@ -312,8 +307,6 @@ def restore(plan: RestorePlan, state, progs, mesh, who: str, scale_state=None):
                 got[name] = out["arrays"][key]
     restored = _rebuild(state, progs, got)
     jax.block_until_ready(restored)
-    if scale_state is not None:
-        return restored, _restore_scale(plan, where, who)
     return restored
 
 
@@ -354,21 +347,3 @@ def _as_host(like, value):
     if isinstance(like, (bool, int, float)) and not hasattr(like, "sharding"):
         return type(like)(np.asarray(value).item())
     return value
-
-
-def _restore_scale(plan: RestorePlan, where: dict, who: str) -> tuple[float, int]:
-    """The loss-scale state (scale, finite steps in a row) saved with the checkpoint's step."""
-    import orbax.checkpoint as ocp
-
-    missing = [n for n in SCALE_NAMES if n not in where]
-    if missing:
-        raise RuntimeError(f"{who}: checkpoint step {plan.step} has no loss-scale state "
-                           f"({missing[0]!r}): it was saved without precision.loss_scale")
-    i = where[SCALE_NAMES[0]][0]
-    keys = [where[n][1] for n in SCALE_NAMES]
-    item = {"arrays": {keys[0]: np.zeros((), np.float64), keys[1]: np.zeros((), np.int64)}}
-    args = {"arrays": {k: ocp.RestoreArgs(restore_type=np.ndarray) for k in keys}}
-    directory = step_dir(plan.root, plan.step) / plan.stages[i].path
-    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as ckptr:
-        out = ckptr.restore(directory, args=ocp.args.PyTreeRestore(item, restore_args=args, partial_restore=True))
-    return float(out["arrays"][keys[0]]), int(out["arrays"][keys[1]])

@@ -8,6 +8,7 @@
         mstate      the parts' mutable model state (BatchNorm's statistics; None per stateless part)
       step         steps done: the next step to run, and the data position (a loader serves
                    step n's rows from (seed, n) alone, `orchestrator.core.data.WindowSampler`)
+      loss_scale   `precision.loss_scale`'s (scale, finite steps in a row), or None (off)
 
 Basic flow: `init(progs, seed)` builds the state a run starts from; the step's handlers
 (`stages.actions`) take it and return a new one (`with_chunk`, `NamedTuple._replace`); the
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-__all__ = ["ChunkState", "StageState", "TRANSIENT", "abstract", "init", "stage_fields", "with_chunk"]
+__all__ = ["ChunkState", "LossScaleState", "StageState", "TRANSIENT", "abstract", "init", "stage_fields", "with_chunk"]
 
 
 class ChunkState(NamedTuple):
@@ -39,11 +40,19 @@ class ChunkState(NamedTuple):
     mstate: list
 
 
+class LossScaleState(NamedTuple):
+    """Dynamic loss scaling's state (`orchestrator.core.model.policy.DynamicLossScale`), the same on every stage."""
+
+    scale: float
+    good: int          # finite steps in a row since the scale last changed
+
+
 class StageState(NamedTuple):
     """One stage host's training state (see the module docstring)."""
 
     chunks: tuple
     step: int
+    loss_scale: LossScaleState | None = None
 
 
 TRANSIENT = frozenset({"grads"})     # ChunkState fields a checkpoint leaves out: zero between steps
@@ -55,15 +64,16 @@ def stage_fields(state: StageState) -> list[tuple[str, Any]]:
             if name not in ("chunks", "step") and value is not None]
 
 
-def init(progs, seed: int, step: int = 0) -> StageState:
+def init(progs, seed: int, scaler=None, step: int = 0) -> StageState:
     """The state a run starts from: each chunk's parameters and mutable state from the model's own
-    init (the same model key as the whole model's), its optimizer state, zero gradients."""
+    init (the same model key as the whole model's), its optimizer state, zero gradients; the loss
+    scaler's start (`scaler`: a `DynamicLossScale`, or None)."""
     chunks = []
     for prog in progs:
         params = prog.init_params(seed)
         opt_state, zeros = prog.init_state(params)
         chunks.append(ChunkState(params, opt_state, zeros, prog.init_mstate(seed)))
-    return StageState(tuple(chunks), step)
+    return StageState(tuple(chunks), step, None if scaler is None else LossScaleState(*scaler.start()))
 
 
 def with_chunk(state: StageState, c: int, **fields) -> StageState:

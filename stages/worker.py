@@ -87,7 +87,6 @@ class StageWorker:
         self.ckpt = None                # stages.checkpoint.StageCheckpointer when checkpointing
         self.state = None               # the stage's training state (stages.state.StageState), from setup
         self.ctx: StageContext | None = None     # what the handlers read: programs, I/O (setup)
-        self._restored_scale = None     # the loss-scale state a restore read (setup)
         self.loader = None              # this host's data loader (first / last stage), from setup
         self._coordinator_port = None   # host 0 of a multi-host stage: the socket holding its port
         # loss scaling: the rule and (scale, finite steps in a row); the same on every stage
@@ -153,13 +152,11 @@ class StageWorker:
                                    optimizer=cfg.optimizer.to_spec(), mesh=self.mesh,
                                    layout=cfg.stage_spec.layout_map, remat=cfg.stage_spec.remat)
                       for start, stop in cfg.layer_chunks]
-        self.state = init_state(self.progs, cfg.seed)
+        self.state = init_state(self.progs, cfg.seed, cfg.loss_scale)
         restore_s = self._setup_checkpoint()
         transport = make_transport(cfg, self.mesh, self.inbox, lambda stage: self.actors[stage], self.recv_s)
         rows_in, rows_lab = self._open_data()
         self.ctx = StageContext(cfg, self.progs, StageIO(cfg, transport, self.inbox, rows_in, rows_lab), cfg.loss_scale)
-        if self._restored_scale is not None:
-            self.ctx.scale_state = self._restored_scale
         restore = cfg.checkpoint.restore if cfg.checkpoint is not None else None
         if restore is not None and restore.position is not None:
             self.load_data_state(restore.position.to_dict())     # checks seed and source, then the position
@@ -197,7 +194,7 @@ class StageWorker:
     def _setup_checkpoint(self) -> float | None:
         """The stage's checkpointer (`cfg.checkpoint`); restores the saved state first when asked.
         Returns the restore's seconds (None: nothing restored)."""
-        ck, self.ckpt, self._restored_scale = self.cfg.checkpoint, None, None
+        ck, self.ckpt = self.cfg.checkpoint, None
         if not ck:
             return None
         from stages.checkpoint import StageCheckpointer, restore
@@ -208,9 +205,7 @@ class StageWorker:
         took = None
         if ck.restore is not None:
             t0 = time.perf_counter()
-            scaled = None if self.cfg.loss_scale is None else self.cfg.loss_scale.start()
-            got = restore(ck.restore, self.state, self.progs, self.mesh, self.cfg.who, scale_state=scaled)
-            self.state, self._restored_scale = got if scaled is not None else (got, None)
+            self.state = restore(ck.restore, self.state, self.progs, self.mesh, self.cfg.who)
             self.state = self.state._replace(step=ck.restore.step)
             took = time.perf_counter() - t0
         self.ckpt = StageCheckpointer(ck.root, ck.every, ck.total, ck.asynchronous, self.cfg.stage,
@@ -421,9 +416,7 @@ class StageWorker:
                                "(its OPT did not run once)")
         if self.ckpt is not None:       # between steps: the state after this step's OPT
             if self.ckpt.due(self.state.step):
-                scale = self.ctx.scale_state
-                out["stats"]["checkpoint_blocking_s"] = self.ckpt.save(self.state, self.progs, self.data_state(),
-                                                                       scale_state=scale)
+                out["stats"]["checkpoint_blocking_s"] = self.ckpt.save(self.state, self.progs, self.data_state())
             out["checkpoints"] = self.ckpt.reports()
         self.last_done = st.step
         return out
