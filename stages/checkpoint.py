@@ -145,7 +145,7 @@ def _save_registry():
         (np.ndarray, th.NumpyHandler()), (jax.Array, th.ArrayHandler(use_replica_parallel=across_hosts)))
 
 
-def _disk_full(e: BaseException) -> bool:
+def disk_full(e: BaseException) -> bool:
     """ENOSPC, as Python raises it or as tensorstore words it (orbax's writes go through tensorstore:
     `ValueError: RESOURCE_EXHAUSTED: ... No space left on device [os_error_code='28']`)."""
     while e is not None:
@@ -242,7 +242,7 @@ class StageCheckpointer:
         if self._error is not None:
             e, self._error = self._error, None
             full = ("no space left on the device of checkpoint.dir = "
-                    f"{self.root} (the last committed checkpoint is kept): " if _disk_full(e) else "")
+                    f"{self.root} (the last committed checkpoint is kept): " if disk_full(e) else "")
             raise RuntimeError(f"checkpoint save of step {self._step} failed on stage {self.stage} host "
                                f"{self.host}: {full}{type(e).__name__}: {e}") from e
 

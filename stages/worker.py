@@ -45,9 +45,9 @@ import numpy as np
 from stages.actions import EVAL_HANDLERS, StageContext, StepState, handler_for, program_of
 from stages.data import HostLoader, rows_of
 from stages.mailbox import Mailbox, MailboxClosed
+from stages.checkpoint import disk_full
 from stages.telemetry import LivePeak
-from orchestrator.core.contract import WorkerConfig
-from orchestrator.core.recovery import STEP_NOTE
+from orchestrator.core.contract import FAILURE_ATTR, StepFailure, WorkerConfig
 from orchestrator.core.schedule.ir import RECVS
 from orchestrator.core.model.spec import param_name
 
@@ -341,25 +341,32 @@ class StageWorker:
             self.transport.set_io_timeout(self.recv_s)
         return self.recv_s
 
-    def abort_step(self, reason: str) -> None:
-        """A peer's step failed: whatever this actor waits for from it fails now, not at its deadline.
-        (Runs in the "io" group, beside the step.) No recovery inside a step: the driver tears the
-        job down (and with `failure.max_restarts` starts it again from the last checkpoint)."""
-        self.inbox.close(reason)
+    def abort_step(self, reason: str, failure: StepFailure | None = None) -> None:
+        """A peer's step failed (`failure`, from its `_fail`) or the driver stops the run: whatever
+        this actor waits for fails now, not at its deadline, carrying `failure` (runs in the "io"
+        group, beside the step). No recovery inside a step: the driver tears the job down (and with
+        `failure.max_restarts` starts it again from the last checkpoint)."""
+        self.inbox.close(reason, failure)
 
     def _fail(self, step: int, error: Exception) -> None:
-        """A step failed here: this actor starts no further step (queued ones fail at once), and
-        unless it was itself told by a peer, every other actor gets `abort_step` (fire and forget)."""
+        """A step failed here: the error gets this actor's `StepFailure` (how the driver learns where
+        and in which step, `orchestrator.core.contract.FAILURE_ATTR`); this actor starts no further
+        step (queued ones fail at once), and unless it was itself told by a peer, every other actor
+        gets `abort_step` with the same record (fire and forget)."""
         if self.inbox.closed:
             return         # aborted by a peer (or the transport closed), or failed before: no echo
-        reason = f"{self.cfg.who} failed in step {step}: {type(error).__name__}: {str(error)[:300]}"
-        error.add_note(STEP_NOTE + reason)   # the driver reads the step from it (orchestrator.core.recovery.origin)
-        self.inbox.close(reason)
+        text = str(error)[:300]
+        failure = StepFailure(self.cfg.stage, self.cfg.host, step,
+                              f"{type(error).__name__}: {text.splitlines()[0] if text else ''}".rstrip(),
+                              kind="disk_full" if disk_full(error) else "error")
+        setattr(error, FAILURE_ATTR, failure)
+        reason = f"{self.cfg.who} failed in step {step}: {type(error).__name__}: {text}"
+        self.inbox.close(reason, failure)
         for s, row in enumerate(self.actors):
             for h, actor in enumerate(row):
                 if (s, h) != (self.cfg.stage, self.cfg.host):
                     try:
-                        actor.abort_step.options(concurrency_group="io").remote(reason)
+                        actor.abort_step.options(concurrency_group="io").remote(reason, failure)
                     except Exception:  # noqa: BLE001 - best effort; every wait still has its deadline
                         pass
 

@@ -34,7 +34,7 @@ Invariants:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping, NamedTuple, Optional, Protocol
+from typing import Any, Mapping, Optional, Protocol
 
 from orchestrator.core.data.plan import DataPlan
 from orchestrator.core.edges import StageGeom
@@ -46,14 +46,32 @@ __all__ = ["ActorId", "CheckpointSpec", "FAILURE_ATTR", "Hook", "LoaderPosition"
            "TlsFiles", "TransportSpec", "WorkerConfig", "failure_of"]
 
 
-class ActorId(NamedTuple):
-    """One stage actor: (stage, host index within the stage). `str` is its label, `stage 1 host 0`."""
+class ActorId(str):
+    """One stage actor, (stage, host index within the stage), as typed fields on its label.
+
+    It is the label itself (`"stage 1 host 0"`: a `str`, so messages, JSON records and dict keys
+    take it as they are), and code reads `stage` and `host` from it, never from the text.
+
+    >>> a = ActorId(1, 0)
+    >>> a, a.stage, a.host, f"{a} failed", ActorId.of("x") is None
+    ('stage 1 host 0', 1, 0, 'stage 1 host 0 failed', True)
+    """
 
     stage: int
     host: int
 
-    def __str__(self) -> str:
-        return f"stage {self.stage} host {self.host}"
+    def __new__(cls, stage: int, host: int) -> "ActorId":
+        self = super().__new__(cls, f"stage {stage} host {host}")
+        self.stage, self.host = int(stage), int(host)
+        return self
+
+    def __getnewargs__(self) -> tuple[int, int]:      # pickles as (stage, host)
+        return self.stage, self.host
+
+    @staticmethod
+    def of(label) -> Optional["ActorId"]:
+        """`label` if it is an ActorId, else None (an actor not known by its fields)."""
+        return label if isinstance(label, ActorId) else None
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,7 @@ from orchestrator.driver.waiting import wait_all
 from stages.hooks import WorkerHook
 from stages.ties import tie_stages
 from stages.worker import StageWorker
-from orchestrator.core.contract import (CheckpointSpec, OptimizerSpec, StageSpec, Timeouts, TlsFiles,
+from orchestrator.core.contract import (ActorId, CheckpointSpec, OptimizerSpec, StageSpec, Timeouts, TlsFiles,
                                         TransportSpec, WorkerConfig)
 
 RECV_FACTOR = 2.0    # an actor's RECV deadline: this × the driver's progress deadline for a call
@@ -144,7 +144,7 @@ class PipelineExecutor:
                 opts = placement.actor_options(self.checked, stage, host, self.pg, self.run)
                 opts["namespace"] = f"meshpipe-{self.run}"   # also when the driver attached elsewhere
                 row.append(remote.options(**opts).remote(self.worker_config(stage, host)))
-                names.append(f"stage {stage.index} host {host}")
+                names.append(ActorId(stage.index, host))
             self.actors.append(row)
             self.labels.append(names)
         coords = []

@@ -1,0 +1,207 @@
+"""The driver's run loop in parts: attempts and recovery with fake attempts (pure), the run's record
+(files only), and on Ray a failed run resumed: its record continues, nothing of it erased.
+
+`run_attempts` (`orchestrator.driver.attempts`) knows an attempt by `run` and `close` and the run
+by `Recovery` (`committed`, `restart`, `stop`), so each recovery decision is tested here without
+Ray; the Ray tests of tests/test_recovery.py drive the same loop with real attempts.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from orchestrator.core.recovery import DIED, ERROR, Failure, RestartPolicy
+from orchestrator.driver.attempts import AttemptFailed, run_attempts
+
+
+class FakeAttempt:
+    def __init__(self, outcome):
+        self.outcome, self.closed = outcome, None
+
+    def run(self):
+        if isinstance(self.outcome, BaseException):
+            raise self.outcome
+        return self.outcome
+
+    def close(self, after_failure: bool, hung=()):
+        self.closed = after_failure
+        return {"graceful_s": 0.0, "stuck": []}
+
+
+class FakeRun:
+    """The run between attempts: a commit at `committed`, restarts recorded, a stop as an error."""
+
+    def __init__(self, committed=4):
+        self.commit, self.restarts, self.stops = committed, [], []
+
+    def committed(self):
+        return self.commit
+
+    def restart(self, failed, attempt, restarts):
+        attempt.close(after_failure=True)
+        self.restarts.append((failed.failure.cause, failed.failure.step, restarts))
+        return self.commit, {"steps_lost": failed.failure.step - self.commit}
+
+    def stop(self, failed, decision):
+        self.stops.append(decision.reason)
+        return RuntimeError(f"stopped: {decision.reason}")
+
+
+def loop(outcomes, max_restarts=2, committed=4):
+    made, run = [], FakeRun(committed)
+
+    def start(first, recovering):
+        made.append((first, recovering, FakeAttempt(outcomes[len(made)])))
+        return made[-1][2]
+
+    return made, run, lambda: run_attempts(start, 0, RestartPolicy(max_restarts), run)
+
+
+def failed(cause, step, text="x", stage=1):
+    return AttemptFailed(Failure(cause, stage, 0, step, text), {}, RuntimeError(text), steps_done=step)
+
+
+def test_a_death_restarts_from_the_commit_and_the_next_attempt_finishes():
+    made, run, go = loop([failed(DIED, 5), ("norms", None)])
+    assert go() == ("norms", None)
+    assert run.restarts == [(DIED, 5, 1)] and run.stops == []
+    assert [(first, rec) for first, rec, _ in made] == [(0, None), (4, {"steps_lost": 1})]
+    assert made[0][2].closed is True                # the failed attempt torn down before the next starts
+
+
+def test_the_same_error_at_the_same_step_stops_as_deterministic():
+    made, run, go = loop([failed(ERROR, 5, "NaN"), failed(ERROR, 5, "NaN")])
+    with pytest.raises(RuntimeError, match="stopped: the same failure .* deterministic"):
+        go()
+    assert len(made) == 2 and len(run.restarts) == 1
+
+
+def test_restarts_used_up_or_nothing_committed_stop_with_the_reason():
+    _, run, go = loop([failed(DIED, 5), failed(DIED, 6), failed(DIED, 7)], max_restarts=2)
+    with pytest.raises(RuntimeError, match="max_restarts = 2 restarts are used up"):
+        go()
+    assert [r[2] for r in run.restarts] == [1, 2]
+    _, run, go = loop([failed(DIED, 1)], committed=None)
+    with pytest.raises(RuntimeError, match="no checkpoint is committed yet"):
+        go()
+
+
+def test_without_restarts_the_error_is_raised_as_it_was():
+    f = failed(ERROR, 3, "boom")
+    _, run, go = loop([f], max_restarts=0)
+    with pytest.raises(RuntimeError) as ei:
+        go()
+    assert ei.value is f.error and run.stops == [] and run.restarts == []
+
+
+def test_a_placement_that_fails_after_a_restart_stops_but_the_first_is_raised_as_is():
+    from orchestrator.core.backends import PlacementError
+
+    first = PlacementError("the cluster has 1 node, the job needs 2")
+    _, run, go = loop([first])
+    with pytest.raises(PlacementError) as ei:
+        go()
+    assert ei.value is first
+    _, run, go = loop([failed(DIED, 5), PlacementError("no room")])
+    with pytest.raises(RuntimeError, match="placement could not be reserved again"):
+        go()
+
+
+# ----------------------------------------------------------------------------- the record (files)
+
+def _checked(tmp_path):
+    from tests.test_checkpoint import checked_of, gpt_job
+
+    return checked_of(gpt_job(tmp_path, "rec", tmp_path / "ck"))
+
+
+def _record(checked, out, **kw):
+    from orchestrator.driver.record import RunRecord
+
+    return RunRecord(checked, out, {"plan": 1}, **kw)
+
+
+def _lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_a_resumed_record_keeps_every_earlier_line_error_and_summary(tmp_path):
+    from orchestrator.driver.waiting import StageFailure
+
+    checked, out = _checked(tmp_path), tmp_path / "run"
+    out.mkdir()
+    first = _record(checked, out)
+    for step in range(3):
+        first.step({"step": step, "loss": 1.0 - step / 10, "step_time_s": 0.5})
+    first.rollback(2, 1)
+    first.step({"step": 2, "loss": 0.8, "step_time_s": 0.5})
+    first.close()
+    err = StageFailure("steps 2-3 failed on stage 1 host 0: boom", detail="Traceback ...\nboom", where="stage 1 host 0")
+    first.stopped(err, echo=lambda s: None)
+    assert err.error_file == str(out / "error.txt")
+    second = _record(checked, out, resume=True, losses=[1.0, 0.9])
+    second.error_file("a recovered failure", "stage 0 host 0", "Traceback ...\nother")
+    second.step({"step": 2, "loss": 0.8, "step_time_s": 0.4})
+    second.close()
+    done = second.completed({"w": 1.0}, echo=lambda s: None)
+    lines = _lines(out / "metrics.jsonl")
+    assert [ln.get("step", ln.get("restart", ln.get("resume"))) for ln in lines] == [0, 1, 2, 1, 2, 2, 2]
+    assert lines[3]["restart"] == 1 and lines[5] == {**lines[5], "resume": 2, "earlier_summaries": ["summary.1.json"]}
+    assert (out / "error.txt").read_text().startswith("steps 2-3 failed")          # the first run's, kept
+    assert (out / "error.1.txt").read_text().startswith("a recovered failure")
+    earlier = json.loads((out / "summary.1.json").read_text())
+    assert earlier["status"] == "failed" and earlier["error_files"] == ["error.txt"]
+    assert done["error_files"] == ["error.1.txt"] and done["earlier_summaries"] == ["summary.1.json"]
+    assert done["losses"] == [1.0, 0.9, 0.8] and done["status"] == "completed"
+    assert json.loads((out / "summary.json").read_text())["status"] == "completed"
+
+
+def test_a_fresh_record_replaces_every_file_of_the_earlier_one(tmp_path):
+    from orchestrator.driver.runner import existing_record
+
+    checked = _checked(tmp_path)
+    out = Path(checked.job.run.output_dir) / checked.job.run.name
+    out.mkdir(parents=True)
+    for name in ("error.1.txt", "summary.2.json"):     # an earlier resumed run's numbered files only
+        (out / name).write_text("{}\n")
+    assert existing_record(checked) == out / "error.1.txt"       # a record too: --overwrite needed
+    for name in ("summary.json", "error.txt", "metrics.jsonl", "trace.json"):
+        (out / name).write_text("{}\n")
+    (out / "notes.txt").write_text("the user's")
+    assert existing_record(checked) == out / "summary.json"
+    rec = _record(checked, out)        # what --overwrite leads to
+    rec.close()
+    assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl", "notes.txt"]
+    assert (out / "metrics.jsonl").read_text() == ""
+
+
+# ----------------------------------------------------------------------------- on Ray
+
+@pytest.mark.ray
+@pytest.mark.needs_checkpoint
+def test_a_failed_run_resumed_continues_its_record(tmp_path, no_leaks):
+    """A run that fails at step 3 (after committing step 2) and is then resumed: metrics.jsonl holds
+    both runs' steps with a resume line between, error.txt of the failure is still there and listed,
+    the failed run's summary is kept as summary.1.json (the code before this kept none of it)."""
+    from orchestrator.driver.runner import run_job
+    from tests.faults import FailStep
+    from tests.test_checkpoint import checked_of, gpt_job
+
+    job = gpt_job(tmp_path, "again", tmp_path / "ck")
+    out = Path(job["run"]["output_dir"]) / "again"
+    with pytest.raises(Exception, match="injected step failure at step 3"):
+        run_job(checked_of(job), echo=lambda s: None, hooks=[FailStep(stage=1, host=0, step=3)])
+    assert (out / "error.txt").exists() and json.loads((out / "summary.json").read_text())["status"] == "failed"
+    steps_before = [ln["step"] for ln in _lines(out / "metrics.jsonl") if "step" in ln]
+    assert steps_before[:2] == [0, 1]
+    done = run_job(checked_of(job), echo=lambda s: None, resume="latest")
+    lines = _lines(out / "metrics.jsonl")
+    resume_at = next(i for i, ln in enumerate(lines) if "resume" in ln)
+    assert [ln["step"] for ln in lines[:resume_at]] == steps_before          # the failed run's lines kept
+    assert lines[resume_at]["resume"] == 2 and [ln["step"] for ln in lines[resume_at + 1:]] == [2, 3]
+    assert (out / "error.txt").read_text().count("injected step failure at step 3") >= 1
+    assert json.loads((out / "summary.1.json").read_text())["error_files"] == ["error.txt"]
+    assert done["status"] == "completed" and done["earlier_summaries"] == ["summary.1.json"]
+    assert done["steps_done"] == 4 and len(done["losses"]) == 4
