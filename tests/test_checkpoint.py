@@ -22,6 +22,9 @@ from orchestrator.core.config.disk import CHECKPOINT_FIXED_BYTES
 from orchestrator.driver.checkpoint import model_arrays, prepare
 from tests.test_bad_input import error_of, has_all, unwritable_dir
 
+pytestmark = [pytest.mark.needs_checkpoint]
+
+
 CLUSTER = {"hosts": 2, "devices_per_host": 2}
 
 

@@ -76,7 +76,9 @@ CASES = {"linen": ("linen_pipeline", whole_linen), "plain": ("plain_pipeline", w
 
 # equinox: its attention compiles slowly (24-52 s on 2 loaded cores); its README text is checked
 # verbatim above and its adapter planned in tests/test_byo_eqx_example.py in the default suite
-@pytest.mark.parametrize("name", ["linen", "nnx", "plain", pytest.param("equinox", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("name", [pytest.param("linen", marks=pytest.mark.needs_models),
+                                  pytest.param("nnx", marks=pytest.mark.needs_models), "plain",
+                                  pytest.param("equinox", marks=pytest.mark.slow)])
 def test_readme_snippet_runs_and_its_parts_compute_the_whole_model(name):
     import jax
     import jax.numpy as jnp

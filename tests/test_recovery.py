@@ -19,6 +19,9 @@ from tests.test_bad_input import error_of, has_all
 from tests.test_checkpoint import gpt_job
 
 
+pytestmark = [pytest.mark.needs_checkpoint]
+
+
 # ----------------------------------------------------------------------------- config (pure)
 
 def test_failure_section_keys_and_rules(tmp_path):

@@ -182,26 +182,30 @@ def test_a_fresh_record_replaces_every_file_of_the_earlier_one(tmp_path):
 @pytest.mark.ray
 @pytest.mark.needs_checkpoint
 def test_a_failed_run_resumed_continues_its_record(tmp_path, no_leaks):
-    """A run that fails at step 3 (after committing step 2) and is then resumed: metrics.jsonl holds
-    both runs' steps with a resume line between, error.txt of the failure is still there and listed,
-    the failed run's summary is kept as summary.1.json (the code before this kept none of it)."""
+    """A run that fails at step 5 (the driver learns steps 4 at a time: it has 0-3, a commit at 2 or 4)
+    and is then resumed: metrics.jsonl holds both runs' steps with a resume line between, error.txt
+    of the failure is still there and listed, the failed run's summary is kept as summary.1.json
+    (the code before this erased all three at the resumed run's start)."""
+    from orchestrator.core import checkpoint as ck
     from orchestrator.driver.runner import run_job
     from tests.faults import FailStep
     from tests.test_checkpoint import checked_of, gpt_job
 
-    job = gpt_job(tmp_path, "again", tmp_path / "ck")
+    job = gpt_job(tmp_path, "again", tmp_path / "ck", steps=6)
     out = Path(job["run"]["output_dir"]) / "again"
-    with pytest.raises(Exception, match="injected step failure at step 3"):
-        run_job(checked_of(job), echo=lambda s: None, hooks=[FailStep(stage=1, host=0, step=3)])
+    with pytest.raises(Exception, match="injected step failure at step 5"):
+        run_job(checked_of(job), echo=lambda s: None, hooks=[FailStep(stage=1, host=0, step=5)])
     assert (out / "error.txt").exists() and json.loads((out / "summary.json").read_text())["status"] == "failed"
     steps_before = [ln["step"] for ln in _lines(out / "metrics.jsonl") if "step" in ln]
-    assert steps_before[:2] == [0, 1]
+    assert steps_before == [0, 1, 2, 3]
+    committed = ck.select(tmp_path / "ck")["step"]
     done = run_job(checked_of(job), echo=lambda s: None, resume="latest")
     lines = _lines(out / "metrics.jsonl")
     resume_at = next(i for i, ln in enumerate(lines) if "resume" in ln)
     assert [ln["step"] for ln in lines[:resume_at]] == steps_before          # the failed run's lines kept
-    assert lines[resume_at]["resume"] == 2 and [ln["step"] for ln in lines[resume_at + 1:]] == [2, 3]
-    assert (out / "error.txt").read_text().count("injected step failure at step 3") >= 1
+    assert lines[resume_at]["resume"] == committed
+    assert [ln["step"] for ln in lines[resume_at + 1:]] == list(range(committed, 6))
+    assert "injected step failure at step 5" in (out / "error.txt").read_text()
     assert json.loads((out / "summary.1.json").read_text())["error_files"] == ["error.txt"]
     assert done["status"] == "completed" and done["earlier_summaries"] == ["summary.1.json"]
-    assert done["steps_done"] == 4 and len(done["losses"]) == 4
+    assert done["steps_done"] == 6 and len(done["losses"]) == 6

@@ -463,6 +463,7 @@ def test_existing_record_is_what_a_second_run_would_replace(tmp_path):
     assert existing_record(checked) == tmp_path / "mlp-tiny" / "error.txt"
 
 
+@pytest.mark.needs_checkpoint
 def test_a_resumed_run_continues_its_own_record_without_overwrite(tmp_path):
     """--resume is not refused as an overwrite of the run's own record: it gets past that check to
     the checkpoint's (here: nothing committed yet, exit 2 naming checkpoint.dir); without --resume
