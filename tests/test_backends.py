@@ -19,7 +19,7 @@ from orchestrator.core.backends import Backend, JaxInit, Node, PlacementError, g
 from orchestrator.core.backends.jaxinit import ENV_KEY
 from stages.jaxinit import initialize
 from orchestrator.core.backends.tpu_topology import VALID_TOPOLOGIES, WORKER_DIMS, aligned_block, geometry
-from orchestrator.core.config import ConfigError, check_job, load_cluster, load_job, parse_cluster, parse_job
+from orchestrator.core.config import ConfigError, check_job, load_cluster, parse_cluster, parse_job
 from orchestrator.core.hosts import plan_hosts
 
 ROOT = Path(__file__).resolve().parent.parent

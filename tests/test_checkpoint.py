@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from orchestrator.core import checkpoint as ck
-from orchestrator.core.config import ConfigError, check_checkpoint_dir, check_job, parse_cluster, parse_job
+from orchestrator.core.config import check_checkpoint_dir, check_job, parse_cluster, parse_job
 from orchestrator.core.config import checkpoint_bytes as ck_bytes
 from orchestrator.core.config.disk import CHECKPOINT_FIXED_BYTES
 from orchestrator.driver.checkpoint import model_arrays, prepare

@@ -13,7 +13,7 @@ import pytest
 from orchestrator.core.config import ConfigError, check_job, parse_cluster, parse_job
 from stages.data import HostLoader, global_batch, open_reader
 from stages.data.readers import hf_tokens
-from tests.data_helpers import gpt_job, grain_windows, prepared, write_docs
+from tests.data_helpers import gpt_job, prepared, write_docs
 
 CLUSTER = {"address": None, "platform": "cpu", "hosts": 4, "devices_per_host": 2, "cpus_per_host": 0.5}
 REPO_TEXT = "examples/data/tiny_shakespeare_like.txt"

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from orchestrator.core.config import check_job, load_cluster, load_job, parse_cluster, parse_job
+from orchestrator.core.config import check_job, load_cluster, load_job
 from orchestrator.core.plan import make_plan, plan_json, plan_text
 from tests.conftest import ROOT
 

@@ -142,8 +142,6 @@ class Session:
     # -- a step ------------------------------------------------------------
     def take(self, r) -> None:
         """One step result (`executor.StepResult`) into telemetry, metrics, the record, the committer."""
-        from orchestrator.driver.runner import scaling
-
         self.last_spans = r.spans     # only the last step's spans are kept (trace.json: telemetry's own)
         st = self.tel.add(r.step, r.wall_s, r.loss, r.spans, r.stats)
         # what each stage actor last ran under, read back on it (stages.telemetry.conditions)
@@ -343,3 +341,16 @@ class Attempt:
             self.ex.abort("the driver stopped the run")   # a step still running ends now, not at its deadline
         self.session.describe(self.ex)
         return self.ex.shutdown(self.hung if hung is None else hung, after_failure=after_failure)
+
+
+def scaling(step: int, stats: list) -> dict:
+    """Loss scaling's step record (`loss_scale`, `skipped`), checked to be the same on every actor:
+    the skip decision is global, so a disagreement is a bug and fails the run."""
+    seen = {(s["loss_scale"], s["skipped"]) for s in stats if "loss_scale" in s}
+    if not seen:
+        return {}
+    if len(seen) > 1:
+        by = {f"stage{s['stage']}/host{s['host']}": (s.get("loss_scale"), s.get("skipped")) for s in stats}
+        raise RuntimeError(f"step {step}: stages disagree on loss scaling (scale, skipped): {by}")
+    scale, skipped = seen.pop()
+    return {"loss_scale": scale, "skipped": skipped}

@@ -47,6 +47,51 @@ DEFAULT_CLUSTER = Path(__file__).resolve().with_name("local_cluster.yaml")
 
 CLUSTER_PREFIX = "cluster."
 
+# What an error makes `meshpipe` print and exit with: one mapping for every command. Each entry is
+# (the class's module, its name, the exit code, what the message starts with; `{failed}` is the
+# command's own words for a failure of what it ran). The first class the error is an instance of
+# wins, matched through the error's type and its bases (`exit_of`): nothing is imported to look,
+# so a command that never loaded Ray or the planner does not load them to report an error.
+EXITS = (
+    ("orchestrator.core.config.errors", "ConfigError", 2, "invalid configuration:\n"),
+    ("orchestrator.core.checkpoint", "CheckpointError", 2, "checkpoint: "),
+    ("orchestrator.core.planner.search", "PlanningError", 2, "no plan: "),
+    ("orchestrator.core.planner.calibrate", "CalibrationError", 2, "calibrate: "),
+    ("orchestrator.core.planner.profile", "ProfileError", 1, "profiling failed: "),
+    ("orchestrator.core.backends.base", "PlacementError", 1, "{failed}: "),
+    ("orchestrator.driver.waiting", "StageFailure", 1, "{failed}: "),
+    ("orchestrator.core.private_fs", "DiskFullError", 1, "{failed}: "),
+    ("builtins", "TimeoutError", 1, "{failed}: "),
+)
+RUNTIME = (("builtins", "RuntimeError", 1, "{failed}: "),)   # for the commands whose runs report them
+
+
+def exit_of(e: BaseException, table=EXITS) -> tuple[int, str] | None:
+    """(exit code, message prefix) of `e` by `table` (`EXITS`), or None: not an error the CLI reports.
+
+    Example:
+        >>> from orchestrator.core.checkpoint import CheckpointError
+        >>> exit_of(CheckpointError("no commit")), exit_of(TimeoutError()), exit_of(KeyError("x"))
+        ((2, 'checkpoint: '), (1, '{failed}: '), None)
+    """
+    names = {(c.__module__, c.__qualname__) for c in type(e).__mro__}
+    return next(((code, prefix) for module, name, code, prefix in table if (module, name) in names), None)
+
+
+@contextlib.contextmanager
+def reporting(failed: str = "run failed", table=EXITS):
+    """Run the block; an error `table` knows ends the process with its code and a one-line message
+    on stderr (`meshpipe: <prefix><error>`), without a driver traceback; any other propagates."""
+    try:
+        yield
+    except Exception as e:
+        found = exit_of(e, table)
+        if found is None:
+            raise
+        code, prefix = found
+        click.echo(f"meshpipe: {prefix.format(failed=failed)}{e}", err=True)
+        sys.exit(code)
+
 
 def split_overrides(overrides: tuple[str, ...] | list[str]) -> tuple[list[str], list[str]]:
     """(job overrides, cluster overrides): `cluster.KEY=VALUE` goes to the cluster file as `KEY=VALUE`.
@@ -92,11 +137,11 @@ def _checked(job_path: str, cluster_path: str | None, overrides: tuple[str, ...]
              allow_code: bool = True, command: str = "run"):
     import dataclasses
 
-    from orchestrator.core.config import ConfigError, check_job, check_output_dir, load_cluster, load_job
+    from orchestrator.core.config import check_job, check_output_dir, load_cluster, load_job
 
     job_sets, cluster_sets = split_overrides(overrides)
     import_dir = job_import_dir(job_path)
-    try:
+    with reporting():
         job = load_job(job_path, overrides=job_sets)
         if not allow_code:
             _refuse_code(job, command)
@@ -105,9 +150,6 @@ def _checked(job_path: str, cluster_path: str | None, overrides: tuple[str, ...]
                                overrides=cluster_sets + ([f"address={address}", "num_cpus=null"] if address else []))
         checked = check_job(job, cluster)
         return dataclasses.replace(checked, import_dir=import_dir), check_output_dir
-    except ConfigError as e:
-        click.echo(f"meshpipe: invalid configuration:\n{e}", err=True)
-        sys.exit(2)
 
 
 job_arg = click.argument("job", type=click.Path(exists=True, dir_okay=False))
@@ -186,8 +228,7 @@ def resume_command(job: str, cluster: str | None, overrides: tuple[str, ...], ad
                    "continues its own record: no --overwrite needed")
 def run(job, cluster, overrides, reference, address, overwrite, resume):
     """Train JOB on the cluster (or, with --reference, in this process)."""
-    from orchestrator.core.checkpoint import CheckpointError
-    from orchestrator.core.config import ConfigError, check_checkpoint_dir, checkpoint_bytes
+    from orchestrator.core.config import check_checkpoint_dir, checkpoint_bytes
     from orchestrator.core.tls import check_transport_tls
     from orchestrator.driver.runner import existing_record, run_job
 
@@ -197,14 +238,11 @@ def run(job, cluster, overrides, reference, address, overwrite, resume):
                    err=True)
         sys.exit(2)
     checked, check_output_dir = _checked(job, cluster, overrides, address)
-    try:
+    with reporting():
         check_output_dir(checked.job)
         check_checkpoint_dir(checked.job, 0 if reference else checkpoint_bytes(checked))   # --reference saves none
         if not reference:
             check_transport_tls(checked.cluster)
-    except ConfigError as e:
-        click.echo(f"meshpipe: invalid configuration:\n{e}", err=True)
-        sys.exit(2)
     found = existing_record(checked, reference)
     if found and not overwrite and resume is None:   # a resumed run continues its own record
         r = checked.job.run
@@ -212,22 +250,13 @@ def run(job, cluster, overrides, reference, address, overwrite, resume):
                    f"from an earlier run; pass --overwrite to replace it, or choose another name "
                    f"(--set run.name=...)", err=True)
         sys.exit(2)
-    from orchestrator.core.private_fs import DiskFullError
     from orchestrator.driver.interrupt import stop_on_signals, stopped_message
-    from orchestrator.driver.placement import PlacementError
-    from orchestrator.driver.waiting import StageFailure
 
     with stop_on_signals() as stop:
-        try:
-            run_job(checked, reference=reference, echo=lambda s: click.echo(s), tty=sys.stdout.isatty(),
-                    resume=resume, resume_command=resume_command(job, cluster, overrides, address))
-        except CheckpointError as e:     # raised before anything started
-            click.echo(f"meshpipe: checkpoint: {e}", err=True)
-            sys.exit(2)
-        except (PlacementError, StageFailure, TimeoutError, DiskFullError) as e:
-            # the run was torn down already (runner's finally); say what failed, without a driver traceback
-            click.echo(f"meshpipe: run failed: {e}", err=True)
-            sys.exit(1)
+        try:   # the run was torn down already when an error arrives here (runner's finally)
+            with reporting("run failed"):
+                run_job(checked, reference=reference, echo=lambda s: click.echo(s), tty=sys.stdout.isatty(),
+                        resume=resume, resume_command=resume_command(job, cluster, overrides, address))
         except KeyboardInterrupt as e:   # Ctrl-C or SIGTERM (interrupt.stop_on_signals); all torn down
             click.echo(f"\nmeshpipe: {stopped_message(stop, e)}", err=True)
             sys.exit(130)
@@ -267,13 +296,10 @@ def plan(job, cluster, overrides, as_json, png, auto, out, explain_, top, max_mo
     from orchestrator.core.plan import make_plan, plan_json, plan_text
 
     if auto and not allow_code:
-        from orchestrator.core.config import ConfigError, load_job
+        from orchestrator.core.config import load_job
 
-        try:
+        with reporting():
             _refuse_code(load_job(job, overrides=split_overrides(overrides)[0]), "plan")
-        except ConfigError as e:
-            click.echo(f"meshpipe: invalid configuration:\n{e}", err=True)
-            sys.exit(2)
     if auto:
         _auto(job, cluster, overrides, out, explain_, top, max_model, microbatches, target_step_ms, cache_dir, as_json,
               measure)
@@ -296,23 +322,16 @@ def plan(job, cluster, overrides, as_json, png, auto, out, explain_, top, max_mo
 @set_opt
 def checkpoints(job, overrides):
     """List JOB's committed checkpoints (step, time, size, layout)."""
-    from orchestrator.core.checkpoint import CheckpointError
-    from orchestrator.core.config import ConfigError, load_job
+    from orchestrator.core.config import load_job
     from orchestrator.driver.checkpoint import listing
 
-    try:
+    with reporting():
         cfg = load_job(job, overrides=list(overrides))
-    except ConfigError as e:
-        click.echo(f"meshpipe: invalid configuration:\n{e}", err=True)
-        sys.exit(2)
     if cfg.checkpoint is None:
         click.echo("meshpipe: the job has no `checkpoint:` section", err=True)
         sys.exit(2)
-    try:
+    with reporting():
         lines = listing(cfg.checkpoint.dir)
-    except CheckpointError as e:
-        click.echo(f"meshpipe: checkpoint: {e}", err=True)
-        sys.exit(2)
     click.echo("\n".join(lines) if lines else f"no committed checkpoint in {cfg.checkpoint.dir}")
 
 
@@ -321,21 +340,16 @@ def checkpoints(job, overrides):
 @click.option("--to", "to", required=True, type=click.Path(), help="new directory for the consolidated checkpoint")
 def export(ckpt, to):
     """Write committed checkpoint CKPT (a step_<N> directory) as one plain JAX/orbax checkpoint in DIR."""
-    from orchestrator.core.checkpoint import CheckpointError
     from orchestrator.driver.checkpoint import export as export_ckpt
 
-    try:
+    with reporting():
         info = export_ckpt(ckpt, to)
-    except CheckpointError as e:
-        click.echo(f"meshpipe: checkpoint: {e}", err=True)
-        sys.exit(2)
     click.echo(f"exported step {info['step']} of {info['model']} ({len(info['names'])} parameters) to {to}")
 
 
 def _auto(job, cluster, overrides, out, explain_, top, max_model, microbatches, target_step_ms, cache_dir, as_json,
           measure):
-    from orchestrator.core.config import ConfigError
-    from orchestrator.driver.autoplan import PlanningError, ProfileError, auto_plan
+    from orchestrator.driver.autoplan import auto_plan
 
     job_import_dir(job)
     try:
@@ -344,23 +358,12 @@ def _auto(job, cluster, overrides, out, explain_, top, max_model, microbatches, 
         click.echo(f"meshpipe: --microbatches = {microbatches!r}: must be positive integers separated by commas, "
                    "e.g. 4,8", err=True)
         sys.exit(2)
-    try:
-        with json_stdout(as_json) as echo:   # --measure starts Ray: its forwarded actor lines go to stderr
-            auto_plan(job, cluster or str(DEFAULT_CLUSTER), overrides, out=out, explain_=explain_, top=top,
-                      max_model=max_model, microbatches=ms, target_step_ms=target_step_ms, cache_dir=cache_dir,
-                      as_json=as_json, echo=echo, measure=measure)
-    except ConfigError as e:
-        click.echo(f"meshpipe: invalid configuration:\n{e}", err=True)
-        sys.exit(2)
-    except PlanningError as e:
-        click.echo(f"meshpipe: no plan: {e}", err=True)
-        sys.exit(2)
-    except ProfileError as e:
-        click.echo(f"meshpipe: profiling failed: {e}", err=True)
-        sys.exit(1)
-    except (RuntimeError, TimeoutError) as e:   # --measure: a candidate's run failed (torn down already)
-        click.echo(f"meshpipe: measuring failed: {e}", err=True)
-        sys.exit(1)
+    # --measure: a candidate's run that failed (torn down already) is "measuring failed"
+    with reporting("measuring failed", EXITS + RUNTIME), json_stdout(as_json) as echo:
+        # --measure starts Ray: its forwarded actor lines go to stderr
+        auto_plan(job, cluster or str(DEFAULT_CLUSTER), overrides, out=out, explain_=explain_, top=top,
+                  max_model=max_model, microbatches=ms, target_step_ms=target_step_ms, cache_dir=cache_dir,
+                  as_json=as_json, echo=echo, measure=measure)
 
 
 @main.command()
@@ -374,22 +377,11 @@ def _auto(job, cluster, overrides, out, explain_, top, max_model, microbatches, 
 def calibrate(cluster, out, force, as_json):
     """Measure the cluster's devices, link classes and per-action runtime cost; write them as a new
     cluster YAML (`device:`, `links:`) for `meshpipe plan --auto`."""
-    from orchestrator.core.backends import PlacementError
-    from orchestrator.core.config import ConfigError
-    from orchestrator.driver.calibrate import CalibrationError, calibrate as run_calibration
+    from orchestrator.driver.calibrate import calibrate as run_calibration
 
-    try:
-        with json_stdout(as_json) as echo:   # the probes' forwarded lines go to stderr with --json
-            report = run_calibration(cluster, out=out, force=force, echo=(lambda s: None) if as_json else echo)
-    except ConfigError as e:
-        click.echo(f"meshpipe: invalid configuration:\n{e}", err=True)
-        sys.exit(2)
-    except CalibrationError as e:
-        click.echo(f"meshpipe: calibrate: {e}", err=True)
-        sys.exit(2)
-    except (PlacementError, RuntimeError, TimeoutError) as e:
-        click.echo(f"meshpipe: calibrate failed: {e}", err=True)
-        sys.exit(1)
+    with reporting("calibrate failed", EXITS + RUNTIME), json_stdout(as_json) as echo:
+        # the probes' forwarded lines go to stderr with --json
+        report = run_calibration(cluster, out=out, force=force, echo=(lambda s: None) if as_json else echo)
     if as_json:
         click.echo(json.dumps(report, indent=1))
 

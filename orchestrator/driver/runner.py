@@ -190,19 +190,6 @@ def _run_pipeline(checked, plan, record: RunRecord, out: Path, echo, hooks: Sequ
             ray.shutdown()
 
 
-def scaling(step: int, stats: list) -> dict:
-    """Loss scaling's step record (`loss_scale`, `skipped`), checked to be the same on every actor:
-    the skip decision is global, so a disagreement is a bug and fails the run."""
-    seen = {(s["loss_scale"], s["skipped"]) for s in stats if "loss_scale" in s}
-    if not seen:
-        return {}
-    if len(seen) > 1:
-        by = {f"stage{s['stage']}/host{s['host']}": (s.get("loss_scale"), s.get("skipped")) for s in stats}
-        raise RuntimeError(f"step {step}: stages disagree on loss scaling (scale, skipped): {by}")
-    scale, skipped = seen.pop()
-    return {"loss_scale": scale, "skipped": skipped}
-
-
 def _ray_info(run: str, echo) -> dict:
     """Where to look while the run is on: dashboard, actor namespace, metrics endpoints."""
     from orchestrator.driver.metrics import metrics_endpoints

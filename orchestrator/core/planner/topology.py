@@ -53,7 +53,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Iterable, Mapping, Optional
 
-__all__ = ["LinkClass", "Topology", "DEFAULTS", "CLASSES", "collective_time", "from_cluster"]
+__all__ = ["LinkClass", "Topology", "DEFAULTS", "CLASSES", "aligned", "collective_time", "from_cluster"]
 
 CLASSES = ("host", "group", "dcn")   # nearest first
 
@@ -244,3 +244,13 @@ def from_cluster(cluster) -> Topology:
                     float(over["kernel_overhead_us"] or 0.0) * 1e-6,
                     None if lone["lone_kernel_overhead_us"] is None else float(lone["lone_kernel_overhead_us"]) * 1e-6,
                     shared)
+
+
+def aligned(h: int, k: int, hpg: int, hosts: int) -> bool:
+    """Whether `k` hosts from host `h` keep to the node groups of `hpg` hosts each (of `hosts`): within
+    one group, or whole groups from a group's start (any span when there is one group)."""
+    if hpg <= 1 or hpg >= hosts:
+        return True
+    if k <= hpg:
+        return h % hpg + k <= hpg
+    return k % hpg == 0 and h % hpg == 0
