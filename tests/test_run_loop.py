@@ -48,6 +48,11 @@ class FakeRun:
         self.stops.append(decision.reason)
         return RuntimeError(f"stopped: {decision.reason}")
 
+    def placement_lost(self, e):
+        from orchestrator.core.recovery import Decision
+
+        return Decision(False, f"the placement could not be reserved again within 9 s: {e}")
+
 
 def loop(outcomes, max_restarts=2, committed=4):
     made, run = [], FakeRun(committed)
@@ -105,8 +110,9 @@ def test_a_placement_that_fails_after_a_restart_stops_but_the_first_is_raised_as
         go()
     assert ei.value is first
     _, run, go = loop([failed(DIED, 5), PlacementError("no room")])
-    with pytest.raises(RuntimeError, match="placement could not be reserved again"):
+    with pytest.raises(RuntimeError, match="placement could not be reserved again within 9 s: no room"):
         go()
+    assert run.restarts == [(DIED, 5, 1)]
 
 
 # ----------------------------------------------------------------------------- the record (files)
@@ -156,6 +162,18 @@ def test_a_resumed_record_keeps_every_earlier_line_error_and_summary(tmp_path):
     assert done["error_files"] == ["error.1.txt"] and done["earlier_summaries"] == ["summary.1.json"]
     assert done["losses"] == [1.0, 0.9, 0.8] and done["status"] == "completed"
     assert json.loads((out / "summary.json").read_text())["status"] == "completed"
+
+
+def test_a_resumed_record_with_nothing_before_it_is_a_plain_one(tmp_path):
+    """`--resume auto` with nothing to continue (what `meshpipe submit` runs the first time): no
+    resume line, nothing renamed."""
+    checked, out = _checked(tmp_path), tmp_path / "run"
+    out.mkdir()
+    rec = _record(checked, out, resume=True)
+    rec.step({"step": 0, "loss": 1.0, "step_time_s": 0.5})
+    rec.close()
+    assert [ln["step"] for ln in _lines(out / "metrics.jsonl")] == [0]
+    assert "earlier_summaries" not in rec.completed({}, echo=lambda s: None)
 
 
 def test_a_fresh_record_replaces_every_file_of_the_earlier_one(tmp_path):

@@ -29,7 +29,7 @@ from orchestrator.core.recovery import Decision, Failure, RestartPolicy
 log = logging.getLogger("meshpipe")
 
 
-@dataclass
+@dataclass(eq=False)       # an exception keeps its identity (hash, ==)
 class AttemptFailed(Exception):
     """An attempt ended by a failure recovery may act on.
 
@@ -71,6 +71,8 @@ class Recovery(Protocol):
 
     def stop(self, failed: AttemptFailed, decision: Decision) -> BaseException: ...
 
+    def placement_lost(self, e: BaseException) -> Decision: ...
+
 
 def run_attempts(start: Callable[[int, Optional[dict]], AttemptLike], first: int, policy: RestartPolicy,
                  recovery: Recovery):
@@ -87,9 +89,9 @@ def run_attempts(start: Callable[[int, Optional[dict]], AttemptLike], first: int
         except PlacementError as e:
             if last is None:
                 raise                       # the first placement: the error as it was
-            why = Decision(False, f"the placement could not be reserved again ({e})")
-            raise recovery.stop(dataclasses.replace(last, steps_done=first + recovering.get("steps_lost", 0),
-                                                    error=e), why) from e
+            steps_done = first + recovering.get("steps_lost", 0)     # the steps done before the failure
+            raise recovery.stop(dataclasses.replace(last, steps_done=steps_done, error=e),
+                                recovery.placement_lost(e)) from e
         except AttemptFailed as failed:
             decision = policy.decide(failed.failure, recovery.committed())
             if not decision.restart:
@@ -205,6 +207,13 @@ class Session:
         self.record.rollback(self.ckpt.start, restarts)
         self.committer.pending.clear()       # saves of the failed attempt never commit
         return self.ckpt.start, rec
+
+    def placement_lost(self, e: BaseException) -> Decision:
+        """Why a restart stops when its placement could not be reserved again (`e`)."""
+        t = self.checked.cluster.timeouts
+        wait_s = self.checked.job.failure.placement_timeout_s or t.init_s
+        return Decision(False, f"the placement could not be reserved again within {wait_s:g} s "
+                               f"(failure.placement_timeout_s): {e}")
 
     def stop(self, failed: AttemptFailed, decision: Decision) -> BaseException:
         """The error that ends the run after `failed`: why, what is lost, the command that continues."""

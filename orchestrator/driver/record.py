@@ -12,8 +12,8 @@
 
 Basic flow (`orchestrator.driver.runner.run_job`): `RunRecord(...)` opens the record — a fresh
 run removes an earlier run's files (the CLI refuses that without `--overwrite`), a resumed run
-keeps them: its metrics.jsonl is appended to and the earlier summary and pictures are renamed
-with the next free number — then `step(rec)` per step result, `rollback(step, restart)` when a
+keeps them: its metrics.jsonl is appended to (after a `resume` line, when there was a record
+to continue) and the earlier summary and pictures are renamed with the next free number — then `step(rec)` per step result, `rollback(step, restart)` when a
 restart drops the steps after the commit it resumes from, `error_file(e)` for each failure's
 traceback, and `completed(norms)` or `stopped(e)` at the end. `close()` in every case.
 
@@ -85,7 +85,8 @@ class RunRecord:
         suffix = ".reference" if reference else ""
         self.summary_path = self.out / f"summary{suffix}.json"
         self.resumed_from = len(losses) if resume else None
-        self.earlier = self._keep_earlier() if resume and not reference else []
+        continued = resume and bool(record_files(self.out, reference))     # an earlier record to continue
+        self.earlier = self._keep_earlier() if continued and not reference else []
         if not resume:      # a fresh run's record is this run's alone (after --overwrite: never two runs mixed)
             for stale in record_files(self.out, reference):
                 stale.unlink(missing_ok=True)
@@ -97,7 +98,7 @@ class RunRecord:
         self.evals: list[list] = []          # [step, mean eval loss] (data.eval)
         self.errors: list[str] = []          # this run's error files, in order
         self.extra: dict = {"mode": "reference" if reference else "pipeline"}
-        if resume:
+        if continued:
             self.metrics.append({"resume": self.resumed_from, "earlier_summaries": self.earlier, "time": time.time()})
 
     def _keep_earlier(self) -> list[str]:
