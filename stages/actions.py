@@ -1,17 +1,21 @@
 """The stage worker's step interpreter: one small handler per action kind.
 
 Basic flow: `StageWorker` resolves its lowered action list once, at construction,
-into `(action, text, handler)` triples (`HANDLERS[action.kind]`); a step then
-calls `handler(worker, state, action)` for each in order. A handler reads the
-stage's programs, parameters, edges and transport from the worker and keeps the
-tensors that pass between actions in the per-step `StepState`, keyed
-(microbatch, chunk). Adding an action kind (a forward-only eval, a checkpoint
-copy) is one handler here and one entry in `HANDLERS`.
+into `(action, text, handler)` triples (`HANDLERS[action.kind]`); a step then runs
+`state = handler(ctx, state, step_state, action)` for each in order:
+  ctx         `StageContext`: the stage's contract, programs and I/O (`stages.stage_io`) —
+              what a handler reads; it never reaches into the actor;
+  state       the stage's training state (`stages.state.StageState`): in, and the new one out;
+  step_state  `StepState`: the tensors that pass between one step's actions, keyed
+              (microbatch, chunk), its losses and spans.
+Adding an action kind (a forward-only eval, a checkpoint copy) is one handler here and
+one entry in `HANDLERS`; a new piece of per-stage state is a `StageState` field and the
+handler that updates it.
 
 Invariants:
   - A handler blocks until the device work it issued is done, so the span the
     worker records around it is the action's real duration.
-  - SEND_* never blocks on the peer; RECV_* waits at most `state.timeout`.
+  - SEND_* never blocks on the peer; RECV_* waits at most `step_state.timeout`.
   - Nothing here decides what runs when: the order is the lowered schedule's.
   - jax is imported inside the handlers, never at module level: the worker
     process pins its CPUs before jax loads.
