@@ -103,7 +103,9 @@ def run(job: JobLike, cluster: ClusterLike = None, *, overrides: Sequence[str] =
     actors, a placement group) is shut down before it returns or raises.
 
     Args:
-      job, cluster, overrides: as for `plan`.
+      job: a job YAML path, a plain dict of the same keys, or a `JobConfig`.
+      cluster: a cluster YAML path, dict or `ClusterConfig`; None: the packaged local cluster.
+      overrides: `key.path=value` strings, as `--set` takes them (`cluster.` prefix: a cluster key).
       reference: train the same model, data and optimizer in this process with plain JAX
         (`--reference`: the numerical oracle; no Ray).
       resume: None (a fresh run), "latest" (the newest committed checkpoint), "auto" (the

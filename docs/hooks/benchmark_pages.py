@@ -7,7 +7,7 @@ machine, load, affinity), then the benchmark's own markdown (a run that wrote on
 its scalars and tables, rendered as they are), then the reading written for that run, when
 `docs/benchmarks/notes/<stem>.md` holds one. `index()` lists every run.
 
-Invariants: numbers on these pages come from the results files, never typed in; a reading
+Invariants: the tables on these pages come from the results files, never typed in; a reading
 names the run it was written for (`<!-- run: 2026-12-05 01:40 -->`), and when the results
 file is from another run the page says so above the reading instead of passing it off.
 """
