@@ -122,9 +122,10 @@ def run(job: JobLike, cluster: ClusterLike = None, *, overrides: Sequence[str] =
       FileExistsError: an earlier run's record is in the way (nothing started).
 
     Example (a pipeline run starts Ray; `reference=True` trains in this process):
+        >>> import tempfile
         >>> import meshpipe
         >>> s = meshpipe.run("examples/mlp.yaml", reference=True, echo=lambda line: None,
-        ...                  overrides=["run.steps=2", "run.output_dir=/tmp/meshpipe-doctest"], overwrite=True)
+        ...                  overrides=["run.steps=2", f"run.output_dir={tempfile.mkdtemp()}"])
         >>> s["status"], len(s["losses"])
         ('completed', 2)
     """

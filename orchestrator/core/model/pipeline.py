@@ -66,6 +66,7 @@ def batch_first(path: str, shape: tuple) -> Axes:
 
 
 def replicated(path: str, shape: tuple) -> Axes:
+    """Default parameter axes: no dim named, so the leaf is replicated over every stage's mesh."""
     return (None,) * len(shape)
 
 
