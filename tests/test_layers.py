@@ -1,4 +1,4 @@
-"""The import rule (README, "How it works"): three layers, imports in one direction.
+"""The import rule (docs/design/how-it-works.md): three layers, imports in one direction.
 
   orchestrator.core    pure description and planning: imports neither ray, nor
                        stages, nor orchestrator.driver (not even inside a function)
