@@ -121,7 +121,7 @@ def _copy_source(dst: Path) -> Path:
     """The source tree without venvs, caches, runs and build leftovers (a stale build/ would leak
     into the wheel)."""
     skip = shutil.ignore_patterns(".git", ".*venv*", ".v", "__pycache__", "*.egg-info", "build", "dist",
-                                  "runs", ".pytest_cache", ".hypothesis")
+                                  "runs", ".pytest_cache", ".hypothesis", "site")
     return Path(shutil.copytree(ROOT, dst, ignore=skip))
 
 

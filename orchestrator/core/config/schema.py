@@ -78,7 +78,7 @@ class RunConfig(Frozen):
 
 class ModelConfig(Frozen):
     """`model:` — a built-in model `name` or a `factory` ('package.module:function' returning a
-    PipelineModel, see `orchestrator.core.model.adapters`), and its keyword arguments.
+    PipelineModel, built with an adapter: `meshpipe.nnx_model`, ...), and its keyword arguments.
 
     `name: 'package.module:function'` is accepted too (the older spelling of `factory`).
     """

@@ -245,7 +245,7 @@ def describe(model: Any, *, name: str, factory: str, args: Mapping[str, Any]) ->
 
     if not isinstance(model, PipelineModel):
         raise ModelError(f"the model factory returned {type(model).__name__}, not a PipelineModel "
-                         "(build one with orchestrator.core.model.adapters)")
+                         "(build one with an adapter: meshpipe.nnx_model, linen_model, eqx_model or plain)")
     if not model.parts:
         raise ModelError("the model has no parts")
     b = DESCRIBE_BATCH
