@@ -101,7 +101,7 @@ def _bounds(meta: list) -> list[str]:
 
 
 def type_text(tp: Any, links: dict[type, str], extra: list = ()) -> str:
-    """A field type in words: `int (≥ 1)`, `"cpu" | "gpu"`, `list of [section](#pipeline.stages)`;
+    """A field type in words: `int (≥ 1)`, `"cpu" | "gpu"`, `list of [pipeline.stages](#pipeline.stages)`;
     `extra`: constraints pydantic moved from the field's Annotated type into its FieldInfo."""
     tp, meta = _unwrap(tp)
     meta = list(extra) + meta
@@ -124,7 +124,7 @@ def type_text(tp: Any, links: dict[type, str], extra: list = ()) -> str:
         k, v = typing.get_args(tp)
         return f"mapping {type_text(k, links)} → {type_text(v, links)}" + suffix
     if isinstance(tp, type) and issubclass(tp, BaseModel):
-        return f"[section](#{links[tp]})"
+        return f"[{links[tp]}](#{links[tp]})"
     if tp is Any:
         return "any" + suffix
     return getattr(tp, "__name__", str(tp)) + suffix
