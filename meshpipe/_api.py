@@ -121,7 +121,9 @@ def run(job: JobLike, cluster: ClusterLike = None, *, overrides: Sequence[str] =
       ConfigError: the job or cluster is invalid (nothing started).
       FileExistsError: an earlier run's record is in the way (nothing started).
 
-    Example (a pipeline run starts Ray; `reference=True` trains in this process):
+    Example:
+        A pipeline run starts Ray; `reference=True` trains in this process:
+
         >>> import tempfile
         >>> import meshpipe
         >>> s = meshpipe.run("examples/mlp.yaml", reference=True, echo=lambda line: None,

@@ -223,7 +223,7 @@ def reference(root: type[BaseModel], *, title: str, intro: str, example_files: l
         shown = ", ".join(f"`{p}`" for p in sec.paths) if sec.paths[0] else "top level"
         heading = sec.paths[0] or "Top-level keys"
         out += [f"## {heading} {{#{sec.anchor}}}", ""]
-        if len(sec.paths) > 1 or not sec.paths[0]:
+        if len(sec.paths) > 1:
             out += [f"Reached at: {shown}.", ""]
         out += [_doc(sec.model), ""]
         out += ["| key | type | default | what it does |", "|---|---|---|---|"]
