@@ -12,7 +12,8 @@ What a user writes against, in one namespace (the internal packages, `orchestrat
   lists candidate mesh axes.
 - **Jobs**: `load_job` / `load_cluster` read the YAML files (`JobConfig`, `ClusterConfig`),
   `check_job` cross-checks them (`ConfigError` names key, value and rule); `plan` is
-  `meshpipe plan` (`plan_text`, `plan_json` print it) and `run` is `meshpipe run`.
+  `meshpipe plan` (`plan_text`, `plan_json` print it) and `run` is `meshpipe run`, with
+  `WorkerHook`s for code that runs inside every stage worker (a profiler, a check).
 
 Importing meshpipe loads neither Ray nor JAX nor any model framework: `run` imports the
 driver (and Ray) when called, the adapters import their framework when a model is built.
@@ -32,6 +33,7 @@ from orchestrator.core.model.layout import FirstOf, format_layout, parse_layout,
 from orchestrator.core.model.pipeline import (ArraySpec, ModelError, Part, PipelineModel, batch_first, by_path,
                                               replicated)
 from orchestrator.core.plan import Plan, plan_json, plan_text
+from stages.hooks import WorkerHook
 
 from meshpipe._api import describe, plan, run
 
@@ -43,5 +45,5 @@ __all__ = [
     "by_path", "batch_first", "replicated", "parse_layout", "format_layout", "partition_spec", "FirstOf",
     # jobs
     "load_job", "load_cluster", "check_job", "JobConfig", "ClusterConfig", "ConfigError",
-    "plan", "Plan", "plan_text", "plan_json", "run",
+    "plan", "Plan", "plan_text", "plan_json", "run", "WorkerHook",
 ]

@@ -114,7 +114,8 @@ def run(job: JobLike, cluster: ClusterLike = None, *, overrides: Sequence[str] =
         without it such a record raises `FileExistsError`, unless `resume` is given.
       address: a running Ray to connect to ('auto', 'host:port') instead of the cluster's.
       echo: where progress lines go (one per step).
-      hooks: `stages.hooks.WorkerHook` objects every stage worker calls (profilers, checks).
+      hooks: `WorkerHook` objects every stage worker calls at set-up and at each step (a
+        profiler started at a given step, a per-host check).
       keep_params: the returned summary also holds "params" (name -> final numpy array).
 
     Raises:

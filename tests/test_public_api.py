@@ -16,7 +16,8 @@ import pytest
 
 from tests.docs_blocks import ROOT
 
-HEAVY = ("ray", "jax", "jaxlib", "flax", "equinox", "optax", "orbax", "stages", "orchestrator.driver")
+HEAVY = ("ray", "jax", "jaxlib", "flax", "equinox", "optax", "orbax", "orchestrator.driver", "stages.worker",
+         "stages.program", "stages.transport")
 
 
 def test_importing_meshpipe_loads_no_ray_jax_or_framework():
