@@ -256,7 +256,7 @@ def test_committer_commits_only_when_every_host_reported_and_gcs_after(tmp_path)
 # ----------------------------------------------------------------------------- on Ray
 
 def plain_jax_loss(checked, exported: Path, step: int) -> float:
-    """What the README's snippet does: orbax restore of the export, the model's own functions, no
+    """What the checkpoints page's export snippet does: orbax restore of the export, the model's own functions, no
     meshpipe runtime; the mean microbatch loss on step `step`'s batch."""
     import jax.numpy as jnp
     import orbax.checkpoint as ocp

@@ -174,7 +174,7 @@ class TpuBackend(Backend):
         tpu_nodes = [n for n in nodes if n.resources.get("TPU", 0) > 0]
         if not tpu_nodes:
             raise PlacementError(f"{key}: the live cluster has no node with a TPU resource "
-                                 f"({len(nodes)} node(s)); start Ray on the TPU VMs (see the README's Scaling out section)")
+                                 f"({len(nodes)} node(s)); start Ray on the TPU VMs (see docs/guides/scaling-out.md)")
         bare = [n.node_id[:8] for n in tpu_nodes if SLICE_LABEL not in n.labels or WORKER_LABEL not in n.labels]
         if bare:
             raise PlacementError(f"{key}: TPU node(s) {', '.join(bare)} lack the {SLICE_LABEL} / {WORKER_LABEL} "

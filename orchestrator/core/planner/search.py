@@ -13,8 +13,8 @@ Basic flow of `search(model, topo, global_batch, profile=...)`:
      steady state) for every plan, one-stage plans on one host included: the figures
      with that host alone (`Topology.lone_flops`, ...) come from big probe programs whose devices
      compute side by side, while a stage's small kernels on simulated CPU devices take
-     turns, and charged to those plans they predicted them 42–54 % low in two measured
-     runs (all-busy: −7 … +14 %; README, issue #22). On real hardware the two agree.
+     turns, so charged to those plans they predicted them far too low (the runs are in
+     `docs/decisions.md`, "All-busy device figures for every plan"). On real hardware the two agree.
      Every plan on MORE than one host is charged those figures `Topology.shared_slowdown`
      times slower (`Topology.shared`: calibrate times a stage-sized program on host 0
      alone and on every host at once); a one-stage plan on one host is not;

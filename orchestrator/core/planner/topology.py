@@ -42,11 +42,10 @@ kernels × it to each phase of each layer (`LayerProfile.kernels`).
 `device.shared_slowdown` (default 1, ≥ 1) is how many times slower a STAGE-SIZED program (a
 chain of small matmuls, `stages.calibrate_probe`) runs with every host computing than on host 0
 alone. Plans on more than one host are charged device figures that much slower
-(`Topology.shared`, `search` step 3); plans on one host are not. On simulated hosts sharing
-this VM's 2 cores calibrate measured 1.72–1.93 (2026-12-04); in real runs a one-stage plan on host
-0 spent 3.2 + 8.1 ms of F + B per step, while a 2-stage plan's stages each took 14.5 ms for HALF
-the layers (about 2.5×). The big
-probes' all-busy figures do not show that: their lone and all-busy runs split the cores alike.
+(`Topology.shared`, `search` step 3); plans on one host are not. Simulated hosts sharing a
+machine's cores slow each other's small stage programs far more than the big probes' all-busy
+figures show (their lone and all-busy runs split the cores alike); the measurements that showed
+it are in `docs/decisions.md` ("Stages on both hosts slow each other").
 """
 from __future__ import annotations
 
