@@ -17,7 +17,8 @@ re-plans before it: losing 2 hosts at once or one after the other gives the same
        its devices (then the other original stages' meshes), else every stage all data-parallel
        over one batch axis. Interleaved schedules keep v where p'·v layers exist, else 1F1B.
   For every candidate, microbatch counts are tried in this order: the job's own; its multiples
-  dividing the global batch (smaller microbatches: more accumulation); its smaller divisors.
+  dividing the global batch (smaller microbatches: more accumulation); the global batch's other
+  divisors, nearest the job's own first (by ratio; ties: the larger).
   A model with mutable state (BatchNorm statistics: computed per microbatch) keeps its own.
   The first candidate that passes `check_job` — the checks a user's job passes — and fits
   `cluster.device.memory_gb` (when the cluster gives it) is the plan.
@@ -92,13 +93,16 @@ def microbatch_order(job, stateful: bool) -> list[int]:
         >>> from orchestrator.core.config import load_job
         >>> microbatch_order(load_job("examples/gpt.yaml"), False)      # global batch 16, m = 4
         [4, 8, 16, 2, 1]
+        >>> microbatch_order(load_job("examples/gpt.yaml", overrides=["data.global_batch=12",
+        ...                                                           "pipeline.microbatches=2"]), False)
+        [2, 4, 6, 12, 3, 1]
     """
     gb, m = job.data.global_batch, job.pipeline.microbatches
     if stateful:
         return [m]
     more = [m * k for k in range(2, gb // m + 1) if gb % (m * k) == 0]
-    fewer = [d for d in range(m - 1, 0, -1) if gb % d == 0]
-    return [m] + more + fewer
+    rest = [d for d in range(1, gb + 1) if gb % d == 0 and d != m and d not in more]
+    return [m] + more + sorted(rest, key=lambda d: (abs(math.log(d / m)), -d))
 
 
 def _batch_axes(layout: Mapping[str, Any]) -> tuple[str, ...]:
