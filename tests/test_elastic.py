@@ -391,11 +391,15 @@ def test_record_log_line_progress_line_and_metrics(four):
         "2 stages 1f1b m=4 on 4 hosts: [0,2) data=4 x2h | [2,4) data=2,model=2 x2h"
     assert data["plan"]["after"] == "2 stages 1f1b m=4 on 2 hosts: [0,2) data=2 | [2,4) data=1,model=2"
     assert data["predicted_step_s"]["before"] < data["predicted_step_s"]["after"]
-    assert data["times_s"] == {"detection": 1.2, "teardown": 0.3, "planning": 0.6, "placement": None,
+    assert data["times_s"] == {"detection": 1.2, "teardown": 0.3, "wait": None, "planning": 0.6, "placement": None,
                                "restore": 0.7, "compile": 4.1, "total": 21.5}
     line = rec.message()
     has_all(line, "elastic shrink at step 8 (node lost", "→ 2 stages", "[rule]", "predicted step",
-            "training again 21.5 s after (detection 1.2, teardown 0.3, planning 0.6, restore 0.7, compile 4.1 s)")
+            "training again 21.5 s after the loss (detection 1.2, teardown 0.3, planning 0.6, restore 0.7, "
+            "compile 4.1 s)")
+    grow = ReplanRecord.of("grow", 12, "2 hosts back", r.checked, plan_for(four, 4), timings=Timings(total_s=9.0))
+    assert grow.to_json()["method"] == "original" and grow.to_json()["hosts"] == {"before": 2, "after": 4}
+    assert grow.message().endswith("[original]; training again 9.0 s after the commit")
     assert plan_line(r.checked, plan_hosts(four)) == "plan: 2 stages on 2 of 4 hosts, m=4"
     assert plan_line(four, 4) == "plan: 2 stages on 4 hosts, m=4"
     with pytest.raises(ValueError, match="needs the new plan"):

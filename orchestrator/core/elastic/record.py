@@ -61,6 +61,8 @@ class Timings:
     Attributes:
       detection_s: the failure until the driver noticed it (None for a grow: nothing failed).
       teardown_s: the old attempt's actors and placement group gone.
+      wait_s: the wait for the old plan's placement to fit again (`failure.placement_timeout_s`; a
+        replacement node would have been taken), before re-planning (None for a grow).
       planning_s: `plan_for` / `grow_decision` (the placement's wait for the old plan not included).
       placement_s: the new plan's placement group reserved.
       restore_s: the last commit read into the new plan's shardings (the slowest host).
@@ -71,6 +73,7 @@ class Timings:
 
     detection_s: Optional[float] = None
     teardown_s: Optional[float] = None
+    wait_s: Optional[float] = None
     planning_s: Optional[float] = None
     placement_s: Optional[float] = None
     restore_s: Optional[float] = None
@@ -78,14 +81,16 @@ class Timings:
     total_s: Optional[float] = None
 
     def to_json(self) -> dict[str, Optional[float]]:
-        return {"detection": self.detection_s, "teardown": self.teardown_s, "planning": self.planning_s,
+        return {"detection": self.detection_s, "teardown": self.teardown_s, "wait": self.wait_s,
+                "planning": self.planning_s,
                 "placement": self.placement_s, "restore": self.restore_s, "compile": self.compile_s,
                 "total": self.total_s}
 
-    def text(self) -> str:
-        """e.g. `training again 31.2 s after the loss (detection 1.1, teardown 0.3, ...)`; parts not known are left out."""
+    def text(self, since: str = "the loss") -> str:
+        """e.g. `training again 31.2 s after the loss (detection 1.1, teardown 0.3, ... s)`; parts not
+        known are left out."""
         parts = ", ".join(f"{k} {v:.1f}" for k, v in self.to_json().items() if k != "total" and v is not None)
-        head = f"training again {self.total_s:.1f} s after" if self.total_s is not None else "times"
+        head = f"training again {self.total_s:.1f} s after {since}" if self.total_s is not None else "times"
         return f"{head} ({parts} s)" if parts else head
 
 
@@ -155,7 +160,7 @@ class ReplanRecord:
                 if before is not None and after is not None else "")
         how = f" [{self.method}" + (f"; auto fell back: {self.fallback}" if self.fallback else "") + "]"
         return (f"elastic {self.kind} at step {self.step} ({self.why}): {self.plans[0]} → {self.plans[1]}{how}"
-                f"{pred}; {self.timings.text()}")
+                f"{pred}; {self.timings.text('the loss' if self.kind == 'shrink' else 'the commit')}")
 
 
 @dataclass(frozen=True)
