@@ -494,13 +494,60 @@ class CheckpointConfig(Frozen):
         return v
 
 
+class ElasticConfig(Frozen):
+    """`failure.elastic:` — elastic recovery (`orchestrator.core.elastic`): when a restart's placement
+    cannot be had within `failure.placement_timeout_s` (a lost node and no spare), plan the job again
+    for the hosts the live cluster still holds, restore the last commit onto that plan and go on;
+    the global batch and the data order stay the job's. Absent: a restart that cannot be placed stops
+    the run with the `--resume` command (as before).
+
+    `min_hosts`: the fewest hosts to train on; below it the run stops as without this section (null:
+    as few as a legal plan of the job needs). `replan`: `rule` — a documented deterministic rule on
+    the job's own plan (fewer data-parallel replicas per stage first, then fewer stages); `auto` — the
+    `meshpipe plan --auto` search on the calibrated cluster's figures, restricted to the hosts there
+    (without a calibrated cluster: the rule, and the record says why). `grow`: when hosts come back,
+    at the next commit plan again onto them (`next_commit`), only when the predicted step gets faster
+    by at least `min_gain` (`gain`: 0.25 = 25 % more steps per second; default 0.1), or `never`."""
+
+    min_hosts: Optional[PosInt] = Field(
+        None, description="The fewest hosts to train on; below it the run stops with the resume command "
+                          "(null: as few as a legal plan of the job needs).")
+    replan: Literal["rule", "auto"] = Field(
+        "rule", description="How the smaller plan is found: `rule` (fewer data-parallel replicas per stage, "
+                            "then fewer stages) or `auto` (the `plan --auto` search on the calibrated figures).")
+    grow: Literal["never", "next_commit", "gain"] = Field(
+        "next_commit", description="When hosts come back: re-plan onto them at the next commit (`next_commit`), "
+                                   "only when the predicted step gets faster by `min_gain` (`gain`), or `never`.")
+    min_gain: Optional[Annotated[float, Field(gt=0, le=10, allow_inf_nan=False)]] = Field(
+        None, description="With `grow: gain`: the predicted speed-up a grow-back must reach (0.25 = 25 % more "
+                          "steps per second; null: 0.1).")
+
+    @field_validator("min_gain", mode="before")
+    @classmethod
+    def _number(cls, v: Any) -> Any:
+        return float(v) if isinstance(v, int) and not isinstance(v, bool) else v
+
+    @model_validator(mode="after")
+    def _gain_only_for_gain(self) -> "ElasticConfig":
+        if self.min_gain is not None and self.grow != "gain":
+            raise Problem(f"only used with grow: gain (it is {self.grow!r}): the predicted speed-up a "
+                          "grow-back must reach; remove it or set grow: gain", ("min_gain",), self.min_gain)
+        return self
+
+    @property
+    def gain_threshold(self) -> float:
+        """The speed-up (new steps per second ÷ old − 1) a `grow: gain` re-plan must reach."""
+        return 0.1 if self.min_gain is None else self.min_gain
+
+
 class FailureConfig(Frozen):
     """`failure:` — automatic recovery (Ray Train's `FailureConfig` vocabulary): on an actor death, a
     stage error or a hang, tear the job down, re-place it and continue from the last committed
     checkpoint, at most `max_restarts` times (0: any failure ends the run, as without this section).
     Needs `checkpoint:` when `max_restarts` > 0 (`orchestrator.driver.recovery`). A restart after a
     node loss waits up to `placement_timeout_s` for the placement to fit again; `compile_cache`
-    (JAX's persistent compilation cache) spares a restarted stage most of its compilation."""
+    (JAX's persistent compilation cache) spares a restarted stage most of its compilation;
+    `elastic` (`ElasticConfig`): past that wait, train on the hosts that are left."""
 
     max_restarts: Annotated[int, Field(ge=0, le=MAX_RESTARTS)] = Field(
         0, description="Failures the run recovers from (0: any failure ends the run); > 0 needs `checkpoint:`.")
@@ -511,6 +558,9 @@ class FailureConfig(Frozen):
         "auto", description="JAX's persistent compilation cache for the stage actors, so a restarted stage loads "
                             "its programs: `auto` = `<output_dir>/<name>/compile_cache` when `max_restarts` > 0, "
                             "else off; a directory = always there; null = off.")
+    elastic: Optional[ElasticConfig] = Field(
+        None, description="Re-plan onto the hosts that are left when a restart cannot have its placement again "
+                          "within `placement_timeout_s` (null: stop with the resume command, as before).")
 
     @field_validator("compile_cache")
     @classmethod
@@ -518,6 +568,14 @@ class FailureConfig(Frozen):
         if v is not None and (not v.strip() or "\x00" in v):
             raise Problem("must be \"auto\", a directory path (not empty, no NUL byte) or null (off)")
         return v
+
+    @model_validator(mode="after")
+    def _elastic_needs_restarts(self) -> "FailureConfig":
+        if self.elastic is not None and self.max_restarts == 0:
+            raise Problem("a re-plan continues a run after a failure, which needs restarts: set "
+                          "failure.max_restarts > 0 (and a `checkpoint:` section), or remove failure.elastic",
+                          ("elastic",), self.elastic.model_dump(mode="json", exclude_defaults=True))
+        return self
 
 
 class JobConfig(Frozen):
