@@ -214,11 +214,15 @@ class ChainEntry(Frozen):
 class OptimizerConfig(Frozen):
     """`optimizer:` — an optax optimizer function `name` and its keyword arguments, or a `chain`
     of optax functions (schedules, weight-decay masks, global-norm clipping across stages:
-    `orchestrator.core.model.optim`)."""
+    `orchestrator.core.model.optim`). Every hyperparameter is checked by its meaning, wherever it
+    is written (`orchestrator.core.model.optim_rules`)."""
 
     name: Optional[str] = None
     args: dict[str, Any] = Field(default_factory=dict)
     chain: Optional[tuple[ChainEntry, ...]] = None
+    # a chain whose updates climb the loss (no learning rate, a positive final `scale`) is refused
+    # at plan time (`orchestrator.core.model.optim_rules`) unless this says it is meant
+    allow_ascent: bool = False
 
     @field_validator("name")
     @classmethod
