@@ -41,7 +41,7 @@ from orchestrator.core.model.spec import ModelSpec, param_name
 from orchestrator.core.model.split import SplitError, split_ranges
 from orchestrator.core.schedule import SCHEDULES, ScheduleError, check_params
 
-__all__ = ["Checked", "StagePlan", "check_job", "job_code"]
+__all__ = ["Checked", "StagePlan", "check_code", "check_job", "job_code"]
 
 
 @dataclass(frozen=True)
@@ -202,6 +202,25 @@ def _build_model(job: JobConfig) -> ModelSpec:
             raise ConfigError(problem(key, name, f"the model factory failed: "
                                       f"{type(e).__name__}: {e}")) from None
         raise ConfigError(problem("model.args", dict(args), f"invalid model arguments: {e}")) from None
+
+
+def check_code(job: JobConfig, step=lambda key, value: None) -> None:
+    """Import and call the code `job` names — its model factory (described by shape evaluation)
+    and a grain data factory (its first records read) — with the checks `check_job` makes of them;
+    `step(key, value)` is told before each. What `orchestrator.driver.usercode` runs in a child
+    process under a deadline before `check_job` runs the same code in the caller's.
+
+    Raises:
+      ConfigError: what `check_job` would report about that code.
+    """
+    step("model.factory" if job.model.factory else "model.name", job.model.ref)
+    model = with_compute_dtype(_build_model(job), job.precision.compute)
+    if job.data.factory:
+        step("data.factory", job.data.factory)
+        probs = _Problems()
+        _check_data(job, model, probs)
+        if probs:
+            raise ConfigError(probs)
 
 
 def job_code(job: JobConfig) -> list[tuple[str, str]]:

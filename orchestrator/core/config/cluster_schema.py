@@ -22,6 +22,10 @@ class TimeoutsConfig(Frozen):
     step_s: PosFloat = 600.0
     shutdown_s: PosFloat = 30.0
     jax_distributed_init_s: PosFloat = 60.0
+    # connecting to a running Ray (cluster.address, --address): a healthy connect takes a few seconds
+    connect_s: PosFloat = 30.0
+    # the job's own code at plan time (model / data factory imported and called in a child process)
+    factory_s: PosFloat = 120.0
 
 
 class GpuConfig(Frozen):
