@@ -115,7 +115,7 @@ def prepare(checked, resume) -> Optional[Prepared]:
         raise CheckpointError(f"--resume: checkpoint step {step} was trained on data.source = {source!r}, "
                               f"this job has {job.data.source!r} (the batches would differ)")
     check_model(marker, model_arrays(checked.model))
-    if not damaged and resume != "latest":
+    if resume != "latest":            # (the newest is verified by newest_intact)
         verify_files(root, marker)
     for bad, why in damaged:       # kept under another name: a resumed run commits that step again
         aside = set_aside(root, bad)
