@@ -13,10 +13,6 @@ def blocks(**kwargs):
     lock.acquire()
 
 
-def sleeps(**kwargs):
-    time.sleep(3600)
-
-
 def exits(**kwargs):
     """Ends the process with exit code 0 before returning (it made `meshpipe run` exit 0, no record)."""
     os._exit(0)

@@ -43,8 +43,8 @@ def _refused(job, timeout: float) -> tuple[str, float]:
     return str(e.value), time.monotonic() - t0
 
 
-@pytest.mark.parametrize("factory", ["tests.bad_factories:blocks", "tests.bad_factories:sleeps"])
-def test_a_model_factory_that_blocks_is_refused_at_the_deadline(factory):
+def test_a_model_factory_that_blocks_is_refused_at_the_deadline():
+    factory = "tests.bad_factories:blocks"
     msg, took = _refused(load_job(LLAMA, _job(factory)), 6)
     assert f"model.factory = '{factory}': importing and calling it did not return within 6 s" in msg, msg
     assert "cluster.timeouts.factory_s" in msg
@@ -72,7 +72,6 @@ def test_a_grain_data_factory_that_blocks_is_refused_naming_data_factory(tmp_pat
 def test_the_childs_problems_are_the_config_errors_check_job_gives():
     msg, _ = _refused(load_job(LLAMA, ["model.args.nope=1"]), 120)
     assert "model.factory = 'examples.llama_model:pipeline': the model factory failed: TypeError" in msg, msg
-    guard(load_job(LLAMA), 120)                    # the example itself returns in time: nothing raised
 
 
 def _write_job(tmp_path, factory: str, name: str) -> str:
