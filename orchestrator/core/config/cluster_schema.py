@@ -26,6 +26,12 @@ class TimeoutsConfig(Frozen):
     shutdown_s: PosFloat = Field(30.0, description="Tearing the actors and an embedded Ray down.")
     jax_distributed_init_s: PosFloat = Field(60.0, description="`jax.distributed.initialize` of a multi-host "
                                                                "stage.")
+    connect_s: PosFloat = Field(30.0, description="Connecting to a running Ray (`address`, `--address`): a "
+                                                 "healthy connect takes a few seconds; past this the error names "
+                                                 "the address Ray dialled.")
+    factory_s: PosFloat = Field(120.0, description="The job's own code at plan time: a model or data factory is "
+                                                   "imported and called in a child process within this many "
+                                                   "seconds (a factory that blocks or exits early is refused).")
 
 
 class GpuConfig(Frozen):

@@ -246,7 +246,8 @@ class ChainEntry(Frozen):
 class OptimizerConfig(Frozen):
     """`optimizer:` — an optax optimizer function `name` and its keyword arguments, or a `chain`
     of optax functions (schedules, weight-decay masks, global-norm clipping across stages:
-    `orchestrator.core.model.optim`)."""
+    `orchestrator.core.model.optim`). Every hyperparameter is checked by its meaning, wherever it
+    is written (`orchestrator.core.model.optim_rules`)."""
 
     name: Optional[str] = Field(None, description="An optax optimizer function (`adam`, `sgd`, `adamw`, ...). "
                                                   "Give exactly one of `name` and `chain`.", examples=["adam"])
@@ -255,6 +256,9 @@ class OptimizerConfig(Frozen):
     chain: Optional[tuple[ChainEntry, ...]] = Field(
         None, description="An optax chain, applied in order. `clip_by_global_norm` first clips with the whole "
                           "model's norm across stages.")
+    allow_ascent: bool = Field(
+        False, description="Allow a chain whose updates climb the loss (no learning rate, a positive final "
+                           "`scale`); refused at plan time otherwise (`orchestrator.core.model.optim_rules`).")
 
     @field_validator("name")
     @classmethod
