@@ -642,15 +642,31 @@ def evaluate(model, topo, choices, tables, stages, m, sched, infl, global_batch,
                                sum(c.fsdp_comm_s for c in cols), sum(c.fsdp_bytes for c in cols),
                                sum(c.i_s for c in cols) + over, sum(c.w_s for c in cols) + over,
                                sum(c.held_bytes for c in cols)))
-    edges = []
-    for a, b in zip(out, out[1:]):
-        nbytes = model.layers[a.layers[1] - 1].out_bytes(micro)
-        cls = topo.class_of_hosts([a.hosts[0] + a.hosts[1] - 1, b.hosts[0]])
-        edges.append({"edge": [len(edges), len(edges) + 1], "bytes": nbytes, "link": cls,
-                      "time_s": topo.edge_time(cls, nbytes)})
+    edges = [_edge(model, topo, e, a, b, micro) for e, (a, b) in enumerate(zip(out, out[1:]))]
     costs = [{"F": st.fwd_s, "B": st.bwd_s, "I": st.i_s, "W": st.w_s, "OPT": st.opt_s} for st in out]
-    sim = simulate(low, costs, [e["time_s"] for e in edges] if edges else 0.0)
+    sim = simulate(low, costs, [e["transfer_s"] for e in edges] or 0.0,
+                   send_block=[e["send_block_s"] for e in edges] or 0.0,
+                   recv_block=[e["recv_block_s"] for e in edges] or 0.0)
     return Candidate(tuple(out), m, sched, float(sim.step_time), float(sim.bubble_fraction), tuple(edges))
+
+
+def _edge(model, topo, e: int, a: StageChoice, b: StageChoice, micro: int, last: Optional[int] = None) -> dict:
+    """Edge e's record: the activation leaving stage a's last layer (or layer `last - 1`) for stage b,
+    costed by `Topology.edge` on the two stages' layouts; forward and backward (the gradient, b → a)
+    share the simulator's per-edge figures, so each part is the slower direction's."""
+    from orchestrator.core.planner.transports import edge_layout
+
+    layer = model.layers[(a.layers[1] if last is None else last) - 1]
+    nbytes = layer.out_bytes(micro)
+    src, dst = a.hosts[0] + a.hosts[1] - 1, b.hosts[0]
+    cls = topo.class_of_hosts([src, dst])
+    dph = topo.devices_per_host
+    fwd = topo.edge(cls, nbytes, edge_layout(a.choice, b.choice, layer.out_axes, dph)).to_dict()
+    bwd = topo.edge(cls, nbytes, edge_layout(b.choice, a.choice, layer.out_axes, dph)).to_dict()
+    parts = {k: max(fwd[k], bwd[k]) for k in fwd}
+    delay = max(parts["transfer_s"], parts["send_block_s"]) + parts["recv_block_s"]
+    return {"edge": [e, e + 1], "bytes": nbytes, "link": cls, "transport": topo.transport.name,
+            "time_s": delay, **parts}
 
 
 def evaluate_interleaved(model, topo, choices, tables, plan, m, v, infl, global_batch, slots) -> Candidate:
@@ -661,7 +677,7 @@ def evaluate_interleaved(model, topo, choices, tables, plan, m, v, infl, global_
     × its largest chunk's residuals, and its largest temporary (`interleave.py`).
     """
     from orchestrator.core.memory import device_bytes
-    from orchestrator.core.planner.interleave import edge_times
+    from orchestrator.core.planner.interleave import edge_costs
     from orchestrator.core.schedule import simulate
 
     micro = global_batch // m
@@ -683,14 +699,17 @@ def evaluate_interleaved(model, topo, choices, tables, plan, m, v, infl, global_
                                tuple(chunks), sum(c.fsdp_comm_s for c in cols), sum(c.fsdp_bytes for c in cols)))
     k = plan[0][2]
     cut = [a for a, _ in (ch for i in range(v) for ch in (plan[s][0][i] for s in range(p)))] + [model.num_layers]
-    times = edge_times(model, topo, cut, p, k, micro)
+    parts = edge_costs(model, topo, cut, p, k, micro, [st.choice for st in out])
     edges = []
-    for e, tm in enumerate(times):
+    for e, part in enumerate(parts):
         src, dst = e * k + k - 1, ((e + 1) % p) * k
         bounds = [cut[q] for q in range(1, len(cut) - 1) if (q - 1) % p == e]
+        delay = max(part["transfer_s"], part["send_block_s"]) + part["recv_block_s"]
         edges.append({"edge": [e, (e + 1) % p], "bytes": max(model.layers[b - 1].out_bytes(micro) for b in bounds),
-                      "link": topo.class_of_hosts([src, dst]), "time_s": tm, "boundaries": bounds})
+                      "link": topo.class_of_hosts([src, dst]), "transport": topo.transport.name, "time_s": delay,
+                      **part, "boundaries": bounds})
     costs = [{"F": st.fwd_s / v, "B": st.bwd_s / v, "OPT": st.opt_s} for st in out]
-    sim = simulate(_lowered("interleaved-1f1b", p, m, v), costs, times)
+    sim = simulate(_lowered("interleaved-1f1b", p, m, v), costs, [x["transfer_s"] for x in parts],
+                   send_block=[x["send_block_s"] for x in parts], recv_block=[x["recv_block_s"] for x in parts])
     return Candidate(tuple(out), m, "interleaved-1f1b", float(sim.step_time), float(sim.bubble_fraction),
                      tuple(edges), v)
