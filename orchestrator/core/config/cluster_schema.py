@@ -90,20 +90,34 @@ class LinksConfig(Frozen):
 
     `host`: between devices of one host; `group`: between hosts of one node group
     (an NVLink/ICI domain: `hosts_per_group` consecutive hosts; a TPU slice);
-    `dcn`: between node groups. Left out: the platform's nominal defaults
-    (`orchestrator.core.planner.topology`).
+    `dcn`: between node groups. Their figures describe stage-edge transfers under THIS
+    cluster's `transport` (what `meshpipe calibrate` measures). Left out: the nominal
+    defaults of the platform under that transport (`orchestrator.core.planner.transports`).
+
+    How the transport's SEND is charged (null: the transport's own figures — `ray` and
+    `socket` 1 and 0 µs, `xla` 0 and 100 µs):
+      send_blocking   fraction (0..1) of the device→host copy + the wire that the sender's
+                      compute thread waits for.
+      send_issue_us   the sender's compute-thread cost of issuing one SEND, µs.
+      host_copy       α-β of one device↔host copy as the host-staged transports (ray,
+                      socket) make them (null: the platform's default; none on CPU).
     """
 
     host: Optional[LinkClassConfig] = None
     group: Optional[LinkClassConfig] = None
     dcn: Optional[LinkClassConfig] = None
     hosts_per_group: Optional[PosInt] = None
+    send_blocking: Optional[Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]] = None
+    send_issue_us: Optional[NonNegFloat] = None
+    host_copy: Optional[AlphaBetaConfig] = None
 
 
 class DeviceConfig(Frozen):
     """`device:` (optional; `meshpipe plan --auto` only) — what one device can hold and do."""
 
-    memory_gb: Optional[PosFloat] = None      # bytes the planner may fill per device (1e9 bytes)
+    # bytes the planner may fill per device (1e9 bytes); null: the accelerator's data sheet (GPU: HBM ×
+    # gpu.memory_fraction, XLA's 0.75 by default: 60 for an H100, 105.75 for an H200)
+    memory_gb: Optional[PosFloat] = None
     tflops: Optional[PosFloat] = None         # sustained float32 TFLOP/s per device, every host computing
     memory_bandwidth_gbps: Optional[PosFloat] = None   # GB/s per device, every host computing
     # the same with only ONE host computing (`meshpipe calibrate`: host 0 alone); the record, not

@@ -245,13 +245,17 @@ def collective_time(kind: str, nbytes: float, k: int, link: LinkClass) -> float:
     raise ValueError(f"unknown collective kind {kind!r}")
 
 
-def from_cluster(cluster) -> Topology:
+def from_cluster(cluster, transport: Optional[str] = None) -> Topology:
     """The `Topology` of a `ClusterConfig`: its `links:` and `device:` sections over the defaults of
-    its platform, accelerator model (`hardware.py`) and transport (`transports.default_links`)."""
+    its platform, accelerator model (`hardware.py`) and transport (`transports.default_links`).
+
+    `transport` costs the cluster under another transport than its own (a what-if; None: its own).
+    """
     platform = cluster.platform
-    tname = resolve(platform, getattr(cluster, "transport", None))
+    asked = transport if transport is not None else getattr(cluster, "transport", None)
+    tname = resolve(platform, asked)
     notes: list[str] = []
-    if getattr(cluster, "transport", None) in (None, "auto"):
+    if asked in (None, "auto"):
         notes.append(f"transport auto: costed as {tname}")
     d, link_gbps = _device_defaults(cluster, notes)
     edge_d, coll_d, copy_d = default_links(platform, tname, link_gbps)
