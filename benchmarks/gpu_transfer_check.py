@@ -175,7 +175,6 @@ def child_copies(reps: int) -> dict:
             r["pinned"] = (f"not applicable: this device's memory kinds are {out['device']['memories']}, "
                            "no pinned_host")
         out["sizes"][str(mib)] = r
-        del arr
     return out
 
 

@@ -20,8 +20,10 @@ stage's hosts form one contiguous block of the 4x4 torus, and Ray's own
 `_get_physical_worker_id_from_coords` maps each host's chip coordinates to the host index.
 
 Configs: `readme` is examples/gpt.yaml's GPT (d_model 64, 2 blocks) on two 8-chip stages;
-`gpt1b` a 24-block d_model 2048 GPT; `gpt7b` a 32-block d_model 4096 GPT (compiles for
-minutes on 2 cores). If libtpu is missing or cannot load, the JSON says exactly what failed.
+`gpt1b` a 24-block d_model 2048 GPT with remat, `gpt1b-no-remat` the same without (XLA refuses
+it: the refusal and the bytes it asked for are the result), `gpt7b` a 32-block d_model 4096 GPT.
+A program XLA refuses is recorded with its error (`errors`, with the bytes an out-of-memory
+refusal names). If libtpu is missing or cannot load, the JSON says exactly what failed.
 
 Run: `python -m benchmarks.tpu_aot [--configs readme,gpt1b]`; writes
 benchmarks/results/tpu_aot.json (or `--out`). Imports jax, meshpipe's `stages` and
@@ -46,11 +48,17 @@ HBM_BYTES = 16e9
 CONFIGS = {
     "readme": {"args": {"vocab": 128, "d_model": 64, "heads": 4, "d_mlp": 256, "blocks": 2},
                "seq_len": 32, "microbatch": 4, "microbatches": 4, "mesh": {"data": 2, "model": 4}},
+    # a 1.3B GPT: 24 blocks of d_model 2048, 2048 tokens; the first try (8 sequences per microbatch,
+    # {data 2, model 4}, no remat) needs ~27 GB of temporaries per chip, so: 4 sequences, model 8, remat
     "gpt1b": {"args": {"vocab": 32768, "d_model": 2048, "heads": 16, "d_mlp": 8192, "blocks": 24},
-              "seq_len": 2048, "microbatch": 8, "microbatches": 8, "mesh": {"data": 2, "model": 4},
-              "compute": "bfloat16"},
+              "seq_len": 2048, "microbatch": 4, "microbatches": 8, "mesh": {"data": 1, "model": 8},
+              "compute": "bfloat16", "remat": "full"},
+    "gpt1b-no-remat": {"args": {"vocab": 32768, "d_model": 2048, "heads": 16, "d_mlp": 8192, "blocks": 24},
+                       "seq_len": 2048, "microbatch": 8, "microbatches": 8, "mesh": {"data": 2, "model": 4},
+                       "compute": "bfloat16"},
+    # a 6.7B GPT (Llama-7B-sized: 32 blocks of d_model 4096) on 2 × 8 v5e chips
     "gpt7b": {"args": {"vocab": 32768, "d_model": 4096, "heads": 32, "d_mlp": 16384, "blocks": 32},
-              "seq_len": 2048, "microbatch": 8, "microbatches": 8, "mesh": {"data": 1, "model": 8},
+              "seq_len": 2048, "microbatch": 2, "microbatches": 8, "mesh": {"data": 1, "model": 8},
               "compute": "bfloat16", "remat": "full"},
 }
 LAYOUT = {"batch": "data", "heads": "model", "mlp": "model", "vocab": "model"}
@@ -146,29 +154,54 @@ def stage_programs(cfg: dict, devices, stage: int, stages: int = 2) -> dict:
                 for tree, shard in zip(prog.param_trees(), prog.param_shardings())]
 
     t0 = time.perf_counter()
+    mem, errors = {}, {}
     xs = [sds(leaf.batched(b), leaf.dtype, sh) for leaf, sh in zip(prog.in_leaves, prog.input_shardings())]
     args = [params(), xs] + ([sds(spec.label.batched(b), spec.label.dtype, prog.label_sharding())] if prog.last else [])
-    fwd = prog.jitted_fwd().lower(*args).compile()
-    y_info, res_info = fwd.out_info[:2]
-    dy = sds((), "float32", None) if prog.last else [y_info[i] for i in prog.out_diff]
-    bwd = prog.bwd_acc.lower(params(), res_info, dy, params()).compile()
+    fwd = _try(lambda: prog.jitted_fwd().lower(*args).compile(), "F", mem, errors)
+    if fwd is not None:
+        y_info, res_info = fwd.out_info[:2]
+        dy = sds((), "float32", None) if prog.last else [y_info[i] for i in prog.out_diff]
+        _try(lambda: prog.bwd_acc.lower(params(), res_info, dy, params()).compile(), "B", mem, errors)
     # the optimizer state as `init_state` makes it; scalars (adam's count) replicated over the stage's mesh
     rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     opt_info = jax.tree.map(lambda s: s if set(s.sharding.device_set) <= set(mine) else sds(s.shape, s.dtype, rep),
                             jax.jit(prog.tx.init).lower(params()).compile().out_info)
-    upd = prog.update.lower(params(), opt_info, params()).compile()
-    mem = {"F": _mem(fwd), "B": _mem(bwd), "OPT": _mem(upd)}
+    _try(lambda: prog.update.lower(params(), opt_info, params()).compile(), "OPT", mem, errors)
+    out = {"stage": stage, "layers": [cuts[stage], cuts[stage + 1]], "chips": len(mine), "mesh": cfg["mesh"],
+           "device_kind": mine[0].device_kind, "programs": mem, "compile_s": time.perf_counter() - t0}
+    if errors:
+        out["errors"] = errors
+        return out
     inflight = simulate(lower(generate("1f1b", stages, cfg["microbatches"])), {"F": 1, "B": 2}).peak_inflight[stage]
     held = mem["OPT"]["argument"]                      # parameters + optimizer state + gradient accumulator
     stash = inflight * mem["F"]["output"]              # residuals + activation of each microbatch in flight
     temp = max(m["temp"] for m in mem.values())
     code = sum(m["generated_code"] for m in mem.values())
     peak = held + stash + temp + code
-    return {"stage": stage, "layers": [cuts[stage], cuts[stage + 1]], "chips": len(mine), "mesh": cfg["mesh"],
-            "device_kind": mine[0].device_kind, "programs": mem, "inflight": inflight,
-            "per_chip": {"params_opt_grads": held, "stash": stash, "temp": temp, "code": code, "peak": peak,
-                         "hbm": HBM_BYTES, "fits": peak <= HBM_BYTES},
-            "compile_s": time.perf_counter() - t0}
+    out.update(inflight=inflight, per_chip={"params_opt_grads": held, "stash": stash, "temp": temp, "code": code,
+                                            "peak": peak, "hbm": HBM_BYTES, "fits": peak <= HBM_BYTES})
+    return out
+
+
+def _try(compile_fn, name: str, mem: dict, errors: dict):
+    """Compile one program; its memory_analysis into `mem`, or what XLA said into `errors`
+    (an out-of-memory refusal names the bytes it needed: `required_bytes`)."""
+    import re
+
+    try:
+        compiled = compile_fn()
+    except Exception as e:  # noqa: BLE001 - XLA refusing a program is a finding
+        msg = str(e).splitlines()[0][:400]
+        rec = {"error": f"{type(e).__name__}: {msg}"}
+        m = re.search(r"required for HLO temporaries \(([\d.]+)([KMGT])\) exceeds available HBM \(([\d.]+)([KMGT])\)", msg)
+        if m:
+            unit = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+            rec.update(required_temp_bytes=float(m.group(1)) * unit[m.group(2)],
+                       available_bytes=float(m.group(3)) * unit[m.group(4)])
+        errors[name] = rec
+        return None
+    mem[name] = _mem(compiled)
+    return compiled
 
 
 def run(configs, budget_s: float = 900.0) -> dict:
@@ -193,8 +226,9 @@ def run(configs, budget_s: float = 900.0) -> dict:
                 break
             try:
                 rec["stages"].append(stage_programs(cfg, devices, s))
-            except Exception as e:  # noqa: BLE001 - a config that does not compile is a finding
-                rec["stages"].append({"stage": s, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:400]}"})
+            except Exception as e:  # noqa: BLE001 - a config that cannot be built is a finding
+                rec["stages"].append({"stage": s, "errors": {"build": {
+                    "error": f"{type(e).__name__}: {str(e).splitlines()[0][:400]}"}}})
         out["configs"][name] = rec
     out["wall_s"] = time.perf_counter() - t0
     return out
@@ -202,7 +236,7 @@ def run(configs, budget_s: float = 900.0) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--configs", default="readme,gpt1b")
+    ap.add_argument("--configs", default="readme,gpt1b,gpt1b-no-remat,gpt7b")
     ap.add_argument("--budget-s", type=float, default=900.0)
     ap.add_argument("--out", type=Path, default=RESULTS / "tpu_aot.json")
     args = ap.parse_args(argv)
@@ -221,8 +255,9 @@ def main(argv=None) -> int:
               f"{s['contiguous_block']}, meshpipe {s['meshpipe_aligned_block']}, Ray ids {s['ray_physical_worker_ids']}")
     for name, rec in res["configs"].items():
         for st in rec["stages"]:
-            if "error" in st:
-                print(f"{name} stage {st['stage']}: {st['error']}")
+            if "errors" in st:
+                for prog, err in st["errors"].items():
+                    print(f"{name} stage {st['stage']} {prog}: {err['error'][:200]}")
                 continue
             pc = st["per_chip"]
             print(f"{name} stage {st['stage']} layers {st['layers']} on {st['chips']} {st['device_kind']} chips "

@@ -43,7 +43,7 @@ if __package__ in (None, ""):
 
 from orchestrator.core.config import parse_cluster
 from orchestrator.core.planner.cost import MeshChoice
-from orchestrator.core.planner.topology import LinkClass, from_cluster
+from orchestrator.core.planner.topology import from_cluster
 from orchestrator.core.planner.transports import edge_layout
 from orchestrator.core.schedule import generate, lower, simulate
 
