@@ -6,7 +6,8 @@ the run fails if it is), runs in a few minutes and writes JSON with the device a
 Each part runs in its own child process(es) with a deadline, so one part failing (NCCL refusing
 a GPU twice, a hang) is recorded and the others still run. Parts:
 
-  copies   D2H / H2D of 32 and 128 MiB bf16 activations over the local devices:
+  copies   D2H / H2D of 32 and 128 MiB bf16 activations over the local devices (every D2H from
+           a fresh device array: a jax.Array keeps its host copy once fetched):
              d2h  meshpipe (`np.asarray` per shard, one after another, as `TiledTransport.send`),
                   `copy_to_host_async` on every shard then `np.asarray` (with the issue's own
                   time: what the compute thread would wait), and to pinned host memory
@@ -18,8 +19,10 @@ a GPU twice, a hang) is recorded and the others still run. Parts:
   world    two processes sharing the machine's first accelerator in ONE `jax.distributed`
            world; process 0 `device_put`s a 32 and a 128 MiB array to process 1's device (the
            `transport: xla` hop). On one GPU NCCL may refuse a communicator that holds the same
-           GPU twice: the error is the result then. On CPU, XLA's socket transfer library
-           (`jax_cross_host_transfer_socket_address`, an explicit port per process) carries it.
+           GPU twice: the error is the result then. A second pair forces XLA's socket transfer
+           library (`jax_force_dcn_cross_host_transfers`), which needs no NCCL; on CPU that library
+           (`jax_cross_host_transfer_socket_address`, an explicit port per process) carries both.
+           A transfer that never completes fails after `jax_cross_host_transfer_timeout_seconds`.
   socket   the socket transport (`stages.socket_transport.SocketTransport`, through its public
            API as the stage worker uses it: expect / connect / send / recv) between two
            processes, each a one-device stage on the first accelerator: a 32 and a 128 MiB
@@ -28,7 +31,8 @@ a GPU twice, a hang) is recorded and the others still run. Parts:
            SEND (`send` returning) and the one-way time (round trip less the ack's own).
   mock     a stage program compiled for a 2-host × 8-GPU topology: on GPU with
            `jax_mock_gpu_topology = 1x2x8` (one slice, 2 hosts, 8 GPUs each; compile only);
-           elsewhere the flag does not apply (it mocks the CUDA client), and the same program
+           if XLA refuses that with one local GPU, 1x2x1 is tried too. Elsewhere the flag does not
+           apply (it mocks the CUDA client), and the same program
            is compiled for 16 simulated CPU devices instead, so the code path is proven.
            XLA's memory_analysis per device is recorded either way.
 
@@ -88,6 +92,19 @@ def _timed(fn, reps: int, warmup: int = 1) -> dict:
     return {"median_s": statistics.median(ts), "min_s": min(ts), "reps": reps}
 
 
+def _timed_fresh(make, fn, reps: int, warmup: int = 1) -> dict:
+    """`_timed` of `fn(x)` on a fresh `x = make()` each call (made outside the timing): a jax.Array
+    keeps its host copy once fetched, so fetching the same array twice would time nothing."""
+    ts = []
+    for i in range(warmup + reps):
+        x = make()
+        t0 = time.perf_counter()
+        fn(x)
+        if i >= warmup:
+            ts.append(time.perf_counter() - t0)
+    return {"median_s": statistics.median(ts), "min_s": min(ts), "reps": reps}
+
+
 def _rate(rec: dict, nbytes: int) -> dict:
     rec["gb_per_s"] = nbytes / rec["median_s"] / 1e9 if rec["median_s"] > 0 else None
     return rec
@@ -134,27 +151,25 @@ def child_copies(reps: int) -> dict:
         arr.block_until_ready()
         r: dict = {"bytes": nbytes}
 
-        def d2h_meshpipe():
-            return [np.asarray(s.data) for s in arr.addressable_shards]
+        def fresh():
+            return jax.block_until_ready(jax.device_put(host, split))
 
-        def d2h_async():
-            for s in arr.addressable_shards:
-                s.data.copy_to_host_async()
-            return [np.asarray(s.data) for s in arr.addressable_shards]
+        def d2h_meshpipe(a):
+            return [np.asarray(sh.data) for sh in a.addressable_shards]
 
-        r["d2h_meshpipe"] = _rate(_timed(d2h_meshpipe, reps), nbytes)
-        r["d2h_copy_to_host_async"] = _rate(_timed(d2h_async, reps), nbytes)
-        issue = []
-        for _ in range(reps):               # a fresh array each time: the copy is not cached
-            fresh = jax.device_put(host, split)
-            fresh.block_until_ready()
-            t0 = time.perf_counter()
-            for s in fresh.addressable_shards:
-                s.data.copy_to_host_async()
-            issue.append(time.perf_counter() - t0)
-            [np.asarray(s.data) for s in fresh.addressable_shards]
-        r["d2h_copy_to_host_async"]["issue_median_s"] = statistics.median(issue)
-        shards = [np.array(x, copy=True) for x in d2h_meshpipe()]      # fresh pageable memory, as a receiver holds
+        def d2h_async(a):
+            for sh in a.addressable_shards:
+                sh.data.copy_to_host_async()
+            return [np.asarray(sh.data) for sh in a.addressable_shards]
+
+        def d2h_async_issue(a):     # what the compute thread waits for: the issue only
+            for sh in a.addressable_shards:
+                sh.data.copy_to_host_async()
+
+        r["d2h_meshpipe"] = _rate(_timed_fresh(fresh, d2h_meshpipe, reps), nbytes)
+        r["d2h_copy_to_host_async"] = _rate(_timed_fresh(fresh, d2h_async, reps), nbytes)
+        r["d2h_copy_to_host_async"]["issue_median_s"] = _timed_fresh(fresh, d2h_async_issue, reps)["median_s"]
+        shards = [np.array(x, copy=True) for x in d2h_meshpipe(arr)]      # fresh pageable memory, as a receiver holds
         r["h2d_meshpipe"] = _rate(_timed(lambda: jax.block_until_ready(jax.device_put(shards, devices)), reps), nbytes)
         whole = [host] * len(devices)
         r["h2d_replicated_per_device"] = _rate(_timed(
@@ -168,6 +183,9 @@ def child_copies(reps: int) -> dict:
         if pinned:
             to_pinned, to_device = split.with_memory_kind("pinned_host"), split.with_memory_kind("device")
             r["d2h_pinned"] = _rate(_timed(lambda: jax.block_until_ready(jax.device_put(arr, to_pinned)), reps), nbytes)
+            r["d2h_pinned_then_numpy"] = _rate(_timed_fresh(
+                lambda: jax.block_until_ready(jax.device_put(arr, to_pinned)),
+                lambda a: [np.asarray(sh.data) for sh in a.addressable_shards], reps), nbytes)
             staged = jax.block_until_ready(jax.device_put(arr, to_pinned))
             r["h2d_pinned"] = _rate(_timed(lambda: jax.block_until_ready(jax.device_put(staged, to_device)), reps),
                                     nbytes)
@@ -180,14 +198,17 @@ def child_copies(reps: int) -> dict:
 
 # ----------------------------------------------------------------------------- part: world
 
-def child_world(rank: int, coordinator: str, xfer_port: int, reps: int, timeout_s: float) -> dict:
+def child_world(rank: int, coordinator: str, xfer_port: int, reps: int, timeout_s: float, force_dcn: bool) -> dict:
     import jax
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
     jax.config.update("jax_cross_host_transfer_socket_address", f"127.0.0.1:{xfer_port + rank}")
     jax.config.update("jax_cross_host_transport_addresses", "127.0.0.1:0")
-    out: dict = {"rank": rank}
+    jax.config.update("jax_cross_host_transfer_timeout_seconds", max(10, int(timeout_s / 3)))
+    if force_dcn:       # XLA's socket transfer library even where the backend has its own (NCCL)
+        jax.config.update("jax_force_dcn_cross_host_transfers", True)
+    out: dict = {"rank": rank, "force_dcn": force_dcn}
     try:
         kw = {"local_device_ids": [0]} if os.environ.get("JAX_PLATFORMS", "") not in ("cpu",) else {}
         jax.distributed.initialize(coordinator, 2, rank, initialization_timeout=int(timeout_s), **kw)
@@ -327,7 +348,7 @@ def child_socket(rank: int, rendezvous: str, reps: int, timeout_s: float) -> dic
 
 # ----------------------------------------------------------------------------- part: mock
 
-def child_mock(timeout_s: float) -> dict:
+def child_mock(timeout_s: float, topology: str = MOCK_TOPOLOGY) -> dict:
     import jax
 
     gpu = False
@@ -338,12 +359,13 @@ def child_mock(timeout_s: float) -> dict:
         gpu = False
     out: dict = {"flag_exists": "jax_mock_gpu_topology" in jax.config.values}
     if gpu and os.environ.get("JAX_PLATFORMS", "") in ("", "cuda", "gpu"):
-        jax.config.update("jax_mock_gpu_topology", MOCK_TOPOLOGY)
-        out["mode"] = f"jax_mock_gpu_topology={MOCK_TOPOLOGY}"
+        jax.config.update("jax_mock_gpu_topology", topology)
+        out["mode"] = f"jax_mock_gpu_topology={topology}"
     else:
         out["mode"] = "cpu stand-in: 16 simulated CPU devices (jax_mock_gpu_topology mocks the CUDA client only)"
     try:
-        out.update(_compile_stage(jax.devices()))
+        _, hosts, per_host = (int(x) for x in topology.split("x"))
+        out.update(_compile_stage(jax.devices(), hosts if gpu else 2, per_host if gpu else 8))
     except Exception as e:  # noqa: BLE001
         out["error"] = f"{type(e).__name__}: {str(e)[:1500]}"
     return out
@@ -353,9 +375,10 @@ MOCK_MODEL = {"vocab": 32768, "d_model": 1024, "heads": 16, "d_mlp": 4096, "bloc
 SMOKE_MOCK_MODEL = {"vocab": 128, "d_model": 64, "heads": 8, "d_mlp": 128, "blocks": 4}
 
 
-def _compile_stage(devices) -> dict:
-    """A GPT stage of 2 blocks (`MOCK_MODEL`) on a {data: 2, model: 8} mesh over `devices`,
-    compiled ahead of time (forward and backward + accumulate); XLA's bytes per device."""
+def _compile_stage(devices, hosts: int = 2, per_host: int = 8) -> dict:
+    """A GPT stage of 2 blocks (`MOCK_MODEL`) on a {data: hosts, model: per_host} mesh over `devices`
+    (host-major, as the stage worker builds it), compiled ahead of time (forward and backward +
+    accumulate); XLA's bytes per device."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -365,13 +388,14 @@ def _compile_stage(devices) -> dict:
     from stages.aot_profile import build_source
     from stages.program import StageProgram
 
-    if len(devices) < 16:
-        return {"skipped": f"{len(devices)} devices; the 2 × 8 mesh needs 16"}
+    n = hosts * per_host
+    if len(devices) < n:
+        return {"skipped": f"{len(devices)} devices; the {hosts} × {per_host} mesh needs {n}"}
     smoke = SIZES_MIB == SMOKE_SIZES_MIB
     source = {"kind": "modelspec", "name": "gpt", "seq_len": 16 if smoke else 1024, "compute": "bfloat16",
               "args": SMOKE_MOCK_MODEL if smoke else MOCK_MODEL}
     spec, model = build_source(source)
-    mesh = Mesh(np.array(devices[:16]).reshape(2, 8), ("data", "model"))
+    mesh = Mesh(np.array(devices[:n]).reshape(hosts, per_host), ("data", "model"))
     prog = StageProgram(spec, model, 1, 3, microbatches=4, optimizer=optax.adam(1e-4), mesh=mesh,
                         layout={"batch": "data", "heads": "model", "mlp": "model", "vocab": "model"})
 
@@ -389,8 +413,8 @@ def _compile_stage(devices) -> dict:
     for name, c in (("F", fwd), ("B", bwd)):
         m = c.memory_analysis()
         mem[name] = {k: int(getattr(m, f"{k}_size_in_bytes", 0)) for k in ("argument", "output", "temp")}
-    return {"model": source["args"], "seq_len": source["seq_len"], "mesh": {"data": 2, "model": 8}, "devices": len(devices),
-            "processes": sorted({d.process_index for d in devices[:16]}), "device_kind": devices[0].device_kind,
+    return {"model": source["args"], "seq_len": source["seq_len"], "mesh": {"data": hosts, "model": per_host},
+            "devices": len(devices), "processes": sorted({d.process_index for d in devices[:n]}), "device_kind": devices[0].device_kind,
             "layers": [1, 3], "memory_per_device": mem, "compile_s": time.perf_counter() - t0}
 
 
@@ -457,11 +481,13 @@ def parent(args) -> int:
         if part == "copies":
             got = _run_children([["--child", "copies", *common]], env, args.timeout_s)[0]
         elif part == "world":
-            coord, xfer = f"127.0.0.1:{_free_port()}", _free_port()
             wenv = {**env, "CUDA_VISIBLE_DEVICES": env.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]}
-            got = {"ranks": _run_children([["--child", "world", "--rank", str(r), "--coordinator", coord,
-                                             "--xfer-port", str(xfer), *common] for r in (0, 1)], wenv,
-                                           args.timeout_s)}
+            got = {}
+            for variant, flag in (("default", []), ("force_dcn", ["--force-dcn"])):
+                coord, xfer = f"127.0.0.1:{_free_port()}", _free_port()
+                got[variant] = {"ranks": _run_children([["--child", "world", "--rank", str(r), "--coordinator", coord,
+                                                         "--xfer-port", str(xfer), *flag, *common] for r in (0, 1)],
+                                                       wenv, args.timeout_s)}
         elif part == "socket":
             with tempfile.TemporaryDirectory(prefix="gpu-transfer-check-") as where:
                 senv = {**env, "CUDA_VISIBLE_DEVICES": env.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]}
@@ -469,9 +495,13 @@ def parent(args) -> int:
                                                 *common] for r in (0, 1)], senv, args.timeout_s)}
         else:
             menv = dict(env)
-            if env.get("JAX_PLATFORMS", "") == "cpu" or not _has_cuda_plugin():
+            on_cpu = env.get("JAX_PLATFORMS", "") == "cpu" or not _has_cuda_plugin()
+            if on_cpu:
                 menv["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=16").strip()
             got = _run_children([["--child", "mock", *common]], menv, args.timeout_s)[0]
+            if not on_cpu and "error" in got:     # the mock may want as many local GPUs as it names per host
+                got = {MOCK_TOPOLOGY: got, "1x2x1": _run_children([["--child", "mock", "--mock-topology", "1x2x1",
+                                                                    *common]], menv, args.timeout_s)[0]}
         got["part_s"] = time.perf_counter() - t1
         res["parts"][part] = got
         save()
@@ -532,6 +562,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--coordinator", default="", help=argparse.SUPPRESS)
     ap.add_argument("--xfer-port", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--rendezvous", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--force-dcn", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--mock-topology", default=MOCK_TOPOLOGY, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     args.parts = [p for p in args.parts.split(",") if p]
     bad = [p for p in args.parts if p not in PARTS]
@@ -551,11 +583,11 @@ def main(argv=None) -> int:
         if args.child == "copies":
             rec = child_copies(args.reps)
         elif args.child == "world":
-            rec = child_world(args.rank, args.coordinator, args.xfer_port, args.reps, args.timeout_s)
+            rec = child_world(args.rank, args.coordinator, args.xfer_port, args.reps, args.timeout_s, args.force_dcn)
         elif args.child == "socket":
             rec = child_socket(args.rank, args.rendezvous, args.reps, args.timeout_s)
         else:
-            rec = child_mock(args.timeout_s)
+            rec = child_mock(args.timeout_s, args.mock_topology)
     except Exception as e:  # noqa: BLE001 - a part that fails is recorded, not lost
         rec = {"error": f"{type(e).__name__}: {str(e)[:1500]}"}
     _emit(rec)
