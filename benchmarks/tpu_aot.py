@@ -126,9 +126,12 @@ def _mem(compiled) -> dict:
 
 def stage_programs(cfg: dict, devices, stage: int, stages: int = 2) -> dict:
     """Compile one stage's F, B+accumulate and update for the TPU topology; XLA's bytes per chip."""
+    import math
+
     import jax
     import jax.numpy as jnp
     import numpy as np
+    import optax
     from jax.sharding import Mesh
 
     from orchestrator.core.schedule import generate, lower, simulate
@@ -162,13 +165,26 @@ def stage_programs(cfg: dict, devices, stage: int, stages: int = 2) -> dict:
         y_info, res_info = fwd.out_info[:2]
         dy = sds((), "float32", None) if prog.last else [y_info[i] for i in prog.out_diff]
         _try(lambda: prog.bwd_acc.lower(params(), res_info, dy, params()).compile(), "B", mem, errors)
-    # the optimizer state as `init_state` makes it; scalars (adam's count) replicated over the stage's mesh
+    # the optimizer state as the update keeps it after its first step: each parameter-shaped leaf sharded
+    # like its parameter (XLA's propagation gives that), the rest (adam's count) replicated
     rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    opt_info = jax.tree.map(lambda s: s if set(s.sharding.device_set) <= set(mine) else sds(s.shape, s.dtype, rep),
-                            jax.jit(prog.tx.init).lower(params()).compile().out_info)
+    shapes = jax.eval_shape(prog.tx.init, params())
+    opt_info = optax.tree_map_params(prog.tx, lambda s, p: sds(s.shape, s.dtype, p.sharding), shapes, params(),
+                                     transform_non_params=lambda s: sds(s.shape, s.dtype, rep))
+    # ... and where `StageProgram.init_state`'s `jax.jit(tx.init)` puts it before that first step
+    init_out = jax.jit(prog.tx.init).lower(params()).compile().out_info
+    init_bytes = {}
+    for leaf in jax.tree.leaves(init_out):
+        for d in leaf.sharding.device_set:
+            n = math.prod(leaf.sharding.shard_shape(leaf.shape)) * np.dtype(leaf.dtype).itemsize
+            init_bytes[str(d)] = init_bytes.get(str(d), 0) + n
+    opt_init = {"devices": len(init_bytes), "max_bytes_on_one_device": max(init_bytes.values(), default=0),
+                "steady_bytes_per_chip": sum(math.prod(x.sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
+                                             for x in jax.tree.leaves(opt_info))}
     _try(lambda: prog.update.lower(params(), opt_info, params()).compile(), "OPT", mem, errors)
     out = {"stage": stage, "layers": [cuts[stage], cuts[stage + 1]], "chips": len(mine), "mesh": cfg["mesh"],
-           "device_kind": mine[0].device_kind, "programs": mem, "compile_s": time.perf_counter() - t0}
+           "device_kind": mine[0].device_kind, "programs": mem, "optimizer_state_at_init": opt_init,
+           "compile_s": time.perf_counter() - t0}
     if errors:
         out["errors"] = errors
         return out

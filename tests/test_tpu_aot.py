@@ -52,6 +52,8 @@ def test_readme_gpt_stages_compile_for_a_v5e_16_and_fit(tmp_path):
         assert pc["fits"] and pc["peak"] == pc["params_opt_grads"] + pc["stash"] + pc["temp"] + pc["code"]
         assert pc["params_opt_grads"] > 0 and pc["stash"] > 0
         assert st["inflight"] == 2 - st["stage"]          # 1F1B on 2 stages
+        opt = st["optimizer_state_at_init"]             # adam: two parameter-shaped slots, sharded as they are
+        assert 0 < opt["steady_bytes_per_chip"] < pc["params_opt_grads"]
 
 
 def test_without_libtpu_the_failure_is_recorded(tmp_path):
