@@ -30,7 +30,9 @@ Basic flow of `search(model, topo, global_batch, profile=...)`:
      (`Topology.action_overhead_s`), an edge's the per-transfer one;
   5. the DP's three best plans per (m, p, schedule) — by its own estimate — are
      replayed by the schedule simulator (`orchestrator.core.schedule.simulate`) with
-     their per-stage F/B/OPT costs and per-edge transfer times; candidates are ranked
+     their per-stage F/B/OPT costs and per-edge transfer times and thread holds (a blocking
+     SEND holds its sender, host-to-device copies its receiver: `Topology.edge`, the
+     cluster's transport); candidates are ranked
      by simulated step time. `SearchOptions.exhaustive` replays every legal plan
      instead (small spaces; the tests compare the two).
 
@@ -64,6 +66,7 @@ from orchestrator.core.planner.model import PlanModel
 from orchestrator.core.planner.profile import LayerProfile, ProfileRequest
 from orchestrator.core.planner.tables import Table, fuses, layer_table, stage_memory, stage_tables
 from orchestrator.core.planner.topology import Topology
+from orchestrator.core.planner.transports import edge_record
 
 __all__ = ["SearchOptions", "StageChoice", "Candidate", "SearchResult", "PlanningError", "search",
            "DEFAULT_RULESETS", "rulesets_for", "evaluate", "legal_plans", "default_schedules"]
@@ -613,7 +616,9 @@ def evaluate(model, topo, choices, tables, stages, m, sched, infl, global_batch,
 
     Every F, B, I, W and OPT action of every stage costs `topo.action_overhead_s` on top of its
     device time, and every stage-edge transfer `topo.transfer_overhead_s` on top of its
-    link's α-β time (the runtime's fixed costs, `meshpipe calibrate`). Memory per device is
+    link's α-β time (the runtime's fixed costs, `meshpipe calibrate`). Each edge is costed under
+    the cluster's transport on the two stages' layouts (`Topology.edge`): its transfer, how long
+    its SEND holds the sender and its RECV the receiver, all played by the simulator. Memory per device is
     `tables.stage_memory` (`fused`: the loss layer's F+B as one program on the last stage;
     zero-bubble: the stage's `stash_timeline` peak of F residuals and I's held-for-W bytes).
     """
@@ -642,31 +647,12 @@ def evaluate(model, topo, choices, tables, stages, m, sched, infl, global_batch,
                                sum(c.fsdp_comm_s for c in cols), sum(c.fsdp_bytes for c in cols),
                                sum(c.i_s for c in cols) + over, sum(c.w_s for c in cols) + over,
                                sum(c.held_bytes for c in cols)))
-    edges = [_edge(model, topo, e, a, b, micro) for e, (a, b) in enumerate(zip(out, out[1:]))]
+    edges = [edge_record(model, topo, e, a, b, micro) for e, (a, b) in enumerate(zip(out, out[1:]))]
     costs = [{"F": st.fwd_s, "B": st.bwd_s, "I": st.i_s, "W": st.w_s, "OPT": st.opt_s} for st in out]
     sim = simulate(low, costs, [e["transfer_s"] for e in edges] or 0.0,
                    send_block=[e["send_block_s"] for e in edges] or 0.0,
                    recv_block=[e["recv_block_s"] for e in edges] or 0.0)
     return Candidate(tuple(out), m, sched, float(sim.step_time), float(sim.bubble_fraction), tuple(edges))
-
-
-def _edge(model, topo, e: int, a: StageChoice, b: StageChoice, micro: int, last: Optional[int] = None) -> dict:
-    """Edge e's record: the activation leaving stage a's last layer (or layer `last - 1`) for stage b,
-    costed by `Topology.edge` on the two stages' layouts; forward and backward (the gradient, b → a)
-    share the simulator's per-edge figures, so each part is the slower direction's."""
-    from orchestrator.core.planner.transports import edge_layout
-
-    layer = model.layers[(a.layers[1] if last is None else last) - 1]
-    nbytes = layer.out_bytes(micro)
-    src, dst = a.hosts[0] + a.hosts[1] - 1, b.hosts[0]
-    cls = topo.class_of_hosts([src, dst])
-    dph = topo.devices_per_host
-    fwd = topo.edge(cls, nbytes, edge_layout(a.choice, b.choice, layer.out_axes, dph)).to_dict()
-    bwd = topo.edge(cls, nbytes, edge_layout(b.choice, a.choice, layer.out_axes, dph)).to_dict()
-    parts = {k: max(fwd[k], bwd[k]) for k in fwd}
-    delay = max(parts["transfer_s"], parts["send_block_s"]) + parts["recv_block_s"]
-    return {"edge": [e, e + 1], "bytes": nbytes, "link": cls, "transport": topo.transport.name,
-            "time_s": delay, **parts}
 
 
 def evaluate_interleaved(model, topo, choices, tables, plan, m, v, infl, global_batch, slots) -> Candidate:

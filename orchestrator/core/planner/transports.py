@@ -48,7 +48,7 @@ from typing import Mapping, Optional
 import numpy as np
 
 __all__ = ["TransportModel", "TRANSPORTS", "EdgeLayout", "EdgeCost", "resolve", "default_links",
-           "edge_layout", "HOST_COPY_SHARE_OF_PCIE"]
+           "edge_layout", "edge_record", "HOST_COPY_SHARE_OF_PCIE"]
 
 
 @dataclass(frozen=True)
@@ -231,3 +231,21 @@ def _host_pieces(order, sizes_items, sharded, dph) -> tuple[float, int, int]:
         cand = (n / total, n, max(1, len(mine) // n))
         best = max(best, cand)
     return best
+
+
+def edge_record(model, topo, e: int, a, b, micro: int) -> dict:
+    """Edge e's record for a plan (`search.evaluate`): the activation leaving stage a's last layer for
+    stage b (`StageChoice`s), costed by `Topology.edge` on the two stages' layouts; forward and
+    backward (the gradient, b → a) share the simulator's per-edge figures, so each part is the
+    slower direction's."""
+    layer = model.layers[a.layers[1] - 1]
+    nbytes = layer.out_bytes(micro)
+    src, dst = a.hosts[0] + a.hosts[1] - 1, b.hosts[0]
+    cls = topo.class_of_hosts([src, dst])
+    dph = topo.devices_per_host
+    fwd = topo.edge(cls, nbytes, edge_layout(a.choice, b.choice, layer.out_axes, dph)).to_dict()
+    bwd = topo.edge(cls, nbytes, edge_layout(b.choice, a.choice, layer.out_axes, dph)).to_dict()
+    parts = {k: max(fwd[k], bwd[k]) for k in fwd}
+    delay = max(parts["transfer_s"], parts["send_block_s"]) + parts["recv_block_s"]
+    return {"edge": [e, e + 1], "bytes": nbytes, "link": cls, "transport": topo.transport.name,
+            "time_s": delay, **parts}
