@@ -109,8 +109,17 @@ class LinksConfig(Frozen):
 
     `host`: between devices of one host; `group`: between hosts of one node group
     (an NVLink/ICI domain: `hosts_per_group` consecutive hosts; a TPU slice);
-    `dcn`: between node groups. Left out: the platform's nominal defaults
-    (`orchestrator.core.planner.topology`).
+    `dcn`: between node groups. Their figures describe stage-edge transfers under THIS
+    cluster's `transport` (what `meshpipe calibrate` measures). Left out: the nominal
+    defaults of the platform under that transport (`orchestrator.core.planner.transports`).
+
+    How the transport's SEND is charged (null: the transport's own figures — `ray` and
+    `socket` 1 and 0 µs, `xla` 0 and 100 µs):
+      send_blocking   fraction (0..1) of the device→host copy + the wire that the sender's
+                      compute thread waits for.
+      send_issue_us   the sender's compute-thread cost of issuing one SEND, µs.
+      host_copy       α-β of one device↔host copy as the host-staged transports (ray,
+                      socket) make them (null: the platform's default; none on CPU).
     """
 
     host: Optional[LinkClassConfig] = Field(None, description="Between devices of one host.")
@@ -119,13 +128,23 @@ class LinksConfig(Frozen):
     dcn: Optional[LinkClassConfig] = Field(None, description="Between node groups.")
     hosts_per_group: Optional[PosInt] = Field(None, description="Consecutive hosts per node group; must divide "
                                                                 "`hosts`.")
+    send_blocking: Optional[Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]] = Field(
+        None, description="Fraction (0..1) of the device→host copy and the wire that a SEND holds the sender's "
+                          "compute thread for (null: the transport's own figure: `ray`/`socket` 1, `xla` 0).")
+    send_issue_us: Optional[NonNegFloat] = Field(
+        None, description="The sender's compute-thread cost of issuing one SEND, µs (null: `ray`/`socket` 0, "
+                          "`xla` 100).")
+    host_copy: Optional[AlphaBetaConfig] = Field(
+        None, description="α-β of one device↔host copy as the host-staged transports (`ray`, `socket`) make "
+                          "them (null: the platform's default; none on CPU).")
 
 
 class DeviceConfig(Frozen):
     """`device:` (optional; `meshpipe plan --auto` only) — what one device can hold and do."""
 
     memory_gb: Optional[PosFloat] = Field(None, description="What the planner may fill per device, GB (1e9 "
-                                                            "bytes).")
+                                                            "bytes); null: the accelerator's data sheet × "
+                                                            "`gpu.memory_fraction` (0.75: 60 for an H100).")
     tflops: Optional[PosFloat] = Field(None, description="Sustained float32 TFLOP/s per device, every host "
                                                          "computing (what the cost model charges).")
     memory_bandwidth_gbps: Optional[PosFloat] = Field(None, description="GB/s per device, every host computing.")
