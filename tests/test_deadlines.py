@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import json
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -104,10 +106,12 @@ def _free_port() -> int:
 
 
 def test_cli_address_where_nothing_listens_fails_in_seconds_naming_the_address_ray_tried(tmp_path):
-    from orchestrator.driver.ray_internals import bootstrap_address
-
     port = _free_port()        # bound and released: nothing listens there
-    tried = bootstrap_address(f"127.0.0.1:{port}")
+    # asked in a fresh process as the CLI's is: in this one an earlier test's Ray may have
+    # fixed the node address Ray rewrites 127.0.0.1 to
+    tried = subprocess.run([sys.executable, "-c", "import sys; from orchestrator.driver.ray_internals "
+                            f"import bootstrap_address; print(bootstrap_address('127.0.0.1:{port}'))"],
+                           capture_output=True, text=True, timeout=120, cwd=ROOT, check=True).stdout.strip()
     t0 = time.monotonic()
     r = meshpipe("run", "examples/gpt.yaml", "--address", f"127.0.0.1:{port}", "--set",
                  f"run.output_dir={tmp_path}", "--set", "cluster.timeouts.connect_s=2", timeout=300)
