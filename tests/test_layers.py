@@ -1,9 +1,11 @@
-"""The import rule (README, "How it works"): three layers, imports in one direction.
+"""The import rule (docs/design/how-it-works.md): three layers, imports in one direction.
 
   orchestrator.core    pure description and planning: imports neither ray, nor
                        stages, nor orchestrator.driver (not even inside a function)
   stages               the actor runtime: may import orchestrator.core, never the driver
   orchestrator.driver  the driver runtime: may import both
+  meshpipe             the public API, a facade above the three: re-exports what users write
+                       against and wraps the driver's run/plan; no layer below imports it
 
 Inside the pure layer, the config checks do not import the planner (the planner builds on the
 config, not the other way). Around the product: `benchmarks` may import the product and nothing
@@ -28,9 +30,10 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 # layer of a module prefix, and what each layer may not import
-LAYERS = {"orchestrator.core": 1, "stages": 2, "orchestrator.driver": 3}
-FORBIDDEN = {1: ("ray", "stages", "orchestrator.driver", "benchmarks", "tests"),
-             2: ("orchestrator.driver", "benchmarks", "tests"), 3: ("benchmarks", "tests")}
+LAYERS = {"orchestrator.core": 1, "stages": 2, "orchestrator.driver": 3, "meshpipe": 4}
+FORBIDDEN = {1: ("ray", "stages", "orchestrator.driver", "meshpipe", "benchmarks", "tests"),
+             2: ("orchestrator.driver", "meshpipe", "benchmarks", "tests"), 3: ("meshpipe", "benchmarks", "tests"),
+             4: ("ray", "benchmarks", "tests")}
 # finer rules: (module prefix, what it may not import)
 WITHIN = (("orchestrator.core.config", "orchestrator.core.planner"),     # the planner builds on the config
           ("benchmarks", "tests"))                                        # tests use benchmarks, not back
@@ -84,7 +87,7 @@ def violations(module: str, source: str) -> list[str]:
     return sorted(set(bad))
 
 
-def package_modules(tops=("orchestrator", "stages")):
+def package_modules(tops=("orchestrator", "stages", "meshpipe")):
     for top in tops:
         for path in sorted((ROOT / top).rglob("*.py")):
             rel = path.relative_to(ROOT).with_suffix("")
@@ -100,7 +103,7 @@ def test_every_module_belongs_to_a_layer():
 
 
 def test_imports_point_one_way():
-    bad = [v for m, p in package_modules(("orchestrator", "stages", "benchmarks")) for v in violations(m, p.read_text())]
+    bad = [v for m, p in package_modules(("orchestrator", "stages", "meshpipe", "benchmarks")) for v in violations(m, p.read_text())]
     assert bad == [], "\n".join(bad)
 
 
@@ -154,7 +157,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def test_no_module_imports_one_that_imports_it_back():
-    modules = dict(package_modules(("orchestrator", "stages", "benchmarks", "tests")))
+    modules = dict(package_modules(("orchestrator", "stages", "meshpipe", "benchmarks", "tests")))
     found = cycles(import_graph(modules))
     assert found == [], "import cycles (each a group of modules that import each other):\n" + \
         "\n".join(" <-> ".join(c) for c in found)
@@ -172,6 +175,10 @@ def test_no_module_imports_one_that_imports_it_back():
     ("orchestrator.core.schedule.ir", "import ray\n"),
     ("stages.worker", "from orchestrator.driver.telemetry import Progress\n"),
     ("stages.program", "from orchestrator import driver\n"),
+    ("orchestrator.driver.cli", "from meshpipe import run\n"),
+    ("stages.worker", "import meshpipe\n"),
+    ("orchestrator.core.model.adapters", "def f():\n    from meshpipe._api import describe\n"),
+    ("meshpipe._api", "import ray\n"),
 ])
 def test_the_check_catches_an_upward_import(module, source):
     assert violations(module, source), f"{source!r} in {module} should break the rule"
@@ -183,6 +190,7 @@ def test_the_check_catches_an_upward_import(module, source):
     ("orchestrator.core.contract", 'KIND = "ray"\nDOC = "see stages.worker for how"\n'),   # words, not module paths
     ("orchestrator.core.planner.search", "from orchestrator.core.config.check import ZB_MIN_JAX\n"),
     ("tests.test_x", "from benchmarks.common import job_dict\n"),
+    ("meshpipe._api", "from orchestrator.driver.runner import run_job\nimport stages.hooks\n"),
 ])
 def test_the_check_allows_downward_imports(module, source):
     assert violations(module, source) == []
