@@ -53,12 +53,28 @@ def _under(name: str, prefix: str) -> bool:
     return name == prefix or name.startswith(prefix + ".")
 
 
+PROJECT = ("orchestrator", "stages", "meshpipe", "benchmarks", "tests")
+
+
+def module_path(text: str) -> bool:
+    """Whether a string constant is a module path as importlib is given it: `pkg.mod:attr`, or a
+    dotted name that names one of the project's modules (`"meshpipe.tokens"`, a format's name, and
+    `"meshpipe.json"`, a file's, are words), or a dotted name outside the project (`"ray.util"`)."""
+    if not MODULE_PATH.match(text):
+        return False
+    name, colon, _ = text.partition(":")
+    if colon or name.split(".")[0] not in PROJECT:
+        return True
+    path = ROOT.joinpath(*name.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
 def imported_names(source: str, module: str, package: bool = False) -> list[tuple[int, str]]:
     """(line, absolute module name) of every import in `source` (relative ones resolved; `package`:
     `source` is the package's `__init__`), and of every string constant that is a module path."""
     out = []
     for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Constant) and isinstance(node.value, str) and MODULE_PATH.match(node.value):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and module_path(node.value):
             out.append((node.lineno, node.value.partition(":")[0]))
         if isinstance(node, ast.Import):
             out += [(node.lineno, a.name) for a in node.names]
@@ -188,6 +204,7 @@ def test_the_check_catches_an_upward_import(module, source):
     ("stages.worker", "from orchestrator.core.schedule import Action\nimport ray\n"),
     ("orchestrator.driver.runner", "import stages.worker\nimport ray\n"),
     ("orchestrator.core.contract", 'KIND = "ray"\nDOC = "see stages.worker for how"\n'),   # words, not module paths
+    ("orchestrator.core.data.shards", 'FORMAT = "meshpipe.tokens"\nINFO = "meshpipe.json"\n'),   # names, not modules
     ("orchestrator.core.planner.search", "from orchestrator.core.config.check import ZB_MIN_JAX\n"),
     ("tests.test_x", "from benchmarks.common import job_dict\n"),
     ("meshpipe._api", "from orchestrator.driver.runner import run_job\nimport stages.hooks\n"),
