@@ -260,3 +260,28 @@ def test_product_code_reads_no_test_switches():
 ])
 def test_the_switch_check_catches_an_env_read(source, found):
     assert switches_in(source) == found
+
+
+# -- short functions in the runtime and the driver ------------------------------------------------
+# The actor runtime and the driver read top to bottom: no function (docstring included) longer than
+# a screen. The pure layer's searches and adapters are tables of cases and are not held to it.
+MAX_FUNCTION_LINES = 80
+
+
+def long_functions(source: str, where: str, limit: int = MAX_FUNCTION_LINES) -> list[str]:
+    """`where:line name (n lines)` of each function in `source` longer than `limit` lines."""
+    return [f"{where}:{n.lineno} {n.name} ({n.end_lineno - n.lineno + 1} lines)"
+            for n in ast.walk(ast.parse(source)) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and n.end_lineno - n.lineno + 1 > limit]
+
+
+def test_runtime_and_driver_functions_fit_a_screen():
+    bad = [f for m, p in package_modules(("orchestrator", "stages", "meshpipe")) if layer_of(m) in (2, 3, 4)
+           for f in long_functions(p.read_text(), str(p.relative_to(ROOT)))]
+    assert bad == [], f"functions over {MAX_FUNCTION_LINES} lines (split them):\n" + "\n".join(bad)
+
+
+def test_the_length_check_finds_a_long_function():
+    body = "".join(f"    x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES))
+    assert long_functions(f"def f():\n{body}", "m.py") == [f"m.py:1 f ({MAX_FUNCTION_LINES + 1} lines)"]
+    assert long_functions(f"def f():\n{body[:-len('    x79 = 79')-1]}", "m.py") == []
