@@ -160,7 +160,7 @@ def package(checked, job_path: str, cluster_path: str | None, overrides: tuple[s
     args += ["--address", "auto"] + (["--overwrite"] if overwrite else [])
     if job.checkpoint is not None:      # a retry (the same submission again) continues the run
         args += ["--resume", "auto"]
-    if job.data.source in ("text", "tokens", "hf") and isinstance(job.data.path, str):
+    if isinstance(job.data.path, str):      # (only the sources that read files take a path)
         src = Path(checked.data_path or job.data.path)
         sets.append(f"data.path={inside(src, 'the data file', 'data.path')}")
     if job.data.tokenizer:
