@@ -34,7 +34,7 @@ Invariants:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Protocol
+from typing import Any, Mapping, Optional, Protocol, Union
 
 from orchestrator.core.data.plan import DataPlan
 from orchestrator.core.edges import StageGeom
@@ -237,6 +237,9 @@ class CheckpointSpec:
     restore: Optional[RestorePlan] = None
 
 
+MeshAxes = Union[str, tuple[str, ...], None]   # a logical axis's mesh axes after `layout.choose` (no FirstOf)
+
+
 @dataclass(frozen=True)
 class StageSpec:
     """One pipeline stage as its actors run it.
@@ -258,7 +261,7 @@ class StageSpec:
     hosts: tuple[int, ...]
     devices_per_host: int
     mesh: tuple[tuple[str, int], ...]
-    layout: tuple[tuple[str, Any], ...]
+    layout: tuple[tuple[str, MeshAxes], ...]
     chunks: tuple[tuple[int, int], ...]
     actions: tuple[str, ...]
     eval_actions: tuple[str, ...] = ()
@@ -270,7 +273,7 @@ class StageSpec:
         return dict(self.mesh)
 
     @property
-    def layout_map(self) -> dict[str, Any]:
+    def layout_map(self) -> dict[str, MeshAxes]:
         return dict(self.layout)
 
 
