@@ -130,9 +130,10 @@ class RunRecord:
         if self.progress is not None:
             self.progress.update(rec)
 
-    def rollback(self, step: int, restart: int) -> None:
-        """A restart from checkpoint `step`: the later steps leave summary.json's lists (they run
-        again); metrics.jsonl keeps them and gets a `restart` line."""
+    def rollback(self, step: int, restart: int, grow: bool = False) -> None:
+        """A restart from checkpoint `step` (`grow`: an elastic grow-back, no failure): the later steps
+        leave summary.json's lists (they run again); metrics.jsonl keeps them and gets a `restart`
+        (or `grow`) line."""
         lost = len(self.losses) - step
         del self.losses[step:]
         if lost > 0:
@@ -142,7 +143,8 @@ class RunRecord:
                 del scaled["scales"][max(0, len(scaled["scales"]) - lost):]
                 scaled["skipped_steps"] = [s for s in scaled["skipped_steps"] if s < step]
         self.evals[:] = [e for e in self.evals if e[0] < step]
-        self.metrics.append({"restart": restart, "resumed_from": step, "time": time.time()})
+        what = {"grow": True} if grow else {"restart": restart}
+        self.metrics.append({**what, "resumed_from": step, "time": time.time()})
 
     def error_file(self, message: str, where: str, detail: str) -> Path:
         """A failure's full traceback in the next free `error[.N].txt`; returns its path."""
