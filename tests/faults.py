@@ -149,29 +149,3 @@ class FillDiskAt(WorkerHook):
         finally:
             os.close(fd)
 
-
-@dataclass(frozen=True)
-class GateAt(WorkerHook):
-    """(stage, host) of a stage on `stage_hosts` hosts (so: of one plan, in an elastic run) waits at
-    the start of `step` until `open_when` exists (bounded by `timeout_s`), after creating `reached`:
-    for a test to change the cluster at a known point of a later attempt."""
-
-    stage: int
-    host: int
-    step: int
-    stage_hosts: int
-    open_when: str
-    reached: str
-    timeout_s: float = 180.0
-
-    def on_step(self, cfg, step: int) -> None:
-        import os
-        import time
-
-        if (cfg.stage, cfg.host, step, cfg.stage_hosts) != (self.stage, self.host, self.step, self.stage_hosts):
-            return
-        with open(self.reached, "w") as f:
-            f.write(str(os.getpid()))
-        deadline = time.monotonic() + self.timeout_s
-        while not os.path.exists(self.open_when) and time.monotonic() < deadline:
-            time.sleep(0.05)

@@ -6,8 +6,9 @@ Basic flow (`orchestrator.driver.attempts.Session` calls these; it owns the swit
   at each commit on a smaller plan:     g = grow(original, current, gone)   grow_decision(capacity now)
                                         g.grow → `GrowBack` raised from the step loop: the attempt
                                         ends at the commit and the next one starts on the larger plan
-The capacity is `host_capacity` of the job's own host bundle over the live nodes' total resources
-(`placement.live_nodes`), nodes the run lost left out (Ray may not have marked them dead yet).
+The capacity is `host_capacity` of the job's own host bundle over the live nodes' total resources,
+nodes the run lost and nodes whose raylet does not answer left out (Ray marks a lost node dead
+only after its health check, seconds later).
 With `replan: auto` the planner profiles layers through the same worker and on-disk cache as
 `meshpipe plan --auto` (`orchestrator.driver.autoplan`).
 """
@@ -37,18 +38,27 @@ class GrowBack(Exception):
         self.decision, self.step, self.at, self.planning_s = decision, step, at, planning_s
 
 
-def live_capacity(original, avoid=()) -> int:
-    """Host bundles of `original`'s plan the live Ray nodes hold (at most the job's own hosts);
-    nodes in `avoid` (ids the run lost) are not counted."""
+def live_capacity(original, avoid=(), timeout: float = 1.0) -> int:
+    """Host bundles of `original`'s plan the live Ray nodes hold (at most the job's own hosts).
+    Not counted: nodes in `avoid` (ids the run lost) and nodes whose raylet does not accept a
+    connection within `timeout` (gone, though Ray has not marked them dead yet: its health check
+    takes longer, `recovery.lost_nodes`)."""
+    import ray
+
     from orchestrator.core.backends import get_backend
     from orchestrator.core.elastic import host_capacity, plan_hosts
     from orchestrator.core.hosts import bundles
-    from orchestrator.driver.placement import live_nodes
+    from orchestrator.driver.recovery import raylet_answers
+
+    def answers(n: dict) -> bool:
+        where = n.get("NodeManagerAddress"), n.get("NodeManagerPort")
+        return not all(where) or raylet_answers(*where, timeout)
 
     own = plan_hosts(original)
     wanted = bundles(original, get_backend(original.cluster).sites(own))
     common = {k: min(b.get(k, 0.0) for b in wanted) for k in wanted[0]}
-    nodes = [dict(n.resources) for n in live_nodes() if n.node_id not in avoid]
+    nodes = [dict(n.get("Resources") or {}) for n in ray.nodes()
+             if n.get("Alive") and n["NodeID"] not in avoid and answers(n)]
     return host_capacity(common, original.cluster.placement_strategy, nodes, own)
 
 
