@@ -74,7 +74,7 @@ class AttemptFailed(Exception):
 class AttemptLike(Protocol):
     def run(self) -> Any: ...
 
-    def close(self, after_failure: bool, hung=()) -> dict: ...
+    def close(self, after_failure: bool, hung=(), interrupted: bool = False) -> dict: ...
 
 
 class Recovery(Protocol):
@@ -262,7 +262,7 @@ class Session:
         restart's record); otherwise, or with no legal plan on fewer hosts than the one that could
         not be placed, the `Decision` to stop with."""
         from orchestrator.core.elastic import Timings, plan_hosts
-        from orchestrator.driver import elastic, recovery
+        from orchestrator.driver import elastic
 
         lost = self.placement_lost(failed.error)
         if self.elastic is None:
