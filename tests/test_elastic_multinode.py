@@ -166,7 +166,9 @@ def test_a_lost_node_without_a_spare_shrinks_and_finishes_as_the_smaller_plan_re
     assert "error" not in lost, lost.get("error")
     assert got["restarts"] == 1 and got["recoveries"][0]["cause"] == "node lost"
     (rep,) = got["replans"]
-    print("re-plan:", rep, "detection_s:", got["recoveries"][0]["detected_at"] - lost["at"])
+    rec = got["recoveries"][0]
+    print("re-plan:", rep, "detection_s:", rec["detected_at"] - lost["at"], "start_s:", rec.get("start_s"),
+          "first_step_s:", rec.get("first_step_s"), "load:", __import__("os").getloadavg())
     assert (rep["kind"], rep["step"], rep["capacity"], rep["method"]) == ("shrink", 4, 2, "rule"), rep
     assert rep["hosts"] == {"before": 3, "after": 2} and rep["plan"] == {"before": OWN, "after": SMALL}, rep
     assert rep["why"].startswith("node lost: stage 0 host 1") and lost["node_id"][:12] in rep["why"], rep
