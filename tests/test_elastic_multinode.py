@@ -55,13 +55,16 @@ def cluster():
 
 @pytest.fixture
 def full(cluster):
-    """Three live worker nodes before the test (an earlier test removed some)."""
+    """Three live worker nodes before the test (an earlier test removed some). A removed node stays
+    `Alive` in Ray's table until its health check fails, so a node counts when its raylet answers."""
     import ray
 
     from orchestrator.driver.ray_internals import single_machine_mode
+    from orchestrator.driver.recovery import raylet_answers
 
     def alive() -> int:
-        return sum(1 for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU", 0) >= 1)
+        return sum(1 for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU", 0) >= 1
+                   and raylet_answers(n["NodeManagerAddress"], n["NodeManagerPort"], 1.0))
 
     while alive() < WORKERS:
         with single_machine_mode():
