@@ -53,10 +53,9 @@ def cluster():
         yield c
 
 
-@pytest.fixture
-def full(cluster):
-    """Three live worker nodes before the test (an earlier test removed some). A removed node stays
-    `Alive` in Ray's table until its health check fails, so a node counts when its raylet answers."""
+def top_up(cluster) -> None:
+    """Three live worker nodes (an earlier test removed some). A removed node stays `Alive` in
+    Ray's table until its health check fails, so a node counts when its raylet answers."""
     import ray
 
     from orchestrator.driver.ray_internals import single_machine_mode
@@ -71,6 +70,11 @@ def full(cluster):
             cluster.add_node(num_cpus=1, node_ip_address=LOOPBACK)
         cluster.wait_for_nodes(timeout=120)
     wait_until(lambda: alive() == WORKERS, 60, "three worker nodes")
+
+
+@pytest.fixture
+def full(cluster):
+    top_up(cluster)
     return cluster
 
 
@@ -134,6 +138,7 @@ def _nodes(got: dict) -> set:
 
 @pytest.fixture(scope="module")
 def uninterrupted(cluster, tmp_path_factory):
+    top_up(cluster)        # (set up before `full`: pytest makes module fixtures first)
     tmp = tmp_path_factory.mktemp("uninterrupted")
     got = _run(elastic_job(tmp, "el-full", tmp / "ck"))
     assert got["restarts"] == 0 and got["replans"] == [] and got["plan_in_use"] == OWN
