@@ -28,12 +28,14 @@ e.g. ``("head", ("norm", "unembed"), lambda norm, w, x: norm(x) @ w)``. A path a
 
 Parts are initialised from one model key, so the pipelined parameters are those
 of the whole model's own init (`make(nnx.Rngs(key))`, `init(key)`). jax and flax
-are imported inside functions only.
+are imported inside functions only; flax and equinox come with meshpipe's `models`
+extra (`orchestrator.core.extras.require`: the error says so when they are missing).
 """
 from __future__ import annotations
 
 from typing import Any, Callable, Mapping, Sequence, Union
 
+from orchestrator.core.extras import require
 from orchestrator.core.model.pipeline import (ArraySpec, AxesFn, ModelError, Part, PipelineModel, batch_first,
                                               by_path, key_path, picked, replicated)
 
@@ -209,7 +211,8 @@ def nnx_model(make: Callable, parts: Sequence[Union[str, tuple]], *, loss: Calla
     gradients are summed at the step's end and the copies stay identical.
     """
     import jax
-    from flax import nnx
+
+    nnx = require("flax.nnx", "nnx_model")
 
     def kinds_of(tree):
         return sorted({type(v).__name__ for v in jax.tree.leaves(tree, is_leaf=lambda v: isinstance(v, nnx.Variable))})
@@ -381,9 +384,9 @@ def linen_model(module, parts: Sequence[tuple], *, loss: Callable, input, label,
     collection is refused at plan time.
     """
     import jax
-    import flax.linen as nn
     import numpy as np
 
+    nn = require("flax.linen", "linen_model")
     spec_in = as_spec(input)
     example = jax.ShapeDtypeStruct((2, *spec_in.shape), np.dtype(spec_in.dtype))
     abstract = jax.eval_shape(lambda x: module.init(jax.random.key(0), x), example)
@@ -540,8 +543,9 @@ def eqx_model(make: Callable, parts: Sequence[str | tuple], *, loss: Callable, i
     read back after it. Eval calls the submodules under `eqx.nn.inference_mode` (BatchNorm uses
     its running statistics and leaves them unchanged); training calls them as `make` built them.
     """
-    import equinox as eqx
     import jax
+
+    eqx = require("equinox", "eqx_model")
 
     def is_param(v):
         return eqx.is_array(v) or isinstance(v, jax.ShapeDtypeStruct)
