@@ -202,6 +202,13 @@ class Submitted:
     exposed: set = field(default_factory=set)            # listening sockets beyond loopback, while running
 
     @property
+    def record(self) -> Path:
+        """The run's directory (`out_dir` is the run name's; the run writes into <out_dir>/<run id>/)."""
+        from tests.records import run_dir
+
+        return run_dir(self.out_dir.parent, self.out_dir.name)
+
+    @property
     def submission_id(self) -> str:
         return next(w for w in self.stdout.split() if w.startswith(f"meshpipe-{RUN}-"))
 
@@ -263,7 +270,7 @@ def test_submit_succeeds_prints_how_to_follow_and_exits_with_the_outcome(head, s
     assert f"job {sid}: SUCCEEDED" in submitted.stdout
     assert "using the Ray auth token from RAY_AUTH_TOKEN_PATH" in submitted.stderr
     assert head.token not in submitted.stdout + submitted.stderr
-    summary = json.loads((submitted.out_dir / "summary.json").read_text())
+    summary = json.loads((submitted.record / "summary.json").read_text())
     assert len(summary["losses"]) == STEPS and summary["ray"]["namespace"] == f"meshpipe-{RUN}"
 
 
@@ -328,7 +335,7 @@ def test_metrics_endpoint_has_every_metric_with_its_tags(submitted):
 
 
 def test_trace_has_one_span_per_compute_action_and_a_png_timeline(submitted):
-    trace = json.loads((submitted.out_dir / "trace.json").read_text())
+    trace = json.loads((submitted.record / "trace.json").read_text())
     work = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["cat"] != "step"]
     compute = [e for e in work if Action.parse(e["args"]["action"]).kind in (Kind.F, Kind.B)]
     per_step: dict = {}
@@ -345,7 +352,7 @@ def test_trace_has_one_span_per_compute_action_and_a_png_timeline(submitted):
     for events in by_host.values():                          # actions of a host never overlap
         for a, b in zip(events, events[1:]):
             assert b["ts"] >= a["ts"] + a["dur"] - 1.0, (a, b)  # 1 µs: float rounding of the epoch times
-    png = (submitted.out_dir / "timeline.png").read_bytes()
+    png = (submitted.record / "timeline.png").read_bytes()
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and png[12:16] == b"IHDR"
     width, height = int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")
     assert width > 400 and height > 200

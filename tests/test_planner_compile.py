@@ -16,6 +16,7 @@ from orchestrator.core.model.registry import build_spec
 from orchestrator.core.plan import make_plan
 from orchestrator.core.planner.adapter import from_spec
 from orchestrator.core.planner.profile import Profiler, ProfileRequest, linear
+from tests import records
 from tests.conftest import ROOT
 from tests.test_cli import meshpipe
 
@@ -110,7 +111,7 @@ def test_plan_auto_measure_runs_the_top_candidate_on_ray(cache, tmp_path):
     (row,) = rep["measured"]
     assert row["predicted_s"] == rep["candidates"][0]["step_s"] and row["measured_s"] > 0
     assert row["steps_timed"] == 4
-    summary = json.loads((tmp_path / "runs" / "mlp-tiny-auto0" / "summary.json").read_text())
+    summary = records.summary(tmp_path / "runs", "mlp-tiny-auto-measure0")
     assert len(summary["step_times_s"]) == 8
 
 

@@ -2,7 +2,7 @@
 
     meshpipe [--version] [-v] COMMAND ...
     meshpipe run JOB.yaml [--cluster CLUSTER.yaml] [--address ADDR] [--set key.path=value ...]
-                          [--reference] [--overwrite] [--resume [STEP|auto]]
+                          [--reference] [--resume [STEP|auto] [--run-id ID]]
     meshpipe checkpoints JOB.yaml [--set ...]
     meshpipe export CKPT --to DIR
     meshpipe plan JOB.yaml [--cluster CLUSTER.yaml] [--set ...] [--json] [--png PATH] [--allow-code]
@@ -22,8 +22,10 @@ a `module:factory` model beside the job, or `examples.llama_model:pipeline` from
 the repo root, imports without PYTHONPATH.
 
 Config errors print one line per problem (key, value, rule) and exit with 2
-before anything starts; so does a run whose record already exists (without
-`--overwrite`; `--resume` continues its own record). `run` exits 1 when a stage fails (the cause and the stage's
+before anything starts. Every `run` writes its record into a directory of its own,
+`<run.output_dir>/<run.name>/<run id>/` (`latest` names the newest; `--resume` continues it;
+`orchestrator.driver.rundir`), so running a job again never replaces an earlier record
+(`--overwrite` is no longer needed and only says so). `run` exits 1 when a stage fails (the cause and the stage's
 traceback on stderr, the full one in `<run dir>/error.txt`) and 130 on Ctrl-C or
 SIGTERM. submit/status exit with the job's outcome: 0 SUCCEEDED, 1 FAILED,
 3 STOPPED; 4 cannot reach or authenticate to the cluster, 5 --timeout, 6 no
@@ -178,23 +180,35 @@ def resume_command(job: str, cluster: str | None, overrides: tuple[str, ...], ad
 @click.option("--address", default=None, metavar="ADDR",
               help="connect to this running Ray ('auto', host:port) instead of the cluster file's address "
                    "(what `meshpipe submit` uses inside the job)")
-@click.option("--overwrite", is_flag=True, help="replace the record of an earlier run with the same run.name")
+@click.option("--overwrite", is_flag=True, hidden=True,
+              help="no longer needed: every run gets its own directory (accepted, and says so)")
 @click.option("--resume", default=None, is_flag=False, flag_value="latest", metavar="[STEP|auto]",
               help="continue from the newest committed checkpoint in checkpoint.dir, or from STEP; "
                    "'auto': from the newest one if any is committed, else start at step 0 (what "
-                   "`meshpipe submit` runs, so the same submission again continues). The run "
-                   "continues its own record: no --overwrite needed")
-def run(job, cluster, overrides, reference, address, overwrite, resume):
-    """Train JOB on the cluster (or, with --reference, in this process)."""
+                   "`meshpipe submit` runs, so the same submission again continues). The record "
+                   "goes on in the latest run directory (or --run-id's)")
+@click.option("--run-id", default=None, metavar="ID",
+              help="with --resume: the run directory to continue, <run.output_dir>/<run.name>/ID "
+                   "(default: the one `latest` names)")
+def run(job, cluster, overrides, reference, address, overwrite, resume, run_id):
+    """Train JOB on the cluster (or, with --reference, in this process).
+
+    Each run writes its record (summary.json, metrics.jsonl, workers.json, trace.json,
+    timeline.png) into a new directory <run.output_dir>/<run.name>/<UTC start time>/;
+    `latest` there names the newest."""
     from orchestrator.core.checkpoint import CheckpointError
     from orchestrator.core.config import ConfigError, check_checkpoint_dir, checkpoint_bytes
     from orchestrator.core.tls import check_transport_tls
-    from orchestrator.driver.runner import existing_record, run_job
+    from orchestrator.driver.rundir import RunDirError
+    from orchestrator.driver.runner import run_job
 
     if resume is not None and resume not in ("latest", "auto") and not (resume.isdigit() and int(resume) > 0):
         click.echo(f"meshpipe: --resume {resume!r}: must be a step number (a positive integer), 'auto' (the "
                    "newest committed step if there is one, else step 0) or absent (the newest committed step)",
                    err=True)
+        sys.exit(2)
+    if run_id is not None and resume is None:
+        click.echo(f"meshpipe: --run-id {run_id}: only with --resume (a new run gets a new directory)", err=True)
         sys.exit(2)
     checked, check_output_dir = _checked(job, cluster, overrides, address)
     try:
@@ -205,13 +219,9 @@ def run(job, cluster, overrides, reference, address, overwrite, resume):
     except ConfigError as e:
         click.echo(f"meshpipe: invalid configuration:\n{e}", err=True)
         sys.exit(2)
-    found = existing_record(checked, reference)
-    if found and not overwrite and resume is None:   # a resumed run continues its own record
-        r = checked.job.run
-        click.echo(f"meshpipe: run.name = {r.name!r} (run.output_dir = {r.output_dir!r}): {found} exists "
-                   f"from an earlier run; pass --overwrite to replace it, or choose another name "
-                   f"(--set run.name=...)", err=True)
-        sys.exit(2)
+    if overwrite:
+        click.echo("meshpipe: --overwrite is no longer needed: every run writes into a new directory under "
+                   f"{Path(checked.job.run.output_dir) / checked.job.run.name}/ and nothing is replaced", err=True)
     from orchestrator.core.private_fs import DiskFullError
     from orchestrator.driver.interrupt import stop_on_signals, stopped_message
     from orchestrator.driver.placement import PlacementError
@@ -220,9 +230,13 @@ def run(job, cluster, overrides, reference, address, overwrite, resume):
     with stop_on_signals() as stop:
         try:
             run_job(checked, reference=reference, echo=lambda s: click.echo(s), tty=sys.stdout.isatty(),
-                    resume=resume, resume_command=resume_command(job, cluster, overrides, address))
+                    resume=resume, resume_command=resume_command(job, cluster, overrides, address),
+                    run_id=run_id)
         except CheckpointError as e:     # raised before anything started
             click.echo(f"meshpipe: checkpoint: {e}", err=True)
+            sys.exit(2)
+        except RunDirError as e:         # raised before anything started
+            click.echo(f"meshpipe: {e}", err=True)
             sys.exit(2)
         except (PlacementError, StageFailure, TimeoutError, DiskFullError) as e:
             # the run was torn down already (runner's finally); say what failed, without a driver traceback
@@ -431,14 +445,18 @@ def _fail(e) -> None:
 @click.option("--follow/--no-follow", default=True, show_default=True, help="stream the job's logs until it ends")
 @click.option("--no-wait", is_flag=True, help="return right after submitting (exit 0)")
 @click.option("--timeout", type=float, default=None, help="stop waiting after this many seconds (exit 5)")
-@click.option("--overwrite", is_flag=True, help="the run may replace an earlier run's record (`run --overwrite`)")
+@click.option("--overwrite", is_flag=True, hidden=True,
+              help="no longer needed: every run gets its own directory (accepted, and says so)")
 def submit(job, cluster, overrides, address, working_dir, follow, no_wait, timeout, overwrite):
     """Submit JOB to a running Ray cluster as a Ray Job; exit with its outcome."""
     from orchestrator.driver import jobs
 
     checked, _ = _checked(job, cluster, overrides, address="auto")
+    if overwrite:
+        click.echo("meshpipe: --overwrite is no longer needed: every run writes into a new directory under "
+                   "<run.output_dir>/<run.name>/ and nothing is replaced", err=True)
     try:
-        pkg = jobs.package(checked, job, cluster, overrides, address, working_dir, overwrite=overwrite)
+        pkg = jobs.package(checked, job, cluster, overrides, address, working_dir)
     except jobs.JobsError as e:
         _fail(e)
     for w in pkg.warnings:

@@ -17,7 +17,7 @@ Basic flow of `submit`:
      `meshpipe run ... --resume auto`: Ray Jobs does not retry a failed job
      itself (retrying is the submitter's: submit the same job again), and the
      same entrypoint run again continues from the newest committed step (or
-     starts at step 0 when none was committed) instead of refusing its record.
+     starts at step 0 when none was committed), in the latest run directory.
   3. `client()` connects with Ray's token (see `auth_headers`), submits, prints
      the submission id and the `ray job status/logs` commands, then follows the
      logs (`--follow`, default), waits (`--no-follow`) or returns (`--no-wait`).
@@ -124,8 +124,7 @@ class Package:
 
 
 def package(checked, job_path: str, cluster_path: str | None, overrides: tuple[str, ...],
-            address: str, working_dir: str | None = None, submission_id: str | None = None,
-            overwrite: bool = False) -> Package:
+            address: str, working_dir: str | None = None, submission_id: str | None = None) -> Package:
     """Decide the working dir, entrypoint and runtime_env of a submission (pure, apart from path checks).
 
     Raises:
@@ -157,7 +156,7 @@ def package(checked, job_path: str, cluster_path: str | None, overrides: tuple[s
     args = ["meshpipe", "run", inside(Path(job_path), "the job file", "JOB")]
     if cluster_path:
         args += ["--cluster", inside(Path(cluster_path), "the cluster file", "--cluster")]
-    args += ["--address", "auto"] + (["--overwrite"] if overwrite else [])
+    args += ["--address", "auto"]
     if job.checkpoint is not None:      # a retry (the same submission again) continues the run
         args += ["--resume", "auto"]
     if job.data.source in ("text", "tokens", "hf") and isinstance(job.data.path, str):
