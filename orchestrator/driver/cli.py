@@ -7,6 +7,7 @@
     meshpipe export CKPT --to DIR
     meshpipe plan JOB.yaml [--cluster CLUSTER.yaml] [--set ...] [--json] [--png PATH] [--allow-code]
     meshpipe plan JOB.yaml --auto [--cluster C.yaml] [--out PATH] [--explain] [--top K] [--max-model M] [--measure K]
+                                  [--no-calibrate | --recalibrate]
     meshpipe calibrate --cluster CLUSTER.yaml [--out PATH] [--force] [--json]
     meshpipe submit JOB.yaml [--cluster CLUSTER.yaml] --address http://HOST:8265 [--set ...]
                              [--working-dir DIR] [--follow/--no-follow] [--no-wait] [--timeout S]
@@ -271,9 +272,20 @@ def run(job, cluster, overrides, reference, address, overwrite, resume, run_id):
                    "predicted vs measured")
 @click.option("--allow-code", is_flag=True,
               help="allow a job that names code (model.factory, data.factory): plan imports and calls it")
+@click.option("--no-calibrate", is_flag=True,
+              help="--auto: plan an uncalibrated cluster from nominal figures (marked so) instead of "
+                   "calibrating it first")
+@click.option("--recalibrate", is_flag=True,
+              help="--auto: measure the cluster again even if a cached calibration of it exists")
 def plan(job, cluster, overrides, as_json, png, auto, out, explain_, top, max_model, microbatches,
-         target_step_ms, cache_dir, measure, allow_code):
+         target_step_ms, cache_dir, measure, allow_code, no_calibrate, recalibrate):
     """Show placement, schedule and simulated bubble without starting Ray (--auto: plan it for you).
+
+    --auto prices plans with the cluster's measured figures: a cluster file without them is
+    calibrated first (`meshpipe calibrate`, a few minutes, starts Ray), once — the result is
+    cached per cluster file and machine in ~/.cache/meshpipe/calibrated/ — unless
+    --no-calibrate, which plans from nominal figures and says so. The winning job is written
+    with run.name <name>-auto.
 
     A job that names code (`model.factory`, a `package.module:function` model name, `data.factory`)
     is refused unless --allow-code is given: describing its model means importing and calling
@@ -290,7 +302,7 @@ def plan(job, cluster, overrides, as_json, png, auto, out, explain_, top, max_mo
             sys.exit(2)
     if auto:
         _auto(job, cluster, overrides, out, explain_, top, max_model, microbatches, target_step_ms, cache_dir, as_json,
-              measure)
+              measure, not no_calibrate, recalibrate)
         return
     checked, _ = _checked(job, cluster, overrides, allow_code=allow_code, command="plan")
     p = make_plan(checked)
@@ -347,8 +359,11 @@ def export(ckpt, to):
 
 
 def _auto(job, cluster, overrides, out, explain_, top, max_model, microbatches, target_step_ms, cache_dir, as_json,
-          measure):
+          measure, calibrate: bool = True, recalibrate: bool = False):
+    from orchestrator.core.backends import PlacementError
     from orchestrator.core.config import ConfigError
+    from orchestrator.core.planner.calibrate import CalibrationError
+    from orchestrator.driver import autocal
     from orchestrator.driver.autoplan import PlanningError, ProfileError, auto_plan
 
     job_import_dir(job)
@@ -358,11 +373,22 @@ def _auto(job, cluster, overrides, out, explain_, top, max_model, microbatches, 
         click.echo(f"meshpipe: --microbatches = {microbatches!r}: must be positive integers separated by commas, "
                    "e.g. 4,8", err=True)
         sys.exit(2)
+    cluster = cluster or str(DEFAULT_CLUSTER)
     try:
-        with json_stdout(as_json) as echo:   # --measure starts Ray: its forwarded actor lines go to stderr
-            auto_plan(job, cluster or str(DEFAULT_CLUSTER), overrides, out=out, explain_=explain_, top=top,
+        with json_stdout(as_json) as echo:   # calibrating and --measure start Ray: its lines go to stderr
+            say = (lambda s: click.echo(s, err=True)) if as_json else echo
+            try:
+                calibration = autocal.resolve(cluster, calibrate=calibrate, recalibrate=recalibrate, echo=say)
+            except CalibrationError as e:
+                click.echo(f"meshpipe: calibrate: {e}", err=True)
+                sys.exit(2)
+            except (PlacementError, RuntimeError, TimeoutError) as e:
+                click.echo(f"meshpipe: calibrating the cluster failed: {e} (--no-calibrate plans from nominal "
+                           "figures instead)", err=True)
+                sys.exit(1)
+            auto_plan(job, cluster, overrides, out=out, explain_=explain_, top=top,
                       max_model=max_model, microbatches=ms, target_step_ms=target_step_ms, cache_dir=cache_dir,
-                      as_json=as_json, echo=echo, measure=measure)
+                      as_json=as_json, echo=echo, measure=measure, calibration=calibration)
     except ConfigError as e:
         click.echo(f"meshpipe: invalid configuration:\n{e}", err=True)
         sys.exit(2)
