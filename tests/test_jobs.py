@@ -72,6 +72,7 @@ class Head:
     token_path: str
     tmp: str
     proc: subprocess.Popen
+    gcs: str = ""
 
     def get(self, path: str, timeout: float = 10.0):
         req = urllib.request.Request(self.dashboard + path, headers={"Authorization": f"Bearer {self.token}"})
@@ -155,7 +156,7 @@ def head():
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     h = Head(dashboard=f"http://127.0.0.1:{ports['dashboard-port']}",
              metrics_url=f"http://127.0.0.1:{ports['metrics-export-port']}/metrics",
-             token=token, token_path=token_path, tmp=tmp, proc=proc)
+             token=token, token_path=token_path, tmp=tmp, proc=proc, gcs=f"127.0.0.1:{ports['port']}")
 
     def jobs_api_up():
         if proc.poll() is not None:
@@ -221,10 +222,11 @@ def _seen_all_metrics(samples) -> bool:
 @pytest.fixture(scope="module")
 def submitted(head, tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("submit-out")
+    # no --address: the dashboard is found through the cluster's GCS (RAY_ADDRESS), as `ray job` does
     cmd = [str(BIN / "meshpipe"), "submit", "examples/mlp.yaml", "--set", f"run.steps={STEPS}",
-           "--set", f"run.output_dir={out_dir}", "--address", head.dashboard]
+           "--set", f"run.output_dir={out_dir}"]
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=head.env(), stdout=out, stderr=err)
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=head.env(RAY_ADDRESS=head.gcs), stdout=out, stderr=err)
         seen: dict = {}
         samples: dict = {}
         exposed: set = set()
@@ -261,6 +263,10 @@ def submitted(head, tmp_path_factory):
 
 def test_submit_succeeds_prints_how_to_follow_and_exits_with_the_outcome(head, submitted):
     assert submitted.rc == 0, submitted.stdout + submitted.stderr
+    # the dashboard found through the GCS RAY_ADDRESS names, not a guessed port; only the job file
+    # travels (a built-in model on synthetic data), not the rest of examples/
+    assert f"Ray dashboard {head.dashboard} (from RAY_ADDRESS (GCS {head.gcs}))" in submitted.stderr, submitted.stderr
+    assert "shipping 1 file(s)" in submitted.stderr and ": mlp.yaml" in submitted.stderr, submitted.stderr
     sid = submitted.submission_id
     for cmd in (f"ray job status {sid} --address {head.dashboard}", f"ray job logs {sid}",
                 f"meshpipe status {sid}"):

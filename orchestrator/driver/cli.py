@@ -9,11 +9,12 @@
     meshpipe plan JOB.yaml --auto [--cluster C.yaml] [--out PATH] [--explain] [--top K] [--max-model M] [--measure K]
                                   [--no-calibrate | --recalibrate]
     meshpipe calibrate --cluster CLUSTER.yaml [--out PATH] [--force] [--json]
-    meshpipe submit JOB.yaml [--cluster CLUSTER.yaml] --address http://HOST:8265 [--set ...]
-                             [--working-dir DIR] [--follow/--no-follow] [--no-wait] [--timeout S]
-    meshpipe jobs --address http://HOST:8265
-    meshpipe status SUBMISSION_ID --address http://HOST:8265
-    meshpipe logs SUBMISSION_ID --address http://HOST:8265 [--follow]
+    meshpipe submit JOB.yaml [--cluster CLUSTER.yaml] [--address http://HOST:8265] [--set ...]
+                             [--working-dir DIR] [--include PATH ...] [--max-upload-mb N]
+                             [--follow/--no-follow] [--no-wait] [--timeout S]
+    meshpipe jobs [--address http://HOST:8265]
+    meshpipe status SUBMISSION_ID [--address http://HOST:8265]
+    meshpipe logs SUBMISSION_ID [--address http://HOST:8265] [--follow]
     meshpipe prepare INPUTS... --out DIR (--tokenizer FILE | --train-tokenizer VOCAB) [--shard-tokens N]
 
 `--set` takes job keys (`run.steps=3`) and, with a `cluster.` prefix, cluster
@@ -452,13 +453,28 @@ def json_stdout(as_json: bool):
         yield echo
 
 
-address_opt = click.option("--address", envvar="RAY_API_SERVER_ADDRESS", default="http://127.0.0.1:8265",
-                           show_default=True, help="the Ray dashboard (Jobs API) address; env RAY_API_SERVER_ADDRESS")
+address_opt = click.option("--address", envvar="RAY_API_SERVER_ADDRESS", default=None,
+                           help="the Ray dashboard (Jobs API) address, e.g. http://HEAD:8265; env "
+                                "RAY_API_SERVER_ADDRESS. Default: the cluster RAY_ADDRESS names, else the one "
+                                "`ray start` last started on this machine, asked for its dashboard")
 
 
 def _fail(e) -> None:
     click.echo(f"meshpipe: {e}", err=True)
     sys.exit(e.code)
+
+
+def _dashboard(address: str | None) -> str:
+    """--address, or the cluster's dashboard found (`jobs.find_dashboard`, said on stderr); exit 4 if none."""
+    from orchestrator.driver import jobs
+
+    try:
+        url, how = jobs.find_dashboard(address)
+    except jobs.JobsError as e:
+        _fail(e)
+    if not address:
+        click.echo(f"meshpipe: Ray dashboard {url} (from {how})", err=True)
+    return url
 
 
 @main.command()
@@ -473,32 +489,52 @@ def _fail(e) -> None:
 @click.option("--timeout", type=float, default=None, help="stop waiting after this many seconds (exit 5)")
 @click.option("--overwrite", is_flag=True, hidden=True,
               help="no longer needed: every run gets its own directory (accepted, and says so)")
-def submit(job, cluster, overrides, address, working_dir, follow, no_wait, timeout, overwrite):
-    """Submit JOB to a running Ray cluster as a Ray Job; exit with its outcome."""
-    from orchestrator.driver import jobs
+@click.option("--include", "include", multiple=True, type=click.Path(exists=True), metavar="PATH",
+              help="ship this file or directory too (one the job's code opens itself; repeatable)")
+@click.option("--max-upload-mb", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="refuse to upload more than this (default 100 MiB)")
+def submit(job, cluster, overrides, address, working_dir, follow, no_wait, timeout, overwrite, include,
+           max_upload_mb):
+    """Submit JOB to a running Ray cluster as a Ray Job; exit with its outcome.
+
+    Ships only what the job needs: the job and cluster files, the code it names and the local
+    modules that code imports, its data files (and --include paths), at their places under the
+    working dir — never earlier runs, checkpoints, caches or a virtualenv beside them."""
+    import shutil
+
+    from orchestrator.driver import jobs, shipping
 
     checked, _ = _checked(job, cluster, overrides, address="auto")
     if overwrite:
         click.echo("meshpipe: --overwrite is no longer needed: every run writes into a new directory under "
                    "<run.output_dir>/<run.name>/ and nothing is replaced", err=True)
+    address = _dashboard(address)
     try:
-        pkg = jobs.package(checked, job, cluster, overrides, address, working_dir)
+        pkg = jobs.package(checked, job, cluster, overrides, address, working_dir, include=include,
+                           limit_bytes=None if max_upload_mb is None else int(max_upload_mb * 2**20))
     except jobs.JobsError as e:
         _fail(e)
     for w in pkg.warnings:
         click.echo(f"meshpipe: warning: {w}", err=True)
+    ship = pkg.shipment
+    click.echo(f"meshpipe: shipping {len(ship.files)} file(s), {shipping.size_text(ship.nbytes)}, from "
+               f"{pkg.working_dir}: {ship.listing()}", err=True)
     headers, where = jobs.auth_headers()
     click.echo(f"meshpipe: {where}", err=True)
+    staged = shipping.stage(ship)
     try:
         c = jobs.client(address)
-        sid = jobs.bounded(lambda: c.submit_job(entrypoint=pkg.entrypoint, runtime_env=pkg.runtime_env,
+        sid = jobs.bounded(lambda: c.submit_job(entrypoint=pkg.entrypoint,
+                                                runtime_env={**pkg.runtime_env, "working_dir": str(staged)},
                                                 submission_id=pkg.submission_id,
                                                 metadata={"meshpipe_run": pkg.run}),
-                           timeout=120, what="submitting (uploading the working dir)")
+                           timeout=120, what="submitting (uploading the job's files)")
     except jobs.JobsError as e:
         _fail(e)
     except Exception as e:  # noqa: BLE001 - Ray raises several types; say which and why
         _fail(jobs.JobsError(jobs.explain(e, address)))
+    finally:
+        shutil.rmtree(staged, ignore_errors=True)
     from orchestrator.core.redact import redact_text
 
     click.echo(f"submitted {sid}  (run {pkg.run}, working dir {pkg.working_dir})")
@@ -538,6 +574,7 @@ def status(submission_id, address):
     """Print a submitted job's status (exit 1 FAILED, 3 STOPPED, else 0)."""
     from orchestrator.driver import jobs
 
+    address = _dashboard(address)
     try:
         c = jobs.client(address)
         info = jobs.bounded(c.get_job_info, submission_id, what="job info")
@@ -559,6 +596,7 @@ def logs(submission_id, address, follow):
     """Print a submitted job's logs."""
     from orchestrator.driver import jobs
 
+    address = _dashboard(address)
     try:
         c = jobs.client(address)
         if not follow:
@@ -602,6 +640,7 @@ def list_jobs(address):
     """List the meshpipe runs submitted to the cluster (newest last)."""
     from orchestrator.driver import jobs
 
+    address = _dashboard(address)
     try:
         c = jobs.client(address)
         rows = jobs.bounded(c.list_jobs, what="job list")
