@@ -277,8 +277,24 @@ def client(address: str):
     warning = cleartext_token_warning(address, bool(headers))
     if warning:
         logging.getLogger("meshpipe").warning(warning)
+
+    def make():
+        # Ray's client takes RAY_API_SERVER_ADDRESS, then RAY_ADDRESS, over the address it is given
+        # (`get_address_for_submission_client`); a GCS address in RAY_ADDRESS would send it through
+        # Ray's own lookup, which rewrites a loopback head to the routable address and retries for
+        # minutes. The address is already resolved (`find_dashboard`): make it the one Ray reads.
+        before = os.environ.get("RAY_API_SERVER_ADDRESS")
+        os.environ["RAY_API_SERVER_ADDRESS"] = address
+        try:
+            return JobSubmissionClient(address, headers=headers)
+        finally:
+            if before is None:
+                os.environ.pop("RAY_API_SERVER_ADDRESS", None)
+            else:
+                os.environ["RAY_API_SERVER_ADDRESS"] = before
+
     try:
-        return bounded(lambda: JobSubmissionClient(address, headers=headers), what=f"connecting to {address}")
+        return bounded(make, what=f"connecting to {address}")
     except JobsError:
         raise
     except Exception as e:  # noqa: BLE001 - Ray raises several types; name the cause
