@@ -26,8 +26,9 @@ a module, an nnx parameter as its `nnx.Param`, a linen/equinox parameter as its 
 e.g. ``("head", ("norm", "unembed"), lambda norm, w, x: norm(x) @ w)``. A path alone
 (no call) must name a submodule: it is called on x; a parameter has no call of its own.
 
-Parts are initialised from one model key, so the pipelined parameters are those
-of the whole model's own init (`make(nnx.Rngs(key))`, `init(key)`). jax and flax
+Parts are initialised from one model key, `jax.random.key(run.seed)`, so the pipelined
+parameters are those of the whole model's own init (`make(nnx.Rngs(key))`, `init(key)`):
+a single-process training of the model from that key is the numerical reference. jax and flax
 are imported inside functions only; flax and equinox come with meshpipe's `models`
 extra (`orchestrator.core.extras.require`: the error says so when they are missing).
 """
