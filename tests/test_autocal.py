@@ -18,7 +18,6 @@ from orchestrator.core.config import load_cluster
 from orchestrator.driver import autocal
 from orchestrator.driver.cli import DEFAULT_CLUSTER
 from tests import records
-from tests.conftest import ROOT
 from tests.test_cli import meshpipe
 
 # a search small enough to compile in seconds

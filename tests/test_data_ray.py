@@ -9,6 +9,7 @@ reads exactly half of every step's windows.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest

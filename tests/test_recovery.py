@@ -333,8 +333,6 @@ def _nothing_left(pids: Path, job: dict, listening_before: set) -> None:
 
 
 def _summary(job: dict) -> dict:
-    import json
-
     from tests.records import summary
 
     return summary(job["run"]["output_dir"], job["run"]["name"])
