@@ -483,7 +483,8 @@ def _dashboard(address: str | None) -> str:
 @set_opt
 @address_opt
 @click.option("--working-dir", type=click.Path(exists=True, file_okay=False), default=None,
-              help="directory shipped to the cluster as the job's working dir (default: the job file's)")
+              help="the directory the job's files are shipped relative to; the run starts there on the "
+                   "cluster (default: the job file's)")
 @click.option("--follow/--no-follow", default=True, show_default=True, help="stream the job's logs until it ends")
 @click.option("--no-wait", is_flag=True, help="return right after submitting (exit 0)")
 @click.option("--timeout", type=float, default=None, help="stop waiting after this many seconds (exit 5)")
