@@ -19,6 +19,9 @@ meshpipe needs these things Ray has no public API for:
     dashboard URL, which its GCS keeps (`ray._raylet.GcsClient`, key `webui:url` of the
     `dashboard` namespace), asked in a subprocess with a deadline (`meshpipe submit` without
     --address).
+  - `bootstrap_address(address)`: `ray._private.services.canonicalize_bootstrap_address`, the
+    address `ray.init` really dials ("auto" resolved, a loopback host rewritten), so that
+    `orchestrator.driver.connect` can probe it within a deadline and name it.
   - `compiled_graph_proxy(graph)`: a Compiled Graph's `_proxy_actor`, a helper actor Ray
     starts on the driver's node and frees only when the graph object is garbage collected —
     which the refs a failed step leaves in a traceback can delay by a minute.
@@ -62,6 +65,8 @@ INTERNALS = {   # what this module reaches into: (module, attribute) -> what for
         "dropping known noise from the actor output forwarded to the driver",
     ("ray._private.utils", "read_ray_address"): "the cluster `ray start` last started here (submit without --address)",
     ("ray._raylet", "GcsClient"): "the dashboard address a cluster's GCS keeps (submit without --address)",
+    ("ray._private.services", "canonicalize_bootstrap_address"):
+        "the address `ray.init` really dials, probed and named within cluster.timeouts.connect_s",
 }
 LOOPBACK_SWITCH = ("ray._private.ray_constants", "ENABLE_RAY_CLUSTER")   # the one safety depends on
 
@@ -309,6 +314,18 @@ def dashboard_of_gcs(gcs_address: str, timeout: float = 20.0) -> tuple[str | Non
         last = next((ln for ln in reversed(r.stderr.strip().splitlines()) if ln.strip()), f"exit {r.returncode}")
         return None, last[-300:]
     return (url if "://" in url else f"http://{url}"), ""
+
+
+def bootstrap_address(address: str) -> str | None:
+    """The 'host:port' `ray.init(address=address)` dials, or None when Ray would not dial one
+    ("auto" with no cluster to find, "local") or this Ray cannot say."""
+    if address.startswith("ray://"):
+        return address
+    fn = _internal("ray._private.services", "canonicalize_bootstrap_address")
+    try:
+        return fn(address) if fn is not None else address
+    except Exception:  # noqa: BLE001 - ray.init reports a malformed address itself
+        return None
 
 
 def compiled_graph_proxy(graph):
