@@ -44,7 +44,7 @@ def test_readme_checkpoint_example_relative_dir_resume_fallback_and_export(tmp_p
     meshpipe("run", "job.yaml", "--cluster", "cluster.json")
     root = tmp_path / "ckpt" / "gpt-tiny"
     assert [m["step"] for m in ck.committed(root)] == [20, 40]
-    first = json.loads((tmp_path / "runs" / "gpt-tiny" / "summary.json").read_text())
+    first = json.loads((tmp_path / "runs" / "gpt-tiny" / "latest" / "summary.json").read_text())
     assert first["status"] == "completed" and len(first["losses"]) == 40
 
     shard = next(p for p in sorted(ck.stage_dir(root, 40, 1).rglob("*")) if p.is_file() and p.parent.name == "d")
@@ -55,7 +55,9 @@ def test_readme_checkpoint_example_relative_dir_resume_fallback_and_export(tmp_p
     said = caplog.text
     assert "checkpoint step 40 is damaged" in said and str(shard) in said and "step_00000040.damaged" in said, said
     assert "resuming from checkpoint step 20" in out, out
-    resumed = json.loads((tmp_path / "runs" / "gpt-tiny" / "summary.json").read_text())
+    resumed = json.loads((tmp_path / "runs" / "gpt-tiny" / "latest" / "summary.json").read_text())
+    kept = json.loads((tmp_path / "runs" / "gpt-tiny" / "latest" / "previous" / "1" / "summary.json").read_text())
+    assert kept == first                                             # the resumed run set it aside, unchanged
     assert resumed["status"] == "completed" and resumed["checkpoint"]["resumed_from"] == 20
     assert resumed["losses"][:40] == first["losses"]               # steps 20..39 again, bit-exact
     assert [m["step"] for m in ck.committed(root)] == [40, 60]      # 40 committed again; keep: 2

@@ -177,7 +177,9 @@ def nnx_model(make: Callable, parts: Sequence[Union[str, tuple]], *, loss: Calla
         table ``("embed", "embed", lambda table, x: table[...][x])``. Such a path needs a call.
       loss, input, label, out_axes, vocab: as for `plain`.
 
-    Example (a top-level embedding and unembedding, each an `nnx.Param`):
+    Examples:
+        A top-level embedding and unembedding, each an `nnx.Param`:
+
         >>> import jax, jax.numpy as jnp
         >>> from flax import nnx
         >>> class Tiny(nnx.Module):
