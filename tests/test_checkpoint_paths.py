@@ -66,3 +66,24 @@ def test_readme_checkpoint_example_relative_dir_resume_fallback_and_export(tmp_p
     out = meshpipe("export", "ckpt/gpt-tiny/step_00000060", "--to", "exported")
     assert "exported step 60" in out and (tmp_path / "exported" / "params").is_dir()
     assert json.loads((tmp_path / "exported" / "meshpipe.json").read_text())["step"] == 60
+
+
+@pytest.mark.parametrize("case", ["not-a-checkpoint", "to-exists"])
+def test_export_with_relative_paths_refuses_in_one_line_naming_the_absolute_path(tmp_path, monkeypatch, case):
+    """The trial's step: `meshpipe export` with relative paths. What it cannot do is one line on
+    stderr (exit 2) naming the path as resolved from the current directory, never a traceback."""
+    from click.testing import CliRunner
+
+    from orchestrator.driver.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "ckpt" / "step_00000002").mkdir(parents=True)
+    (tmp_path / "exported").mkdir()
+    if case == "to-exists":
+        (tmp_path / "ckpt" / "step_00000002" / ck.MARKER).write_text("{}")
+    r = CliRunner().invoke(main, ["export", "ckpt/step_00000002", "--to", "exported"])
+    assert r.exit_code == 2 and isinstance(r.exception, SystemExit), (r.exit_code, r.output, r.exception)
+    assert "Traceback" not in r.output and len(r.output.strip().splitlines()) == 1, r.output
+    want = (f"{tmp_path / 'ckpt' / 'step_00000002'}: not a committed checkpoint" if case == "not-a-checkpoint"
+            else f"--to {tmp_path / 'exported'}: exists already")
+    assert r.output.startswith("meshpipe: checkpoint: ") and want in r.output, r.output
