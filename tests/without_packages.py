@@ -4,29 +4,27 @@
 
 A `sys.meta_path` finder placed first refuses the named top-level packages (and their
 submodules) with the ModuleNotFoundError Python raises for an absent package, so a core-only
-install is simulated in a venv that has every extra.
+install is simulated in a venv that has every extra. The CLI's own child processes (the job's
+code checked in a child, `orchestrator.driver.usercode`) get the same finder through
+`tests/absent_site/sitecustomize.py`, put on their PYTHONPATH here.
 """
 from __future__ import annotations
 
-import importlib.abc
+import os
 import sys
+from pathlib import Path
 
-
-class Absent(importlib.abc.MetaPathFinder):
-    def __init__(self, names: set[str]):
-        self.names = names
-
-    def find_spec(self, fullname, path=None, target=None):
-        if fullname.split(".")[0] in self.names:
-            raise ModuleNotFoundError(f"No module named {fullname!r}", name=fullname)
-        return None
+SITE = Path(__file__).resolve().parent / "absent_site"
 
 
 def main() -> None:
-    names = set(sys.argv[1].split(","))
-    for mod in [m for m in sys.modules if m.split(".")[0] in names]:
-        del sys.modules[mod]
-    sys.meta_path.insert(0, Absent(names))
+    names = sys.argv[1]
+    os.environ["MESHPIPE_TEST_ABSENT"] = names          # inherited by every child process
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(SITE), os.environ.get("PYTHONPATH")) if p)
+    sys.path.insert(0, str(SITE))
+    import sitecustomize                                 # this directory's: the finder
+
+    sitecustomize.install(names.split(","))
     from orchestrator.driver.cli import main as cli
 
     sys.argv = ["meshpipe", *sys.argv[2:]]
