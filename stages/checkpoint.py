@@ -169,7 +169,9 @@ class StageCheckpointer:
 
     def __init__(self, root: str, every: int, total: int, asynchronous: bool, stage: int, host: int,
                  seed: int = 0, timeout: float = 600.0):
-        import orbax.checkpoint as ocp
+        from orchestrator.core.extras import require
+
+        ocp = require("orbax.checkpoint", "checkpoint:")     # a node without it: the error names the extra
 
         self.root, self.every, self.total = Path(root), every, total
         self.asynchronous, self.stage, self.host, self.timeout = asynchronous, stage, host, timeout

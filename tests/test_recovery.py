@@ -214,8 +214,8 @@ def test_steps_lost_are_the_finished_steps_run_again():
 
 
 def test_stop_message_commands_are_ones_the_cli_accepts():
-    """Stopped with nothing committed: the command printed starts again with --overwrite (the failed
-    run's record exists: without it `meshpipe run` exits 2); with a commit: --resume. Parsed by the
+    """Stopped with nothing committed: the command printed starts again (a new run directory; no
+    --overwrite, which is only a deprecation notice now); with a commit: --resume. Parsed by the
     `run` command itself."""
     import doctest
     import shlex
@@ -235,7 +235,7 @@ def test_stop_message_commands_are_ones_the_cli_accepts():
     cmd = resume_command(job, cluster, ("run.steps=8",), "auto")
     f, no = Failure(DIED, 1, 0, 1, "killed"), Decision(False, "no checkpoint is committed yet")
     fresh = parsed(recovery.stop_message(f, {}, no, None, 1, cmd), "Start again with:")
-    assert fresh["overwrite"] and fresh["resume"] is None, fresh
+    assert not fresh["overwrite"] and fresh["resume"] is None, fresh
     assert (fresh["job"], fresh["cluster"], fresh["overrides"], fresh["address"]) == (job, cluster,
                                                                                      ("run.steps=8",), "auto")
     again = parsed(recovery.stop_message(f, {}, Decision(False, "used up"), 4, 6, cmd), "Continue with:")
@@ -349,9 +349,9 @@ def _nothing_left(pids: Path, job: dict, listening_before: set) -> None:
 
 
 def _summary(job: dict) -> dict:
-    import json
+    from tests.records import summary
 
-    return json.loads((Path(job["run"]["output_dir"]) / job["run"]["name"] / "summary.json").read_text())
+    return summary(job["run"]["output_dir"], job["run"]["name"])
 
 
 def _assert_same_run(got: dict, want: dict) -> None:
@@ -449,7 +449,7 @@ def test_kill_9_of_a_stage_actor_recovers_bit_equal(tmp_path, no_leaks, uninterr
     _assert_same_run(got, uninterrupted)
     assert _summary(job)["restarts"] == 1 and _summary(job)["status"] == "completed"
     assert [m["step"] for m in ck.committed(root)][-1] == STEPS
-    lines = (Path(job["run"]["output_dir"]) / name / "metrics.jsonl").read_text().splitlines()
+    lines = (Path(got["run_dir"]) / "metrics.jsonl").read_text().splitlines()
     assert sum('"restart": 1' in ln for ln in lines) == 1
     _nothing_left(tmp_path / "pids", job, before)
 

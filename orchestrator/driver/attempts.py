@@ -202,7 +202,7 @@ class Session:
             self.metrics.restarts.set(restarts, tags={"run": self.run_name})
         msg = (f"restart {restarts} of {job.failure.max_restarts}: {recovery.describe(failed.failure, failed.where)}"
                f"; resuming from checkpoint step {self.ckpt.start} ({rec['steps_lost']} steps to run again)")
-        log.warning("%s", msg)
+        log.info("%s", msg)      # echo prints it; a warning would reach the terminal a second time
         self.echo(msg)
         self.record.rollback(self.ckpt.start, restarts)
         self.committer.pending.clear()       # saves of the failed attempt never commit
@@ -298,12 +298,15 @@ class Attempt:
 
     def _start(self) -> None:
         from orchestrator.driver.checkpoint import remove_probe, write_probe
+        from orchestrator.driver.workers import write_workers
 
         s, t0 = self.session, time.perf_counter()
         if s.ckpt is not None:
             write_probe(s.ckpt)      # each stage host reads it back at set-up: checkpoint.dir is shared
         self.ex.start()
         remove_probe(s.ckpt)
+        restart = 0 if self.recovering is None else self.recovering["restart"]
+        write_workers(s.record.out, s.run_name, self.ex.info, restart, s.echo)    # which process is which
         s.record.extra.setdefault("startup_s", time.perf_counter() - t0)
         if self.recovering is not None:   # placement + actors + restore + setup (compiling is in step 1)
             self.recovering.update(start_s=time.perf_counter() - t0, placement_s=self.ex.placement_s,
