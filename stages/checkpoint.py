@@ -108,7 +108,31 @@ def _all_named(worker):
     return out
 
 
-def _save_registry():
+def processes(cfg) -> tuple[int, ...] | None:
+    """The JAX processes a stage's saves and restores involve when the job is ONE world
+    (`transport: xla`: the stage's cluster hosts), else None: the stage's own world is all of them."""
+    return tuple(cfg.hosts) if cfg.transport == "xla" else None
+
+
+def _multiprocessing(procs: tuple[int, ...] | None):
+    """Orbax's options for a stage inside a bigger world: its own processes, its first as primary,
+    its own barrier names (stage saves run at the same time under different directories)."""
+    from orbax.checkpoint.options import MultiprocessingOptions
+
+    if procs is None:
+        return MultiprocessingOptions()
+    return MultiprocessingOptions(primary_host=procs[0], active_processes=set(procs),
+                                  barrier_sync_key_prefix=f"meshpipe-stage-of-{procs[0]}")
+
+
+def _handler(procs: tuple[int, ...] | None, registry=None):
+    import orbax.checkpoint as ocp
+
+    kwargs = {} if registry is None else {"type_handler_registry": registry}
+    return ocp.PyTreeCheckpointHandler(multiprocessing_options=_multiprocessing(procs), **kwargs)
+
+
+def _save_registry(procs: tuple[int, ...] | None = None):
     """Orbax's standard handlers for what a stage saves; replica-parallel saving only across hosts.
 
     Orbax can split a shard replicated over R devices into R slices, one written by each replica
@@ -122,10 +146,12 @@ def _save_registry():
     import jax
     from orbax.checkpoint import type_handlers as th
 
-    across_hosts = jax.process_count() > 1
+    across_hosts = jax.process_count() > 1 if procs is None else len(procs) > 1
+    primary = 0 if procs is None else procs[0]
     return th.create_type_handler_registry(
         (int, th.ScalarHandler()), (float, th.ScalarHandler()), (np.number, th.ScalarHandler()),
-        (np.ndarray, th.NumpyHandler()), (jax.Array, th.ArrayHandler(use_replica_parallel=across_hosts)))
+        (np.ndarray, th.NumpyHandler()),
+        (jax.Array, th.ArrayHandler(primary_host=primary, use_replica_parallel=across_hosts)))
 
 
 def _disk_full(e: BaseException) -> bool:
@@ -147,15 +173,17 @@ class StageCheckpointer:
       asynchronous: False waits for each save to finish before the step loop goes on.
       stage, host: who this is (host 0 lists the files).
       timeout: bound on waiting for a previous save.
+      procs: the stage's JAX processes inside a job-wide world (`processes`); None: its own world.
     """
 
     def __init__(self, root: str, every: int, total: int, asynchronous: bool, stage: int, host: int,
-                 timeout: float = 600.0):
+                 timeout: float = 600.0, procs: tuple[int, ...] | None = None):
         import orbax.checkpoint as ocp
 
         self.root, self.every, self.total = Path(root), every, total
         self.asynchronous, self.stage, self.host, self.timeout = asynchronous, stage, host, timeout
-        self._ckptr = ocp.AsyncCheckpointer(ocp.PyTreeCheckpointHandler(type_handler_registry=_save_registry()))
+        self._ckptr = ocp.AsyncCheckpointer(_handler(procs, _save_registry(procs)),
+                                            multiprocessing_options=_multiprocessing(procs))
         self._thread: threading.Thread | None = None
         self._done: list[dict] = []
         self._error: BaseException | None = None
@@ -285,7 +313,8 @@ def restore(worker, plan: dict) -> None:
             i, key = where[name]
             want.setdefault(i, {})[key] = (name, target(leaf))
     got: dict[str, Any] = {}
-    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as ckptr:
+    procs = processes(worker.cfg)
+    with ocp.Checkpointer(_handler(procs), multiprocessing_options=_multiprocessing(procs)) as ckptr:
         for i, targets in sorted(want.items()):
             item = {"arrays": {k: s for k, (_, s) in targets.items()}}
             args = {"arrays": {k: ocp.ArrayRestoreArgs(sharding=s.sharding) for k, (_, s) in targets.items()}}
@@ -321,6 +350,7 @@ def _restore_scale(worker, plan: dict, where: dict) -> tuple[float, int]:
     item = {"arrays": {keys[0]: np.zeros((), np.float64), keys[1]: np.zeros((), np.int64)}}
     args = {"arrays": {k: ocp.RestoreArgs(restore_type=np.ndarray) for k in keys}}
     directory = step_dir(plan["root"], plan["step"]) / plan["stages"][i]["path"]
-    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as ckptr:
+    procs = processes(worker.cfg)
+    with ocp.Checkpointer(_handler(procs), multiprocessing_options=_multiprocessing(procs)) as ckptr:
         out = ckptr.restore(directory, args=ocp.args.PyTreeRestore(item, restore_args=args, partial_restore=True))
     return float(out["arrays"][keys[0]]), int(out["arrays"][keys[1]])

@@ -14,9 +14,10 @@ No host ever gathers the whole tensor unless its own shards are the whole tensor
 
 `Transport` is the interface the worker uses; `TiledTransport` holds the plan/pack/
 assemble part every tile transport shares, `RayTransport` ships with Ray calls and
-`stages.socket_transport.SocketTransport` (the default, cluster `transport: socket`) with
-framed streams over TCP or Unix sockets and shared memory on one machine. A faster transport (e.g. NCCL between GPU hosts) can replace
-them without touching the plan.
+`stages.socket_transport.SocketTransport` (cluster `transport: socket`) with framed streams over
+TCP or Unix sockets and shared memory on one machine. `stages.xla_transport.XlaTransport`
+(`transport: xla`) moves the same plans device to device with XLA's own transfers in one JAX
+world. Which one a worker gets: `stages.dataplane`.
 """
 from __future__ import annotations
 
@@ -63,6 +64,11 @@ class Transport:
         from now on: the worker's RECV deadline, which follows the driver's progress deadline
         (`StageWorker.set_recv_deadline`). A transport whose only waits are the RECVs' (the Ray
         transport: their `timeout`) ignores it."""
+
+    def begin(self, step: int, tag: str) -> None:
+        """A program of the schedule starts on this stage: training step `step` ("F") or its eval
+        batch b ("E<b>"). A transport that issues transfers in a world-wide order
+        (`stages.xla_transport`) queues that program's; the default ignores it."""
 
     def expect(self, edge: Edge, shape: tuple, dtype) -> None:
         """Announce a tensor that may arrive along `edge` (before any peer sends it). A transport

@@ -188,6 +188,43 @@ class XlaTransport(Transport):
         self._thread = threading.Thread(target=self._run, name=f"xla transfers host {me}", daemon=True)
         self._thread.start()
 
+    def warm_up(self, timeout: float) -> float:
+        """A one-element transfer from every process to the next, every process making every call
+        (before any step, so the world's transfer keys stay in step): XLA binds its transfer
+        sockets and opens connections now, not in the first step; a process that cannot reach its
+        successor fails setup, naming it. Returns the seconds it took."""
+        import jax
+        from jax.sharding import SingleDeviceSharding
+
+        t0 = time.monotonic()
+        first = {}
+        for d in jax.devices():
+            first.setdefault(d.process_index, d)
+        world = sorted(first)
+        if len(world) < 2:
+            return 0.0
+        got = None
+        for i, src in enumerate(world):
+            dst = world[(i + 1) % len(world)]
+            if src == self.me:
+                x = jax.device_put(np.full((1,), src, np.int32), first[src])
+            else:
+                x = jax.make_array_from_single_device_arrays((1,), SingleDeviceSharding(first[src]), [],
+                                                             dtype=np.int32)
+            y = jax.device_put(x, SingleDeviceSharding(first[dst]))
+            if dst == self.me:
+                got = (src, y)
+        src, y = got
+        while not y.is_ready():
+            if time.monotonic() - t0 > timeout:
+                raise TimeoutError(f"xla transport host {self.me}: the warm-up transfer from process {src} did "
+                                   f"not arrive within {timeout:.0f} s")
+            time.sleep(POLL_MAX_S)
+        if int(np.asarray(y.addressable_data(0))[0]) != src:
+            raise RuntimeError(f"xla transport host {self.me}: the warm-up transfer from process {src} arrived "
+                               f"with {np.asarray(y.addressable_data(0))}, not [{src}]")
+        return time.monotonic() - t0
+
     # -- compute thread ----------------------------------------------------------------
     def begin(self, step: int, tag: str) -> None:
         """Queue the transfers of the program starting now: a training step ("F") or eval batch ("E<b>")."""

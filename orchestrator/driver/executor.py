@@ -89,7 +89,8 @@ class PipelineExecutor:
         self.labels: list[list[str]] = []
         self.info: list[dict] = []
         # transport "socket": a fresh secret per run; peers' connections must present it
-        self.token = secrets.token_bytes(32) if checked.cluster.transport == "socket" else None
+        self.plane = checked.cluster.data_plane      # "auto" resolved for the platform
+        self.token = secrets.token_bytes(32) if self.plane == "socket" else None
         self.kind = checked.cluster.executor
         self.dispatcher = None      # made by the first steps() call
         self.beats = None           # recovery.HeartbeatWatch while steps run (runs with restarts)
@@ -113,7 +114,8 @@ class PipelineExecutor:
             hooks=self.hooks,
             hosts=tuple(stage.hosts), devices_per_host=stage.devices_per_host,
             geoms=tuple(geoms), chunks=tuple(tuple(c) for c in stage.chunks),
-            transport=self.checked.cluster.transport, transport_token=self.token, remat=stage.remat,
+            transport=self.plane, transport_token=self.token, remat=stage.remat,
+            transfers=self._transfers() if self.plane == "xla" else (),
             transport_same_machine=self.checked.cluster.transport_same_machine,
             transport_tls=(None if self.checked.cluster.transport_tls is None
                            else self.checked.cluster.transport_tls.model_dump()),
@@ -124,6 +126,29 @@ class PipelineExecutor:
             compile_cache=compile_cache_dir(job),
             loss_scale=None if job.precision.scaling() is None else job.precision.scaling().to_dict(),
             tie_stages=tie_stages(self.checked.model.ties, [s.chunks for s in self.checked.stages]))
+
+    def _transfers(self) -> tuple:
+        """The world's transfer order of a training step and of an eval batch (`transport: xla`)."""
+        from orchestrator.core.schedule.transfers import world_order
+
+        chunks = [tuple(s.chunks) or (tuple(s.layers),) for s in self.checked.stages]
+        orders = [("F", world_order(self.lowered, chunks))]
+        if self.eval_schedule is not None:
+            orders.append(("E", world_order(self.eval_schedule, chunks)))
+        return tuple(orders)
+
+    def _coordinators(self) -> list:
+        """Per stage, the coordinator address its setup gets: a multi-host stage's own (its host 0
+        picks it), or under `transport: xla` the one world's (cluster host 0's actor picks it)."""
+        def pick(row, names, what):
+            return wait_all([row[0].coordinator_address.remote()], self.timeouts["init_s"], what, names[:1])[0]
+
+        if self.plane == "xla":       # process 0 of the world: the actor of cluster host 0
+            s, h = next((s, st.hosts.index(0)) for s, st in enumerate(self.checked.stages) if 0 in st.hosts)
+            world = pick(self.actors[s][h:], self.labels[s][h:], "picking the world's coordinator")
+            return [world] * len(self.actors)
+        return [pick(row, names, "picking the stage coordinator") if len(row) > 1 else None
+                for row, names in zip(self.actors, self.labels)]
 
     def start(self) -> None:
         import ray
@@ -146,13 +171,7 @@ class PipelineExecutor:
                 names.append(f"stage {stage.index} host {host}")
             self.actors.append(row)
             self.labels.append(names)
-        coords = []
-        for row, names in zip(self.actors, self.labels):
-            if len(row) > 1:
-                coords.append(wait_all([row[0].coordinator_address.remote()], self.timeouts["init_s"],
-                                       "picking the stage coordinator", names[:1])[0])
-            else:
-                coords.append(None)
+        coords = self._coordinators()
         refs, labels = [], []
         for row, names, coord in zip(self.actors, self.labels, coords):
             refs += [a.setup.remote(coord) for a in row]

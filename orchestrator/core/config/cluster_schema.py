@@ -143,6 +143,24 @@ class TransportTlsConfig(Frozen):
         return v
 
 
+# `transport: auto` on CPU: the transport benchmarks/transport.py measured faster for the `large`
+# 1F1B step on one CPU machine (docs/drafts/transports.md gives the figures)
+AUTO_CPU = "socket"
+
+
+def resolve_transport(transport: str, platform: str) -> str:
+    """The concrete transport for cluster `transport` on `platform`: "auto" is XLA's device-to-device
+    transfers on accelerators and `AUTO_CPU` on CPU.
+
+    Example:
+        >>> resolve_transport("auto", "gpu"), resolve_transport("auto", "cpu"), resolve_transport("ray", "tpu")
+        ('xla', 'socket', 'ray')
+    """
+    if transport != "auto":
+        return transport
+    return AUTO_CPU if platform == "cpu" else "xla"
+
+
 class ClusterConfig(Frozen):
     """A cluster (`cluster.yaml`): which Ray, what platform, how many hosts of how many devices."""
 
@@ -158,7 +176,9 @@ class ClusterConfig(Frozen):
     env_vars: dict[str, str] = Field(default_factory=dict, repr=False)  # stage actors' env; redacted in output
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
     pin_cpus: bool = False   # pin each host actor to one core of its node (host index mod cores)
-    transport: Literal["ray", "socket"] = "socket"   # stage-to-stage tensors: framed TCP (default) or Ray actor calls
+    # stage-to-stage tensors (`data_plane`): "auto" (the default: xla on GPU/TPU, AUTO_CPU on CPU), "xla" (one
+    # JAX world, XLA's device-to-device transfers), "socket" (framed TCP / Unix sockets) or "ray" (actor calls)
+    transport: Literal["auto", "xla", "socket", "ray"] = "auto"
     # socket transport, peers on the same machine: "unix" (abstract Unix socket + shared memory, the
     # default) or "tcp" (the same TCP links as between machines, and so TLS when transport_tls is set)
     transport_same_machine: Literal["unix", "tcp"] = "unix"
@@ -245,12 +265,19 @@ class ClusterConfig(Frozen):
                           "group would wait forever", ("num_cpus",), self.num_cpus)
         return self
 
+    @property
+    def data_plane(self) -> str:
+        """The transport stage edges use: `transport`, with "auto" resolved (`resolve_transport`)."""
+        return resolve_transport(self.transport, self.platform)
+
     @model_validator(mode="after")
     def _transport_options(self) -> ClusterConfig:
+        plane = self.data_plane
+        shown = self.transport if plane == self.transport else f"{self.transport} ({plane} on {self.platform})"
         for key, value, default in (("transport_same_machine", self.transport_same_machine, "unix"),
                                     ("transport_tls", self.transport_tls, None)):
-            if self.transport != "socket" and value != default:
-                raise Problem(f"only for transport: socket (this cluster is transport: {self.transport}); "
+            if plane != "socket" and value != default:
+                raise Problem(f"only for transport: socket (this cluster is transport: {shown}); "
                               "remove it", (key,), value if not hasattr(value, "model_dump") else value.model_dump())
         return self
 

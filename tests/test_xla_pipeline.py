@@ -1,0 +1,71 @@
+"""`transport: xla` end to end on Ray: one JAX world per job, edges as XLA's own transfers.
+
+Every schedule trains bit for bit like `transport: socket` (the same stage programs on the same
+inputs: only the data plane differs) and, within tests/test_pipeline_numerics.py's tolerance,
+like the independent single-process reference. The edges differ on their two sides: {data: 2}
+-> {model: 2} (whole-array and tile transfers), a 2-host stage -> a 1-host stage, 4 devices -> 2,
+bf16 activations, and interleaved's wrap-around edge.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from orchestrator.core.config import check_job, parse_cluster, parse_job
+from orchestrator.driver.runner import run_job
+from tests.test_pipeline_numerics import CLUSTER, assert_same_training, gpt_job
+
+pytestmark = pytest.mark.ray
+
+
+def _run(job: dict, transport: str, cluster: dict | None = None, reference: bool = False) -> dict:
+    checked = check_job(parse_job(job), parse_cluster({**(cluster or CLUSTER), "transport": transport}))
+    return run_job(checked, echo=lambda s: None, keep_params=not reference, reference=reference)
+
+
+def assert_bit_equal(a: dict, b: dict) -> None:
+    assert a["losses"] == b["losses"]                       # exact: floats equal
+    assert a["params"].keys() == b["params"].keys()
+    for name, arr in b["params"].items():
+        np.testing.assert_array_equal(a["params"][name], arr, err_msg=name)
+
+
+def _workers(out: dict) -> set:
+    return {w["transport"] for w in out["workers"]}
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "eager-1f1b", "zb-h1"])
+def test_every_schedule_equals_socket_bit_for_bit_and_the_reference(tmp_path, no_leaks, schedule):
+    job = gpt_job(tmp_path, schedule, steps=3)
+    xla = _run(job, "xla")
+    assert _workers(xla) == {"XlaTransport"}
+    job["run"]["name"] += "-socket"
+    sock = _run(job, "socket")
+    assert _workers(sock) == {"SocketTransport"}
+    assert_bit_equal(xla, sock)
+    assert_same_training(xla, _run(job, "socket", reference=True))
+
+
+def test_interleaved_wrap_around_edge_and_bf16(tmp_path, no_leaks):
+    """interleaved-1f1b (v=2): stage 1's first chunk sends back to stage 0's second chunk; bf16
+    activations (precision: compute bf16) cross as bf16."""
+    job = gpt_job(tmp_path, "interleaved-1f1b", steps=3)
+    job["pipeline"]["stages"] = [{"layers": [[0, 1], [2, 3]], "mesh": {"data": 2}},
+                                 {"layers": [[1, 2], [3, 4]], "mesh": {"model": 2}}]
+    job["precision"] = {"compute": "bfloat16"}
+    xla = _run(job, "xla")
+    job["run"]["name"] += "-socket"
+    assert_bit_equal(xla, _run(job, "socket"))
+
+
+def test_two_host_stage_to_one_host_and_four_devices_to_two(tmp_path, no_leaks):
+    """Stage 0 spans 2 hosts ({data: 2, model: 2}, its collectives over the same world), stage 1 is
+    one host of 4 devices ({model: 4}), stage 2 one host of 2 ({data: 2})."""
+    cluster = {**CLUSTER, "hosts": 4, "devices_per_host": 2}
+    job = gpt_job(tmp_path, "1f1b", steps=3)
+    job["pipeline"]["stages"] = [{"layers": [0, 1], "mesh": {"data": 2, "model": 2}, "hosts": 2},
+                                 {"layers": [1, 3], "mesh": {"model": 2}},
+                                 {"layers": [3, 4], "mesh": {"data": 2}}]
+    xla = _run(job, "xla", cluster)
+    job["run"]["name"] += "-socket"
+    assert_bit_equal(xla, _run(job, "socket", cluster))
