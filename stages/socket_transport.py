@@ -450,7 +450,9 @@ class SocketTransport(TiledTransport):
             conn.close()
 
     def flush(self, timeout):
-        """Nothing is in flight after a send returns; surfaces a broken connection or a failed reader."""
+        """Wait (bounded) until every send handed over went out; surfaces the sender thread's failure,
+        a broken connection or a failed reader."""
+        self._drain(timeout)
         if self._error:
             raise ConnectionError(f"socket transport: {self._error}")
         for address, conn in list(self._conns.items()):
@@ -459,6 +461,7 @@ class SocketTransport(TiledTransport):
                 raise ConnectionError(f"socket transport: the peer at {address[0]}:{address[1]} closed the connection")
 
     def close(self) -> None:
+        self._stop_sender()
         self.listener.close()
         with self._conns_lock:
             conns, self._conns = list(self._conns.values()), {}

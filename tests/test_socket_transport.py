@@ -162,6 +162,7 @@ def test_same_machine_peers_share_memory_and_fall_back_to_tcp(unix_reachable):
         a.send((0, "F", 0, 0), jax.device_put(x, sharding), Edge(1, geoms[1], axes))
         got = b.recv((0, "F", 0, 0), x.shape, np.float32, sharding, Edge(0, geoms[0], axes), timeout=5)
         np.testing.assert_array_equal(np.asarray(got), x)
+        a.flush(5)                              # the sender thread's counters are final
         conn = next(iter(a._conns.values()))
         assert conn.unix is unix_reachable
         assert (a.shm_sends, a.stream_sends) == ((1, 0) if unix_reachable else (0, 1))
@@ -199,8 +200,8 @@ def test_io_timeout_follows_the_recv_deadline_set_by_the_driver():
         assert StageWorker.set_recv_deadline(worker, 0.7) == 1.0        # the RECV deadline's floor
         assert a.io_timeout == a.listener.io_timeout == conn.io_timeout == 1.0
         a.send((1, "F", 0, 0), jax.device_put(x, sharding), Edge(1, geoms[1], axes))
-        assert conn.sock.gettimeout() == 1.0                            # taken up at the next send
         b.recv((1, "F", 0, 0), x.shape, np.float32, sharding, Edge(0, geoms[0], axes), timeout=5)
+        assert conn.sock.gettimeout() == 1.0            # taken up by the next send (on the sender thread)
 
         b.set_io_timeout(0.5)
         stall = _Conn(b.address, TOKEN, io_timeout=5)
