@@ -58,14 +58,29 @@ def test_interleaved_wrap_around_edge_and_bf16(tmp_path, no_leaks):
     assert_bit_equal(xla, _run(job, "socket"))
 
 
-def test_two_host_stage_to_one_host_and_four_devices_to_two(tmp_path, no_leaks):
+def test_two_host_stage_to_one_host_and_four_devices_to_two_no_listener_on_all_interfaces(tmp_path, no_leaks):
     """Stage 0 spans 2 hosts ({data: 2, model: 2}, its collectives over the same world), stage 1 is
-    one host of 4 devices ({model: 4}), stage 2 one host of 2 ({data: 2})."""
+    one host of 4 devices ({model: 4}), stage 2 one host of 2 ({data: 2}). Every socket the run's
+    actors listen on (read back from inside each actor in step 1: JAX's coordinator, XLA's transfer
+    sockets, gloo's) is bound to the node address, none to 0.0.0.0 / ::."""
+    import json
+
+    from tests.leaks import RecordListeners
+    from tests.test_xla_transport import wildcard
+
     cluster = {**CLUSTER, "hosts": 4, "devices_per_host": 2}
     job = gpt_job(tmp_path, "1f1b", steps=3)
     job["pipeline"]["stages"] = [{"layers": [0, 1], "mesh": {"data": 2, "model": 2}, "hosts": 2},
-                                 {"layers": [1, 3], "mesh": {"model": 2}},
+                                 {"layers": [1, 3], "mesh": {"model": 4}},
                                  {"layers": [3, 4], "mesh": {"data": 2}}]
-    xla = _run(job, "xla", cluster)
+    job["pipeline"]["microbatches"] = 2
+    seen = tmp_path / "listeners"
+    checked = check_job(parse_job(job), parse_cluster({**cluster, "transport": "xla"}))
+    xla = run_job(checked, echo=lambda s: None, keep_params=True, hooks=[RecordListeners(str(seen))])
+    found = [json.loads(f.read_text()) for f in seen.glob("*.json")]
+    assert len(found) == 4, found                       # every actor of the world reported
+    for rec in found:
+        assert not wildcard(rec["listening"]), rec
+        assert sum(a.startswith("127.0.0.1:") for a in rec["listening"]) >= 5, rec   # XLA's 1 + 4, at least
     job["run"]["name"] += "-socket"
     assert_bit_equal(xla, _run(job, "socket", cluster))
