@@ -267,7 +267,7 @@ def main() -> None:
     import jax
     import ray
 
-    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="WARNING")
+    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
     try:
         load0 = os.getloadavg()
         edges = measure_edges(ray, 3 if args.quick else 7, SIZES_MIB)

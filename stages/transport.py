@@ -107,6 +107,7 @@ class TiledTransport(Transport):
         here = jax.process_index()
         self.local = [(i, d) for i, d in enumerate(devices) if d.process_index == here]
         self.single_device = len(devices) == 1
+        self.on_host = devices[0].platform == "cpu"    # device memory is host memory: no D2H to start
         self.sent_bytes = 0
         self.sent_bytes_to: dict[str, int] = {}   # per destination stage (telemetry)
         self._plans: dict = {}
@@ -168,9 +169,8 @@ class TiledTransport(Transport):
                 self._sender = threading.Thread(target=self._send_loop, name=f"transport sender host {self.me}",
                                                 daemon=True)
                 self._sender.start()
-            start = getattr(array, "copy_to_host_async", None)
-            if start is not None and not self.single_device:
-                start()
+            if not self.on_host:
+                array.copy_to_host_async()
             self._queued.append((key, array, edge))
             self._send_cv.notify_all()
         self.send_calls += 1
