@@ -93,7 +93,7 @@ def _xla(worker, transfer_address: str | None):
     rows = cfg.data.global_batch // cfg.microbatches
     transport = XlaTransport(me=cfg.cluster_host, stage=cfg.stage, geoms=cfg.geoms, meshes=meshes,
                              programs=dict(cfg.transfers), leaves=leaf_specs(cfg.spec, rows),
-                             io_timeout=worker.recv_s)
+                             io_timeout=worker.recv_s, inbox=worker.inbox)
     transport.warm_up(cfg.timeouts.get("init_s", 120.0))
     if transfer_address and not listens_on(transfer_address):
         transport.close()

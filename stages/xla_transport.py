@@ -43,6 +43,7 @@ from stages.transport import Transport
 log = logging.getLogger(__name__)
 
 POLL_MIN_S, POLL_MAX_S = 50e-6, 2e-3     # a RECV's readiness poll: from, growing to
+STOP_CHECK_S = 0.1                        # how often a waiting RECV looks whether the actor was told to stop
 
 
 class TransferError(RuntimeError):
@@ -169,10 +170,14 @@ class XlaTransport(Transport):
       io_timeout: seconds the thread waits for a leaf the compute thread owes it.
     """
 
-    def __init__(self, *, me: int, stage: int, geoms, meshes, programs: dict, leaves, io_timeout: float = 60.0):
+    def __init__(self, *, me: int, stage: int, geoms, meshes, programs: dict, leaves, io_timeout: float = 60.0,
+                 inbox=None):
         self.me, self.stage, self.geoms, self.meshes = me, stage, tuple(geoms), list(meshes)
+        self.inbox = inbox          # the worker's mailbox: once closed (the actor was told to stop), RECV stops
         self.programs, self.leaves, self.io_timeout = programs, leaves, float(io_timeout)
-        self.single_device = False
+        # a one-device stage takes host inputs as they are (`StageWorker.host_operand`), as under socket
+        self.single_device = self.meshes[stage].devices.size == 1
+        self.send_calls, self.send_blocked_s = 0, 0.0
         self.sent_bytes = 0
         self.sent_bytes_to: dict[str, int] = {}
         self.whole_sends = self.tile_sends = self.calls = 0
@@ -236,10 +241,13 @@ class XlaTransport(Transport):
             self._cv.notify_all()
 
     def send(self, key, array, edge) -> None:
+        t0 = time.perf_counter()
         with self._cv:
             self._raise()
             self._outgoing[tuple(key)] = array
             self._cv.notify_all()
+        self.send_calls += 1
+        self.send_blocked_s += time.perf_counter() - t0
 
     def recv(self, key, shape, dtype, sharding, edge, timeout):
         deadline = time.monotonic() + timeout
@@ -247,20 +255,33 @@ class XlaTransport(Transport):
         with self._cv:
             while key not in self._arrived:
                 self._raise()
+                self._stopped(key)
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TimeoutError(f"xla transport host {self.me}: {key} was not issued within {timeout:.0f} s "
                                        f"(the transfer thread is at program {self._done + 1} of {self._begun})")
-                self._cv.wait(left)
+                self._cv.wait(min(left, STOP_CHECK_S))
             array = self._arrived.pop(key)
-        wait = POLL_MIN_S
+        wait, checked = POLL_MIN_S, time.monotonic()
         while not array.is_ready():
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > deadline:
                 raise TimeoutError(f"xla transport host {self.me}: {key} did not arrive within {timeout:.0f} s "
                                    "(its sender is dead, hung or out of step)")
+            if now - checked > STOP_CHECK_S:
+                self._stopped(key)
+                checked = now
             time.sleep(wait)
             wait = min(2 * wait, POLL_MAX_S)
         return array
+
+    def _stopped(self, key) -> None:
+        """MailboxClosed when the worker was told to stop (`StageWorker.abort_step`): a consequence of a
+        failure elsewhere, raised now instead of at the RECV's deadline."""
+        if self.inbox is not None and self.inbox.closed:
+            from stages.mailbox import MailboxClosed
+
+            raise MailboxClosed(f"xla transport host {self.me}: stopped ({self.inbox.closed}) while waiting for {key}")
 
     def flush(self, timeout: float) -> None:
         """Every program begun so far issued (bounded); raises the thread's failure with its cause."""

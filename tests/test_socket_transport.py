@@ -220,3 +220,62 @@ def test_io_timeout_follows_the_recv_deadline_set_by_the_driver():
     finally:
         a.close()
         b.close()
+
+
+def test_send_returns_at_once_and_the_sender_threads_failure_surfaces_at_the_next_send_or_flush():
+    """SEND only hands the tensor over: with the receiver gone, `send` itself returns, and the sender
+    thread's ConnectionError (naming the peer) is raised by the next `send` and by `flush`."""
+    import jax
+
+    from stages.transport import Edge
+
+    (a, b), geoms, sharding = _pair(shared_memory=False)
+    try:
+        for t in (a, b):
+            t.connect([[a.address], [b.address]])
+        b.close()                                   # the peer is gone before anything is sent
+        x = jax.device_put(np.ones((8, 4), np.float32), sharding)
+        edge = Edge(1, geoms[1], ("batch", "embed"))
+        a.send((0, "F", 0, 0), x, edge)             # returns: the failure is the sender thread's
+        with pytest.raises(ConnectionError, match="127.0.0.1"):
+            a.flush(5)
+        with pytest.raises(ConnectionError, match="sender thread"):
+            a.send((1, "F", 0, 0), x, edge)
+    finally:
+        a.close()
+
+
+def test_a_stuck_wire_fails_the_sender_thread_at_the_io_deadline():
+    """A receiver that stops reading mid-tensor: the sender thread's blocked write gives up after
+    `io_timeout` (1 s here) and the flush raises it, instead of waiting for the wire forever."""
+    import time
+
+    import jax
+
+    from stages.transport import Edge
+
+    (a, b), geoms, sharding = _pair(shared_memory=False)
+    stalled = threading.Event()
+    real = b.listener.destinations
+
+    def stall(header, nbytes, conn):                # the reader thread stops reading at the first frame
+        stalled.set()
+        time.sleep(30)
+        return real(header, nbytes, conn)
+
+    b.listener.destinations = stall
+    try:
+        for t in (a, b):
+            t.connect([[a.address], [b.address]])
+        a.set_io_timeout(1.0)
+        axes = ("batch", "embed")
+        x = np.ones((16384, 1024), np.float32)      # 64 MiB: more than the sockets' buffers hold
+        b.expect(Edge(0, geoms[0], axes), x.shape, np.float32)
+        t0 = time.monotonic()
+        a.send((0, "F", 0, 0), jax.device_put(x, sharding), Edge(1, geoms[1], axes))
+        with pytest.raises((ConnectionError, TimeoutError)):
+            a.flush(20)
+        assert stalled.is_set() and time.monotonic() - t0 < 20
+    finally:
+        a.close()
+        b.close()
