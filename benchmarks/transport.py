@@ -239,8 +239,8 @@ def check(result: dict) -> None:
 
 def markdown(result: dict) -> str:
     lines = [f"# Stage transports side by side ({result['when']}, {result['machine']})", "",
-             f"load before/after edges: {result['load_edges']}; jax {result['versions']['jax']}, "
-             f"ray {result['versions']['ray']}", "",
+             (f"load before/after edges: {result['load_edges']}; jax {result['versions']['jax']}, "
+              f"ray {result['versions']['ray']}"), "",
              "| transport | MiB | wire ms | GB/s | SEND blocked µs | blocked / wire |", "|---|---|---|---|---|---|"]
     for r in result["edges"]["rows"]:
         lines.append(f"| {r['variant']} | {r['mib']} | {1e3 * r['wire_s']:.2f} | {r['gbps']:.2f} | "

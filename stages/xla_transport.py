@@ -335,7 +335,6 @@ class XlaTransport(Transport):
 
     def issue(self, step: int, tag: str, t) -> None:
         """Make `t`'s one batched call (every process of the world does, in the same order)."""
-        import jax
 
         sender, receiver = self.me in self.geoms[t.src].hosts, self.me in self.geoms[t.dst].hosts
         base = t.key(step, tag)
@@ -434,4 +433,4 @@ def leaf_specs(spec, microbatch_rows: int):
     return leaves
 
 
-__all__ = ["XlaTransport", "TransferError", "stage_meshes", "leaf_specs", "StageGeom"]
+__all__ = ["StageGeom", "TransferError", "XlaTransport", "leaf_specs", "stage_meshes"]

@@ -6,7 +6,15 @@ import pytest
 
 from orchestrator.core.reshard import MeshSide, make_plan
 from orchestrator.core.reshard.direct import landing_device, pieces_on, whole_array
-from orchestrator.core.schedule import Action, Kind, Schedule, ScheduleError, forward_only, generate, lower
+from orchestrator.core.schedule import (
+    Action,
+    Kind,
+    Schedule,
+    ScheduleError,
+    forward_only,
+    generate,
+    lower,
+)
 from orchestrator.core.schedule.ir import comm_peer
 from orchestrator.core.schedule.transfers import Transfer, world_order
 

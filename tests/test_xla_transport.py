@@ -6,6 +6,7 @@ equal to its reference on every addressable shard, with the receiving program's 
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -30,23 +31,22 @@ def run_world(name: str, tmp_path: Path) -> list[dict]:
     held.close()
     port = int(address.rpartition(":")[2])
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    logs = [open(tmp_path / f"log{i}.txt", "w") for i in range(world)]
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.xla_world", name, str(i), str(world), str(port),
-                               str(tmp_path)], cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
-             for i, f in enumerate(logs)]
-    deadline = time.monotonic() + WORLD_S
-    try:
-        for p in procs:
-            p.wait(timeout=max(1.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(10)
-        for f in logs:
-            f.close()
+    with contextlib.ExitStack() as stack:
+        logs = [stack.enter_context(open(tmp_path / f"log{i}.txt", "w")) for i in range(world)]
+        procs = [subprocess.Popen([sys.executable, "-m", "tests.xla_world", name, str(i), str(world), str(port),
+                                   str(tmp_path)], cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
+                 for i, f in enumerate(logs)]
+        deadline = time.monotonic() + WORLD_S
+        try:
+            for p in procs:
+                p.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait(10)
     reports = []
     for i in range(world):
         out = tmp_path / f"{i}.json"

@@ -25,7 +25,7 @@ import numpy as np
 
 from orchestrator.core.reshard.plan import ReshardPlan, _grid
 
-__all__ = ["Piece", "whole_array", "landing_device", "pieces_on"]
+__all__ = ["Piece", "landing_device", "pieces_on", "whole_array"]
 
 
 @dataclass(frozen=True)

@@ -27,10 +27,16 @@ knows the leaves, shapes and dtypes without asking the two stages. Pure: no jax,
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
-from orchestrator.core.schedule.ir import Action, Kind, Schedule, ScheduleError, comm_peer
+from orchestrator.core.schedule.ir import (
+    Action,
+    Kind,
+    Schedule,
+    ScheduleError,
+    comm_peer,
+)
 
 __all__ = ["Transfer", "world_order"]
 
