@@ -84,3 +84,42 @@ def test_two_host_stage_to_one_host_and_four_devices_to_two_no_listener_on_all_i
         assert sum(a.startswith("127.0.0.1:") for a in rec["listening"]) >= 5, rec   # XLA's 1 + 4, at least
     job["run"]["name"] += "-socket"
     assert_bit_equal(xla, _run(job, "socket", cluster))
+
+
+class _Beating:
+    """An actor that answers heartbeats in its "io" group, as a stage actor does."""
+
+    def heartbeat(self) -> dict:
+        import os
+
+        return {"pid": os.getpid()}
+
+
+def test_a_death_is_reported_as_the_world_coordinators_when_it_died_too(ray_local):
+    """Under xla, when cluster host 0's actor (the world's coordinator) dies, JAX aborts the others
+    within a second and any of their deaths may reach the driver first: `first_cause` names the
+    coordinator's actor then; while it lives, the death seen stays the cause."""
+    from types import SimpleNamespace
+
+    import ray
+
+    from orchestrator.driver.executor import PipelineExecutor
+    from orchestrator.driver.waiting import StageFailure
+
+    remote = ray.remote(concurrency_groups={"io": 1})(_Beating)
+    root, other = remote.remote(), remote.remote()
+    try:
+        ray.get([root.heartbeat.remote(), other.heartbeat.remote()], timeout=60)
+        ex = SimpleNamespace(plane="xla", actors=[[root], [other]], labels=[["stage 0 host 0"], ["stage 1 host 0"]],
+                             checked=SimpleNamespace(stages=[SimpleNamespace(hosts=(0,)), SimpleNamespace(hosts=(1,))]))
+        seen = StageFailure("steps 4-7 failed on stage 1 host 0: the actor is dead", label="stage 1 host 0", died=True)
+        assert PipelineExecutor.first_cause(ex, seen) is seen             # the coordinator lives: no change
+        ray.kill(root, no_restart=True)
+        cause = PipelineExecutor.first_cause(ex, seen)
+        assert (cause.label, cause.died) == ("stage 0 host 0", True), str(cause)
+        assert "stage 1 host 0 died with it" in str(cause)
+        ex.plane = "socket"                                                # separate worlds: no such rule
+        assert PipelineExecutor.first_cause(ex, seen) is seen
+    finally:
+        for a in (root, other):
+            ray.kill(a, no_restart=True)
