@@ -22,6 +22,7 @@ Basic flow (the worker calls it; `orchestrator.core.checkpoint` is the on-disk l
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import threading
 import time
@@ -114,12 +115,54 @@ def processes(cfg) -> tuple[int, ...] | None:
     return tuple(cfg.hosts) if cfg.transport == "xla" else None
 
 
+@contextlib.contextmanager
+def _orbax_world(procs: tuple[int, ...] | None):
+    """While a one-host stage of a job-wide world (`transport: xla`) saves or restores: orbax sees a
+    one-process world. Orbax's rules are a process-0-writes, all-processes-sync world's: it refuses a
+    fully addressable jax.Array when jax has several processes ("host local") and writes numpy and
+    scalar leaves only on process 0 — both wrong for a stage that is one process of many. jax's
+    own code never reads the public `jax.process_index`/`jax.process_count` it swaps (it calls
+    `xla_bridge`), and the step thread is the only one at work meanwhile (the transfers of the
+    step are flushed; a save is synchronous in this mode). A multi-host stage keeps the real
+    world, with orbax scoped to its processes (`_multiprocessing`) and no host leaves
+    (`_global_leaves`)."""
+    if procs is None or len(procs) != 1:
+        yield
+        return
+    import jax
+
+    real = jax.process_index, jax.process_count
+    jax.process_index, jax.process_count = (lambda backend=None: 0), (lambda backend=None: 1)
+    try:
+        yield
+    finally:
+        jax.process_index, jax.process_count = real
+
+
+def _global_leaves(state: dict, mesh) -> dict:
+    """A multi-host stage's save tree with its numpy / scalar leaves as jax.Arrays replicated over the
+    stage's mesh (orbax writes host leaves only on process 0 of the world; these it writes with the
+    stage's own primary process)."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    replicated = NamedSharding(mesh, PartitionSpec())
+
+    def lift(leaf):
+        if isinstance(leaf, (np.ndarray, np.generic)):
+            host = np.asarray(leaf)
+            return jax.make_array_from_callback(host.shape, replicated, lambda idx: host[idx])
+        return leaf
+
+    return jax.tree.map(lift, state)
+
+
 def _multiprocessing(procs: tuple[int, ...] | None):
     """Orbax's options for a stage inside a bigger world: its own processes, its first as primary,
     its own barrier names (stage saves run at the same time under different directories)."""
     from orbax.checkpoint.options import MultiprocessingOptions
 
-    if procs is None:
+    if procs is None or len(procs) == 1:      # the stage's own world, or a one-process view (`_orbax_world`)
         return MultiprocessingOptions()
     return MultiprocessingOptions(primary_host=procs[0], active_processes=set(procs),
                                   barrier_sync_key_prefix=f"meshpipe-stage-of-{procs[0]}")
@@ -147,7 +190,7 @@ def _save_registry(procs: tuple[int, ...] | None = None):
     from orbax.checkpoint import type_handlers as th
 
     across_hosts = jax.process_count() > 1 if procs is None else len(procs) > 1
-    primary = 0 if procs is None else procs[0]
+    primary = 0 if procs is None or len(procs) == 1 else procs[0]
     return th.create_type_handler_registry(
         (int, th.ScalarHandler()), (float, th.ScalarHandler()), (np.number, th.ScalarHandler()),
         (np.ndarray, th.NumpyHandler()),
@@ -184,6 +227,7 @@ class StageCheckpointer:
         self.asynchronous, self.stage, self.host, self.timeout = asynchronous, stage, host, timeout
         self._ckptr = ocp.AsyncCheckpointer(_handler(procs, _save_registry(procs)),
                                             multiprocessing_options=_multiprocessing(procs))
+        self.procs = procs
         self._thread: threading.Thread | None = None
         self._done: list[dict] = []
         self._error: BaseException | None = None
@@ -218,7 +262,12 @@ class StageCheckpointer:
         directory = stage_dir(self.root, steps_done, self.stage)
         self._step = steps_done
         directory.parent.mkdir(parents=True, exist_ok=True)
-        self._ckptr.save(directory, args=ocp.args.PyTreeSave(state))
+        if self.procs is not None and len(self.procs) > 1:
+            state = _global_leaves(state, worker.mesh)
+        with _orbax_world(self.procs):
+            self._ckptr.save(directory, args=ocp.args.PyTreeSave(state))
+            if self.procs is not None and len(self.procs) == 1:
+                self._ckptr.wait_until_finished()        # the one-process view must not outlive this call
         blocking = self.last_blocking_s = time.perf_counter() - t0
         meta = {name: {"shape": list(leaf.shape), "dtype": str(leaf.dtype), "key": key}
                 for key, (name, leaf) in ((k, (names[k], tree[k])) for k in tree)}
@@ -314,7 +363,8 @@ def restore(worker, plan: dict) -> None:
             want.setdefault(i, {})[key] = (name, target(leaf))
     got: dict[str, Any] = {}
     procs = processes(worker.cfg)
-    with ocp.Checkpointer(_handler(procs), multiprocessing_options=_multiprocessing(procs)) as ckptr:
+    with _orbax_world(procs), ocp.Checkpointer(_handler(procs), multiprocessing_options=_multiprocessing(procs)) \
+            as ckptr:
         for i, targets in sorted(want.items()):
             item = {"arrays": {k: s for k, (_, s) in targets.items()}}
             args = {"arrays": {k: ocp.ArrayRestoreArgs(sharding=s.sharding) for k, (_, s) in targets.items()}}
@@ -351,6 +401,7 @@ def _restore_scale(worker, plan: dict, where: dict) -> tuple[float, int]:
     args = {"arrays": {k: ocp.RestoreArgs(restore_type=np.ndarray) for k in keys}}
     directory = step_dir(plan["root"], plan["step"]) / plan["stages"][i]["path"]
     procs = processes(worker.cfg)
-    with ocp.Checkpointer(_handler(procs), multiprocessing_options=_multiprocessing(procs)) as ckptr:
+    with _orbax_world(procs), ocp.Checkpointer(_handler(procs), multiprocessing_options=_multiprocessing(procs)) \
+            as ckptr:
         out = ckptr.restore(directory, args=ocp.args.PyTreeRestore(item, restore_args=args, partial_restore=True))
     return float(out["arrays"][keys[0]]), int(out["arrays"][keys[1]])
