@@ -225,8 +225,9 @@ class StageCheckpointer:
 
         self.root, self.every, self.total = Path(root), every, total
         self.asynchronous, self.stage, self.host, self.timeout = asynchronous, stage, host, timeout
-        self._ckptr = ocp.AsyncCheckpointer(_handler(procs, _save_registry(procs)),
-                                            multiprocessing_options=_multiprocessing(procs))
+        with _orbax_world(procs):
+            self._ckptr = ocp.AsyncCheckpointer(_handler(procs, _save_registry(procs)),
+                                                multiprocessing_options=_multiprocessing(procs))
         self.procs = procs
         self._thread: threading.Thread | None = None
         self._done: list[dict] = []
@@ -325,7 +326,8 @@ class StageCheckpointer:
         try:
             self._wait_previous()
         finally:
-            self._ckptr.close()
+            with _orbax_world(self.procs):
+                self._ckptr.close()
 
 
 def restore(worker, plan: dict) -> None:
