@@ -157,6 +157,20 @@ def _global_leaves(state: dict, mesh) -> dict:
     return jax.tree.map(lift, state)
 
 
+def _own_signal_keys(procs: tuple[int, ...] | None) -> None:
+    """Inside a job-wide world every stage's orbax shares the coordination service's key-value store,
+    and orbax names its save signals `awaitable_signals_contract_<operation id>/...` — the same names
+    in every stage, which each stage's saves also delete: stage 1's step-directory signal wiped stage
+    0's and a 2-host stage's save waited 300 s for it (measured). Each stage's processes get their own
+    key prefix (a class attribute of orbax's, in this process only: it holds one stage)."""
+    if procs is None:
+        return
+    from orbax.checkpoint._src.futures import future
+
+    future.AwaitableSignalsContract.awaitable_signals_contract_prefix = (
+        f"meshpipe-stage-of-{procs[0]}/awaitable_signals_contract")
+
+
 def _multiprocessing(procs: tuple[int, ...] | None):
     """Orbax's options for a stage inside a bigger world: its own processes, its first as primary,
     its own barrier names (stage saves run at the same time under different directories)."""
@@ -225,6 +239,7 @@ class StageCheckpointer:
 
         self.root, self.every, self.total = Path(root), every, total
         self.asynchronous, self.stage, self.host, self.timeout = asynchronous, stage, host, timeout
+        _own_signal_keys(procs)
         with _orbax_world(procs):
             self._ckptr = ocp.AsyncCheckpointer(_handler(procs, _save_registry(procs)),
                                                 multiprocessing_options=_multiprocessing(procs))
@@ -365,6 +380,7 @@ def restore(worker, plan: dict) -> None:
             want.setdefault(i, {})[key] = (name, target(leaf))
     got: dict[str, Any] = {}
     procs = processes(worker.cfg)
+    _own_signal_keys(procs)
     with _orbax_world(procs), ocp.Checkpointer(_handler(procs), multiprocessing_options=_multiprocessing(procs)) \
             as ckptr:
         for i, targets in sorted(want.items()):
