@@ -19,7 +19,7 @@ and the cProfile's top functions by own time with calls per step. On `tiny` ever
 program is almost free, so the step thread's CPU time is nearly all Python and dispatch:
 the figure robust under load (CPU time does not grow when the machine is busy, wall
 time does) that a change to the runtime's per-action path is judged by. It is a
-diagnostic, not a published figure: the README's numbers come from `benchmarks.run`.
+diagnostic, not a published figure: the published figures come from `benchmarks.run`.
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
     python -m benchmarks.planner_exhaustive [--quick] [--steps 30] [--warmup 6] [--pin] [--rounds 3] [--pairs 8]
 
-The case: the README's GPT (`examples/gpt.yaml`: vocab 128, d_model 64, 4 heads, d_mlp 256,
+The case: the example GPT (`examples/gpt.yaml`: vocab 128, d_model 64, 4 heads, d_mlp 256,
 2 blocks → 4 layers embed/block0/block1/head, seq 32, adam), global batch 16, on an
 embedded local Ray with 2 simulated hosts × 2 simulated CPU devices (one placement-group
 bundle per host, as `meshpipe run` places them).

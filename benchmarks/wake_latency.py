@@ -6,7 +6,7 @@ spinning on a non-blocking `recv`.
 
 On a VM an idle vCPU halts, and a blocking receiver costs the hypervisor a wake-up per message;
 a spinning one never halts. The difference is the floor under every hop between two stage actors
-that wait for each other (the README's `tiny` paragraph). Affinity is read back in both processes.
+that wait for each other (the pipeline benchmark's reading, `docs/benchmarks/notes/pipeline.md`). Affinity is read back in both processes.
 Writes benchmarks/results/wake_latency.json. A diagnostic, not part of `benchmarks.run`.
 """
 from __future__ import annotations

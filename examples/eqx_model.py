@@ -72,7 +72,7 @@ def next_token_loss(logits, labels):
 
 def pipeline(vocab=64, d_model=32, heads=4, d_mlp=64, blocks=2, seq_len=16):
     """The Decoder above as a meshpipe PipelineModel: parts embed, blocks.0 … blocks.{n-1}, head."""
-    from orchestrator.core.model.adapters import eqx_model
+    from meshpipe import eqx_model
 
     def make(key):
         return Decoder(vocab, d_model, heads, d_mlp, blocks, key)

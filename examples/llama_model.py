@@ -95,7 +95,7 @@ def next_token_loss(logits, labels):
 
 def pipeline(vocab=64, d_model=32, heads=4, kv_heads=2, d_mlp=64, blocks=2, seq_len=16):
     """The Llama above as a meshpipe PipelineModel: parts embed, blocks.0 … blocks.{n-1}, head."""
-    from orchestrator.core.model.adapters import nnx_model
+    from meshpipe import nnx_model
 
     def make(rngs):
         return Llama(vocab, d_model, heads, kv_heads, d_mlp, blocks, rngs)

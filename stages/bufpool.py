@@ -1,7 +1,7 @@
 """Recycled 64-byte-aligned host buffers for the transports, on the heap or in shared memory.
 
 A fresh large buffer costs its page faults (a sizable share of moving it over
-loopback TCP; see the README's Benchmarks), so receivers and senders take
+loopback TCP; see docs/decisions.md), so receivers and senders take
 buffers from a `BufferPool` instead of allocating them.
 
 A pooled block is in use while anything but the pool references its memory: each

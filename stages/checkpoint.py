@@ -194,8 +194,8 @@ def _save_registry(procs: tuple[int, ...] | None = None):
 
     Orbax can split a shard replicated over R devices into R slices, one written by each replica
     (`use_replica_parallel`): each slice is a jitted `slice_in_dim` per distinct shape, compiled
-    on the step thread during the first save (measured: the first save blocked 0.59 s at `large`
-    and 0.92 s at `tiny` with it, 0.09 s and 0.18 s without), and device work on every later save.
+    on the step thread during the first save (it blocked the first save several times longer:
+    `docs/decisions.md`, "Replica-parallel saving"), and device work on every later save.
     In a one-host stage the replicas are that process's own devices, so the slices buy no parallel
     writing: replica 0 writes each shard whole. In a multi-host stage a shard replicated over
     hosts (a `data` axis that spans them) is split, so every host writes its share in parallel.

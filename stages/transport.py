@@ -252,7 +252,7 @@ class TiledTransport(Transport):
     def recv_operand(self, key, shape, dtype, sharding, edge, timeout):
         """The tensor `key` in the cheapest form a jitted program takes: when this stage's whole
         mesh is one device, the numpy array itself (jit moves it in C++, far cheaper than a Python
-        `device_put` + `make_array`; figures in the README's Benchmarks); otherwise `recv`'s jax.Array."""
+        `device_put` + `make_array`; figures in docs/decisions.md); otherwise `recv`'s jax.Array."""
         local = self._local_shards(key, shape, dtype, edge, timeout)
         if self.single_device:
             return local[self.local[0][0]]

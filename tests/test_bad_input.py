@@ -367,6 +367,36 @@ def test_data_path_must_be_a_long_enough_regular_file_inside_its_directory(tmp_p
     check_job(load_job(GPT, _text_job(jobdir / "inside.txt")), local)
 
 
+def test_a_directory_symlink_inside_the_job_directory_does_not_bypass_the_data_path_rule(tmp_path, local,
+                                                                                         monkeypatch):
+    """The issue's input: `data.path: jobdir/etc/passwd` with `jobdir/etc -> /etc` read /etc/passwd and
+    shipped it to every actor (the rule looked at the file's own directory after resolving links).
+    Every component is now followed and held to the rule, relative paths (read from the current
+    directory) and absolute ones alike, for text, token and eval paths."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    write(outside, "secret.txt", "s" * 100)
+    jobdir = tmp_path / "job"
+    jobdir.mkdir()
+    (jobdir / "etc").symlink_to(outside)
+    monkeypatch.chdir(tmp_path)
+    for path in ("job/etc/secret.txt", str(jobdir / "etc" / "secret.txt"), "./job/./etc/secret.txt"):
+        has_all(error_of(check_job, load_job(GPT, _text_job(path)), local), f"data.path = {path!r}",
+                f"is a symlink to {outside}, outside {jobdir} (through the directory link {jobdir / 'etc'})")
+    (jobdir / "hop").symlink_to(jobdir / "etc")          # a link inside whose target leads out: still out
+    has_all(error_of(check_job, load_job(GPT, _text_job("job/hop/secret.txt")), local), f"outside {jobdir}")
+    tokens = ["data.source=tokens", "data.path=job/etc", "data.dtype=uint16"]
+    has_all(error_of(check_job, load_job(GPT, tokens), local), "data.path", f"is a symlink to {outside}")
+    (jobdir / "sub").mkdir()
+    write(jobdir / "sub", "data.txt", "d" * 100)
+    (jobdir / "same").symlink_to("sub")                  # a directory link within the job directory: fine
+    checked = check_job(load_job(GPT, _text_job("job/same/data.txt")), local)
+    assert checked.data.files == (str(jobdir / "sub" / "data.txt"),)
+    evald = ["run.eval_every=2", 'data.eval={"path": "job/etc/secret.txt"}']
+    has_all(error_of(check_job, load_job(GPT, _text_job("job/sub/data.txt") + evald), local),
+            "data.eval.path", f"outside {jobdir}")
+
+
 @pytest.mark.parametrize("where", ["job", "cluster"])
 @pytest.mark.parametrize("bad,needle", [(b"\x01", "control character U+0001"), (b"\xff", "invalid utf-8"),
                                         (b"\x1b[31m", "control character U+001B")])

@@ -168,6 +168,28 @@ def test_damaged_shard_refused_naming_the_file(tmp_path, damage, rule):
     assert str(f) in str(ei.value)
 
 
+def test_newest_intact_falls_back_over_damaged_commits_and_sets_them_aside(tmp_path):
+    """`--resume` / `--resume auto` with a damaged newest commit: the newest intact one (every file
+    verified) is chosen and the damage named; the damaged directories are renamed, never deleted."""
+    for step in (2, 4, 6):
+        _commit(tmp_path, step)
+    (ck.stage_dir(tmp_path, 6, 0) / "data").write_bytes(b"abd")            # a flipped byte
+    (ck.step_dir(tmp_path, 4) / ck.MARKER).write_text("{not json")          # a torn marker
+    marker, damaged = ck.newest_intact(tmp_path)
+    assert marker["step"] == 2
+    assert [s for s, _ in damaged] == [6, 4]
+    assert "sha256" in damaged[0][1] and str(ck.stage_dir(tmp_path, 6, 0) / "data") in damaged[0][1]
+    assert "unreadable commit marker" in damaged[1][1]
+    assert ck.set_aside(tmp_path, 6).name == "step_00000006.damaged"
+    _commit(tmp_path, 6)                                   # the resumed run commits step 6 again
+    (ck.stage_dir(tmp_path, 6, 0) / "data").write_bytes(b"xyz")
+    assert ck.set_aside(tmp_path, 6).name == "step_00000006.damaged.2"          # nothing overwritten
+    assert [s for s, _, _ in ck.scan(tmp_path)] == [2, 4]
+    (ck.stage_dir(tmp_path, 2, 0) / "data").unlink()
+    with pytest.raises(ck.CheckpointError, match=r"no intact committed checkpoint .*step 4: .*step 2: .*is missing"):
+        ck.newest_intact(tmp_path)
+
+
 def test_select_gc_and_partial_dirs(tmp_path):
     for step in (2, 4, 6):
         _commit(tmp_path, step)
@@ -256,7 +278,7 @@ def test_committer_commits_only_when_every_host_reported_and_gcs_after(tmp_path)
 # ----------------------------------------------------------------------------- on Ray
 
 def plain_jax_loss(checked, exported: Path, step: int) -> float:
-    """What the README's snippet does: orbax restore of the export, the model's own functions, no
+    """What the checkpoints page's export snippet does: orbax restore of the export, the model's own functions, no
     meshpipe runtime; the mean microbatch loss on step `step`'s batch."""
     import jax.numpy as jnp
     import orbax.checkpoint as ocp
@@ -382,18 +404,24 @@ def test_resume_is_bit_exact_1f1b_and_bad_checkpoints_refused(tmp_path, no_leaks
     raw = bytearray(shard.read_bytes())
     raw[len(raw) // 2] ^= 0xFF
     shard.write_bytes(bytes(raw))
-    with pytest.raises(ck.CheckpointError, match="sha256") as ei:
-        prepare(checked_of(more), "latest")
+    with pytest.raises(ck.CheckpointError, match="sha256") as ei:       # that step, asked for by number
+        prepare(checked_of(more), 4)
     assert str(shard) in str(ei.value)
     shard.unlink()
     with pytest.raises(ck.CheckpointError, match="is missing") as ei:
-        prepare(checked_of(more), "latest")
+        prepare(checked_of(more), 4)
     assert str(shard) in str(ei.value)
     assert ck.select(full_dir) == marker          # checks never touch a committed checkpoint
     path = ck.step_dir(full_dir, 4) / ck.MARKER             # as if step 4 had been trained on tokens
+    saved = path.read_text()
     path.write_text(json.dumps({**marker, "data": {**marker["data"], "source": "tokens"}}))
     with pytest.raises(ck.CheckpointError, match="data.source = 'tokens', this job has 'synthetic'"):
-        prepare(checked_of(more), "latest")
+        prepare(checked_of(more), 4)
+    path.write_text(saved)
+    # the newest step (--resume / --resume auto) falls back over the damaged step 4 to step 2, keeping it aside
+    got = prepare(checked_of(more), "latest")
+    assert got.start == 2 and got.marker == ck.select(full_dir, 2)
+    assert [m["step"] for m in ck.committed(full_dir)] == [2] and (full_dir / "step_00000004.damaged").is_dir()
 
 
 def bf16_job(tmp_path, name, ckpt_dir, schedule="1f1b"):

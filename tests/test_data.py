@@ -186,11 +186,12 @@ def test_prefetch_matches_direct_reads_resumes_from_state_and_shuts_down(tmp_pat
 
 def test_loader_errors_reach_the_step_not_a_hang(tmp_path):
     f = tmp_path / "big.bin"
-    ids = np.zeros(6_000_000, dtype=np.uint16)              # 12 MB: beyond the plan's 2 × 4 MiB scan
-    ids[2_500_000:3_500_000] = 400                          # >= vocab 320, only in the middle
+    ids = np.zeros(6_000_000, dtype=np.uint16)
     ids.tofile(f)
     c = checked(tmp_path, {"source": "tokens", "path": str(f), "dtype": "uint16", "prefetch": 2,
                            "global_batch": 64})
+    ids[2_500_000:3_500_000] = 400                          # >= vocab 320, written after the plan read the file
+    ids.tofile(f)
     lo = HostLoader(c.data, np.arange(16), None, 4, who="test loader")
     with pytest.raises(RuntimeError, match=r"token id 400 >= the model.s vocab 320 in .*big.bin, window"):
         for s in range(4):
@@ -221,9 +222,12 @@ def test_bad_token_data_is_refused_with_key_value_rule(tmp_path, shards):
     assert f"data.path = '{(d / first).resolve()}': is empty" in _problems(tmp_path, {"source": "tokens", "path": str(d)})
     (d / first).write_bytes((shards / first).read_bytes())
     checked(tmp_path, {"source": "tokens", "path": str(d)})                 # whole again: fine
-    # token ids >= the model's vocab: the index's max_token, and the bounded scan
+    # token ids >= the model's vocab: the index's max_token names the shard, a scan the first id too large
     msg = _problems(tmp_path, {"source": "tokens", "path": str(d)}, vocab=128)
-    assert "data.path" in msg and ">= the model's vocab 128" in msg and "bounded scan" in msg
+    ids = np.fromfile(d / first, dtype=np.uint16)
+    pos = int(np.argmax(ids >= 128))
+    assert (f"data.path = '{(d / first).resolve()}': token id {ids[pos]} at position {pos} (of {len(ids)} tokens) "
+            "does not fit the model's vocab 128 (index.json records max_token") in msg, msg
     # seq_len longer than a shard
     tiny = tmp_path / "tiny.bin"
     np.arange(10, dtype=np.uint16).tofile(tiny)
@@ -233,6 +237,53 @@ def test_bad_token_data_is_refused_with_key_value_rule(tmp_path, shards):
     odd = tmp_path / "odd.bin"
     odd.write_bytes(b"\x01" * 101)
     assert "not a multiple of 2" in _problems(tmp_path, {"source": "tokens", "path": [str(odd)], "dtype": "uint16"})
+
+
+def test_text_bytes_that_do_not_fit_the_vocab_are_refused_not_clamped(tmp_path):
+    """The issue's inputs: `vocab: 64` on ASCII text clamped every lowercase letter to id 63, and
+    non-ASCII bytes with `vocab: 128` likewise; now the plan names the file, the offset, the byte."""
+    text = tmp_path / "t.txt"
+    text.write_bytes(b"HELLO WORLD, " * 8 + b"lower" + "caf\u00e9".encode() * 4)
+    msg = _problems(tmp_path, {"source": "text", "path": str(text)}, vocab=64)
+    assert f"data.path = '{text.resolve()}': byte 72 at offset 0 does not fit the model's vocab 64" in msg, msg
+    assert "never clamped" in msg
+    text.write_bytes(b"HELLO WORLD, " * 8 + "caf\u00e9".encode() * 4)
+    msg = _problems(tmp_path, {"source": "text", "path": str(text)}, vocab=128)
+    assert f"byte 195 at offset {13 * 8 + 3} does not fit the model's vocab 128 (the whole file read)" in msg, msg
+    checked(tmp_path, {"source": "text", "path": str(text)}, vocab=256)        # any byte fits 256
+
+
+def test_a_shard_without_max_token_is_read_in_full_within_the_budget(tmp_path, monkeypatch):
+    """A bare .bin (no index): read in full at plan time (an id in the middle, beyond the first and
+    last 4 MiB, is found with its position); past SCAN_BUDGET only its ends, and the loader checks
+    every window it reads."""
+    from orchestrator.core.data import plan as plan_mod
+
+    f = tmp_path / "big.bin"
+    ids = np.zeros(6_000_000, dtype=np.uint16)              # 12 MB: beyond the first and last 4 MiB
+    ids[3_000_001] = 400
+    ids.tofile(f)
+    data = {"source": "tokens", "path": str(f), "dtype": "uint16"}
+    msg = _problems(tmp_path, data)
+    assert (f"data.path = '{f.resolve()}': token id 400 at position 3000001 (of 6000000 tokens) does not fit "
+            "the model's vocab 320 (the whole shard read)") in msg, msg
+    monkeypatch.setattr(plan_mod, "SCAN_BUDGET", 1 << 20)
+    checked(tmp_path, data)                                  # beyond the budget: the ends only (the loader's)
+    ids[-1] = 500
+    ids.tofile(f)
+    msg = _problems(tmp_path, data)
+    assert "token id 400 at position 3000001" in msg and "first and last 4 MiB read" in msg, msg
+
+
+def test_text_read_after_a_change_stops_at_the_byte_instead_of_clamping_it(tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_bytes(b"A" * 400)
+    c = checked(tmp_path, {"source": "text", "path": str(text)}, vocab=66)
+    text.write_bytes(b"A" * 100 + b"z" + b"A" * 299)       # 'z' = 122 >= 66, same size: the plan still holds
+    reader = open_reader(c.data)
+    with pytest.raises(ValueError, match=r"byte 122 >= the model's vocab 66 in .*t.txt, window \d+, at position 100 "):
+        for step in range(8):
+            global_batch(reader, c.data, step)
 
 
 def test_directories_fifos_and_devices_are_refused_as_files(tmp_path):

@@ -1,9 +1,11 @@
-"""The import rule (README, "How it works"): three layers, imports in one direction.
+"""The import rule (docs/design/how-it-works.md): three layers, imports in one direction.
 
   orchestrator.core    pure description and planning: imports neither ray, nor
                        stages, nor orchestrator.driver (not even inside a function)
   stages               the actor runtime: may import orchestrator.core, never the driver
   orchestrator.driver  the driver runtime: may import both
+  meshpipe             the public API, a facade above the three: re-exports what users write
+                       against and wraps the driver's run/plan; no layer below imports it
 
 The check reads every module's imports from its source (module level and inside
 functions), so a lazy import cannot hide an upward edge.
@@ -22,8 +24,9 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 # layer of a module prefix, and what each layer may not import
-LAYERS = {"orchestrator.core": 1, "stages": 2, "orchestrator.driver": 3}
-FORBIDDEN = {1: ("ray", "stages", "orchestrator.driver"), 2: ("orchestrator.driver",), 3: ()}
+LAYERS = {"orchestrator.core": 1, "stages": 2, "orchestrator.driver": 3, "meshpipe": 4}
+FORBIDDEN = {1: ("ray", "stages", "orchestrator.driver", "meshpipe"), 2: ("orchestrator.driver", "meshpipe"),
+             3: ("meshpipe",), 4: ("ray",)}
 
 
 def layer_of(module: str) -> int | None:
@@ -65,7 +68,7 @@ def violations(module: str, source: str) -> list[str]:
 
 
 def package_modules():
-    for top in ("orchestrator", "stages"):
+    for top in ("orchestrator", "stages", "meshpipe"):
         for path in sorted((ROOT / top).rglob("*.py")):
             rel = path.relative_to(ROOT).with_suffix("")
             parts = list(rel.parts)
@@ -91,6 +94,10 @@ def test_imports_point_one_way():
     ("orchestrator.core.schedule.ir", "import ray\n"),
     ("stages.worker", "from orchestrator.driver.telemetry import Progress\n"),
     ("stages.program", "from orchestrator import driver\n"),
+    ("orchestrator.driver.cli", "from meshpipe import run\n"),
+    ("stages.worker", "import meshpipe\n"),
+    ("orchestrator.core.model.adapters", "def f():\n    from meshpipe._api import describe\n"),
+    ("meshpipe._api", "import ray\n"),
 ])
 def test_the_check_catches_an_upward_import(module, source):
     assert violations(module, source), f"{source!r} in {module} should break the rule"
@@ -99,6 +106,7 @@ def test_the_check_catches_an_upward_import(module, source):
 @pytest.mark.parametrize("module, source", [
     ("stages.worker", "from orchestrator.core.schedule import Action\nimport ray\n"),
     ("orchestrator.driver.runner", "import stages.worker\nimport ray\n"),
+    ("meshpipe._api", "from orchestrator.driver.runner import run_job\nimport stages.hooks\n"),
 ])
 def test_the_check_allows_downward_imports(module, source):
     assert violations(module, source) == []

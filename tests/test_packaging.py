@@ -121,7 +121,7 @@ def _copy_source(dst: Path) -> Path:
     """The source tree without venvs, caches, runs and build leftovers (a stale build/ would leak
     into the wheel)."""
     skip = shutil.ignore_patterns(".git", ".*venv*", ".v", "__pycache__", "*.egg-info", "build", "dist",
-                                  "runs", ".pytest_cache", ".hypothesis")
+                                  "runs", ".pytest_cache", ".hypothesis", "site")
     return Path(shutil.copytree(ROOT, dst, ignore=skip))
 
 
@@ -144,12 +144,13 @@ def test_non_editable_install_trains_from_another_directory(tmp_path):
     work = tmp_path / "elsewhere"
     shutil.copytree(ROOT / "examples", work / "examples")
     where = subprocess.run([str(py), "-c", "import orchestrator.driver.cli as c; print(c.__file__); "
-                            "print(c.DEFAULT_CLUSTER)"], cwd=work, capture_output=True, text=True,
-                           timeout=120, env=env)
+                            "print(c.DEFAULT_CLUSTER); import meshpipe; print(meshpipe.__file__)"],
+                           cwd=work, capture_output=True, text=True, timeout=120, env=env)
     assert where.returncode == 0, where.stderr
-    module, cluster = where.stdout.split()
+    module, cluster, api = where.stdout.split()
     site = str(venv / "lib")
     assert module.startswith(site) and cluster.startswith(site) and Path(cluster).is_file()
+    assert api.startswith(site), "the public API package `meshpipe` is not in the wheel"
 
     out = subprocess.run([str(meshpipe), "run", "examples/gpt.yaml", "--set", "run.steps=2",
                           "--set", "run.output_dir=out"], cwd=work, capture_output=True, text=True,

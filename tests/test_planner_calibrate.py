@@ -390,7 +390,9 @@ def test_cost_model_adds_the_overhead_to_each_action_of_each_stage():
     for c in r.ranked:
         low = lower(generate(c.schedule, len(c.stages), c.microbatches))
         sim = simulate(low, [{"F": s.fwd_s, "B": s.bwd_s, "OPT": s.opt_s} for s in c.stages],
-                       [e["time_s"] for e in c.edges] or 0.0)
+                       [e["transfer_s"] for e in c.edges] or 0.0,
+                       send_block=[e["send_block_s"] for e in c.edges] or 0.0,
+                       recv_block=[e["recv_block_s"] for e in c.edges] or 0.0)
         assert c.step_s == pytest.approx(sim.step_time)
         assert all(s.overhead_s == o for s in c.stages)
     # a large per-action overhead favours fewer microbatches; a large per-transfer one, one stage

@@ -179,7 +179,7 @@ GPT = {"vocab": 128, "d_model": 64, "heads": 4, "d_mlp": 256, "blocks": 2}
 
 
 def test_every_emitted_plan_passes_check_job():
-    """The README's GPT: the search's candidates on 2 hosts × 4 devices (interleaved plans among
+    """The example GPT: the search's candidates on 2 hosts × 4 devices (interleaved plans among
     them), and every legal one-stage plan on 1 host × 8 devices (3-D meshes among them)."""
     model = from_spec(build_spec("gpt", GPT, seq_len=32), "gpt", GPT, 32)
     costs = [1e6] * model.num_layers

@@ -15,6 +15,9 @@ Invariants:
     from, and is deleted once a newer step commits (or when a resumed run starts).
   - The marker is JSON only (never pickle) and lists every file of the step with its
     size and sha256, so a missing or corrupted shard is refused by name before restore.
+    Resuming the newest step (`--resume` / `--resume auto`) falls back over damaged newer
+    steps to the newest intact one (`newest_intact`); the damaged directories are renamed
+    `step_<N>.damaged` (`set_aside`), kept, and no longer count.
   - Each stored array has a model-wide name (`param_name`, e.g. `03.block2/wq`; optimizer
     leaves `opt:<path in the optimizer state>|<param name>`; mutable model state such as
     BatchNorm's running statistics `state:<layer>/<leaf path>`, `state_name`), with its global
@@ -38,7 +41,7 @@ _MARKER_KEYS = {"format": str, "step": int, "time": float, "run": str, "model": 
                 "stages": list, "arrays": dict, "losses": list, "seed": int, "data": dict, "bytes": int}
 
 __all__ = ["FORMAT", "MARKER", "CheckpointError", "step_dir", "stage_dir", "file_table", "write_marker",
-           "read_marker", "committed", "select", "verify_files", "check_model", "layout_of", "stale_dirs",
+           "read_marker", "committed", "scan", "newest_intact", "set_aside", "select", "verify_files", "check_model", "layout_of", "stale_dirs",
            "gc_dirs", "opt_name", "state_name", "is_param_name", "PROBE", "check_probe"]
 
 
@@ -156,6 +159,54 @@ def committed(root: Path | str) -> list[dict]:
         if (p / MARKER).is_file():
             out.append(read_marker(p / MARKER))
     return out
+
+
+def scan(root: Path | str) -> list[tuple[int, Optional[dict], Optional[str]]]:
+    """Every step directory under `root` that holds a marker, oldest first: (step, the marker, None)
+    when it reads back valid, (step, None, why) when it does not — unlike `committed`, which raises."""
+    out = []
+    for step, p in _step_dirs(Path(root)):
+        if (p / MARKER).is_file():
+            try:
+                out.append((step, read_marker(p / MARKER), None))
+            except CheckpointError as e:
+                out.append((step, None, str(e)))
+    return out
+
+
+def newest_intact(root: Path | str) -> tuple[dict, list[tuple[int, str]]]:
+    """The marker of the newest committed step that is intact — its marker reads back valid and every
+    file it lists is there with its size and sha256 (`verify_files`) — and the newer steps that are
+    not, newest first, each with why (what `--resume latest|auto` falls back over).
+
+    Raises:
+      CheckpointError: nothing is committed, or no committed step is intact (each one's damage named).
+    """
+    damaged: list[tuple[int, str]] = []
+    for step, marker, why in reversed(scan(root)):
+        if marker is not None:
+            try:
+                verify_files(root, marker)
+                return marker, damaged
+            except CheckpointError as e:
+                why = str(e)
+        damaged.append((step, why or "unreadable"))
+    if not damaged:
+        raise CheckpointError(f"--resume: no committed checkpoint in checkpoint.dir = {root}")
+    raise CheckpointError(f"--resume: no intact committed checkpoint in checkpoint.dir = {root}: "
+                          + "; ".join(f"step {s}: {why}" for s, why in damaged))
+
+
+def set_aside(root: Path | str, step: int) -> Path:
+    """Rename a damaged step directory to `step_<N>.damaged[.<k>]` (kept, never deleted: it no longer
+    counts as a step, so a resumed run can commit step N again). Returns the new path."""
+    src = step_dir(root, step)
+    dst, k = src.with_name(src.name + ".damaged"), 1
+    while dst.exists():
+        k += 1
+        dst = src.with_name(f"{src.name}.damaged.{k}")
+    src.rename(dst)
+    return dst
 
 
 def select(root: Path | str, step: Optional[int] = None) -> dict:

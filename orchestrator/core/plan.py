@@ -28,6 +28,9 @@ from orchestrator.core.model.layout import format_layout
 
 @dataclass(frozen=True)
 class Plan:
+    """A checked job's plan (`make_plan`): the `Checked` job, its lowered and validated schedule, the
+    schedule's simulation with per-stage costs, those costs, and the forward-only eval schedule."""
+
     checked: object
     schedule: Schedule      # lowered and validated
     sim: SimResult
@@ -92,6 +95,9 @@ def memory_json(checked, s) -> dict:
 
 
 def plan_json(plan: Plan) -> dict:
+    """The plan as plain JSON-able data: what `meshpipe plan --json` prints and summary.json embeds
+    (stages with hosts, meshes, layouts and memory bounds, edges with their bytes, the lowered
+    schedule, the simulated bubble)."""
     checked, job = plan.checked, plan.checked.job
     stages = []
     p = len(checked.stages)
@@ -148,6 +154,8 @@ def _bytes(n: float) -> str:
 
 
 def plan_text(plan: Plan) -> str:
+    """The plan as `meshpipe plan` prints it: placement, layouts, bytes per stage edge against their
+    lower bound, the lowered schedule grid, the simulated bubble and peak in-flight microbatches."""
     checked, job = plan.checked, plan.checked.job
     model = checked.model
     held, unique = model.param_count(), model.unique_param_count()

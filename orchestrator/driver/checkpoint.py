@@ -8,7 +8,10 @@ Basic flow (`orchestrator.driver.runner` calls it):
      it, refuse a `checkpoint.dir` that already holds committed steps. `--resume auto` is
      `--resume` when a step is committed and a fresh start when none is (what `meshpipe submit`
      runs, so that submitting the same job again continues it: Ray Jobs leaves retries to the
-     submitter). Uncommitted step
+     submitter). Resuming the newest step falls back over damaged newer ones (a marker that
+     does not read back, a file missing or not matching its sha256) to the newest intact one,
+     saying so; the damaged directories are kept as `step_<N>.damaged`. `checkpoint.dir` is made
+     absolute here, once (relative: from the current directory). Uncommitted step
      directories (an interrupted save) are deleted here. Returns what the workers get
      (`WorkerConfig.checkpoint`: where, how often, and the restore plan) and the step to start at.
   2. `Committer.add(reports)` with every step's results: each stage host reports its save
@@ -28,6 +31,7 @@ import datetime
 import importlib.util
 import json
 import logging
+import os
 import secrets
 import shutil
 import time
@@ -36,7 +40,8 @@ from pathlib import Path
 from typing import Optional
 
 from orchestrator.core.checkpoint import (FORMAT, PROBE, CheckpointError, check_model, committed, gc_dirs,
-                                          layout_of, select, stale_dirs, verify_files, write_marker)
+                                          layout_of, newest_intact, scan, select, set_aside, stale_dirs,
+                                          verify_files, write_marker)
 from orchestrator.core.model.spec import param_name
 
 log = logging.getLogger("meshpipe")
@@ -74,22 +79,27 @@ def prepare(checked, resume) -> Optional[Prepared]:
     if importlib.util.find_spec("orbax") is None or importlib.util.find_spec("orbax.checkpoint") is None:
         raise CheckpointError(f"checkpoint.dir = {ck.dir}: checkpoints need orbax-checkpoint, which is not "
                               "installed: pip install 'meshpipe[checkpoint]' (or -e \".[checkpoint]\")")
-    root = Path(ck.dir)
+    root = checkpoint_root(job)
     worker = {"root": str(root), "every": ck.every_steps, "total": job.run.steps, "async": ck.async_,
               "probe": secrets.token_hex(16)}
-    found = committed(root)
+    entries = scan(root)
     if resume == "auto":
-        resume = "latest" if found else None
+        resume = "latest" if entries else None
     if resume is None:
+        found = committed(root)
         if found:
             steps = ", ".join(str(m["step"]) for m in found)
             raise CheckpointError(f"checkpoint.dir = {ck.dir} holds committed checkpoints (steps {steps}): "
                                   "pass --resume to continue from one, or use another checkpoint.dir")
         _remove(stale_dirs(root, ()))
         return Prepared(worker, 0)
-    marker = select(root, None if resume == "latest" else int(resume))
+    damaged: list[tuple[int, str]] = []
+    if resume == "latest":
+        marker, damaged = newest_intact(root)       # every file verified; damaged newer steps listed
+    else:
+        marker = select(root, int(resume))
     step = marker["step"]
-    later = [m["step"] for m in found if m["step"] > step]
+    later = [s for s, _, _ in entries if s > step and s not in dict(damaged)]
     if later:
         raise CheckpointError(f"--resume {step}: checkpoint.dir = {ck.dir} holds later committed steps "
                               f"({', '.join(map(str, later))}) this run would overwrite: resume the latest, "
@@ -105,11 +115,24 @@ def prepare(checked, resume) -> Optional[Prepared]:
         raise CheckpointError(f"--resume: checkpoint step {step} was trained on data.source = {source!r}, "
                               f"this job has {job.data.source!r} (the batches would differ)")
     check_model(marker, model_arrays(checked.model))
-    verify_files(root, marker)
+    if resume != "latest":            # (the newest is verified by newest_intact)
+        verify_files(root, marker)
+    for bad, why in damaged:       # kept under another name: a resumed run commits that step again
+        aside = set_aside(root, bad)
+        log.warning("--resume: checkpoint step %d is damaged (%s); it is kept as %s and the run resumes "
+                    "from the newest intact one, step %d", bad, why, aside, step)
     _remove(stale_dirs(root, ()))
     worker["restore"] = {"root": str(root), "step": step, "data": dict(marker["data"]),
                          "stages": [{"path": r["path"], "arrays": r["arrays"]} for r in marker["stages"]]}
     return Prepared(worker, step, list(marker["losses"]), marker)
+
+
+def checkpoint_root(job) -> Path:
+    """`checkpoint.dir` made absolute once, before anything starts: a relative one is read from the
+    current directory, as every relative path of a job is (orbax needs absolute paths, and the stage
+    actors may run elsewhere). Symlinks in it are kept: shared storage may be mounted differently on
+    the hosts than on the driver."""
+    return Path(os.path.abspath(job.checkpoint.dir))
 
 
 def write_probe(prepared: Prepared) -> Path:
@@ -145,7 +168,7 @@ class Committer:
 
     def __init__(self, checked, schedule: str, expected: int, losses: list):
         job = checked.job
-        self.root, self.keep = Path(job.checkpoint.dir), job.checkpoint.keep
+        self.root, self.keep = checkpoint_root(job), job.checkpoint.keep
         self.base = {"format": FORMAT, "run": job.run.name, "model": checked.model.name, "seed": job.run.seed,
                      "layout": layout_of(checked.stages, schedule)}
         self.expected, self.losses = expected, losses
@@ -237,7 +260,7 @@ def export(ckpt: Path | str, to: Path | str) -> dict:
     from orchestrator.core.checkpoint import MARKER, is_param_name, read_marker
     from orchestrator.core.private_fs import private_dir, write_private
 
-    ckpt, to = Path(ckpt), Path(to)
+    ckpt, to = Path(os.path.abspath(ckpt)), Path(os.path.abspath(to))   # relative: from the current directory
     if not (ckpt / MARKER).is_file():
         raise CheckpointError(f"{ckpt}: not a committed checkpoint (no {MARKER}; pass a step_<N> directory)")
     if to.exists():
@@ -266,7 +289,7 @@ def export(ckpt: Path | str, to: Path | str) -> dict:
         raise CheckpointError(f"{ckpt}: parts {sorted(parts)} are not 0..{len(parts) - 1}")
     private_dir(to)
     with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as ckptr:
-        ckptr.save((to / "params").resolve(), args=ocp.args.PyTreeSave({"params": [parts[i] for i in range(len(parts))]}))
+        ckptr.save(to / "params", args=ocp.args.PyTreeSave({"params": [parts[i] for i in range(len(parts))]}))
     info = {"format": "meshpipe-export/1", "step": marker["step"], "model": marker["model"], "run": marker["run"],
             "names": names, "losses": marker["losses"], "layout": marker["layout"]}
     write_private(to / "meshpipe.json", json.dumps(info, indent=1))

@@ -92,7 +92,7 @@ def _checked(job_path: str, cluster_path: str | None, overrides: tuple[str, ...]
              allow_code: bool = True, command: str = "run"):
     import dataclasses
 
-    from orchestrator.core.config import ConfigError, check_job, check_output_dir, load_cluster, load_job
+    from orchestrator.core.config import ConfigError, check_output_dir, load_cluster, load_job
 
     job_sets, cluster_sets = split_overrides(overrides)
     import_dir = job_import_dir(job_path)
@@ -103,11 +103,27 @@ def _checked(job_path: str, cluster_path: str | None, overrides: tuple[str, ...]
         # --address: a running Ray replaces the file's address (whose num_cpus is then meaningless)
         cluster = load_cluster(cluster_path or str(DEFAULT_CLUSTER),
                                overrides=cluster_sets + ([f"address={address}", "num_cpus=null"] if address else []))
-        checked = check_job(job, cluster)
+        checked = _check_with_code(job, cluster)
         return dataclasses.replace(checked, import_dir=import_dir), check_output_dir
     except ConfigError as e:
         click.echo(f"meshpipe: invalid configuration:\n{e}", err=True)
         sys.exit(2)
+
+
+def _check_with_code(job, cluster):
+    """`check_job`, for a job that names code (model / data factory) only after that code returned in a
+    child process within `cluster.timeouts.factory_s`, and then under a watchdog (`driver.usercode`)."""
+    from orchestrator.core.config import check_job
+    from orchestrator.core.config.check import job_code
+    from orchestrator.driver.usercode import guard, watchdog
+
+    refs = job_code(job)
+    if not refs:
+        return check_job(job, cluster)
+    guard(job, cluster.timeouts.factory_s)
+    what = "describing the job (" + ", ".join(f"{k} = {v!r}" for k, v in refs) + ")"
+    with watchdog(2 * cluster.timeouts.factory_s, what):
+        return check_job(job, cluster)
 
 
 job_arg = click.argument("job", type=click.Path(exists=True, dir_okay=False))
@@ -338,6 +354,16 @@ def _auto(job, cluster, overrides, out, explain_, top, max_model, microbatches, 
     from orchestrator.driver.autoplan import PlanningError, ProfileError, auto_plan
 
     job_import_dir(job)
+    try:
+        from orchestrator.core.config import load_cluster, load_job
+        from orchestrator.driver.usercode import guard
+
+        job_sets, cluster_sets = split_overrides(overrides)    # the job's code returns in time, first
+        guard(load_job(job, overrides=job_sets),
+              load_cluster(cluster or str(DEFAULT_CLUSTER), overrides=cluster_sets).timeouts.factory_s)
+    except ConfigError as e:
+        click.echo(f"meshpipe: invalid configuration:\n{e}", err=True)
+        sys.exit(2)
     try:
         ms = tuple(int(x) for x in microbatches.split(",")) if microbatches else None
     except ValueError:

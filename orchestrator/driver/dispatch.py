@@ -136,7 +136,7 @@ class CompiledGraph(_Batched):
 
     def _collect(self, first, n, refs):
         """Ray 2.60's channel read polls (sched_yield) and would take a whole core from the stages
-        while it waits (README, "Executor choice"); the read runs on a thread at the lowest priority
+        while it waits (docs/decisions.md, "Executors"); the read runs on a thread at the lowest priority
         and this thread blocks on a queue."""
         import queue
         import threading

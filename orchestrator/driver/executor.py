@@ -48,9 +48,9 @@ from stages.worker import StageWorker, WorkerConfig
 
 RECV_FACTOR = 2.0    # an actor's RECV deadline: this × the driver's progress deadline for a call
 # After a failure: the seconds the survivors (told to abort) get to end their step and close before they
-# are killed. Measured on the 2-core machine at load ~10: an aborted survivor's step ended and its
-# transport closed within 0.4 s of the abort; what it waited for after that (jax.distributed's shutdown
-# barrier, with a dead peer) held the whole timeouts.shutdown_s (30 s) and is no longer waited for.
+# are killed. An aborted survivor's step ends and its transport closes well within it; what it would
+# wait for after that (jax.distributed's shutdown barrier, with a dead peer) can hold the whole
+# timeouts.shutdown_s and is not waited for (the measurement: docs/decisions.md, "Abort grace").
 ABORT_GRACE_S = 5.0
 CAUSE_GRACE_S = 3.0      # transport xla: how long a death's report waits to see the world's coordinator die too
 

@@ -3,7 +3,8 @@
 Basic flow:
   1. `connect(cluster)` — an existing Ray session is reused; `address: null`
      starts an embedded local Ray (`address="local"`), loopback-only by
-     default (see below); otherwise `ray.init(address=...)`.
+     default (see below); otherwise `ray.init(address=...)` within
+     `cluster.timeouts.connect_s` (`orchestrator.driver.connect`).
   2. `reserve(checked, name)` — ONE placement group for the job (gang): one
      bundle per host the job uses, bundle i = cluster host i. First the backend
      checks the live nodes (`check_live`: e.g. GPUs per node, intact TPU slices)
@@ -86,7 +87,9 @@ def connect(cluster, namespace: str) -> bool:
                         "token authentication is the only guard", ctx.dashboard_url or "its port",
                         cluster.dashboard_host)
     else:
-        ray.init(address=cluster.address, namespace=namespace, logging_level=logging.WARNING)
+        from orchestrator.driver.connect import init
+
+        init(cluster.address, namespace, cluster.timeouts.connect_s)   # bounded: ray.init alone has no deadline
     return True
 
 

@@ -14,6 +14,9 @@ meshpipe needs these things Ray has no public API for:
     `handlers`), wrapped so known noise is dropped (`orchestrator.driver.quiet`).
   - `available_resources()`: `ray._private.state.available_resources_per_node`.
   - `dashboard_url()`: `ray._private.worker.get_dashboard_url`.
+  - `bootstrap_address(address)`: `ray._private.services.canonicalize_bootstrap_address`, the
+    address `ray.init` really dials ("auto" resolved, a loopback host rewritten), so that
+    `orchestrator.driver.connect` can probe it within a deadline and name it.
   - `compiled_graph_proxy(graph)`: a Compiled Graph's `_proxy_actor`, a helper actor Ray
     starts on the driver's node and frees only when the graph object is garbage collected —
     which the refs a failed step leaves in a traceback can delay by a minute.
@@ -55,6 +58,8 @@ INTERNALS = {   # what this module reaches into: (module, attribute) -> what for
         "whether to print the token hint at start",
     ("ray._private.ray_logging", "global_worker_stdstream_dispatcher"):
         "dropping known noise from the actor output forwarded to the driver",
+    ("ray._private.services", "canonicalize_bootstrap_address"):
+        "the address `ray.init` really dials, probed and named within cluster.timeouts.connect_s",
 }
 LOOPBACK_SWITCH = ("ray._private.ray_constants", "ENABLE_RAY_CLUSTER")   # the one safety depends on
 
@@ -261,6 +266,18 @@ def dashboard_url() -> str | None:
     try:
         return fn() if fn is not None else None
     except Exception:  # noqa: BLE001 - informational
+        return None
+
+
+def bootstrap_address(address: str) -> str | None:
+    """The 'host:port' `ray.init(address=address)` dials, or None when Ray would not dial one
+    ("auto" with no cluster to find, "local") or this Ray cannot say."""
+    if address.startswith("ray://"):
+        return address
+    fn = _internal("ray._private.services", "canonicalize_bootstrap_address")
+    try:
+        return fn(address) if fn is not None else address
+    except Exception:  # noqa: BLE001 - ray.init reports a malformed address itself
         return None
 
 

@@ -9,13 +9,17 @@ only its own rows.
 
   synthetic  the batch generated from (seed, step) — computed, not read (the whole
              batch is cheap to generate; the rows asked for are cut from it);
-  text       the file's bytes, memory-mapped, as token ids (clipped to vocab − 1);
-  tokens     token shards (uint16/uint32), memory-mapped; every window's ids are
-             checked against the model's vocab as they are read;
+  text       the file's bytes, memory-mapped, as token ids;
+  tokens     token shards (uint16/uint32), memory-mapped;
   hf         a `datasets` data set from local files (offline), its text column
              tokenized with a `tokenizers` file into one token stream on open
              (documents joined by the tokenizer's end-of-text token when it has one);
   grain      a user's grain random-access source / MapDataset: record i is window i.
+
+Every window's ids are checked against the model's vocab as they are read (the plan checked
+the files once, `orchestrator.core.data.plan`; this catches a file changed since, or what the
+plan's bounded scan did not read): an id that does not fit stops the run naming the file and
+the position. Nothing is ever clamped.
 """
 from __future__ import annotations
 
@@ -73,7 +77,6 @@ class WindowReader(Reader):
         if plan.counts is not None and counts != tuple(plan.counts):
             raise ValueError(f"data changed since the plan: windows per file {counts}, planned {plan.counts}")
         self.sampler = _split(plan, counts)
-        self.clip = plan.source == "text"
 
     def read(self, step, rows):
         seq, vocab = self.plan.seq_len, self.plan.vocab
@@ -84,13 +87,13 @@ class WindowReader(Reader):
             out[i] = win
             self.bytes_read += win.nbytes
         self.windows_read += len(rows)
-        if self.clip:
-            np.minimum(out, vocab - 1, out=out)
-        elif vocab and len(rows) and out.max() >= vocab:
+        if vocab and len(rows) and out.max() >= vocab:
             bad = int(np.argmax(out.max(axis=1)))
-            raise ValueError(f"token id {int(out[bad].max())} >= the model's vocab {vocab} in "
-                             f"{self.names[shard[bad]]}, window {int(local[bad])} (tokens "
-                             f"{int(local[bad]) * seq}..{int(local[bad]) * seq + seq})")
+            col = int(np.argmax(out[bad] >= vocab))
+            what = "byte" if self.plan.source == "text" else "token id"
+            raise ValueError(f"{what} {int(out[bad, col])} >= the model's vocab {vocab} in "
+                             f"{self.names[shard[bad]]}, window {int(local[bad])}, at position "
+                             f"{int(local[bad]) * seq + col} (never clamped: the data does not fit the model)")
         return out[:, :-1], out[:, 1:]
 
 

@@ -6,6 +6,13 @@ Answers:
                   resource; worker 0 of each slice also has `TPU-<pod type>-head: 1`.
                   `sites()` binds the job's slice indices to intact slices of
                   `tpu.type` (all workers 0..n-1 alive, idle ones first).
+  host order      cluster host i of a slice is the TPU VM at PHYSICAL position i of the
+                  slice's host grid, row-major (what TPU_PROCESS_BOUNDS and an aligned
+                  subslice mean). A VM's `ray.io/tpu-worker-id` need not be that position:
+                  where Ray has labelled the slice's VMs from libtpu's chip coordinates
+                  (`ray.io/tpu-subslice-<topology>`, Ray's subslice discovery), the one-VM
+                  label IS the physical position and `sites()` pins host i to the VM that has
+                  it; without those labels the worker id is taken as the position.
   bundle          {"CPU": cpus_per_host, "TPU": chips of the host, **resources_per_host}
                   pinned to (slice, worker id) with `bundle_label_selector`; the bundle
                   on worker 0 also takes the slice's `TPU-<pod type>-head` resource, which
@@ -38,13 +45,15 @@ from typing import Sequence
 
 from orchestrator.core.backends.base import Backend, Node, PlacementError
 from orchestrator.core.backends.jaxinit import JaxInit
-from orchestrator.core.backends.tpu_topology import aligned_block, chip_bounds, geometry, process_bounds
+from orchestrator.core.backends.tpu_topology import (WORKER_DIMS, aligned_block, chip_bounds, geometry,
+                                                     process_bounds)
 
-__all__ = ["TpuBackend", "TpuSite", "SLICE_LABEL", "WORKER_LABEL", "POD_TYPE_LABEL"]
+__all__ = ["TpuBackend", "TpuSite", "SLICE_LABEL", "WORKER_LABEL", "POD_TYPE_LABEL", "SUBSLICE_LABEL"]
 
 SLICE_LABEL = "ray.io/tpu-slice-name"
 WORKER_LABEL = "ray.io/tpu-worker-id"
 POD_TYPE_LABEL = "ray.io/tpu-pod-type"
+SUBSLICE_LABEL = "ray.io/tpu-subslice-"      # + topology: Ray's subslice index, from physical positions
 MEGASCALE_PORT = "8081"          # Ray's DEFAULT_MEGASCALE_PORT
 PROCESS_PORT = 8471              # libtpu's default TPU_PROCESS_PORT
 MESH_CONTROLLER_PORT = 8476      # per-process port for single-process worlds on a shared VM
@@ -159,10 +168,34 @@ class TpuBackend(Backend):
     def sites(self, n_hosts, nodes=None):
         needed = -(-n_hosts // self.per_slice) if n_hosts else 0
         names = self.bind(needed, nodes) if nodes is not None else [f"<slice {j}>" for j in range(needed)]
+        workers = [self.physical_workers(name, nodes) if nodes is not None else None for name in names]
         out = []
         for b in range(n_hosts):
             j, r = divmod(b, self.per_slice)
-            out.append(TpuSite(j, names[j], r // self.per_vm, r % self.per_vm))
+            pos = r // self.per_vm
+            out.append(TpuSite(j, names[j], workers[j][pos] if workers[j] else pos, r % self.per_vm))
+        return out
+
+    def physical_workers(self, slice_name: str, nodes: Sequence[Node]) -> dict[int, int]:
+        """{physical position: worker id} of one slice's VMs (module docstring, host order).
+
+        The one-VM subslice label (`ray.io/tpu-subslice-2x2` on a 2-D slice, `-2x2x1` on a 3-D
+        one) is Ray's row-major physical position; without it on every VM, the worker ids.
+        Raises PlacementError when the labels are not one position per VM."""
+        members = [n for n in nodes if n.labels.get(SLICE_LABEL) == slice_name and WORKER_LABEL in n.labels]
+        dims = self.geom.worker_dims
+        unit = next((t for t, d in WORKER_DIMS.items() if dims and len(d) == len(dims) and all(x == 1 for x in d)),
+                    None)
+        key = SUBSLICE_LABEL + unit if unit else None
+        if key is None or not members or not all(key in n.labels for n in members):
+            return {int(n.labels[WORKER_LABEL]): int(n.labels[WORKER_LABEL]) for n in members}
+        out = {int(n.labels[key]): int(n.labels[WORKER_LABEL]) for n in members}
+        if sorted(out) != list(range(self.geom.hosts)) or len(out) != len(members):
+            seen = {n.labels[WORKER_LABEL]: n.labels[key] for n in members}
+            raise PlacementError(f"cluster.tpu.type = {self.cluster.tpu.type!r}: slice {slice_name}'s {key} labels "
+                                 f"are not one physical position 0..{self.geom.hosts - 1} per TPU VM (worker id → "
+                                 f"position: {seen}); Ray's subslice discovery writes them from libtpu's chip "
+                                 "coordinates")
         return out
 
     def check_live(self, n_hosts, nodes):
@@ -174,7 +207,7 @@ class TpuBackend(Backend):
         tpu_nodes = [n for n in nodes if n.resources.get("TPU", 0) > 0]
         if not tpu_nodes:
             raise PlacementError(f"{key}: the live cluster has no node with a TPU resource "
-                                 f"({len(nodes)} node(s)); start Ray on the TPU VMs (see the README's Scaling out section)")
+                                 f"({len(nodes)} node(s)); start Ray on the TPU VMs (see docs/guides/scaling-out.md)")
         bare = [n.node_id[:8] for n in tpu_nodes if SLICE_LABEL not in n.labels or WORKER_LABEL not in n.labels]
         if bare:
             raise PlacementError(f"{key}: TPU node(s) {', '.join(bare)} lack the {SLICE_LABEL} / {WORKER_LABEL} "

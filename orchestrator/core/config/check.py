@@ -29,18 +29,19 @@ from typing import Any, Mapping, Optional
 
 from orchestrator.core.backends import get_backend
 from orchestrator.core.config.errors import ConfigError, problem, suggest
-from orchestrator.core.config.limits import memory_problems, optimizer_problems
+from orchestrator.core.config.limits import memory_problems
 from orchestrator.core.config.schema import ClusterConfig, JobConfig, Rule
 from orchestrator.core.redact import redact
 from orchestrator.core.model.layout import FirstOf, choose, partition_spec, rule_axes, shard_count, stage_layout
 from orchestrator.core.model.optim import OptimError, build as build_optimizer
+from orchestrator.core.model.optim_rules import problems as optimizer_rules
 from orchestrator.core.model.policy import remat_names, with_compute_dtype
 from orchestrator.core.model.registry import BUILTIN, ModelError, build_spec
 from orchestrator.core.model.spec import ModelSpec, param_name
 from orchestrator.core.model.split import SplitError, split_ranges
 from orchestrator.core.schedule import SCHEDULES, ScheduleError, check_params
 
-__all__ = ["Checked", "StagePlan", "check_job", "job_code"]
+__all__ = ["Checked", "StagePlan", "check_code", "check_job", "job_code"]
 
 
 @dataclass(frozen=True)
@@ -203,6 +204,25 @@ def _build_model(job: JobConfig) -> ModelSpec:
         raise ConfigError(problem("model.args", dict(args), f"invalid model arguments: {e}")) from None
 
 
+def check_code(job: JobConfig, step=lambda key, value: None) -> None:
+    """Import and call the code `job` names — its model factory (described by shape evaluation)
+    and a grain data factory (its first records read) — with the checks `check_job` makes of them;
+    `step(key, value)` is told before each. What `orchestrator.driver.usercode` runs in a child
+    process under a deadline before `check_job` runs the same code in the caller's.
+
+    Raises:
+      ConfigError: what `check_job` would report about that code.
+    """
+    step("model.factory" if job.model.factory else "model.name", job.model.ref)
+    model = with_compute_dtype(_build_model(job), job.precision.compute)
+    if job.data.factory:
+        step("data.factory", job.data.factory)
+        probs = _Problems()
+        _check_data(job, model, probs)
+        if probs:
+            raise ConfigError(probs)
+
+
 def job_code(job: JobConfig) -> list[tuple[str, str]]:
     """The keys of `job` that name code meshpipe imports and calls, as (key, 'package.module:function').
 
@@ -266,34 +286,27 @@ def _check_data(job: JobConfig, model: ModelSpec, probs: _Problems):
 
 
 def _check_optimizer(job: JobConfig, probs: _Problems) -> None:
+    """The optimizer section: the name (single form), every hyperparameter by its meaning and the
+    chain's direction (`orchestrator.core.model.optim_rules`, one rule set for every place), then
+    what optax itself says when the chain is built (`orchestrator.core.model.optim.build`)."""
     import optax  # builds a GradientTransformation (closures): no arrays, no device state
 
-    if job.optimizer.chain is not None:
-        try:
-            build_optimizer(job.optimizer.spec())
-        except OptimError as e:
-            probs.add(e.key, e.value, e.rule)
-        return
-    name, args = job.optimizer.name, job.optimizer.args
-    fn = getattr(optax, name, None)
-    if fn is None or not callable(fn) or isinstance(fn, type):
-        known = [n for n in dir(optax) if n[:1].islower() and callable(getattr(optax, n))]
-        probs.add("optimizer.name", name, f"not an optax optimizer function{suggest(name, known)}")
-        return
-    lr = args.get("learning_rate", 1.0)
-    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0:
-        probs.add("optimizer.args.learning_rate", lr, "must be a number > 0 (e.g. 0.001 or 1e-3)")
+    opt = job.optimizer
+    if opt.chain is None:
+        fn = getattr(optax, opt.name, None)
+        if fn is None or not callable(fn) or isinstance(fn, type):
+            known = [n for n in dir(optax) if n[:1].islower() and callable(getattr(optax, n))]
+            probs.add("optimizer.name", opt.name, f"not an optax optimizer function{suggest(opt.name, known)}")
+            return
+    found = optimizer_rules(opt.spec(), job.run.steps, opt.allow_ascent)
+    for key, value, rule in found:
+        probs.add(key, value, rule)
+    if found:
         return
     try:
-        tx = fn(**args)
-    except (TypeError, ValueError) as e:
-        probs.add("optimizer.args", dict(args), f"optax.{name} rejects these arguments: {e}")
-        return
-    if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
-        probs.add("optimizer.name", name, f"optax.{name}(...) returned {type(tx).__name__}, not an "
-                  "optimizer (GradientTransformation)")
-        return
-    probs.extend(optimizer_problems(name, args, fn))
+        build_optimizer(opt.spec())
+    except OptimError as e:
+        probs.add(e.key, e.value, e.rule)
 
 
 # ----------------------------------------------------------------------------- stages

@@ -18,19 +18,33 @@ from orchestrator.core.config.fields import (HOSTPORT_RE, NonNegFloat, PosFloat,
 class TimeoutsConfig(Frozen):
     """`timeouts:` (seconds, all > 0): every remote wait has a deadline."""
 
-    init_s: PosFloat = 120.0
-    step_s: PosFloat = 600.0
-    shutdown_s: PosFloat = 30.0
-    jax_distributed_init_s: PosFloat = 60.0
+    init_s: PosFloat = Field(120.0, description="Starting or connecting to Ray, reserving the placement, "
+                                                "creating the actors and their first jax import.")
+    step_s: PosFloat = Field(600.0, description="One training step, the first compile included; once steps are "
+                                                "measured the progress deadline is max(30 s, 3 × the median "
+                                                "step), never above this.")
+    shutdown_s: PosFloat = Field(30.0, description="Tearing the actors and an embedded Ray down.")
+    jax_distributed_init_s: PosFloat = Field(60.0, description="`jax.distributed.initialize` of a multi-host "
+                                                               "stage.")
+    connect_s: PosFloat = Field(30.0, description="Connecting to a running Ray (`address`, `--address`): a "
+                                                 "healthy connect takes a few seconds; past this the error names "
+                                                 "the address Ray dialled.")
+    factory_s: PosFloat = Field(120.0, description="The job's own code at plan time: a model or data factory is "
+                                                   "imported and called in a child process within this many "
+                                                   "seconds (a factory that blocks or exits early is refused).")
 
 
 class GpuConfig(Frozen):
     """`gpu:` (platform gpu, optional) — what the GPU nodes are and how XLA uses their memory."""
 
-    gpus_per_node: Optional[PosInt] = None       # checked against devices_per_host at load (null: at placement)
-    accelerator_type: Optional[str] = None       # Ray's accelerator_type:<T> resource, e.g. H100 (null: any)
-    memory_fraction: Optional[float] = None      # XLA_PYTHON_CLIENT_MEM_FRACTION (null: XLA's default, 0.75)
-    preallocate: bool = True                     # XLA_PYTHON_CLIENT_PREALLOCATE
+    gpus_per_node: Optional[PosInt] = Field(None, description="GPUs per node: `devices_per_host` above it is "
+                                                              "refused when the file loads (null: at placement).")
+    accelerator_type: Optional[str] = Field(None, description="Require Ray's `accelerator_type:<T>` resource "
+                                                              "(null: any GPU).", examples=["H100"])
+    memory_fraction: Optional[float] = Field(None, description="`XLA_PYTHON_CLIENT_MEM_FRACTION` for each "
+                                                               "actor, in (0, 1] (null: XLA's default, 0.75).")
+    preallocate: bool = Field(True, description="`XLA_PYTHON_CLIENT_PREALLOCATE`: each actor owns its GPUs, so "
+                                                "preallocation is safe.")
 
     @field_validator("memory_fraction")
     @classmethod
@@ -50,10 +64,11 @@ class GpuConfig(Frozen):
 class TpuConfig(Frozen):
     """`tpu:` (platform tpu, required) — the TPU slice type the cluster is made of."""
 
-    type: str                                   # GCP accelerator type, e.g. v5litepod-16, v6e-16, v4-16
-    topology: str                               # chips, e.g. 4x4 (v5e/v6e) or 2x2x2 (v4/v5p)
-    slices: PosInt = 1                          # slices of that type (more than 1: stages across slices / DCN)
-    chips_per_host: Optional[PosInt] = None     # override Ray's default (4, or 8 for single-VM v5e/v6e)
+    type: str = Field(description="The GCP accelerator type.", examples=["v5litepod-16", "v6e-16", "v4-16"])
+    topology: str = Field(description="The slice's chips.", examples=["4x4", "2x2x2"])
+    slices: PosInt = Field(1, description="Slices of that type; more than 1: stages across slices join over DCN.")
+    chips_per_host: Optional[PosInt] = Field(None, description="Override Ray's default chips per VM (4, or 8 "
+                                                               "for single-VM v5e/v6e).")
 
     @model_validator(mode="after")
     def _geometry(self) -> "TpuConfig":
@@ -68,9 +83,11 @@ class AlphaBetaConfig(Frozen):
     """An α-β pair: t(bytes) = latency + bytes / bandwidth. `per_array_us` (collectives only,
     optional, default 0): what each further array of one combined all-reduce adds, µs."""
 
-    bandwidth_gbps: PosFloat      # GB/s (1e9 bytes per second) per device on this link
-    latency_us: NonNegFloat       # per message, microseconds
-    per_array_us: Optional[NonNegFloat] = None
+    bandwidth_gbps: PosFloat = Field(description="GB/s (1e9 bytes per second) per device on this link.")
+    latency_us: NonNegFloat = Field(description="Per message, microseconds.")
+    per_array_us: Optional[NonNegFloat] = Field(
+        None, description="Collectives: what each further array of one combined all-reduce adds, microseconds "
+                          "(null: 0).")
 
 
 class LinkClassConfig(AlphaBetaConfig):
@@ -82,7 +99,9 @@ class LinkClassConfig(AlphaBetaConfig):
     measures both); null: the link's own figures.
     """
 
-    collectives: Optional[AlphaBetaConfig] = None
+    collectives: Optional[AlphaBetaConfig] = Field(
+        None, description="The α-β of JAX collectives over a mesh axis spanning hosts of this class, where they "
+                          "differ from stage-to-stage sends (null: the link's own figures).")
 
 
 class LinksConfig(Frozen):
@@ -90,40 +109,65 @@ class LinksConfig(Frozen):
 
     `host`: between devices of one host; `group`: between hosts of one node group
     (an NVLink/ICI domain: `hosts_per_group` consecutive hosts; a TPU slice);
-    `dcn`: between node groups. Left out: the platform's nominal defaults
-    (`orchestrator.core.planner.topology`).
+    `dcn`: between node groups. Their figures describe stage-edge transfers under THIS
+    cluster's `transport` (what `meshpipe calibrate` measures). Left out: the nominal
+    defaults of the platform under that transport (`orchestrator.core.planner.transports`).
+
+    How the transport's SEND is charged (null: the transport's own figures — `ray` and
+    `socket` 1 and 0 µs, `xla` 0 and 100 µs):
+      send_blocking   fraction (0..1) of the device→host copy + the wire that the sender's
+                      compute thread waits for.
+      send_issue_us   the sender's compute-thread cost of issuing one SEND, µs.
+      host_copy       α-β of one device↔host copy as the host-staged transports (ray,
+                      socket) make them (null: the platform's default; none on CPU).
     """
 
-    host: Optional[LinkClassConfig] = None
-    group: Optional[LinkClassConfig] = None
-    dcn: Optional[LinkClassConfig] = None
-    hosts_per_group: Optional[PosInt] = None
+    host: Optional[LinkClassConfig] = Field(None, description="Between devices of one host.")
+    group: Optional[LinkClassConfig] = Field(None, description="Between hosts of one node group (an NVLink/ICI "
+                                                               "domain; a TPU slice).")
+    dcn: Optional[LinkClassConfig] = Field(None, description="Between node groups.")
+    hosts_per_group: Optional[PosInt] = Field(None, description="Consecutive hosts per node group; must divide "
+                                                                "`hosts`.")
+    send_blocking: Optional[Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]] = Field(
+        None, description="Fraction (0..1) of the device→host copy and the wire that a SEND holds the sender's "
+                          "compute thread for (null: the transport's own figure: `ray`/`socket` 1, `xla` 0).")
+    send_issue_us: Optional[NonNegFloat] = Field(
+        None, description="The sender's compute-thread cost of issuing one SEND, µs (null: `ray`/`socket` 0, "
+                          "`xla` 100).")
+    host_copy: Optional[AlphaBetaConfig] = Field(
+        None, description="α-β of one device↔host copy as the host-staged transports (`ray`, `socket`) make "
+                          "them (null: the platform's default; none on CPU).")
 
 
 class DeviceConfig(Frozen):
     """`device:` (optional; `meshpipe plan --auto` only) — what one device can hold and do."""
 
-    memory_gb: Optional[PosFloat] = None      # bytes the planner may fill per device (1e9 bytes)
-    tflops: Optional[PosFloat] = None         # sustained float32 TFLOP/s per device, every host computing
-    memory_bandwidth_gbps: Optional[PosFloat] = None   # GB/s per device, every host computing
-    # the same with only ONE host computing (`meshpipe calibrate`: host 0 alone); the record, not
-    # charged (the cost model charges tflops / memory_bandwidth_gbps). They differ where hosts share hardware.
-    lone_tflops: Optional[PosFloat] = None
-    lone_memory_bandwidth_gbps: Optional[PosFloat] = None
-    # fixed runtime cost of one pipeline action (F, B, OPT) on a stage, microseconds: dispatch,
-    # interpreter, spans, transport bookkeeping (`meshpipe calibrate` measures it; null: 0)
-    action_overhead_us: Optional[NonNegFloat] = None
-    # fixed runtime cost of one stage-to-stage transfer (its SEND and RECV) beyond the link's α-β time,
-    # microseconds: wake-ups, mailbox, framing (`meshpipe calibrate` measures it; null: 0)
-    transfer_overhead_us: Optional[NonNegFloat] = None
-    # one kernel's time (a compiled program's fusion, dot, copy, collective) beyond its flops and
-    # bytes, microseconds, every host computing / host 0 alone (`meshpipe calibrate`; null: 0 / the former)
-    kernel_overhead_us: Optional[NonNegFloat] = None
-    lone_kernel_overhead_us: Optional[NonNegFloat] = None
-    # how many times slower a stage-sized program runs with every host computing than on host 0
-    # alone (`meshpipe calibrate`); plans on more than one host have their device time charged
-    # this many times. 1 where hosts do not share hardware (null: 1)
-    shared_slowdown: Optional[Annotated[float, Field(ge=1, allow_inf_nan=False)]] = None
+    memory_gb: Optional[PosFloat] = Field(None, description="What the planner may fill per device, GB (1e9 "
+                                                            "bytes); null: the accelerator's data sheet × "
+                                                            "`gpu.memory_fraction` (0.75: 60 for an H100).")
+    tflops: Optional[PosFloat] = Field(None, description="Sustained float32 TFLOP/s per device, every host "
+                                                         "computing (what the cost model charges).")
+    memory_bandwidth_gbps: Optional[PosFloat] = Field(None, description="GB/s per device, every host computing.")
+    lone_tflops: Optional[PosFloat] = Field(
+        None, description="`tflops` with only host 0 computing (`meshpipe calibrate`); the record, not charged. "
+                          "It differs where hosts share hardware.")
+    lone_memory_bandwidth_gbps: Optional[PosFloat] = Field(
+        None, description="`memory_bandwidth_gbps` with only host 0 computing; the record, not charged.")
+    action_overhead_us: Optional[NonNegFloat] = Field(
+        None, description="The runtime's fixed cost of one pipeline action (F, B, OPT) on a stage, microseconds: "
+                          "dispatch, interpreter, spans, bookkeeping (`meshpipe calibrate` measures it; null: 0).")
+    transfer_overhead_us: Optional[NonNegFloat] = Field(
+        None, description="The fixed cost of one stage-to-stage transfer (its SEND and RECV) beyond the link's "
+                          "α-β time, microseconds: wake-ups, mailbox, framing (null: 0).")
+    kernel_overhead_us: Optional[NonNegFloat] = Field(
+        None, description="One compiled kernel's time beyond its flops and bytes, microseconds, every host "
+                          "computing (null: 0).")
+    lone_kernel_overhead_us: Optional[NonNegFloat] = Field(
+        None, description="`kernel_overhead_us` with host 0 alone (null: `kernel_overhead_us`).")
+    shared_slowdown: Optional[Annotated[float, Field(ge=1, allow_inf_nan=False)]] = Field(
+        None, description="How many times slower a stage-sized program runs with every host computing than on "
+                          "host 0 alone; plans on more than one host have their device time charged this many "
+                          "times. 1 where hosts do not share hardware (null: 1).")
 
 
 class TransportTlsConfig(Frozen):
@@ -131,9 +175,10 @@ class TransportTlsConfig(Frozen):
     transport's TCP links (`orchestrator.core.tls`). Absolute paths, the same on every node: each
     stage actor opens them where it runs. The files are checked before any actor starts."""
 
-    cert_file: str    # this node's certificate (PEM), signed by ca_file
-    key_file: str     # its private key (PEM, unencrypted; readable only by the user running Ray)
-    ca_file: str      # the cluster's own CA (PEM): a peer must present a certificate it signed
+    cert_file: str = Field(description="This node's certificate (PEM), signed by `ca_file`.",
+                           examples=["/etc/meshpipe/node.pem"])
+    key_file: str = Field(description="Its private key (PEM, unencrypted; readable only by the user running Ray).")
+    ca_file: str = Field(description="The cluster's own CA (PEM): a peer must present a certificate it signed.")
 
     @field_validator("cert_file", "key_file", "ca_file")
     @classmethod
@@ -164,34 +209,57 @@ def resolve_transport(transport: str, platform: str) -> str:
 class ClusterConfig(Frozen):
     """A cluster (`cluster.yaml`): which Ray, what platform, how many hosts of how many devices."""
 
-    address: Optional[str] = None
-    platform: Literal["cpu", "gpu", "tpu"] = "cpu"
-    hosts: PosInt
-    devices_per_host: PosInt
-    cpus_per_host: PosFloat = 1.0
-    resources_per_host: dict[str, NonNegFloat] = Field(default_factory=dict)
-    num_cpus: Optional[PosInt] = None
-    dashboard_host: str = "127.0.0.1"
-    node_ip_address: str = "127.0.0.1"  # embedded Ray only: 127.0.0.1 keeps every Ray port on loopback
-    env_vars: dict[str, str] = Field(default_factory=dict, repr=False)  # stage actors' env; redacted in output
-    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
-    pin_cpus: bool = False   # pin each host actor to one core of its node (host index mod cores)
-    # stage-to-stage tensors (`data_plane`): "auto" (the default: xla on GPU/TPU, AUTO_CPU on CPU), "xla" (one
-    # JAX world, XLA's device-to-device transfers), "socket" (framed TCP / Unix sockets) or "ray" (actor calls)
-    transport: Literal["auto", "xla", "socket", "ray"] = "auto"
-    # socket transport, peers on the same machine: "unix" (abstract Unix socket + shared memory, the
-    # default) or "tcp" (the same TCP links as between machines, and so TLS when transport_tls is set)
-    transport_same_machine: Literal["unix", "tcp"] = "unix"
-    transport_tls: TransportTlsConfig | None = None   # socket transport: TLS on its TCP links (null: none)
-    # how the driver triggers steps (orchestrator.driver.dispatch): a Ray call per actor per steps_per_call
-    # steps (default), the same as a Ray Compiled Graph, or a Ray call per action (the slow reference)
-    executor: Literal["step_calls", "compiled_graph", "action_calls"] = "step_calls"
-    steps_per_call: Optional[PosInt] = None   # step_calls / compiled_graph; None: 4 (action_calls: 1)
-    timeouts: TimeoutsConfig = Field(default_factory=TimeoutsConfig)
-    gpu: Optional[GpuConfig] = None   # platform gpu only
-    tpu: Optional[TpuConfig] = None   # platform tpu only (required there)
-    links: Optional[LinksConfig] = None     # link classes for the auto-planner (null: platform defaults)
-    device: Optional[DeviceConfig] = None   # device memory/speed for the auto-planner (null: defaults)
+    address: Optional[str] = Field(None, description="null: meshpipe starts an embedded Ray on this machine "
+                                                     "and stops it at the end; `auto`, `host:port` or "
+                                                     "`ray://host:port`: a running cluster.", examples=["auto"])
+    platform: Literal["cpu", "gpu", "tpu"] = Field("cpu", description="`cpu`: simulated XLA CPU devices; `gpu`: "
+                                                                      "whole GPUs per host; `tpu`: TPU VMs of a "
+                                                                      "slice (needs `tpu:`).")
+    hosts: PosInt = Field(description="Hosts: one Ray placement-group bundle and one stage actor each.")
+    devices_per_host: PosInt = Field(description="Devices per host (simulated CPU devices, GPUs or TPU chips).")
+    cpus_per_host: PosFloat = Field(1.0, description="Ray CPUs reserved per host bundle (fractional, so several "
+                                                     "simulated hosts fit on few cores).")
+    resources_per_host: dict[str, NonNegFloat] = Field(default_factory=dict, description="Extra custom Ray "
+                                                       "resources per host bundle (not CPU/GPU/TPU/memory).")
+    num_cpus: Optional[PosInt] = Field(None, description="Embedded Ray only: logical CPUs declared to it "
+                                                         "(null: Ray detects them).")
+    dashboard_host: str = Field("127.0.0.1", description="Where the embedded Ray's dashboard listens; anything "
+                                                         "but loopback exposes job submission (a warning says so).")
+    node_ip_address: str = Field("127.0.0.1", description="Embedded Ray only: the address Ray binds and "
+                                                          "advertises; 127.0.0.1 keeps every Ray port on loopback.")
+    env_vars: dict[str, str] = Field(default_factory=dict, repr=False, description="Environment variables of "
+                                     "every stage actor; redacted in output. `XLA_FLAGS`, `JAX_PLATFORMS` and "
+                                     "meshpipe's own are set by meshpipe.")
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK", description="Ray's placement-group strategy for the host bundles.")
+    pin_cpus: bool = Field(False, description="Pin each host actor to one core of its node (host index mod "
+                                              "cores).")
+    transport: Literal["auto", "xla", "socket", "ray"] = Field(
+        "auto", description="Stage-to-stage tensors: `auto` (`xla` on GPU/TPU, `socket` on CPU), `xla` (one JAX "
+                            "world per job, edges moved device to device by XLA's cross-host transfers), "
+                            "`socket` (token-authenticated framed TCP, Unix socket + shared memory on one "
+                            "machine) or `ray` (Ray actor-call arguments; the simple reference).")
+    transport_same_machine: Literal["unix", "tcp"] = Field(
+        "unix", description="Socket transport, peers on one machine: `unix` (abstract Unix socket + shared "
+                            "memory) or `tcp` (the same TCP links as between machines, and so TLS when "
+                            "`transport_tls` is set).")
+    transport_tls: TransportTlsConfig | None = Field(None, description="Socket transport: TLS with mutual "
+                                                                       "certificates on its TCP links (null: none).")
+    executor: Literal["step_calls", "compiled_graph", "action_calls"] = Field(
+        "step_calls", description="How the driver starts steps: one Ray call per actor per `steps_per_call` "
+                                  "steps, the same as a Ray Compiled Graph, or one Ray call per action (the slow "
+                                  "reference).")
+    steps_per_call: Optional[PosInt] = Field(None, description="Steps per executor call (`step_calls`, "
+                                                               "`compiled_graph`; null: 4; `action_calls`: 1). "
+                                                               "Progress lines arrive that many at a time.")
+    timeouts: TimeoutsConfig = Field(default_factory=TimeoutsConfig, description="Deadlines, in seconds.")
+    gpu: Optional[GpuConfig] = Field(None, description="GPU nodes (platform `gpu` only).")
+    tpu: Optional[TpuConfig] = Field(None, description="The TPU slice type (platform `tpu` only, required there).")
+    links: Optional[LinksConfig] = Field(None, description="Link classes for `meshpipe plan --auto` (null: the "
+                                                           "platform's nominal figures; `meshpipe calibrate` "
+                                                           "measures them).")
+    device: Optional[DeviceConfig] = Field(None, description="Device memory and speed for `meshpipe plan --auto` "
+                                                             "(null: nominal figures).")
 
     RESERVED_RESOURCES: ClassVar[frozenset[str]] = frozenset({"CPU", "GPU", "TPU", "memory",
                                                                "object_store_memory"})

@@ -3,10 +3,8 @@
 Each check returns problem lines (`key = value: rule`) for `check_job` to report with
 the others, before Ray starts:
 
-  - `optimizer_problems`: hyperparameters must be finite (no `.nan` / `.inf`), the
-    learning rate at most MAX_LEARNING_RATE, and the optax function must take a
-    `learning_rate` (plain transforms such as `identity` or `scale_by_adam` apply the
-    gradient unscaled: the update *adds* it, gradient ascent).
+  (Optimizer hyperparameters: `orchestrator.core.model.optim_rules` — one rule set for
+    `optimizer.args`, every chain entry and every schedule, and the chain's direction.)
   (Data files: `orchestrator.core.data.shards.regular_file` — regular, non-empty, and not
     a symlink out of its own directory.)
   - `memory_problems`: a lower bound of what each device and each host must hold
@@ -22,61 +20,18 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, Optional
+from typing import Optional
 
 from orchestrator.core.config.errors import problem
 from orchestrator.core.edges import leaf_dtype
 from orchestrator.core.memory import device_bytes
 from orchestrator.core.model.layout import partition_spec, shard_count
+from orchestrator.core.model.optim_rules import MAX_LEARNING_RATE  # noqa: F401 - re-exported (its old home)
 
-__all__ = ["optimizer_problems", "memory_problems", "stage_memory", "MAX_LEARNING_RATE", "MAX_DEVICE_BYTES", "MAX_HOST_BYTES"]
+__all__ = ["memory_problems", "stage_memory", "MAX_LEARNING_RATE", "MAX_DEVICE_BYTES", "MAX_HOST_BYTES"]
 
-MAX_LEARNING_RATE = 100.0
 MAX_DEVICE_BYTES = 288 << 30      # the largest accelerator memory shipping (288 GB HBM)
 MAX_HOST_BYTES = 32 << 40         # the largest single servers (32 TiB)
-
-
-def _numbers(value: Any, loc: str):
-    """(key path, number) of every int/float inside `value` (dicts and lists walked)."""
-    if isinstance(value, bool):
-        return
-    if isinstance(value, (int, float)):
-        yield loc, value
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            yield from _numbers(v, f"{loc}.{k}")
-    elif isinstance(value, (list, tuple)):
-        for i, v in enumerate(value):
-            yield from _numbers(v, f"{loc}[{i}]")
-
-
-def optimizer_problems(name: str, args: dict, fn) -> list[str]:
-    """Problems with optax function `fn` (`optax.<name>`) called with `args`.
-
-    Example:
-        >>> import optax
-        >>> optimizer_problems("identity", {}, optax.identity)[0].split(":")[0]
-        "optimizer.name = 'identity'"
-    """
-    import inspect
-
-    out = []
-    for loc, v in _numbers(args, "optimizer.args"):
-        if isinstance(v, float) and not math.isfinite(v):
-            out.append(problem(loc, v, "must be a finite number (not NaN or infinity)"))
-    try:
-        takes_lr = "learning_rate" in inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        takes_lr = True
-    if not takes_lr:
-        out.append(problem("optimizer.name", name, "takes no learning_rate: it is a gradient transform "
-                           "that applies the gradient unscaled, so training would climb the loss "
-                           "(gradient ascent); use an optimizer such as 'adam', 'adamw' or 'sgd'"))
-    lr = args.get("learning_rate")
-    if isinstance(lr, (int, float)) and not isinstance(lr, bool) and math.isfinite(lr) and lr > MAX_LEARNING_RATE:
-        out.append(problem("optimizer.args.learning_rate", lr, f"must be at most {MAX_LEARNING_RATE:g}; a "
-                           "larger step diverges (or overflows) on the first update"))
-    return out
 
 
 def _nbytes(shape, itemsize: int = 4) -> int:

@@ -38,11 +38,17 @@ __all__ = [
 class RunConfig(Frozen):
     """`run:` — what the run is called, how long it trains, where it writes."""
 
-    name: str
-    steps: Annotated[int, Field(ge=1, le=MAX_STEPS)]
-    seed: Annotated[int, Field(ge=0, le=MAX_SEED)] = 0
-    output_dir: str = "runs"
-    eval_every: Optional[PosInt] = None     # run data.eval every k steps (and after the last)
+    name: str = Field(description="The run's name: its record goes to `<output_dir>/<name>/`, its Ray actors are "
+                      "named `<name>/stage<s>/host<h>`. One directory name: letters, digits, `.`, `_`, `-`, "
+                      "at most 64 characters, no path separator.", examples=["gpt-tiny"])
+    steps: Annotated[int, Field(ge=1, le=MAX_STEPS)] = Field(description="Optimizer steps to train.")
+    seed: Annotated[int, Field(ge=0, le=MAX_SEED)] = Field(
+        0, description="Seeds the parameter init (one model key for every part) and the data order: the batch "
+                       "at step n depends only on (seed, n), whatever the layout.")
+    output_dir: str = Field("runs", description="Parent of the run directory; relative paths are read from the "
+                                                "current directory.")
+    eval_every: Optional[PosInt] = Field(None, description="Evaluate on `data.eval` after every k-th step and "
+                                                           "after the last (needs `data.eval`).")
 
     @field_validator("name")
     @classmethod
@@ -72,14 +78,21 @@ class RunConfig(Frozen):
 
 class ModelConfig(Frozen):
     """`model:` — a built-in model `name` or a `factory` ('package.module:function' returning a
-    PipelineModel, see `orchestrator.core.model.adapters`), and its keyword arguments.
+    PipelineModel, built with an adapter: `meshpipe.nnx_model`, ...), and its keyword arguments.
 
     `name: 'package.module:function'` is accepted too (the older spelling of `factory`).
     """
 
-    name: Optional[str] = None
-    factory: Optional[str] = None
-    args: dict[str, Any] = Field(default_factory=dict)
+    name: Optional[str] = Field(None, description="A built-in model (`gpt`, `mlp`; `meshpipe plan` lists their "
+                                                  "layers). Give exactly one of `name` and `factory`.",
+                                examples=["gpt"])
+    factory: Optional[str] = Field(None, description="Your own model: `package.module:function` returning a "
+                                                     "`PipelineModel` (built with an adapter: `meshpipe.nnx_model`, "
+                                                     "`linen_model`, `eqx_model`, `plain`). The job file's directory "
+                                                     "is on the import path.",
+                                   examples=["examples.llama_model:pipeline"])
+    args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the built-in model or "
+                                                                   "the factory; `seq_len` comes from `data.seq_len`.")
 
     @field_validator("name")
     @classmethod
@@ -115,9 +128,14 @@ class EvalConfig(Frozen):
     windows (its tail, never trained on) or other files (`path`, same source kind); `batches`
     eval batches of `data.global_batch` rows each, the same ones at every evaluation."""
 
-    path: Optional[Union[str, tuple[str, ...]]] = None
-    holdout: Optional[Annotated[float, Field(gt=0, lt=1, allow_inf_nan=False)]] = None
-    batches: PosInt = 2
+    path: Optional[Union[str, tuple[str, ...]]] = Field(
+        None, description="Held-out files of the same source kind as `data.path`. Give exactly one of `path` "
+                          "and `holdout`.")
+    holdout: Optional[Annotated[float, Field(gt=0, lt=1, allow_inf_nan=False)]] = Field(
+        None, description="The fraction of the data set's windows (its tail) kept out of training for "
+                          "evaluation.", examples=[0.05])
+    batches: PosInt = Field(2, description="Eval batches of `data.global_batch` rows, the same ones at every "
+                                           "evaluation.")
 
     @field_validator("path", mode="before")
     @classmethod
@@ -148,18 +166,30 @@ class DataConfig(Frozen):
     host's loader thread keeps ready (0: load on the step's path).
     """
 
-    source: Literal["synthetic", "text", "tokens", "hf", "grain"] = "synthetic"
-    path: Optional[Union[str, tuple[str, ...]]] = None
-    dtype: Optional[Literal["uint16", "uint32"]] = None
-    format: Optional[Literal["parquet", "json", "arrow", "csv"]] = None
-    column: Optional[str] = None
-    tokenizer: Optional[str] = None
-    factory: Optional[str] = None
-    args: Optional[dict[str, Any]] = None
-    global_batch: PosInt
-    seq_len: Optional[PosInt] = None
-    prefetch: Annotated[int, Field(ge=0, le=64)] = 2
-    eval: Optional[EvalConfig] = None
+    source: Literal["synthetic", "text", "tokens", "hf", "grain"] = Field(
+        "synthetic", description="Where rows come from: `synthetic` (generated from (seed, step)), `text` (a "
+                                 "text file's bytes as token ids), `tokens` (token shards), `hf` (a Hugging Face "
+                                 "`datasets` data set from local files), `grain` (a grain source from a factory).")
+    path: Optional[Union[str, tuple[str, ...]]] = Field(
+        None, description="`text`: one file; `tokens`: a shard directory with `index.json`, or a list of `.bin` "
+                          "shards; `hf`: data files. Relative paths are read from the current directory.")
+    dtype: Optional[Literal["uint16", "uint32"]] = Field(
+        None, description="`tokens` without an `index.json`: the bare shards' token dtype.")
+    format: Optional[Literal["parquet", "json", "arrow", "csv"]] = Field(
+        None, description="`hf`: the files' format (null: from the extension).")
+    column: Optional[str] = Field(None, description="`hf`: the text column to tokenize.")
+    tokenizer: Optional[str] = Field(None, description="`hf`: a `tokenizers` JSON file.")
+    factory: Optional[str] = Field(None, description="`grain`: `package.module:function`, called with `args`, "
+                                                     "returning a grain MapDataset or random-access source of "
+                                                     "token windows.")
+    args: Optional[dict[str, Any]] = Field(None, description="`grain`: keyword arguments of the factory.")
+    global_batch: PosInt = Field(description="Sequences (rows) per optimizer step, over all microbatches.")
+    seq_len: Optional[PosInt] = Field(None, description="Tokens per sequence: each row reads seq_len + 1 tokens. "
+                                                        "Required by models with a `seq` axis (gpt), absent for "
+                                                        "models without one (mlp).")
+    prefetch: Annotated[int, Field(ge=0, le=64)] = Field(
+        2, description="Batches each loading host's thread keeps ready (0: load on the step's path).")
+    eval: Optional[EvalConfig] = Field(None, description="Held-out data for `run.eval_every`.")
 
     @field_validator("path", mode="before")
     @classmethod
@@ -200,8 +230,10 @@ class DataConfig(Frozen):
 class ChainEntry(Frozen):
     """One element of `optimizer.chain`: an optax function name and its keyword arguments."""
 
-    name: str
-    args: dict[str, Any] = Field(default_factory=dict)
+    name: str = Field(description="An optax function, e.g. `clip_by_global_norm`, `adamw`.")
+    args: dict[str, Any] = Field(default_factory=dict, description="Its keyword arguments; a value "
+                                 "`{schedule: NAME, args: {...}}` becomes that optax schedule, `mask: {exclude: "
+                                 "[patterns]}` a weight-decay mask over parameter names.")
 
     @field_validator("name")
     @classmethod
@@ -214,11 +246,19 @@ class ChainEntry(Frozen):
 class OptimizerConfig(Frozen):
     """`optimizer:` — an optax optimizer function `name` and its keyword arguments, or a `chain`
     of optax functions (schedules, weight-decay masks, global-norm clipping across stages:
-    `orchestrator.core.model.optim`)."""
+    `orchestrator.core.model.optim`). Every hyperparameter is checked by its meaning, wherever it
+    is written (`orchestrator.core.model.optim_rules`)."""
 
-    name: Optional[str] = None
-    args: dict[str, Any] = Field(default_factory=dict)
-    chain: Optional[tuple[ChainEntry, ...]] = None
+    name: Optional[str] = Field(None, description="An optax optimizer function (`adam`, `sgd`, `adamw`, ...). "
+                                                  "Give exactly one of `name` and `chain`.", examples=["adam"])
+    args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of `name`, e.g. "
+                                 "`{learning_rate: 0.003}`.")
+    chain: Optional[tuple[ChainEntry, ...]] = Field(
+        None, description="An optax chain, applied in order. `clip_by_global_norm` first clips with the whole "
+                          "model's norm across stages.")
+    allow_ascent: bool = Field(
+        False, description="Allow a chain whose updates climb the loss (no learning rate, a positive final "
+                           "`scale`); refused at plan time otherwise (`orchestrator.core.model.optim_rules`).")
 
     @field_validator("name")
     @classmethod
@@ -262,11 +302,18 @@ class StageConfig(Frozen):
     (`orchestrator.core.model.balance`); `check_job` fills it in from the model.
     """
 
-    layers: Optional[Union[tuple[int, int], tuple[tuple[int, int], ...]]] = None
-    mesh: Annotated[dict[str, PosInt], Field(min_length=1)]
-    hosts: PosInt = 1
-    layout: Optional[dict[str, Any]] = None
-    remat: Optional[str] = None     # this stage's rematerialisation (null: pipeline.remat)
+    layers: Optional[Union[tuple[int, int], tuple[tuple[int, int], ...]]] = Field(
+        None, description="Half-open range [start, stop) of the model's layers (with `virtual_stages` v > 1: v "
+                          "ranges). Left out on every stage: the cut that balances forward FLOPs.",
+        examples=[[0, 2]])
+    mesh: Annotated[dict[str, PosInt], Field(min_length=1)] = Field(
+        description="The stage's mesh: axis name → size; the product is the stage's devices (hosts × "
+                    "devices_per_host).", examples=[{"data": 2}, {"data": 2, "model": 4}])
+    hosts: PosInt = Field(1, description="Cluster hosts this stage spans; more than 1 makes its actors one "
+                                         "multi-process JAX world (`jax.distributed`).")
+    layout: Optional[dict[str, Any]] = Field(None, description="Layout rules for this stage only, over the "
+                                                               "job-wide `layout`.")
+    remat: Optional[str] = Field(None, description="This stage's rematerialisation (null: `pipeline.remat`).")
 
     @field_validator("layers", mode="before")
     @classmethod
@@ -318,18 +365,23 @@ def _listed(value: Any) -> Any:
 class PipelineConfig(Frozen):
     """`pipeline:` — schedule, microbatches and the stages."""
 
-    schedule: str = "1f1b"
-    microbatches: PosInt
-    virtual_stages: PosInt = 1
-    stages: tuple[StageConfig, ...]
-    remat: str = "none"   # none | full | a jax.checkpoint_policies name (e.g. dots_saveable); per stage: stages[i].remat
-    # where stages 1.. begin, by part name or attribute path (orchestrator.core.model.split),
-    # instead of each stage's `layers`; one point per boundary between (virtual) stages
-    split_at: Optional[tuple[str, ...]] = None
-    # the loss chunk's F and B as one forward+backward program where the schedule puts them back
-    # to back (stages.actions.fused_chunks). Off by default: on CPU at `large` the fused program
-    # measured 68 ms against 58 ms for F + B apart (benchmarks/zb_check.py, README Benchmarks)
-    fuse_loss_chunk: bool = False
+    schedule: str = Field("1f1b", description="`gpipe`, `1f1b`, `eager-1f1b`, `zb-h1` (zero bubble; JAX ≥ "
+                                              "0.10) or `interleaved-1f1b` (with `virtual_stages` > 1).")
+    microbatches: PosInt = Field(description="Microbatches per step; `data.global_batch` must divide by it.")
+    virtual_stages: PosInt = Field(1, description="Chunks per stage (interleaved-1f1b): chunk j of stage i is "
+                                                  "virtual stage j × stages + i.")
+    stages: tuple[StageConfig, ...] = Field(description="The pipeline stages, in order.")
+    remat: str = Field("none", description="Rematerialisation of every stage: `none`, `full` or a "
+                                           "`jax.checkpoint_policies` name (e.g. `dots_saveable`); a stage's own "
+                                           "`remat` wins.")
+    split_at: Optional[tuple[str, ...]] = Field(
+        None, description="Where stages 1, 2, … begin, by part name or attribute path, instead of each stage's "
+                          "`layers`: one point per boundary between (virtual) stages.",
+        examples=[["blocks.1"]])
+    fuse_loss_chunk: bool = Field(
+        False, description="Run the loss chunk's forward and backward as one program where the schedule puts "
+                           "them back to back (1F1B's last stage). Off by default: it saves nothing on XLA:CPU, "
+                           "4–10 % on an H200 (the decision log's 'fused loss chunk').")
 
     @field_validator("stages", mode="before")
     @classmethod
@@ -376,10 +428,11 @@ class LossScaleConfig(Frozen):
     stage and divides the scale by `factor` (not below `min_scale`); `growth_interval`
     finite steps in a row multiply it by `factor`."""
 
-    initial: PosFloat = 2.0 ** 15
-    growth_interval: PosInt = 2000
-    factor: PosFloat = 2.0
-    min_scale: PosFloat = 1.0
+    initial: PosFloat = Field(2.0 ** 15, description="The scale at step 0 (at most 2**64).")
+    growth_interval: PosInt = Field(2000, description="Finite steps in a row after which the scale grows × "
+                                                      "`factor`.")
+    factor: PosFloat = Field(2.0, description="Growth and back-off factor (> 1).")
+    min_scale: PosFloat = Field(1.0, description="The scale never backs off below this (≤ `initial`).")
 
     @field_validator("initial", "factor", "min_scale", mode="before")
     @classmethod
@@ -404,8 +457,11 @@ class PrecisionConfig(Frozen):
     gradients) cross stages in; the loss is computed in float32. `loss_scale`: dynamic
     loss scaling, on by default for float16 (its range is narrow), off otherwise unless given."""
 
-    compute: Literal["float32", "bfloat16", "float16"] = "float32"
-    loss_scale: Optional[LossScaleConfig] = None
+    compute: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="The dtype the parts compute in and activations cross stages in; parameters, "
+                               "gradients and optimizer state stay float32, the loss is float32.")
+    loss_scale: Optional[LossScaleConfig] = Field(None, description="Dynamic loss scaling (null: on with its "
+                                                                    "defaults for float16, off otherwise).")
 
     def scaling(self):
         """The job's `DynamicLossScale` rule, or None (no loss scaling)."""
@@ -424,10 +480,13 @@ class CheckpointConfig(Frozen):
 
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True, populate_by_name=True)
 
-    dir: str
-    every_steps: PosInt
-    keep: PosInt = 2
-    async_: bool = Field(True, alias="async")
+    dir: str = Field(description="Where the checkpoints go (one `step_<N>` directory per save). On several "
+                                 "machines: storage the driver and every host share.", examples=["ckpt/gpt-tiny"])
+    every_steps: PosInt = Field(description="Save after every this many steps, and after the last.")
+    keep: PosInt = Field(2, description="Committed checkpoints kept; an older one is deleted only after a newer "
+                                        "one commits.")
+    async_: bool = Field(True, alias="async", description="Write the bytes in the background while the next "
+                                                          "steps run (the step waits only for the device→host copy).")
 
     @field_validator("dir")
     @classmethod
@@ -439,21 +498,73 @@ class CheckpointConfig(Frozen):
         return v
 
 
+class ElasticConfig(Frozen):
+    """`failure.elastic:` — elastic recovery (`orchestrator.core.elastic`): when a restart's placement
+    cannot be had within `failure.placement_timeout_s` (a lost node and no spare), plan the job again
+    for the hosts the live cluster still holds, restore the last commit onto that plan and go on;
+    the global batch and the data order stay the job's. Absent: a restart that cannot be placed stops
+    the run with the `--resume` command (as before).
+
+    `min_hosts`: the fewest hosts to train on; below it the run stops as without this section (null:
+    as few as a legal plan of the job needs). `replan`: `rule` — a documented deterministic rule on
+    the job's own plan (fewer data-parallel replicas per stage first, then fewer stages); `auto` — the
+    `meshpipe plan --auto` search on the calibrated cluster's figures, restricted to the hosts there
+    (without a calibrated cluster: the rule, and the record says why). `grow`: when hosts come back,
+    at the next commit plan again onto them (`next_commit`), only when the predicted step gets faster
+    by at least `min_gain` (`gain`: 0.25 = 25 % more steps per second; default 0.1), or `never`."""
+
+    min_hosts: Optional[PosInt] = Field(
+        None, description="The fewest hosts to train on; below it the run stops with the resume command "
+                          "(null: as few as a legal plan of the job needs).")
+    replan: Literal["rule", "auto"] = Field(
+        "rule", description="How the smaller plan is found: `rule` (fewer data-parallel replicas per stage, "
+                            "then fewer stages) or `auto` (the `plan --auto` search on the calibrated figures).")
+    grow: Literal["never", "next_commit", "gain"] = Field(
+        "next_commit", description="When hosts come back: re-plan onto them at the next commit (`next_commit`), "
+                                   "only when the predicted step gets faster by `min_gain` (`gain`), or `never`.")
+    min_gain: Optional[Annotated[float, Field(gt=0, le=10, allow_inf_nan=False)]] = Field(
+        None, description="With `grow: gain`: the predicted speed-up a grow-back must reach (0.25 = 25 % more "
+                          "steps per second; null: 0.1).")
+
+    @field_validator("min_gain", mode="before")
+    @classmethod
+    def _number(cls, v: Any) -> Any:
+        return float(v) if isinstance(v, int) and not isinstance(v, bool) else v
+
+    @model_validator(mode="after")
+    def _gain_only_for_gain(self) -> "ElasticConfig":
+        if self.min_gain is not None and self.grow != "gain":
+            raise Problem(f"only used with grow: gain (it is {self.grow!r}): the predicted speed-up a "
+                          "grow-back must reach; remove it or set grow: gain", ("min_gain",), self.min_gain)
+        return self
+
+    @property
+    def gain_threshold(self) -> float:
+        """The speed-up (new steps per second ÷ old − 1) a `grow: gain` re-plan must reach."""
+        return 0.1 if self.min_gain is None else self.min_gain
+
+
 class FailureConfig(Frozen):
     """`failure:` — automatic recovery (Ray Train's `FailureConfig` vocabulary): on an actor death, a
     stage error or a hang, tear the job down, re-place it and continue from the last committed
     checkpoint, at most `max_restarts` times (0: any failure ends the run, as without this section).
     Needs `checkpoint:` when `max_restarts` > 0 (`orchestrator.driver.recovery`). A restart after a
     node loss waits up to `placement_timeout_s` for the placement to fit again; `compile_cache`
-    (JAX's persistent compilation cache) spares a restarted stage most of its compilation."""
+    (JAX's persistent compilation cache) spares a restarted stage most of its compilation;
+    `elastic` (`ElasticConfig`): past that wait, train on the hosts that are left."""
 
-    max_restarts: Annotated[int, Field(ge=0, le=MAX_RESTARTS)] = 0
-    # how long a restart waits for the placement to fit again (a lost node replaced); null: timeouts.init_s
-    placement_timeout_s: Optional[PosFloat] = None
-    # JAX's persistent compilation cache for the stage actors (a restarted stage loads its programs
-    # instead of compiling them): "auto" = <run.output_dir>/<run.name>/compile_cache when
-    # max_restarts > 0, else off; a directory path = always there; null = off
-    compile_cache: Optional[str] = "auto"
+    max_restarts: Annotated[int, Field(ge=0, le=MAX_RESTARTS)] = Field(
+        0, description="Failures the run recovers from (0: any failure ends the run); > 0 needs `checkpoint:`.")
+    placement_timeout_s: Optional[PosFloat] = Field(
+        None, description="How long a restart waits for the placement to fit again (a lost node replaced); "
+                          "null: `timeouts.init_s`.")
+    compile_cache: Optional[str] = Field(
+        "auto", description="JAX's persistent compilation cache for the stage actors, so a restarted stage loads "
+                            "its programs: `auto` = `<output_dir>/<name>/compile_cache` when `max_restarts` > 0, "
+                            "else off; a directory = always there; null = off.")
+    elastic: Optional[ElasticConfig] = Field(
+        None, description="Re-plan onto the hosts that are left when a restart cannot have its placement again "
+                          "within `placement_timeout_s` (null: stop with the resume command, as before).")
 
     @field_validator("compile_cache")
     @classmethod
@@ -462,19 +573,32 @@ class FailureConfig(Frozen):
             raise Problem("must be \"auto\", a directory path (not empty, no NUL byte) or null (off)")
         return v
 
+    @model_validator(mode="after")
+    def _elastic_needs_restarts(self) -> "FailureConfig":
+        if self.elastic is not None and self.max_restarts == 0:
+            raise Problem("a re-plan continues a run after a failure, which needs restarts: set "
+                          "failure.max_restarts > 0 (and a `checkpoint:` section), or remove failure.elastic",
+                          ("elastic",), self.elastic.model_dump(mode="json", exclude_defaults=True))
+        return self
+
 
 class JobConfig(Frozen):
     """A whole job (`job.yaml`). Load with `load_job`, check against a cluster with `check_job`."""
 
-    run: RunConfig
-    model: ModelConfig
-    data: DataConfig
-    optimizer: OptimizerConfig
-    pipeline: PipelineConfig
-    layout: dict[str, Any] = Field(default_factory=dict)
-    precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
-    checkpoint: Optional[CheckpointConfig] = None
-    failure: FailureConfig = Field(default_factory=FailureConfig)
+    run: RunConfig = Field(description="What the run is called, how long it trains, where it writes.")
+    model: ModelConfig = Field(description="The model: a built-in one or your factory.")
+    data: DataConfig = Field(description="Where examples come from and how many per step.")
+    optimizer: OptimizerConfig = Field(description="An optax optimizer or chain.")
+    pipeline: PipelineConfig = Field(description="Schedule, microbatches and stages.")
+    layout: dict[str, Any] = Field(
+        default_factory=dict, description="Logical axis → mesh axis, for every stage (rules naming an axis a "
+                                          "stage's mesh lacks are skipped there): a mesh axis, a list of them "
+                                          "(their product), `{first: [candidates]}` or null; or Mesh-TF text.",
+        examples=[{"batch": "data", "mlp": "model"}, "batch:data;mlp:model"])
+    precision: PrecisionConfig = Field(default_factory=PrecisionConfig, description="Mixed precision.")
+    checkpoint: Optional[CheckpointConfig] = Field(None, description="Checkpoints (null: none; needs the "
+                                                                     "`checkpoint` extra).")
+    failure: FailureConfig = Field(default_factory=FailureConfig, description="Automatic recovery.")
 
     @field_validator("layout", mode="before")
     @classmethod

@@ -1,11 +1,15 @@
 """`data:` checked against the model and the files: a `DataPlan`, the small description every
 host opens its own reader from (no data travels in the actors' start-up config).
 
-`plan_data(job_data, model, seed)` resolves paths (absolute), checks every rule that can be
-checked without reading a whole data set — regular, non-empty files, token ids below the
-model's vocabulary (a bounded scan), seq_len against every shard, the hf column and the
-tokenizer's vocabulary, the grain factory's first records — and returns the plan, or raises
-`DataProblems` (one (key, value, rule) per problem). Reading happens in `stages.data`.
+`plan_data(job_data, model, seed)` resolves paths (absolute, every symlink followed and held to
+the rule: `orchestrator.core.data.shards.resolve_strict`), checks every rule that can be
+checked without reading a whole data set — regular, non-empty files, token ids (and a text
+file's bytes) below the model's vocabulary (the index's `max_token`, else a scan bounded by
+`SCAN_BUDGET`; the refusal names the file, the first offending position and the id), seq_len
+against every shard, the hf column and the tokenizer's vocabulary (every id it can produce),
+the grain factory's first records — and returns the plan, or raises `DataProblems` (one
+(key, value, rule) per problem). Reading happens in `stages.data`, which checks every window
+it reads again and never clamps an id.
 """
 from __future__ import annotations
 
@@ -16,7 +20,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from orchestrator.core.data.sampler import windows_per_shard
-from orchestrator.core.data.shards import ShardError, regular_file, resolve_tokens, scan_max
+from orchestrator.core.data.shards import (SCAN_BUDGET, SCAN_BYTES, ShardError, first_at_least, regular_file,
+                                           resolve_tokens, scan_max)
 
 __all__ = ["DataPlan", "DataProblems", "plan_data", "synthetic_plan", "EXTRA_HINT", "hf_format", "load_factory"]
 
@@ -157,6 +162,8 @@ def _one(d, path, base: DataPlan, key: str, probs, vocab: int, seq: int) -> Opti
             if n < 1:
                 probs.append((key, path, f"holds {os.path.getsize(f)} bytes, fewer than data.seq_len + 1 = {seq + 1}"))
                 return None
+            if vocab and vocab < 256:
+                _fit_bytes(key, f, vocab, probs)
             return replace(base, files=(f,), dtype="uint8", counts=(n,))
         if d.source == "tokens":
             ts = resolve_tokens(path, d.dtype)
@@ -166,13 +173,8 @@ def _one(d, path, base: DataPlan, key: str, probs, vocab: int, seq: int) -> Opti
                 if n < 1:
                     probs.append((key, f, f"shard holds {t} tokens, fewer than data.seq_len + 1 = {seq + 1}"))
                 counts.append(n)
-                top = scan_max(f, ts.dtype)
-                if vocab and top >= vocab:
-                    probs.append((key, f, f"token id {top} >= the model's vocab {vocab} (bounded scan of the "
-                                  "shard's first and last 4 MiB)"))
-            if vocab and ts.max_token is not None and ts.max_token >= vocab:
-                probs.append((key, path, f"index.json says the largest token id is {ts.max_token}, >= the "
-                              f"model's vocab {vocab}"))
+            if vocab:
+                _fit_tokens(key, ts, vocab, probs)
             if ts.vocab is not None and vocab and ts.vocab > vocab:
                 probs.append((key, path, f"the shards were tokenized with a vocabulary of {ts.vocab}, larger "
                               f"than the model's vocab {vocab}"))
@@ -205,6 +207,56 @@ def _one(d, path, base: DataPlan, key: str, probs, vocab: int, seq: int) -> Opti
     except ImportError as e:
         probs.append(("data.source", d.source, f"needs a package that is not installed ({e.name}); {EXTRA_HINT}"))
     return None
+
+
+def _fit_bytes(key: str, f: str, vocab: int, probs) -> None:
+    """Text is fed byte by byte as token ids: every byte must be below the model's vocab. The file is
+    read once, in full, up to SCAN_BUDGET (beyond it, its first and last SCAN_BYTES; the reader
+    checks each window it reads)."""
+    size = os.path.getsize(f)
+    if size <= SCAN_BUDGET:
+        hit, how = first_at_least(f, "uint8", vocab), "the whole file read"
+    else:
+        top = scan_max(f, "uint8")
+        hit = first_at_least(f, "uint8", vocab) if top >= vocab else None
+        how = f"its first and last {SCAN_BYTES >> 20} MiB read: larger than {SCAN_BUDGET >> 30} GiB"
+    if hit is not None:
+        pos, value = hit
+        probs.append((key, f, f"byte {value} at offset {pos} does not fit the model's vocab {vocab} ({how}): "
+                      "data.source text feeds each byte as a token id, so the model needs vocab >= "
+                      f"{value + 1} (256 for any byte, 128 for ASCII); bytes are never clamped"))
+
+
+def _fit_tokens(key: str, ts, vocab: int, probs) -> None:
+    """Every shard's token ids below the model's vocab: the index's max_token where `meshpipe
+    prepare` recorded it, else the shard read in full within SCAN_BUDGET, else its ends; a shard
+    that holds an id too large is scanned for the first one (module `shards`)."""
+    budget = SCAN_BUDGET
+    item = 4 if ts.dtype == "uint32" else 2
+    tops = ts.max_tokens or (None,) * len(ts.files)
+    for f, count, top in zip(ts.files, ts.tokens, tops):
+        if top is not None:
+            how = f"index.json records max_token {top}"
+            if top < vocab:
+                continue
+        elif count * item <= budget:
+            budget -= count * item
+            how = "the whole shard read"
+        else:
+            how = f"its first and last {SCAN_BYTES >> 20} MiB read (beyond the plan's {SCAN_BUDGET >> 30} GiB scan)"
+            if scan_max(f, ts.dtype) < vocab:
+                continue
+        hit = first_at_least(f, ts.dtype, vocab)
+        if hit is None and top is None:
+            continue
+        if hit is None:           # the index claims an id the file does not hold
+            probs.append((key, f, f"{how}, >= the model's vocab {vocab}, but no token id in the file is: "
+                          "index.json is stale; run meshpipe prepare again"))
+            continue
+        pos, value = hit
+        probs.append((key, f, f"token id {value} at position {pos} (of {count} tokens) does not fit the model's "
+                      f"vocab {vocab} ({how}); token ids are never clamped: use a model with vocab >= "
+                      f"{max(value, top or 0) + 1}, or tokenize with a smaller vocabulary"))
 
 
 def _columns(path: str, fmt: str) -> list[str]:

@@ -18,9 +18,17 @@ from `data.dtype`.
 
 Every path must be a regular file (a directory only where an index is expected):
 FIFOs, devices and sockets are refused, since reading one could block forever
-or never end. Token ids are scanned at plan time within a bound (the first and
-last `SCAN_BYTES` of each shard, plus the index's `max_token`); the loader
-checks every window it reads again.
+or never end. Paths are resolved once (`resolve_strict`): relative ones against the
+current directory, every symlink among the components followed and held to the rule
+that it points inside the directory that holds it.
+
+Token ids must be below the model's vocabulary; nothing is ever clamped. At plan time
+(`orchestrator.core.data.plan`) a shard's `max_token` from its index (recorded by
+`meshpipe prepare`) is compared with the vocabulary; a shard without one is read in full
+while the data set's unread bytes stay within `SCAN_BUDGET`, else its first and last
+`SCAN_BYTES`. A shard found to hold an id that does not fit is scanned for the first one
+(`first_at_least`), so the refusal names the file, the position and the id. The loader
+checks every window it reads again (a file changed after the plan, or beyond the budget).
 """
 from __future__ import annotations
 
@@ -33,13 +41,14 @@ from typing import Sequence
 
 import numpy as np
 
-__all__ = ["TokenSet", "ShardError", "INDEX", "FORMAT", "DTYPES", "SCAN_BYTES",
-           "resolve_tokens", "regular_file", "scan_max", "index_dict"]
+__all__ = ["TokenSet", "ShardError", "INDEX", "FORMAT", "DTYPES", "SCAN_BYTES", "SCAN_BUDGET",
+           "resolve_tokens", "regular_file", "resolve_strict", "scan_max", "first_at_least", "index_dict"]
 
 INDEX = "index.json"
 FORMAT = "meshpipe.tokens"
 DTYPES = ("uint16", "uint32")
 SCAN_BYTES = 4 << 20
+SCAN_BUDGET = 1 << 30       # bytes of a data set read in full at plan time to find ids >= vocab
 
 
 class ShardError(ValueError):
@@ -60,6 +69,7 @@ class TokenSet:
       tokens: token count of each shard.
       max_token: largest token id an index declares (None when no index said).
       vocab: the vocabulary size an index declares (None when unknown).
+      max_tokens: each shard's `max_token` from its index (None where none is recorded).
     """
 
     files: tuple[str, ...]
@@ -67,11 +77,48 @@ class TokenSet:
     tokens: tuple[int, ...]
     max_token: int | None = None
     vocab: int | None = None
+    max_tokens: tuple[int | None, ...] = ()
+
+
+def resolve_strict(path: str | Path, what: str = "path") -> Path:
+    """`path` made absolute (a relative path against the current directory) with every symlink among
+    its components followed, one component at a time, each held to the rule: a symlink must point
+    inside the directory that holds it. A link out of its own directory is refused wherever it sits:
+    `jobdir/data.txt -> /etc/shadow` and `jobdir/etc -> /etc` (named as `jobdir/etc/shadow`) alike.
+    A top-level system link (`/lib -> usr/lib`) points inside `/` and passes; the current directory
+    is the kernel's resolved one and has no links to judge. Nothing but `lstat`/`readlink` is done.
+
+    Example:
+        >>> resolve_strict("/usr/../usr/bin").as_posix()
+        '/usr/bin'
+    """
+    p = Path(os.fspath(path))
+    queue = list(p.parts[1:] if p.is_absolute() else p.parts)
+    cur = Path(p.anchor or "/") if p.is_absolute() else Path(os.getcwd())
+    while queue:
+        part = queue.pop(0)
+        if part in ("", "."):
+            continue
+        if part == "..":
+            cur = cur.parent          # `cur` is physical (no links in it), so its parent is the real one
+            continue
+        nxt = cur / part
+        if nxt.is_symlink():
+            real = Path(os.path.realpath(nxt))
+            if real != cur and cur not in real.parents:   # e.g. data/train.txt -> /etc/shadow: read and shipped
+                raise ShardError(str(path), f"is a symlink to {real}, outside {cur}"
+                                 + (f" (through the directory link {nxt})" if queue else "")
+                                 + f"; a {what} must not lead out of the directory that holds a link: copy the "
+                                 "data there or name its real path")
+            cur = real
+        else:
+            cur = nxt
+    return cur
 
 
 def regular_file(path: str | Path, what: str = "path") -> Path:
-    """`path` resolved, if it is a regular, non-empty file inside its own directory once symlinks
-    are resolved (a link out of it is refused); else `ShardError`.
+    """`path` resolved by `resolve_strict` (no symlink out of the directory that holds it, in any
+    component), if it is a regular, non-empty file; else `ShardError`.
 
     Example:
         >>> regular_file("/dev/null")
@@ -93,11 +140,7 @@ def regular_file(path: str | Path, what: str = "path") -> Path:
             raise ShardError(str(path), f"is {name}, not a regular file")
     if st.st_size == 0:
         raise ShardError(str(path), "is empty")
-    real, home = Path(os.path.realpath(p)), Path(os.path.realpath(Path(os.path.abspath(p)).parent))
-    if home not in real.parents:   # e.g. data/train.txt -> /etc/shadow: read and shipped to every actor
-        raise ShardError(str(path), f"is a symlink to {real}, outside {home}; copy the file there or "
-                         "name its real path")
-    return real
+    return resolve_strict(path, what)
 
 
 def _read_index(directory: Path) -> dict:
@@ -135,6 +178,7 @@ def resolve_tokens(paths: str | Sequence[str], dtype: str | None = None) -> Toke
     for entry in entries:
         p = Path(entry)
         if p.is_dir():
+            p = resolve_strict(entry, "data directory")
             doc = _read_index(p)
             for s in doc["shards"]:
                 f = regular_file(p / s["file"], "shard")
@@ -143,31 +187,38 @@ def resolve_tokens(paths: str | Sequence[str], dtype: str | None = None) -> Toke
                     raise ShardError(str(f), f"holds {n} tokens but {p / INDEX} says {s['tokens']}")
                 files.append(str(f))
                 counts.append(n)
-                if isinstance(s.get("max_token"), int):
-                    maxes.append(s["max_token"])
+                maxes.append(_max_token(s))
             dtypes.add(doc["dtype"])
             if isinstance(doc.get("vocab"), int):
                 vocabs.append(doc["vocab"])
             continue
         f = regular_file(p, "shard")
         beside = f.parent / INDEX
-        dt = dtype
+        dt, top = dtype, None
         if beside.is_file():
             doc = _read_index(f.parent)
             dt = doc["dtype"]
             if isinstance(doc.get("vocab"), int):
                 vocabs.append(doc["vocab"])
+            top = next((_max_token(s) for s in doc["shards"] if s["file"] == f.name), None)
         if dt is None:
             raise ShardError(str(f), f"no {INDEX} beside it: set data.dtype (one of {', '.join(DTYPES)})")
         if dt not in DTYPES:
             raise ShardError(dt, f"dtype must be one of {', '.join(DTYPES)}")
         files.append(str(f))
         counts.append(_count(f, dt))
+        maxes.append(top)
         dtypes.add(dt)
     if len(dtypes) > 1:
         raise ShardError(sorted(dtypes), "all shards of a data set must share one dtype")
-    return TokenSet(tuple(files), dtypes.pop(), tuple(counts), max(maxes) if maxes else None,
-                    max(vocabs) if vocabs else None)
+    known = [m for m in maxes if m is not None]
+    return TokenSet(tuple(files), dtypes.pop(), tuple(counts), max(known) if known else None,
+                    max(vocabs) if vocabs else None, tuple(maxes))
+
+
+def _max_token(shard: dict) -> int | None:
+    top = shard.get("max_token")
+    return top if isinstance(top, int) and not isinstance(top, bool) else None
 
 
 def _count(path: Path, dtype: str) -> int:
@@ -183,6 +234,26 @@ def scan_max(path: str, dtype: str, limit: int = SCAN_BYTES) -> int:
     n = max(1, limit // arr.itemsize)
     head, tail = arr[:n], arr[max(0, len(arr) - n):]
     return int(max(head.max(), tail.max()))
+
+
+def first_at_least(path: str, dtype: str, limit: int, chunk: int = 1 << 24) -> tuple[int, int] | None:
+    """(position, value) of the first element >= `limit` in a flat array file of `dtype`, read in
+    chunks of `chunk` elements (memory-mapped: only the pages read are loaded); None if there is none.
+
+    Example:
+        >>> import os, tempfile
+        >>> f = os.path.join(tempfile.mkdtemp(), "a.bin")
+        >>> np.array([1, 2, 300, 7, 400], dtype=np.uint16).tofile(f)
+        >>> first_at_least(f, "uint16", 256)
+        (2, 300)
+    """
+    arr = np.memmap(path, dtype=dtype, mode="r")
+    for start in range(0, len(arr), chunk):
+        part = arr[start:start + chunk]
+        if int(part.max()) >= limit:
+            i = int(np.argmax(part >= limit))
+            return start + i, int(part[i])
+    return None
 
 
 def index_dict(dtype: str, shards: list[dict], *, vocab: int | None = None, eos: int | None = None,

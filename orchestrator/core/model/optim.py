@@ -20,6 +20,9 @@ parameter names ("<part name>/<leaf path>", fnmatch patterns).
 stages together: every stage's squared gradient norm is exchanged (one scalar per stage)
 before any stage updates, so the norm is that of the whole model's gradients — the
 single-process `optax.clip_by_global_norm` value — and the same scale applies everywhere.
+
+What each hyperparameter means (ranges, schedules' values, the chain's direction) is checked at
+plan time by `orchestrator.core.model.optim_rules`; `build` reports only what optax itself rejects.
 """
 from __future__ import annotations
 
@@ -73,13 +76,13 @@ def _mask(rule: Mapping[str, Any], names: Callable) -> Callable:
 
 
 def _value(key: str, value: Any, names: Callable):
-    import optax
+    from orchestrator.core.model.optim_rules import schedule_fn
 
     if isinstance(value, Mapping) and "schedule" in value:
-        fn = getattr(optax, str(value["schedule"]), None)
-        if fn is None or not callable(fn) or not str(value["schedule"]).endswith("schedule"):
-            raise OptimError(f"{key}.schedule", value["schedule"], "not an optax schedule function "
-                             "(e.g. warmup_cosine_decay_schedule, cosine_decay_schedule)")
+        try:
+            fn = schedule_fn(value)
+        except ValueError as e:
+            raise OptimError(f"{key}.schedule", value["schedule"], str(e)) from None
         return fn(**dict(value.get("args") or {}))
     if key.endswith("mask") and isinstance(value, Mapping):
         unknown = set(value) - {"include", "exclude"}

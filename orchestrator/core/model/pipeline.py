@@ -66,6 +66,7 @@ def batch_first(path: str, shape: tuple) -> Axes:
 
 
 def replicated(path: str, shape: tuple) -> Axes:
+    """Default parameter axes: no dim named, so the leaf is replicated over every stage's mesh."""
     return (None,) * len(shape)
 
 
@@ -244,7 +245,7 @@ def describe(model: Any, *, name: str, factory: str, args: Mapping[str, Any]) ->
 
     if not isinstance(model, PipelineModel):
         raise ModelError(f"the model factory returned {type(model).__name__}, not a PipelineModel "
-                         "(build one with orchestrator.core.model.adapters)")
+                         "(build one with an adapter: meshpipe.nnx_model, linen_model, eqx_model or plain)")
     if not model.parts:
         raise ModelError("the model has no parts")
     b = DESCRIBE_BATCH

@@ -28,7 +28,7 @@ import numpy as np
 from orchestrator.core.memory import device_bytes
 from orchestrator.core.planner.tables import stacked
 
-__all__ = ["balanced_cut", "interleaved_plans", "edge_times"]
+__all__ = ["balanced_cut", "interleaved_plans", "edge_times", "edge_costs"]
 
 
 def balanced_cut(weights, parts: int) -> list[int]:
@@ -62,14 +62,33 @@ def balanced_cut(weights, parts: int) -> list[int]:
 
 def edge_times(model, topo, cut, p: int, k: int, micro: int) -> list[float]:
     """One-way seconds per physical edge e = 0..p-1 (e joins stage e and (e + 1) % p; p − 1 wraps):
-    its slowest virtual boundary (boundary q, between virtual stages q − 1 and q, uses edge (q − 1) % p)."""
-    times = [0.0] * p
+    its slowest virtual boundary's delay (boundary q, between virtual stages q − 1 and q, uses edge
+    (q − 1) % p), layouts not yet known (`EdgeLayout()`)."""
+    return [max(c["transfer_s"], c["send_block_s"]) + c["recv_block_s"] for c in edge_costs(model, topo, cut, p, k, micro)]
+
+
+def edge_costs(model, topo, cut, p: int, k: int, micro: int, choices=None) -> list[dict]:
+    """Per physical edge, `EdgeCost.to_dict()` parts, each the largest over its virtual boundaries and
+    both directions; `choices` (one MeshChoice per stage) give the layouts (None: `EdgeLayout()`)."""
+    from orchestrator.core.planner.transports import EdgeLayout, edge_layout
+
+    out: list[dict] = [{} for _ in range(p)]
     for q in range(1, len(cut) - 1):
         e = (q - 1) % p
         src, dst = e * k + k - 1, ((e + 1) % p) * k
         cls = topo.class_of_hosts([src, dst])
-        times[e] = max(times[e], topo.edge_time(cls, model.layers[cut[q] - 1].out_bytes(micro)))
-    return times
+        layer = model.layers[cut[q] - 1]
+        if choices is None:
+            layouts = [EdgeLayout()]
+        else:
+            a, b = choices[e], choices[(e + 1) % p]
+            layouts = [edge_layout(a, b, layer.out_axes, topo.devices_per_host),
+                       edge_layout(b, a, layer.out_axes, topo.devices_per_host)]
+        for lay in layouts:
+            for key, val in topo.edge(cls, layer.out_bytes(micro), lay).to_dict().items():
+                out[e][key] = max(out[e].get(key, 0.0), val)
+    empty = dict.fromkeys(("transfer_s", "send_block_s", "recv_block_s", "d2h_s", "wire_s", "h2d_s", "fanout_s"), 0.0)
+    return [{**empty, **x} for x in out]
 
 
 def interleaved_plans(model, topo, choices, tables, m: int, p: int, v: int, infl_fn, slots: int, memo,

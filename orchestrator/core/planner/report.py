@@ -32,7 +32,9 @@ def table(result: SearchResult) -> str:
         sched = c.schedule if c.virtual_stages == 1 else f"{c.schedule} v={c.virtual_stages}"
         lines.append(f"{i:>2} {c.step_s * 1e3:>9.3f} {_mb(c.memory_bytes):>8} {c.bubble:>6.3f} {sched:>6} "
                      f"{c.microbatches:>3}  {_stage_text(c)}")
-        edges = ", ".join(f"{e['edge'][0]}→{e['edge'][1]} {e['bytes']:,} B ({e['link']})" for e in c.edges)
+        edges = ", ".join(f"{e['edge'][0]}→{e['edge'][1]} {e['bytes']:,} B ({e['link']}"
+                          + (f", {e['transport']} {e['time_s'] * 1e3:.3g} ms, sender held {e['send_block_s'] * 1e3:.3g} ms"
+                             if "transport" in e else "") + ")" for e in c.edges)
         colls = ", ".join(f"s{k}: tp {s.tp_bytes:,.0f} B, dp {s.dp_bytes:,.0f} B"
                           + (f", fsdp {s.fsdp_bytes:,.0f} B" if s.fsdp_bytes else "") for k, s in enumerate(c.stages))
         lines.append(f"{'':>3} per microbatch: edges {edges or '-'}; collectives per device {colls}")
@@ -49,6 +51,9 @@ def terms(c: Candidate) -> dict[str, float]:
             "pipeline bubble": c.bubble * c.step_s,
             # each way once along the critical path: every (virtual) boundary an edge carries
             "stage-edge transfers": 2 * sum(len(e.get("boundaries", (0,))) * e["time_s"] for e in c.edges),
+            # a blocking SEND / an H2D on the compute thread, every microbatch, each way
+            "compute threads held by transfers": 2 * m * v * sum(e.get("send_block_s", 0.0) + e.get("recv_block_s", 0.0)
+                                                                 for e in c.edges),
             "per-action runtime overhead": (2 * m * v + 1) * bottleneck.overhead_s,
             "optimizer update": max(s.opt_s - s.overhead_s for s in c.stages)}
 

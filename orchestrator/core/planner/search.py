@@ -13,8 +13,8 @@ Basic flow of `search(model, topo, global_batch, profile=...)`:
      steady state) for every plan, one-stage plans on one host included: the figures
      with that host alone (`Topology.lone_flops`, ...) come from big probe programs whose devices
      compute side by side, while a stage's small kernels on simulated CPU devices take
-     turns, and charged to those plans they predicted them 42–54 % low in two measured
-     runs (all-busy: −7 … +14 %; README, issue #22). On real hardware the two agree.
+     turns, so charged to those plans they predicted them far too low (the runs are in
+     `docs/decisions.md`, "All-busy device figures for every plan"). On real hardware the two agree.
      Every plan on MORE than one host is charged those figures `Topology.shared_slowdown`
      times slower (`Topology.shared`: calibrate times a stage-sized program on host 0
      alone and on every host at once); a one-stage plan on one host is not;
@@ -30,7 +30,9 @@ Basic flow of `search(model, topo, global_batch, profile=...)`:
      (`Topology.action_overhead_s`), an edge's the per-transfer one;
   5. the DP's three best plans per (m, p, schedule) — by its own estimate — are
      replayed by the schedule simulator (`orchestrator.core.schedule.simulate`) with
-     their per-stage F/B/OPT costs and per-edge transfer times; candidates are ranked
+     their per-stage F/B/OPT costs and per-edge transfer times and thread holds (a blocking
+     SEND holds its sender, host-to-device copies its receiver: `Topology.edge`, the
+     cluster's transport); candidates are ranked
      by simulated step time. `SearchOptions.exhaustive` replays every legal plan
      instead (small spaces; the tests compare the two).
 
@@ -64,6 +66,7 @@ from orchestrator.core.planner.model import PlanModel
 from orchestrator.core.planner.profile import LayerProfile, ProfileRequest
 from orchestrator.core.planner.tables import Table, fuses, layer_table, stage_memory, stage_tables
 from orchestrator.core.planner.topology import Topology
+from orchestrator.core.planner.transports import edge_record
 
 __all__ = ["SearchOptions", "StageChoice", "Candidate", "SearchResult", "PlanningError", "search",
            "DEFAULT_RULESETS", "rulesets_for", "evaluate", "legal_plans", "default_schedules"]
@@ -613,7 +616,9 @@ def evaluate(model, topo, choices, tables, stages, m, sched, infl, global_batch,
 
     Every F, B, I, W and OPT action of every stage costs `topo.action_overhead_s` on top of its
     device time, and every stage-edge transfer `topo.transfer_overhead_s` on top of its
-    link's α-β time (the runtime's fixed costs, `meshpipe calibrate`). Memory per device is
+    link's α-β time (the runtime's fixed costs, `meshpipe calibrate`). Each edge is costed under
+    the cluster's transport on the two stages' layouts (`Topology.edge`): its transfer, how long
+    its SEND holds the sender and its RECV the receiver, all played by the simulator. Memory per device is
     `tables.stage_memory` (`fused`: the loss layer's F+B as one program on the last stage;
     zero-bubble: the stage's `stash_timeline` peak of F residuals and I's held-for-W bytes).
     """
@@ -642,14 +647,11 @@ def evaluate(model, topo, choices, tables, stages, m, sched, infl, global_batch,
                                sum(c.fsdp_comm_s for c in cols), sum(c.fsdp_bytes for c in cols),
                                sum(c.i_s for c in cols) + over, sum(c.w_s for c in cols) + over,
                                sum(c.held_bytes for c in cols)))
-    edges = []
-    for a, b in zip(out, out[1:]):
-        nbytes = model.layers[a.layers[1] - 1].out_bytes(micro)
-        cls = topo.class_of_hosts([a.hosts[0] + a.hosts[1] - 1, b.hosts[0]])
-        edges.append({"edge": [len(edges), len(edges) + 1], "bytes": nbytes, "link": cls,
-                      "time_s": topo.edge_time(cls, nbytes)})
+    edges = [edge_record(model, topo, e, a, b, micro) for e, (a, b) in enumerate(zip(out, out[1:]))]
     costs = [{"F": st.fwd_s, "B": st.bwd_s, "I": st.i_s, "W": st.w_s, "OPT": st.opt_s} for st in out]
-    sim = simulate(low, costs, [e["time_s"] for e in edges] if edges else 0.0)
+    sim = simulate(low, costs, [e["transfer_s"] for e in edges] or 0.0,
+                   send_block=[e["send_block_s"] for e in edges] or 0.0,
+                   recv_block=[e["recv_block_s"] for e in edges] or 0.0)
     return Candidate(tuple(out), m, sched, float(sim.step_time), float(sim.bubble_fraction), tuple(edges))
 
 
@@ -661,7 +663,7 @@ def evaluate_interleaved(model, topo, choices, tables, plan, m, v, infl, global_
     × its largest chunk's residuals, and its largest temporary (`interleave.py`).
     """
     from orchestrator.core.memory import device_bytes
-    from orchestrator.core.planner.interleave import edge_times
+    from orchestrator.core.planner.interleave import edge_costs
     from orchestrator.core.schedule import simulate
 
     micro = global_batch // m
@@ -683,14 +685,17 @@ def evaluate_interleaved(model, topo, choices, tables, plan, m, v, infl, global_
                                tuple(chunks), sum(c.fsdp_comm_s for c in cols), sum(c.fsdp_bytes for c in cols)))
     k = plan[0][2]
     cut = [a for a, _ in (ch for i in range(v) for ch in (plan[s][0][i] for s in range(p)))] + [model.num_layers]
-    times = edge_times(model, topo, cut, p, k, micro)
+    parts = edge_costs(model, topo, cut, p, k, micro, [st.choice for st in out])
     edges = []
-    for e, tm in enumerate(times):
+    for e, part in enumerate(parts):
         src, dst = e * k + k - 1, ((e + 1) % p) * k
         bounds = [cut[q] for q in range(1, len(cut) - 1) if (q - 1) % p == e]
+        delay = max(part["transfer_s"], part["send_block_s"]) + part["recv_block_s"]
         edges.append({"edge": [e, (e + 1) % p], "bytes": max(model.layers[b - 1].out_bytes(micro) for b in bounds),
-                      "link": topo.class_of_hosts([src, dst]), "time_s": tm, "boundaries": bounds})
+                      "link": topo.class_of_hosts([src, dst]), "transport": topo.transport.name, "time_s": delay,
+                      **part, "boundaries": bounds})
     costs = [{"F": st.fwd_s / v, "B": st.bwd_s / v, "OPT": st.opt_s} for st in out]
-    sim = simulate(_lowered("interleaved-1f1b", p, m, v), costs, times)
+    sim = simulate(_lowered("interleaved-1f1b", p, m, v), costs, [x["transfer_s"] for x in parts],
+                   send_block=[x["send_block_s"] for x in parts], recv_block=[x["recv_block_s"] for x in parts])
     return Candidate(tuple(out), m, "interleaved-1f1b", float(sim.step_time), float(sim.bubble_fraction),
                      tuple(edges), v)

@@ -138,7 +138,7 @@ def aligned_empty(shape, dtype, alignment: int = 64) -> np.ndarray:
     """An uninitialised C-contiguous array whose data starts on an `alignment`-byte boundary.
 
     XLA:CPU adopts aligned host buffers in `device_put` without copying; an
-    unaligned one is copied (orders of magnitude slower for large arrays; README, Benchmarks).
+    unaligned one is copied (orders of magnitude slower for large arrays; docs/decisions.md, "Transport buffers").
     """
     dtype = np.dtype(dtype)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize

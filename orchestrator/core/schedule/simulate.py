@@ -1,22 +1,29 @@
 """Discrete-event simulator for lowered schedules.
 
 Flow: every stage runs its lowered list in order on its own clock. A compute
-action (F, B, I, W, OPT) takes its cost; a SEND takes no time and stamps the
-time its data leaves; a RECV waits until the matching SEND ran plus the
-transfer time of the link, then takes no time. Stages are advanced round-robin
-until all lists are done; a round in which no stage moves while some still
-have actions is a deadlock, reported with the action each stage is stuck at.
+action (F, B, I, W, OPT) takes its cost. A SEND stamps the time its data leaves
+(its start) and holds its own stage for the edge's `send_block` (0 by default: a
+send that returns at once; a transport whose compute thread copies to the host or
+waits for the wire holds it that long); its data reaches the peer at
+start + max(transfer, send_block). A RECV waits for that arrival, then holds its
+stage for the edge's `recv_block` (host-to-device copies on the receiver's compute
+thread; 0 by default). Stages are advanced round-robin until all lists are done; a
+round in which no stage moves while some still have actions is a deadlock, reported
+with the action each stage is stuck at.
 
 Numbers: costs and transfer times may be ints, floats or `fractions.Fraction`;
 the arithmetic stays in the type given (Fractions give exact bubble
 fractions, ints give float fractions). Results:
   step_time         latest end over all stages (all start at 0).
-  bubble_per_stage  1 - busy(s) / step_time, busy = sum of compute durations.
+  bubble_per_stage  1 - busy(s) / step_time, busy = sum of compute durations (a
+                    SEND's or RECV's hold on the thread is not compute: it counts
+                    as bubble).
   bubble_fraction   1 - sum busy / (p * step_time).
   peak_inflight     per stage, the most (microbatch, chunk) pairs whose F ran
                     and whose B (or W) has not: stashed activations.
-  spans             (action, start, end) for every action; a RECV's span is its
-                    wait, from reaching it to its data's arrival.
+  spans             (action, start, end) for every action; a SEND's span is its
+                    hold (`send_block`); a RECV's is its wait, from reaching it to
+                    its data's arrival, plus its hold (`recv_block`).
 """
 from __future__ import annotations
 
@@ -42,7 +49,8 @@ class SimResult:
     spans: list[tuple[Action, Number, Number]]
 
 
-def simulate(lowered: Schedule, costs: Costs, transfer: Number | Sequence[Number] = 0) -> SimResult:
+def simulate(lowered: Schedule, costs: Costs, transfer: Number | Sequence[Number] = 0, *,
+             send_block: Number | Sequence[Number] = 0, recv_block: Number | Sequence[Number] = 0) -> SimResult:
     """Play a lowered schedule on all stages.
 
     Args:
@@ -52,6 +60,9 @@ def simulate(lowered: Schedule, costs: Costs, transfer: Number | Sequence[Number
       transfer: seconds per send/recv pair, one number or one per edge (edge e
         joins stage e and e+1; edge p-1 is the wrap-around link of interleaved
         schedules, so give p values, or p-1 when v = 1).
+      send_block: seconds a SEND holds its sender's thread, same forms as `transfer`
+        (the data still leaves at the SEND's start; it arrives no earlier than the hold ends).
+      recv_block: seconds a RECV holds its receiver's thread after the data arrived, same forms.
 
     Returns:
       A `SimResult`.
@@ -65,6 +76,9 @@ def simulate(lowered: Schedule, costs: Costs, transfer: Number | Sequence[Number
       >>> r = simulate(lower(generate("1f1b", p=2, m=2)), {"F": 1, "B": 1})
       >>> r.step_time, round(r.bubble_fraction, 4), r.peak_inflight
       (6, 0.3333, [2, 1])
+      >>> low = lower(generate("1f1b", p=2, m=2))
+      >>> [simulate(low, {"F": 1, "B": 1}, 1, send_block=b).step_time for b in (0, 1)]   # a blocking send
+      [8, 9]
     """
     if not lowered.lowered:
         raise ScheduleError(f"simulate needs a lowered schedule; {lowered.name!r} is compute-only: "
@@ -72,6 +86,8 @@ def simulate(lowered: Schedule, costs: Costs, transfer: Number | Sequence[Number
     p = lowered.p
     stage_costs = _stage_costs(costs, p)
     link = _links(transfer, p, lowered.v)
+    hold_send = _links(send_block, p, lowered.v, "send_block")
+    hold_recv = _links(recv_block, p, lowered.v, "recv_block")
     rows = [[a for a in row if a is not None] for row in lowered.actions]
     pos, clock = [0] * p, [0] * p
     busy = [0] * p
@@ -88,9 +104,10 @@ def simulate(lowered: Schedule, costs: Costs, transfer: Number | Sequence[Number
                     peer = comm_peer(a, p, lowered.v)
                     if peer not in sent:
                         break
-                    end = max(start, sent[peer] + link[edge_index(a, p)])
+                    e = edge_index(a, p)
+                    end = max(start, sent[peer] + max(link[e], hold_send[e])) + hold_recv[e]
                 elif a.kind in SENDS:
-                    end = start
+                    end = start + hold_send[edge_index(a, p)]
                     sent[a] = start
                 else:
                     end = start + stage_costs[s][a.kind]
@@ -150,8 +167,8 @@ def _stage_costs(costs: Costs, p: int) -> list[dict[Kind, Number]]:
     return out
 
 
-def _links(transfer: Number | Sequence[Number], p: int, v: int) -> list[Number]:
-    """Transfer time per edge (p entries; edge p-1 is the wrap-around link)."""
+def _links(transfer: Number | Sequence[Number], p: int, v: int, what: str = "transfer") -> list[Number]:
+    """Seconds per edge of `what` (p entries; edge p-1 is the wrap-around link)."""
     if isinstance(transfer, (int, float)) or not isinstance(transfer, Sequence):
         values = [transfer] * p
     else:
@@ -159,11 +176,11 @@ def _links(transfer: Number | Sequence[Number], p: int, v: int) -> list[Number]:
         if len(values) == p - 1 and v == 1:
             values.append(0)                     # wrap-around link unused without chunks
         if len(values) != p:
-            raise ScheduleError(f"transfer: got {len(values)} per-edge values for p={p} stages, "
+            raise ScheduleError(f"{what}: got {len(values)} per-edge values for p={p} stages, "
                                 f"v={v}; need {p} (or {p - 1} when v == 1)")
     for e, val in enumerate(values):
         if val < 0:
-            raise ScheduleError(f"transfer[{e}]={val}: transfer times must be >= 0")
+            raise ScheduleError(f"{what}[{e}]={val}: {what} times must be >= 0")
     return values
 
 

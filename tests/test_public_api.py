@@ -1,0 +1,90 @@
+"""`import meshpipe`: the public API — cheap to import, documented, and doing what the CLI does.
+
+- Importing it loads neither Ray nor JAX nor a model framework (a fresh process checks sys.modules).
+- Every exported name resolves, has a docstring, and the docstring examples run (doctest).
+- `meshpipe.run` refuses an earlier run's record as `meshpipe run` does, replaces it with
+  `overwrite=True`, and trains a pipeline on Ray (`slow`) as the CLI does.
+"""
+from __future__ import annotations
+
+import doctest
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.docs_blocks import ROOT
+
+HEAVY = ("ray", "jax", "jaxlib", "flax", "equinox", "optax", "orbax", "orchestrator.driver", "stages.worker",
+         "stages.program", "stages.transport")
+
+
+def test_importing_meshpipe_loads_no_ray_jax_or_framework():
+    code = ("import sys, json, meshpipe\n"
+            f"print(json.dumps(sorted(m for m in {HEAVY!r} if m in sys.modules)))\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == []
+
+
+def test_the_check_would_see_a_heavy_import():
+    code = "import sys, json, meshpipe, jax\nprint(json.dumps(sorted(m for m in ('jax',) if m in sys.modules)))\n"
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == ["jax"]
+
+
+def test_every_public_name_resolves_and_is_documented():
+    import meshpipe
+
+    assert len(set(meshpipe.__all__)) == len(meshpipe.__all__)
+    for name in meshpipe.__all__:
+        obj = getattr(meshpipe, name)
+        assert (obj.__doc__ or "").strip(), f"meshpipe.{name} has no docstring"
+
+
+@pytest.mark.parametrize("module", ["meshpipe", "meshpipe._api"])
+def test_the_docstring_examples_run(module, monkeypatch, tmp_path):
+    import importlib
+
+    monkeypatch.chdir(ROOT)
+    mod = importlib.import_module(module)
+    result = doctest.testmod(mod, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0
+
+
+def test_run_refuses_an_earlier_record_and_overwrite_replaces_it(tmp_path, monkeypatch):
+    import meshpipe
+
+    monkeypatch.chdir(ROOT)
+    sets = ["run.steps=2", f"run.output_dir={tmp_path}"]
+    first = meshpipe.run("examples/mlp.yaml", reference=True, overrides=sets, echo=lambda s: None)
+    assert first["status"] == "completed" and len(first["losses"]) == 2
+    with pytest.raises(FileExistsError, match="run.name = 'mlp"):
+        meshpipe.run("examples/mlp.yaml", reference=True, overrides=sets, echo=lambda s: None)
+    again = meshpipe.run("examples/mlp.yaml", reference=True, overrides=sets, overwrite=True, echo=lambda s: None)
+    assert again["losses"] == first["losses"]       # same seed, same data: the same run
+
+
+def test_run_and_plan_take_a_dict_and_report_bad_keys():
+    import meshpipe
+    from orchestrator.core.safe_yaml import safe_load_file
+
+    job = safe_load_file(ROOT / "examples" / "gpt.yaml")
+    job["data"]["path"] = str(ROOT / job["data"]["path"])
+    p = meshpipe.plan(job, overrides=["pipeline.schedule=gpipe"])
+    assert p.schedule.name == "gpipe" and "gpipe" in meshpipe.plan_text(p)
+    job["pipeline"]["microbatches"] = 3          # 16 sequences do not split into 3 microbatches
+    with pytest.raises(meshpipe.ConfigError, match="microbatches"):
+        meshpipe.plan(job)
+
+
+@pytest.mark.slow
+def test_run_trains_a_pipeline_on_ray(tmp_path, monkeypatch):
+    import meshpipe
+
+    monkeypatch.chdir(ROOT)
+    summary = meshpipe.run("examples/gpt.yaml", overrides=["run.steps=2", f"run.output_dir={tmp_path}"],
+                           echo=lambda s: None)
+    assert summary["status"] == "completed" and len(summary["losses"]) == 2
+    assert json.loads((tmp_path / "gpt-tiny" / "summary.json").read_text())["losses"] == summary["losses"]
