@@ -188,8 +188,8 @@ class TransportTlsConfig(Frozen):
         return v
 
 
-# `transport: auto` on CPU: the transport benchmarks/transport.py measured faster for the `large`
-# 1F1B step on one CPU machine (docs/drafts/transports.md gives the figures)
+# `transport: auto` on CPU: the transport benchmarks/transport.py measured faster per edge between two
+# processes of one CPU machine (docs/guides/transports.md, "Why `auto` is `socket` on CPU", gives the figures)
 AUTO_CPU = "socket"
 
 
