@@ -3,7 +3,7 @@
 Why an order at all: in one `jax.distributed` world (cluster `transport: xla`) a cross-process
 `jax.device_put` is matched between sender and receiver by a transfer key that each process
 draws from its OWN counter, one or more per call — and XLA draws them in every process that
-makes the call, taking part or not (`xla/python/pjrt_ifrt/pjrt_client.cc`, the DCN fallback in
+makes the call, taking part or not (XLA's `pjrt_client.cc` under xla/python/pjrt_ifrt, the DCN fallback in
 `transfer_server.cc`: "the transfer key must be incremented in all processes"). Two processes
 agree on a key only if they drew the same number before it. So every process of the world makes
 every transfer call of a step, in one order: the processes an edge involves move data, every
