@@ -72,7 +72,6 @@ def wildcard(listeners) -> list[str]:
     return [a for a in listeners if a.rpartition(":")[0].strip("[]") in ("0.0.0.0", "::", "::ffff:0.0.0.0", "")]
 
 
-@pytest.mark.timeout(WORLD_S + 60)
 def test_pair_whole_array_and_replicated_fan_out(tmp_path):
     """{data: 2} -> {model: 2}, GPipe m=2, two training steps and one eval batch: the f32 leaf cut
     alike moves as one whole-array device_put, the bf16 leaf that becomes replicated as tiles (one
@@ -86,7 +85,6 @@ def test_pair_whole_array_and_replicated_fan_out(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(WORLD_S + 60)
 def test_chain_of_three_stages_with_a_two_host_stage(tmp_path):
     """4 processes, 3 stages, 1F1B m=4, two steps and an eval: a 2-host stage -> one host (layout
     change, bf16 replicated fan-out, an int leaf that gets no gradient), 4 devices -> 2. Every
