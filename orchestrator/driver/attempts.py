@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol
 
-from orchestrator.core.recovery import Decision, Failure, RestartPolicy
+from orchestrator.core.recovery import STORAGE, Decision, Failure, RestartPolicy
 
 log = logging.getLogger("meshpipe")
 
@@ -95,7 +95,7 @@ def run_attempts(start: Callable[[int, Optional[dict]], AttemptLike], first: int
         except AttemptFailed as failed:
             decision = policy.decide(failed.failure, recovery.committed())
             if not decision.restart:
-                if policy.max_restarts == 0:      # no `failure:` section: the error as it was
+                if policy.max_restarts == 0 and failed.failure.cause != STORAGE:   # the error as it was
                     raise failed.error from failed.error.__cause__
                 raise recovery.stop(failed, decision) from failed.error
             first, recovering = recovery.restart(failed, attempt, policy.restarts)
@@ -219,9 +219,13 @@ class Session:
         """The error that ends the run after `failed`: why, what is lost, the command that continues."""
         from orchestrator.driver import recovery
 
-        return recovery.RecoveryStopped.after(recovery.stop_message(
-            failed.failure, failed.where, decision, self.committed(), failed.steps_done, self.resume_command),
-            failed.error)
+        from orchestrator.core.recovery import storage_stop
+
+        f = failed.failure
+        msg = recovery.stop_message(f, failed.where, decision, self.committed(), failed.steps_done, self.resume_command)
+        if f.cause == STORAGE:      # the directory, the step and the errno first; then what is lost, how to go on
+            msg = f"{storage_stop(f, self.checked.job.checkpoint.dir)}\n{msg}"
+        return recovery.RecoveryStopped.after(msg, failed.error)
 
     # -- at the end ----------------------------------------------------------
     def close(self, out, ok: bool) -> None:
@@ -292,9 +296,27 @@ class Attempt:
                                            compile_s=max((st.get("compile_s") or 0.0 for st in r.stats), default=0.0))
                     self.recovering = None
                 self.session.take(r)
+            return self._finish()
         except recovery.RECOVERABLE as e:
             raise self._failed(e) from e
-        return self._finish()
+        except OSError as e:
+            failed = self._commit_failed(e)
+            if failed is None:
+                raise
+            raise failed from e
+
+    def _commit_failed(self, e: OSError) -> Optional[AttemptFailed]:
+        """The driver's own checkpoint write (a commit marker) refused by checkpoint.dir: a STORAGE
+        failure (never restarted); None for any other OSError (it ends the run as it is)."""
+        from orchestrator.core.recovery import storage_error
+
+        found = storage_error(e)
+        if found is None:
+            return None
+        step = len(self.session.record.losses)
+        text = f"committing a checkpoint: {type(e).__name__}: {e}"
+        return AttemptFailed(Failure(STORAGE, None, None, step, text, errno=found[0], path=found[1]), {}, e,
+                             steps_done=step, detected_at=time.time())
 
     def _start(self) -> None:
         from orchestrator.driver.checkpoint import remove_probe, write_probe
