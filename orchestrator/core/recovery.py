@@ -57,6 +57,7 @@ class Failure:
       text: the error, one line.
       node: the Ray node id of the failed actor (of the lost node for NODE_LOST), when known.
       errno, path: STORAGE: the write's errno and the path it refused.
+      consequence: NODE_LOST: the failure first seen, which the loss caused (`node_loss`).
     """
 
     cause: str
@@ -67,6 +68,13 @@ class Failure:
     node: Optional[str] = None
     errno: Optional[int] = None
     path: Optional[str] = None
+    consequence: str = ""
+
+    def fields(self) -> dict:
+        """The typed fields, for summary.json's `failure` (None where not known)."""
+        return {"cause": self.cause, "stage": self.stage, "host": self.host, "node": self.node, "step": self.step,
+                "errno": errno.errorcode.get(self.errno) if self.errno is not None else None, "path": self.path,
+                "consequence": self.consequence or None, "text": self.text}
 
     @property
     def who(self) -> str:
@@ -93,7 +101,9 @@ def node_loss(failure: Failure, lost: dict) -> Failure:
     """`failure` as the loss of a node: `lost` maps each gone node's id to {"labels": the run's
     actors it held ("stage 0 host 1"), "why": how the driver knows, "address": its IP}. The
     failure then names the first actor of the first lost node (the record's node is that one's);
-    the error first seen stays in the text.
+    the error first seen (a survivor's reset connection, its peer's death: what the loss caused)
+    is kept as the `consequence` and in the text. The loss outranks whatever was seen first:
+    the decision and the report are the loss's.
 
     >>> f = node_loss(Failure(ERROR, 0, 0, 5, "Gloo: Connection reset by peer"),
     ...               {"3f2a": {"labels": [ActorId(0, 1)], "why": "its raylet refuses connections",
@@ -101,7 +111,7 @@ def node_loss(failure: Failure, lost: dict) -> Failure:
     >>> (f.cause, f.stage, f.host, f.step, f.node)
     ('node lost', 0, 1, 5, '3f2a')
     >>> f.text
-    'node 3f2a (10.0.0.2) is gone (its raylet refuses connections), with stage 0 host 1; first error seen: error: stage 0 host 0: Gloo: Connection reset by peer'
+    'node 3f2a (10.0.0.2) is gone (its raylet refuses connections), with stage 0 host 1; a consequence, seen first: error: stage 0 host 0: Gloo: Connection reset by peer'
     """
     if not lost:
         return failure
@@ -111,8 +121,9 @@ def node_loss(failure: Failure, lost: dict) -> Failure:
         parts.append(f"node {node_id[:12]}{at} is gone ({n['why']}), with {', '.join(n['labels'])}")
     node, gone = next(iter(lost.items()))
     stage, host = actor_of(gone["labels"][0] if gone["labels"] else None)
-    seen = f"; first error seen: {failure.cause}: {failure.who}: {failure.text}" if failure.text else ""
-    return Failure(NODE_LOST, stage, host, failure.step, "; ".join(parts) + seen, node=node)
+    seen = f"{failure.cause}: {failure.who}: {failure.text}" if failure.text else ""
+    text = "; ".join(parts) + (f"; a consequence, seen first: {seen}" if seen else "")
+    return Failure(NODE_LOST, stage, host, failure.step, text, node=node, consequence=seen)
 
 
 def storage_words(code: Optional[int]) -> str:
@@ -172,6 +183,24 @@ def storage_stop(f: Failure, directory: str) -> str:
     at = ", ".join(x for x in (f"writing {f.path}" if f.path else "", f.who if f.stage is not None else "") if x)
     return (f"checkpoint.dir = {directory} refused a checkpoint write in step {f.step}: {storage_words(f.errno)}"
             + (f" ({at})" if at else ""))
+
+
+def compiled_graph_restarts(executor: str, max_restarts: int, nodes: int) -> Optional[str]:
+    """Why `cluster.executor: compiled_graph` with restarts is refused on a cluster of `nodes` alive
+    nodes (None: allowed). A node lost under a Ray Compiled Graph crashed the head's raylet on a
+    Ray-internal check while the driver tore the graph down (2 of 2 tries, `docs/drafts/faults.md`):
+    a restart cannot be offered there. One node: a lost actor is a process, which recovers.
+
+    >>> compiled_graph_restarts("step_calls", 3, 4) is None, compiled_graph_restarts("compiled_graph", 3, 1) is None
+    (True, True)
+    >>> print(compiled_graph_restarts("compiled_graph", 3, 2))
+    cluster.executor = 'compiled_graph' with failure.max_restarts = 3 on a cluster of 2 nodes: refused — a node lost under a Ray Compiled Graph crashes the head's raylet, so no restart could recover it; use executor step_calls (recovers from node loss) or failure.max_restarts: 0
+    """
+    if executor != "compiled_graph" or max_restarts == 0 or nodes <= 1:
+        return None
+    return (f"cluster.executor = 'compiled_graph' with failure.max_restarts = {max_restarts} on a cluster of {nodes} "
+            "nodes: refused — a node lost under a Ray Compiled Graph crashes the head's raylet, so no restart "
+            "could recover it; use executor step_calls (recovers from node loss) or failure.max_restarts: 0")
 
 
 def failed_step(step: int, done: dict) -> int:
@@ -338,4 +367,4 @@ def stalled(beats: dict, silent_s: dict, deadline_s: float, slow_s: float = 5.0)
 
 
 __all__ = ["DIED", "ERROR", "HANG", "NODE_LOST", "STORAGE", "STORAGE_ERRNOS", "storage_error", "storage_stop", "storage_words", "Decision", "Failure", "ProgressDeadline", "RestartPolicy",
-           "actor_of", "compile_cache_dir", "failed_step", "node_loss", "stalled"]
+           "actor_of", "compile_cache_dir", "compiled_graph_restarts", "failed_step", "node_loss", "stalled"]

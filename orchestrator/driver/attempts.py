@@ -24,9 +24,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol
 
-from orchestrator.core.recovery import STORAGE, Decision, Failure, RestartPolicy
+from orchestrator.core.recovery import NODE_LOST, STORAGE, Decision, Failure, RestartPolicy
 
 log = logging.getLogger("meshpipe")
+
+# Causes a run without restarts still reports as a stop (why, what is lost, the command that goes
+# on) rather than as the error first seen: a lost node (the survivors' reset connections are its
+# consequences) and a checkpoint.dir that refuses writes.
+REPORTED = (NODE_LOST, STORAGE)
 
 
 @dataclass(eq=False)       # an exception keeps its identity (hash, ==)
@@ -95,7 +100,7 @@ def run_attempts(start: Callable[[int, Optional[dict]], AttemptLike], first: int
         except AttemptFailed as failed:
             decision = policy.decide(failed.failure, recovery.committed())
             if not decision.restart:
-                if policy.max_restarts == 0 and failed.failure.cause != STORAGE:   # the error as it was
+                if policy.max_restarts == 0 and failed.failure.cause not in REPORTED:    # the error as it was
                     raise failed.error from failed.error.__cause__
                 raise recovery.stop(failed, decision) from failed.error
             first, recovering = recovery.restart(failed, attempt, policy.restarts)
@@ -225,6 +230,7 @@ class Session:
         msg = recovery.stop_message(f, failed.where, decision, self.committed(), failed.steps_done, self.resume_command)
         if f.cause == STORAGE:      # the directory, the step and the errno first; then what is lost, how to go on
             msg = f"{storage_stop(f, self.checked.job.checkpoint.dir)}\n{msg}"
+        self.record.extra["failure"] = {**f.fields(), **failed.where}     # summary.json: the typed cause
         return recovery.RecoveryStopped.after(msg, failed.error)
 
     # -- at the end ----------------------------------------------------------

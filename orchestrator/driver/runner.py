@@ -150,6 +150,14 @@ def _run_pipeline(checked, plan, record: RunRecord, out: Path, echo, hooks: Sequ
 
     job = checked.job
     started = placement.connect(checked.cluster, namespace=f"meshpipe-{job.run.name}")
+    try:
+        _refuse_compiled_graph_restarts(checked)
+    except BaseException:
+        if started:
+            import ray
+
+            ray.shutdown()
+        raise
     reinstall()            # ray.init put absl's signal handler in place of ours (stack dump, abort)
     filter_worker_logs()
     session = Session(checked, plan, record, ckpt, resume_command, echo)
@@ -180,6 +188,22 @@ def _run_pipeline(checked, plan, record: RunRecord, out: Path, echo, hooks: Sequ
             import ray
 
             ray.shutdown()
+
+
+def _refuse_compiled_graph_restarts(checked) -> None:
+    """`compiled_graph` with restarts on a multi-node cluster: a ConfigError before anything starts
+    (`orchestrator.core.recovery.compiled_graph_restarts` says why)."""
+    import ray
+
+    from orchestrator.core.config.errors import ConfigError
+    from orchestrator.core.recovery import compiled_graph_restarts
+
+    if checked.cluster.executor != "compiled_graph" or checked.job.failure.max_restarts == 0:
+        return
+    why = compiled_graph_restarts(checked.cluster.executor, checked.job.failure.max_restarts,
+                                  sum(1 for n in ray.nodes() if n.get("Alive")))
+    if why is not None:
+        raise ConfigError(why)
 
 
 def _ray_info(run: str, echo) -> dict:
