@@ -70,3 +70,6 @@ def test_a_blocked_checkpoint_dir_stops_at_once_without_restarts(tmp_path, no_le
             "last committed checkpoint: step 4", "Continue with: meshpipe run j.yaml --resume")
     s = _summary(job)
     assert s["status"] == "failed" and s["restarts"] == 0 and s["recoveries"] == []
+    f = s["failure"]
+    assert (f["cause"], f["step"], f["errno"]) == ("checkpoint storage", 5, "ENOTDIR"), f
+    assert f["path"] == str(ck / "step_00000006"), f
