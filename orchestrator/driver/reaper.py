@@ -121,13 +121,13 @@ def sweep_semaphores(shm: Path = SHM, owners: Optional[set[int]] = None) -> list
     return removed
 
 
-def session_processes(session: str, me: int) -> list:
-    """Processes (psutil) other than `me` holding a file under the session directory `session`."""
+def session_processes(session: str, spare: set[int]) -> list:
+    """Processes (psutil) not in `spare` holding a file under the session directory `session`."""
     import psutil
 
     root, found = session.rstrip("/") + "/", []
     for p in psutil.process_iter():
-        if p.pid == me:
+        if p.pid in spare:
             continue
         try:
             if any(f.path.startswith(root) for f in p.open_files()):
@@ -137,18 +137,21 @@ def session_processes(session: str, me: int) -> list:
     return found
 
 
-def reap(session: Optional[str], raylet: Optional[int], log_path: Optional[str], grace_s: float = 5.0) -> list[str]:
-    """What the reaper does once its driver is gone: kill what holds a file in `session`, remove
-    `raylet`'s channel semaphores; returns one line per thing removed (also appended to `log_path`)."""
+def reap(session: Optional[str], raylet: Optional[int], log_path: Optional[str], driver: Optional[int] = None,
+         grace_s: float = 5.0) -> list[str]:
+    """What the reaper does once its driver has let go: kill what holds a file in `session` (never
+    the `driver` itself, which is still alive after a normal `close`), remove `raylet`'s channel
+    semaphores; returns one line per thing removed (also appended to `log_path`)."""
     import psutil
 
     done: list[str] = []
+    spare = {os.getpid()} | ({driver} if driver else set())
     if session:
         deadline = time.monotonic() + grace_s     # a normal exit's shutdown may still be finishing
-        procs = session_processes(session, os.getpid())
+        procs = session_processes(session, spare)
         while procs and time.monotonic() < deadline:
             time.sleep(0.5)
-            procs = session_processes(session, os.getpid())
+            procs = session_processes(session, spare)
         for p in procs:
             try:
                 name = p.name()
@@ -193,12 +196,12 @@ class Reaper:
         proc = subprocess.Popen([sys.executable, "-m", "orchestrator.driver.reaper", log_path or ""],
                                 stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                 start_new_session=True, close_fds=True, env=env, cwd=root)
-        proc.stdin.write(f"{session}\n{raylet if raylet is not None else ''}\n".encode())
+        proc.stdin.write(f"{session}\n{raylet if raylet is not None else ''}\n{os.getpid()}\n".encode())
         proc.stdin.flush()
         return cls(proc)
 
-    def close(self, timeout: float = 20.0) -> None:
-        """Ray is shut down: the reaper checks once and exits (waited for up to `timeout` s)."""
+    def close(self, timeout: float = 1.0) -> None:
+        """Ray is shut down: the reaper checks once and exits (on its own: waited for `timeout` s)."""
         try:
             self.proc.stdin.close()
             self.proc.wait(timeout)
@@ -208,9 +211,10 @@ class Reaper:
 
 def _main(argv: list[str]) -> int:
     session = sys.stdin.readline().strip() or None
-    raylet_line = sys.stdin.readline().strip()
+    raylet_line, driver_line = sys.stdin.readline().strip(), sys.stdin.readline().strip()
     sys.stdin.read()                   # until the driver is gone (EOF)
-    reap(session, int(raylet_line) if raylet_line else None, argv[1] if len(argv) > 1 and argv[1] else None)
+    reap(session, int(raylet_line) if raylet_line else None, argv[1] if len(argv) > 1 and argv[1] else None,
+         int(driver_line) if driver_line else None)
     return 0
 
 
