@@ -88,3 +88,12 @@ def test_compiled_graph_with_restarts_is_refused_on_several_nodes_only(tmp_path)
     assert compiled_graph_restarts("step_calls", 2, 5) is None
     has_all(compiled_graph_restarts("compiled_graph", 2, 3), "cluster.executor = 'compiled_graph'",
             "failure.max_restarts = 2", "a cluster of 3 nodes", "refused", "step_calls")
+
+
+@pytest.mark.parametrize("module", ["orchestrator.core.recovery", "orchestrator.driver.reaper"])
+def test_the_docstring_examples_run(module):
+    import doctest
+    import importlib
+
+    result = doctest.testmod(importlib.import_module(module))
+    assert result.attempted > 0 and result.failed == 0
