@@ -51,6 +51,26 @@ def test_the_actor_types_a_refused_write_from_the_errno_field(tmp_path):
     assert storage_error(OSError(errno.EIO, "I/O error")) is None      # not one a restart cannot help
 
 
+def test_a_refused_commit_marker_is_a_storage_failure_naming_its_path(tmp_path):
+    """The driver's half: the commit marker of step 2 cannot be written (a file stands at
+    step_00000002): `CommitWriteError` with the errno and the marker's path, which the attempt
+    turns into a STORAGE failure (`Attempt._commit_failed`)."""
+    from orchestrator.core.recovery import storage_error
+    from orchestrator.driver.checkpoint import CommitWriteError, Committer
+    from tests.test_checkpoint import checked_of, gpt_job
+
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    (ck / "step_00000002").write_text("in the way\n")
+    committer = Committer(checked_of(gpt_job(tmp_path, "c", ck)), "1f1b", 1, losses=[3.0, 2.9])
+    report = {"step": 2, "stage": 0, "host": 0, "path": "stage_0", "files": {}, "arrays": {}, "bytes": 0,
+              "blocking_s": 0.0, "write_s": 0.0, "data": None}
+    with pytest.raises(CommitWriteError) as ei:
+        committer.add([report])
+    assert storage_error(ei.value) == (errno.ENOTDIR, str(ck / "step_00000002" / "commit.json"))
+    assert "commit marker of step 2" in str(ei.value)
+
+
 @pytest.mark.ray
 @pytest.mark.needs_checkpoint
 def test_a_blocked_checkpoint_dir_stops_at_once_without_restarts(tmp_path, no_leaks):

@@ -290,6 +290,7 @@ class Attempt:
           PlacementError: the placement could not be reserved.
         """
         from orchestrator.driver import recovery
+        from orchestrator.driver.checkpoint import CommitWriteError
 
         try:
             self._start()
@@ -305,15 +306,15 @@ class Attempt:
             return self._finish()
         except recovery.RECOVERABLE as e:
             raise self._failed(e) from e
-        except OSError as e:
+        except CommitWriteError as e:
             failed = self._commit_failed(e)
             if failed is None:
                 raise
             raise failed from e
 
     def _commit_failed(self, e: OSError) -> Optional[AttemptFailed]:
-        """The driver's own checkpoint write (a commit marker) refused by checkpoint.dir: a STORAGE
-        failure (never restarted); None for any other OSError (it ends the run as it is)."""
+        """The driver's commit marker refused by checkpoint.dir with one of `STORAGE_ERRNOS`: a
+        STORAGE failure (never restarted); None for another errno (it ends the run as it is)."""
         from orchestrator.core.recovery import storage_error
 
         found = storage_error(e)
