@@ -303,27 +303,26 @@ class Attempt:
                                            compile_s=max((st.get("compile_s") or 0.0 for st in r.stats), default=0.0))
                     self.recovering = None
                 self.session.take(r)
-            return self._finish()
         except recovery.RECOVERABLE as e:
             raise self._failed(e) from e
         except CommitWriteError as e:
-            failed = self._commit_failed(e)
-            if failed is None:
-                raise
-            raise failed from e
+            raise self._commit_failed(e) from e
+        try:
+            return self._finish()
+        except CommitWriteError as e:
+            raise self._commit_failed(e) from e
 
-    def _commit_failed(self, e: OSError) -> Optional[AttemptFailed]:
-        """The driver's commit marker refused by checkpoint.dir with one of `STORAGE_ERRNOS`: a
-        STORAGE failure (never restarted); None for another errno (it ends the run as it is)."""
-        from orchestrator.core.recovery import storage_error
+    def _commit_failed(self, e: OSError) -> AttemptFailed:
+        """The driver's commit marker not written: a STORAGE failure (never restarted) when
+        checkpoint.dir refused it with one of `STORAGE_ERRNOS`, else an ERROR (the usual rules)."""
+        from orchestrator.core.recovery import ERROR, storage_error
 
         found = storage_error(e)
-        if found is None:
-            return None
         step = len(self.session.record.losses)
         text = f"committing a checkpoint: {type(e).__name__}: {e}"
-        return AttemptFailed(Failure(STORAGE, None, None, step, text, errno=found[0], path=found[1]), {}, e,
-                             steps_done=step, detected_at=time.time())
+        failure = (Failure(STORAGE, None, None, step, text, errno=found[0], path=found[1]) if found
+                   else Failure(ERROR, None, None, step, text))
+        return AttemptFailed(failure, {}, e, steps_done=step, detected_at=time.time())
 
     def _start(self) -> None:
         from orchestrator.driver.checkpoint import remove_probe, write_probe
