@@ -15,7 +15,8 @@ travels with the actor's creation (Ray pickles it) and the actor never asks for 
       geoms: (StageGeom, ...)      every stage's mesh, hosts and layout (the peers' edges)
       tie_stages: ((int, int), ...)                  per tied array: the stages of its two sides
       timeouts: Timeouts
-      transport: TransportSpec     how activations move: "ray" or "socket" (token, TLS files)
+      transport: TransportSpec     how activations move: "ray", "socket" (token, TLS files) or "xla"
+                                   (one JAX world: the transfer order of each program)
       checkpoint: CheckpointSpec | None              where and how often to save, and what to restore
         restore: RestorePlan | None                  the commit to restore, by array name
       compile_cache, pin_cpus, hooks
@@ -40,10 +41,11 @@ from orchestrator.core.data.plan import DataPlan
 from orchestrator.core.edges import StageGeom
 from orchestrator.core.model.policy import DynamicLossScale
 from orchestrator.core.model.spec import ModelSpec
+from orchestrator.core.schedule.transfers import Transfer
 
 __all__ = ["ActorId", "CheckpointSpec", "FAILURE_ATTR", "Hook", "LoaderPosition", "OptimizerEntry",
            "OptimizerSpec", "RestorePlan", "SavedArray", "SavedStage", "StageSpec", "StepFailure", "Timeouts",
-           "TlsFiles", "TransportSpec", "WorkerConfig", "failure_of"]
+           "TlsFiles", "TransferOrder", "TransportSpec", "WorkerConfig", "failure_of"]
 
 
 class ActorId(str):
@@ -94,20 +96,43 @@ class TlsFiles:
 
 
 @dataclass(frozen=True)
-class TransportSpec:
-    """How a stage's activations and gradients reach its neighbours (`cluster.transport`).
+class TransferOrder:
+    """`transport: xla`: the order in which every process of the one JAX world issues a program's
+    stage-to-stage transfers (`orchestrator.core.schedule.transfers.world_order`).
 
     Attributes:
-      kind: "ray" (actor calls, `stages.transport`) or "socket" (`stages.socket_transport`).
+      program: "F" (a training step) or "E" (an eval batch).
+      transfers: every transfer of the program, in the world's order.
+    """
+
+    program: str
+    transfers: tuple[Transfer, ...]
+
+
+@dataclass(frozen=True)
+class TransportSpec:
+    """How a stage's activations and gradients reach its neighbours (`cluster.transport`, "auto"
+    resolved for the platform by the driver).
+
+    Attributes:
+      kind: "ray" (actor calls, `stages.transport`), "socket" (`stages.socket_transport`) or "xla"
+        (XLA's own transfers in one JAX world of every host of the job, `stages.xla_transport`:
+        process index = `WorkerConfig.cluster_host`, world size = the hosts of `WorkerConfig.geoms`).
       token: the run's secret a socket peer must present (a fresh one per attempt).
       same_machine: "socket": same-machine peers over "unix" (+ shared memory) or "tcp".
       tls: "socket": mutual TLS on TCP links, or None.
+      transfers: "xla": the world's transfer order per program (every stage gets the same); else ().
     """
 
     kind: str = "ray"
     token: Optional[bytes] = field(default=None, repr=False)
     same_machine: str = "unix"
     tls: Optional[TlsFiles] = None
+    transfers: tuple[TransferOrder, ...] = ()
+
+    def orders(self) -> dict[str, tuple[Transfer, ...]]:
+        """program -> its transfers, in the world's order."""
+        return {o.program: o.transfers for o in self.transfers}
 
 
 @dataclass(frozen=True)
@@ -324,6 +349,11 @@ class WorkerConfig:
     @property
     def actor(self) -> ActorId:
         return ActorId(self.stage, self.host)
+
+    @property
+    def world_size(self) -> int:
+        """The processes of the job's one JAX world under `transport: xla` (every host of every stage)."""
+        return sum(len(g.hosts) for g in self.geoms)
 
     @property
     def who(self) -> str:
