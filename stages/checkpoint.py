@@ -37,6 +37,7 @@ from orchestrator.core.checkpoint import file_table, opt_name, stage_dir, step_d
 from orchestrator.core.checkpoint import state_name as _state_name
 from orchestrator.core.model.pipeline import key_path
 from orchestrator.core.model.spec import param_name
+from orchestrator.core.recovery import storage_error, storage_words
 
 def _keys(path) -> tuple[str, ...]:
     return tuple(key_path([k]) for k in path)
@@ -229,16 +230,6 @@ def _save_registry(procs: tuple[int, ...] | None = None):
         (jax.Array, th.ArrayHandler(primary_host=primary, use_replica_parallel=across_hosts)))
 
 
-def disk_full(e: BaseException) -> bool:
-    """ENOSPC, as Python raises it or as tensorstore words it (orbax's writes go through tensorstore:
-    `ValueError: RESOURCE_EXHAUSTED: ... No space left on device [os_error_code='28']`)."""
-    while e is not None:
-        if getattr(e, "errno", None) == errno.ENOSPC or "No space left on device" in str(e):
-            return True
-        e = e.__cause__
-    return False
-
-
 class StageCheckpointer:
     """Saves and restores one stage host's state (see the module docstring).
 
@@ -295,7 +286,11 @@ class StageCheckpointer:
                  "rng": {"seed": np.int64(self.seed)}}
         directory = stage_dir(self.root, steps_done, self.stage)
         self._step = steps_done
-        directory.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            directory.parent.mkdir(parents=True, exist_ok=True)
+        except FileExistsError:      # something that is not a directory stands at step_<N>
+            raise NotADirectoryError(errno.ENOTDIR, "not a directory: the checkpoint's step directory cannot be "
+                                     "made", str(directory.parent)) from None
         if self.procs is not None and len(self.procs) > 1:
             saved = _global_leaves(saved, self.mesh)
         with _orbax_world(self.procs):
@@ -337,8 +332,9 @@ class StageCheckpointer:
             self._thread = None
         if self._error is not None:
             e, self._error = self._error, None
-            full = ("no space left on the device of checkpoint.dir = "
-                    f"{self.root} (the last committed checkpoint is kept): " if disk_full(e) else "")
+            storage = storage_error(e)
+            full = (f"checkpoint.dir = {self.root} refused the write ({storage_words(storage[0])}; the last "
+                    "committed checkpoint is kept): " if storage else "")
             raise RuntimeError(f"checkpoint save of step {self._step} failed on stage {self.stage} host "
                                f"{self.host}: {full}{type(e).__name__}: {e}") from e
 

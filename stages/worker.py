@@ -45,7 +45,7 @@ import numpy as np
 from stages.actions import EVAL_HANDLERS, StageContext, StepState, handler_for, program_of
 from stages.data import HostLoader, rows_of
 from stages.mailbox import Mailbox, MailboxClosed
-from stages.checkpoint import disk_full
+from orchestrator.core.recovery import storage_error
 from stages.telemetry import LivePeak
 from orchestrator.core.contract import FAILURE_ATTR, StepFailure, WorkerConfig
 from orchestrator.core.schedule.ir import RECVS
@@ -340,9 +340,11 @@ class StageWorker:
         if self.inbox.closed:
             return         # aborted by a peer (or the transport closed), or failed before: no echo
         text = str(error)[:300]
+        storage = storage_error(error)     # checkpoint.dir refused a write: no restart can help
         failure = StepFailure(self.cfg.stage, self.cfg.host, step,
                               f"{type(error).__name__}: {text.splitlines()[0] if text else ''}".rstrip(),
-                              kind="disk_full" if disk_full(error) else "error")
+                              kind="storage" if storage else "error",
+                              errno=storage[0] if storage else None, path=storage[1] if storage else None)
         setattr(error, FAILURE_ATTR, failure)
         reason = f"{self.cfg.who} failed in step {step}: {type(error).__name__}: {text}"
         self.inbox.close(reason, failure)

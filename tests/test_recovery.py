@@ -253,7 +253,8 @@ def test_a_failure_while_a_node_is_gone_is_that_nodes_loss():
                                      "address": "10.1.2.3"}})
     assert (f.cause, f.stage, f.host, f.step, f.node) == (NODE_LOST, 0, 1, 5, "ab" * 28)
     assert f.text.startswith(f"node {'ab' * 6} (10.1.2.3) is gone (Ray marks it dead), with stage 0 host 1, "
-                             "stage 1 host 0; first error seen: error: stage 0 host 0: RuntimeError: Gloo")
+                             "stage 1 host 0; a consequence, seen first: error: stage 0 host 0: RuntimeError: Gloo")
+    assert f.consequence == "error: stage 0 host 0: RuntimeError: Gloo: Connection reset by peer"
     p = RestartPolicy(2)                   # a node loss is never "the same failure", like a death
     assert p.decide(f, committed=4).restart and p.decide(f, committed=4).restart
     assert "used up" in p.decide(node_loss(Failure(DIED, 1, 0, 5, "x"), {"n": {"labels": [], "why": "w"}}), 4).reason

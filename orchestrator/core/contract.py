@@ -372,8 +372,10 @@ class StepFailure:
       stage, host: the actor whose step failed by itself.
       step: the step it failed in.
       error: the error, one line (`<type>: <message>`), for people.
-      kind: what it was, for the driver's policy: "error" (raised in the step) or "disk_full"
-        (a checkpoint save found no space).
+      kind: what it was, for the driver's policy: "error" (raised in the step) or "storage"
+        (a checkpoint save that `checkpoint.dir` refused: full, read-only, not permitted —
+        `orchestrator.core.recovery.STORAGE_ERRNOS`).
+      errno, path: "storage": the refused write's errno and path (None when not known).
     """
 
     stage: int
@@ -381,6 +383,8 @@ class StepFailure:
     step: int
     error: str
     kind: str = "error"
+    errno: Optional[int] = None
+    path: Optional[str] = None
 
     @property
     def actor(self) -> ActorId:

@@ -24,9 +24,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol
 
-from orchestrator.core.recovery import Decision, Failure, RestartPolicy
+from orchestrator.core.recovery import NODE_LOST, STORAGE, Decision, Failure, RestartPolicy
 
 log = logging.getLogger("meshpipe")
+
+# Causes a run without restarts still reports as a stop (why, what is lost, the command that goes
+# on) rather than as the error first seen: a lost node (the survivors' reset connections are its
+# consequences) and a checkpoint.dir that refuses writes.
+REPORTED = (NODE_LOST, STORAGE)
 
 
 @dataclass(eq=False)       # an exception keeps its identity (hash, ==)
@@ -95,7 +100,7 @@ def run_attempts(start: Callable[[int, Optional[dict]], AttemptLike], first: int
         except AttemptFailed as failed:
             decision = policy.decide(failed.failure, recovery.committed())
             if not decision.restart:
-                if policy.max_restarts == 0:      # no `failure:` section: the error as it was
+                if policy.max_restarts == 0 and failed.failure.cause not in REPORTED:    # the error as it was
                     raise failed.error from failed.error.__cause__
                 raise recovery.stop(failed, decision) from failed.error
             first, recovering = recovery.restart(failed, attempt, policy.restarts)
@@ -219,9 +224,14 @@ class Session:
         """The error that ends the run after `failed`: why, what is lost, the command that continues."""
         from orchestrator.driver import recovery
 
-        return recovery.RecoveryStopped.after(recovery.stop_message(
-            failed.failure, failed.where, decision, self.committed(), failed.steps_done, self.resume_command),
-            failed.error)
+        from orchestrator.core.recovery import storage_stop
+
+        f = failed.failure
+        msg = recovery.stop_message(f, failed.where, decision, self.committed(), failed.steps_done, self.resume_command)
+        if f.cause == STORAGE:      # the directory, the step and the errno first; then what is lost, how to go on
+            msg = f"{storage_stop(f, self.checked.job.checkpoint.dir)}\n{msg}"
+        self.record.extra["failure"] = {**f.fields(), **failed.where}     # summary.json: the typed cause
+        return recovery.RecoveryStopped.after(msg, failed.error)
 
     # -- at the end ----------------------------------------------------------
     def close(self, out, ok: bool) -> None:
@@ -280,6 +290,7 @@ class Attempt:
           PlacementError: the placement could not be reserved.
         """
         from orchestrator.driver import recovery
+        from orchestrator.driver.checkpoint import CommitWriteError
 
         try:
             self._start()
@@ -294,7 +305,24 @@ class Attempt:
                 self.session.take(r)
         except recovery.RECOVERABLE as e:
             raise self._failed(e) from e
-        return self._finish()
+        except CommitWriteError as e:
+            raise self._commit_failed(e) from e
+        try:
+            return self._finish()
+        except CommitWriteError as e:
+            raise self._commit_failed(e) from e
+
+    def _commit_failed(self, e: OSError) -> AttemptFailed:
+        """The driver's commit marker not written: a STORAGE failure (never restarted) when
+        checkpoint.dir refused it with one of `STORAGE_ERRNOS`, else an ERROR (the usual rules)."""
+        from orchestrator.core.recovery import ERROR, storage_error
+
+        found = storage_error(e)
+        step = len(self.session.record.losses)
+        text = f"committing a checkpoint: {type(e).__name__}: {e}"
+        failure = (Failure(STORAGE, None, None, step, text, errno=found[0], path=found[1]) if found
+                   else Failure(ERROR, None, None, step, text))
+        return AttemptFailed(failure, {}, e, steps_done=step, detected_at=time.time())
 
     def _start(self) -> None:
         from orchestrator.driver.checkpoint import remove_probe, write_probe

@@ -22,6 +22,9 @@ meshpipe needs these things Ray has no public API for:
   - `bootstrap_address(address)`: `ray._private.services.canonicalize_bootstrap_address`, the
     address `ray.init` really dials ("auto" resolved, a loopback host rewritten), so that
     `orchestrator.driver.connect` can probe it within a deadline and name it.
+  - `embedded_session()`: `ray._private.worker._global_node`'s session directory and raylet
+    pid, for the reaper that cleans up after a driver killed with its embedded cluster
+    (`orchestrator.driver.reaper`).
   - `compiled_graph_proxy(graph)`: a Compiled Graph's `_proxy_actor`, a helper actor Ray
     starts on the driver's node and frees only when the graph object is garbage collected —
     which the refs a failed step leaves in a traceback can delay by a minute.
@@ -345,6 +348,31 @@ def compiled_graph_proxy(graph):
     if proxy is None:
         log.debug("this Ray's CompiledDAG has no _proxy_actor; leaving its cleanup to Ray")
     return proxy
+
+
+def embedded_session() -> tuple[str, int | None] | None:
+    """(session directory, raylet pid) of the cluster this process started (`ray.init` without an
+    address): `ray._private.worker._global_node`'s `get_session_dir_path()` and its raylet's
+    process record; None when this Ray has neither (then no reaper watches the cluster:
+    `orchestrator.driver.reaper`)."""
+    node = getattr(_internal_module("ray._private.worker"), "_global_node", None)
+    try:
+        session = node.get_session_dir_path()
+        procs = node.all_processes.get("raylet") or []
+        raylet = procs[0].process.pid if procs and getattr(procs[0], "process", None) is not None else None
+        return str(session), raylet
+    except Exception as e:  # noqa: BLE001 - an aid: the next run's sweep still cleans the semaphores
+        log.debug("this Ray does not say its session directory or raylet pid: %s", e)
+        return None
+
+
+def _internal_module(module: str):
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        return None
 
 
 # -- what actually listens -------------------------------------------------------

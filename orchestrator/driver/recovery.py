@@ -36,7 +36,7 @@ import time
 from typing import Optional
 
 from orchestrator.core.contract import ActorId, failure_of
-from orchestrator.core.recovery import DIED, ERROR, HANG, Decision, Failure, actor_of
+from orchestrator.core.recovery import DIED, ERROR, HANG, STORAGE, Decision, Failure, actor_of
 from orchestrator.driver.waiting import ProgressTimeout, StageFailure, stage_failure
 
 log = logging.getLogger("meshpipe")
@@ -75,6 +75,8 @@ def classify(e: BaseException, next_step: int, hung: Optional[list[str]] = None)
         stage, host = actor_of(e.label)
         return Failure(DIED, stage, host, next_step, short)
     found = getattr(e, "origin", None) or failure_of(e)
+    if found is not None and found.kind == "storage":     # checkpoint.dir refused the write
+        return Failure(STORAGE, found.stage, found.host, found.step, found.error, errno=found.errno, path=found.path)
     if found is not None:     # where the step failed first (a survivor told to abort: its peer)
         return Failure(ERROR, found.stage, found.host, found.step, found.error)
     stage, host = actor_of(getattr(e, "label", None))

@@ -149,7 +149,18 @@ def _run_pipeline(checked, plan, record: RunRecord, out: Path, echo, hooks: Sequ
     from orchestrator.driver.quiet import filter_worker_logs
 
     job = checked.job
+    _sweep(echo)
     started = placement.connect(checked.cluster, namespace=f"meshpipe-{job.run.name}")
+    reaper = None
+    try:
+        _refuse_compiled_graph_restarts(checked)
+        reaper = _reaper(out) if started else None      # cleans up after this driver, however it ends
+    except BaseException:
+        if started:
+            import ray
+
+            ray.shutdown()
+        raise
     reinstall()            # ray.init put absl's signal handler in place of ours (stack dump, abort)
     filter_worker_logs()
     session = Session(checked, plan, record, ckpt, resume_command, echo)
@@ -180,6 +191,51 @@ def _run_pipeline(checked, plan, record: RunRecord, out: Path, echo, hooks: Sequ
             import ray
 
             ray.shutdown()
+        if reaper is not None:
+            reaper.close()
+
+
+def _sweep(echo) -> None:
+    """Remove the Compiled Graph channel semaphores earlier drivers' dead clusters left in /dev/shm
+    (`orchestrator.driver.reaper.sweep_semaphores`), saying so."""
+    from orchestrator.driver.reaper import SHM, semaphore_owner, sweep_semaphores
+
+    try:
+        removed = sweep_semaphores()
+    except Exception as e:  # noqa: BLE001 - a cleanup of others' leftovers never stops a run
+        log.debug("sweeping %s: %s", SHM, e)
+        return
+    if removed:
+        owners = ", ".join(str(p) for p in sorted({semaphore_owner(n) for n in removed}))
+        echo(f"removed {len(removed)} Ray Compiled Graph channel semaphores from {SHM}, left by raylets that are "
+             f"gone (pids {owners}) and mapped by no process")
+
+
+def _reaper(out):
+    """A `orchestrator.driver.reaper.Reaper` for the Ray this driver started (None when it cannot)."""
+    from orchestrator.driver.reaper import Reaper
+
+    try:
+        return Reaper.start(str(out / "leftovers.txt"))
+    except Exception as e:  # noqa: BLE001 - an aid: the next run's sweep still finds the semaphores
+        log.warning("no reaper for the embedded Ray (what it leaves if this driver is killed stays): %s", e)
+        return None
+
+
+def _refuse_compiled_graph_restarts(checked) -> None:
+    """`compiled_graph` with restarts on a multi-node cluster: a ConfigError before anything starts
+    (`orchestrator.core.recovery.compiled_graph_restarts` says why)."""
+    import ray
+
+    from orchestrator.core.config.errors import ConfigError
+    from orchestrator.core.recovery import compiled_graph_restarts
+
+    if checked.cluster.executor != "compiled_graph" or checked.job.failure.max_restarts == 0:
+        return
+    why = compiled_graph_restarts(checked.cluster.executor, checked.job.failure.max_restarts,
+                                  sum(1 for n in ray.nodes() if n.get("Alive")))
+    if why is not None:
+        raise ConfigError(why)
 
 
 def _ray_info(run: str, echo) -> dict:
