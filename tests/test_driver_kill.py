@@ -3,7 +3,7 @@
 
 The real run: `meshpipe run` in its own process with an embedded Ray and a Compiled Graph. Once
 a step is recorded the driver is SIGKILLed; then within a deadline no process holds a file of its
-Ray session (the agents Ray re-parents to init lived on before: `docs/drafts/decisions-faults.md`)
+Ray session (the agents Ray re-parents to init lived on before: `docs/decisions.md`)
 and no channel semaphore of its raylet is left in /dev/shm.
 """
 from __future__ import annotations

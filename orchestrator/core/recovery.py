@@ -188,7 +188,7 @@ def storage_stop(f: Failure, directory: str) -> str:
 def compiled_graph_restarts(executor: str, max_restarts: int, nodes: int) -> Optional[str]:
     """Why `cluster.executor: compiled_graph` with restarts is refused on a cluster of `nodes` alive
     nodes (None: allowed). A node lost under a Ray Compiled Graph crashed the head's raylet on a
-    Ray-internal check while the driver tore the graph down (2 of 2 tries, `docs/drafts/faults.md`):
+    Ray-internal check while the driver tore the graph down (2 of 2 tries, `docs/guides/recovery.md`):
     a restart cannot be offered there. One node: a lost actor is a process, which recovers.
 
     >>> compiled_graph_restarts("step_calls", 3, 4) is None, compiled_graph_restarts("compiled_graph", 3, 1) is None
