@@ -47,6 +47,8 @@ class StepState:
       losses: the last stage's loss per microbatch.
       loss_scale, skipped: under loss scaling, the scale this step used and whether its update
         was skipped (a non-finite gradient on some stage); None otherwise.
+      health: (this stage's squared gradient norm, its non-finite parameters after the update, None
+        when the update was skipped) once OPT ran (`orchestrator.core.health`); None before.
       spans: (action text, start, end) of each executed action.
       stash: bytes per device of what is kept between actions.
     """
@@ -60,6 +62,7 @@ class StepState:
         self.fused: dict = {}
         self.losses: dict[int, Any] = {}
         self.loss_scale, self.skipped = None, None
+        self.health = None
         self.spans: list = []
         self.stash = Stash(on_peak, sizes)
 
@@ -325,7 +328,13 @@ def optimizer_step(w, st: StepState, a) -> None:
     stage clips with the whole model's norm before any stage updates. Under loss scaling the
     gradients are unscaled first and the stages sum their non-finite counts (tag "FINITE"):
     when any is non-zero every stage skips its update and all move the scale the same way
-    (`orchestrator.core.model.policy.DynamicLossScale`)."""
+    (`orchestrator.core.model.policy.DynamicLossScale`).
+
+    Training health (`orchestrator.core.health`): each update also returns the stage's squared
+    gradient norm and its count of non-finite parameters (`st.health`, read once the update is
+    done). Under `failure.on_nonfinite: skip` the stages exchange their squared norms (the clipping
+    exchange, made NaN by a non-finite loss on the last stage) before any update, and a non-finite
+    sum drops the step's update on every stage."""
     import jax
 
     if w.scale_state is not None:
@@ -347,15 +356,34 @@ def optimizer_step(w, st: StepState, a) -> None:
 
         sum_tied(w.grads, w.progs, ties, exchange=lambda t, mine: w.exchange_tie(st.step, t, mine, st.timeout))
     gnorm = np.float32(0.0)
-    if w.progs[0].clip is not None:
+    skip = w.cfg.on_nonfinite == "skip"
+    if w.progs[0].clip is not None or skip:
         from stages.ties import for_norm
 
         normed = for_norm(w.grads, w.progs, ties) if ties else w.grads     # a tied array counts once
         local = sum(float(p.sq_norm(g)) for p, g in zip(w.progs, normed))
-        gnorm = np.float32(np.sqrt(w.sum_over_stages(st.step, local, st.timeout)))
+        if skip:       # training health's skip: one global decision before any stage updates
+            mine = local
+            if st.losses and not all(np.isfinite(float(x)) for x in st.losses.values()):
+                local = float("nan")      # a non-finite loss makes the sum, so every stage's decision, NaN
+            total = w.sum_over_stages(st.step, local, st.timeout)
+            if not np.isfinite(total):
+                st.health = (mine, None)      # (squared gradient norm, non-finite parameters: not updated)
+                w.grads = [p.zero_grads(g) for p, g in zip(w.progs, w.grads)]
+                jax.block_until_ready(w.grads)
+                return
+        else:
+            total = w.sum_over_stages(st.step, local, st.timeout)
+        gnorm = np.float32(np.sqrt(total))
+    health = []
     for i, p in enumerate(w.progs):
-        w.params[i], w.opt_state[i], w.grads[i] = p.update(w.params[i], w.opt_state[i], w.grads[i], gnorm)
+        w.params[i], w.opt_state[i], w.grads[i], h = p.update_checked(w.params[i], w.opt_state[i], w.grads[i],
+                                                                      gnorm)
+        health.append(h)
     jax.block_until_ready(w.params)
+    # the programs have finished (above): reading their health scalars adds no synchronisation
+    got = np.sum([np.asarray(h) for h in health], axis=0)
+    st.health = (float(got[0]), float(got[1]))
 
 
 Handler = Callable[[Any, StepState, Any], None]

@@ -87,6 +87,7 @@ class WorkerConfig:
     loss_scale: dict | None = None  # DynamicLossScale fields (orchestrator.core.model.policy); None: off
     compile_cache: str | None = None   # JAX persistent compilation cache directory (recovery.compile_cache_dir)
     tie_stages: tuple = ()          # per spec.ties entry: (stage of its earlier side, of its later side)
+    on_nonfinite: str = "stop"      # failure.on_nonfinite: "skip" decides globally before the update
 
     @property
     def layer_chunks(self) -> tuple[tuple[int, int], ...]:
@@ -538,6 +539,8 @@ class StageWorker:
             out["losses"] = [float(st.losses[i]) for i in range(cfg.microbatches)]
         if st.loss_scale is not None:
             out["stats"].update(loss_scale=float(st.loss_scale), skipped=bool(st.skipped))
+        if st.health is not None:       # training health (orchestrator.core.health): the driver judges
+            out["stats"]["health"] = list(st.health)
         if self.ckpt is not None:       # between steps: the state after this step's OPT
             if self.ckpt.due(st.step + 1):
                 out["stats"]["checkpoint_blocking_s"] = self.ckpt.save(st.step + 1, self)

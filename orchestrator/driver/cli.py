@@ -230,6 +230,7 @@ def run(job, cluster, overrides, reference, address, overwrite, resume):
         sys.exit(2)
     from orchestrator.core.private_fs import DiskFullError
     from orchestrator.driver.interrupt import stop_on_signals, stopped_message
+    from orchestrator.core.health import HealthStop
     from orchestrator.driver.placement import PlacementError
     from orchestrator.driver.waiting import StageFailure
 
@@ -240,7 +241,7 @@ def run(job, cluster, overrides, reference, address, overwrite, resume):
         except CheckpointError as e:     # raised before anything started
             click.echo(f"meshpipe: checkpoint: {e}", err=True)
             sys.exit(2)
-        except (PlacementError, StageFailure, TimeoutError, DiskFullError) as e:
+        except (PlacementError, StageFailure, TimeoutError, DiskFullError, HealthStop) as e:
             # the run was torn down already (runner's finally); say what failed, without a driver traceback
             click.echo(f"meshpipe: run failed: {e}", err=True)
             sys.exit(1)

@@ -123,7 +123,8 @@ class PipelineExecutor:
             eval_every=job.run.eval_every, total_steps=job.run.steps, checkpoint=self.checkpoint,
             compile_cache=compile_cache_dir(job),
             loss_scale=None if job.precision.scaling() is None else job.precision.scaling().to_dict(),
-            tie_stages=tie_stages(self.checked.model.ties, [s.chunks for s in self.checked.stages]))
+            tie_stages=tie_stages(self.checked.model.ties, [s.chunks for s in self.checked.stages]),
+            on_nonfinite=job.failure.on_nonfinite)
 
     def start(self) -> None:
         import ray

@@ -73,6 +73,8 @@ def step_line(rec: dict, samples: int) -> str:
             f"{samples / rec['step_time_s']:9.1f} samples/s")
     if rec.get("eval_loss") is not None:
         line += f"  eval loss {rec['eval_loss']:.5f}"
+    if rec.get("health"):
+        line += f"  [{rec['health']}]"
     return line
 
 
@@ -229,6 +231,7 @@ def _run_pipeline(checked, plan, source, on_step, out: Path, echo, extra: dict, 
     Attempts run in a loop while `failure.max_restarts` allows (module docstring). On
     Ctrl-C/SIGTERM the actors are told to abandon their step before they are shut down."""
     from orchestrator.core.backends import PlacementError
+    from orchestrator.core.health import HealthMonitor, HealthRule, skip_data
     from orchestrator.core.recovery import Decision, ProgressDeadline, RestartPolicy, failed_step, node_loss
     from orchestrator.driver import placement, recovery
     from orchestrator.driver.checkpoint import Committer, prepare, remove_probe, write_probe
@@ -255,6 +258,10 @@ def _run_pipeline(checked, plan, source, on_step, out: Path, echo, extra: dict, 
     deadline = ProgressDeadline(checked.cluster.timeouts.step_s)     # shared by the attempts
     recoveries: list[dict] = []
     extra.update(restarts=0, recoveries=recoveries)
+    monitor = HealthMonitor(HealthRule.from_job(job))     # training health (orchestrator.core.health)
+    extra["health"] = {"on_nonfinite": job.failure.on_nonfinite, "skipped_steps": [],
+                       "events": [], "divergence": None if job.failure.divergence is None
+                       else job.failure.divergence.model_dump()}
     hung: list[str] = []       # after a timeout: the actors that did not answer a heartbeat (killed first)
     gone: set[str] = set()     # ids of nodes lost during the run (a restart's placement avoids them)
     wait_s = job.failure.placement_timeout_s or checked.cluster.timeouts.init_s   # a restart's placement
@@ -295,12 +302,16 @@ def _run_pipeline(checked, plan, source, on_step, out: Path, echo, extra: dict, 
                                            for s in r.stats if "affinity" in s]
                     if metrics is not None:
                         metrics.record(st, eval_loss=r.eval_loss)
+                    event = _health(monitor, r, extra["health"], echo)
                     on_step({"step": r.step, "loss": r.loss, "step_time_s": r.wall_s, "eval_loss": r.eval_loss,
                              "span_s": st.span_s, "measured_bubble": st.measured_bubble,
-                             **_scaling(r.step, r.stats)})
+                             **_scaling(r.step, r.stats),
+                             **({"health": f"{event.action}: {event.kind}"} if event else {})})
+                    healthy = event is None or event.action == "skip"     # else only saves from before it commit
                     if committer is not None:     # after on_step: the marker records the losses so far
-                        for done in committer.add(r.checkpoints):
+                        for done in committer.add([c for c in r.checkpoints if healthy or c["step"] <= r.step]):
                             log.info("checkpoint step %d committed", done)
+                    _act_on_health(event)     # stop, or roll back to the newest commit from before this step
                 break
             except PlacementError as e:
                 if last is None:
@@ -341,6 +352,12 @@ def _run_pipeline(checked, plan, source, on_step, out: Path, echo, extra: dict, 
                                        checked.cluster.timeouts.shutdown_s)
                 teardown_s = time.perf_counter() - t1
                 ckpt = prepare(checked, "latest")    # as --resume: checks, removes uncommitted saves
+                event = getattr(e, "health_event", None)
+                if event is not None:     # a health rollback: skip the data from the commit through the bad step
+                    restore = ckpt.worker["restore"]
+                    restore["data"] = skip_data(restore["data"], ckpt.start, event.step)
+                monitor.rollback(ckpt.start)     # the losses and skips from the commit on run again
+                extra["health"]["skipped_steps"] = [s for s in extra["health"]["skipped_steps"] if s < ckpt.start]
                 rec = recovery.record(failure, where, ckpt.start, detected_at, waited)
                 rec.update(restart=policy.restarts, teardown_s=teardown_s, teardown_graceful_s=torn["graceful_s"],
                            teardown_stuck=torn["stuck"],
@@ -387,6 +404,40 @@ def _run_pipeline(checked, plan, source, on_step, out: Path, echo, extra: dict, 
 
             ray.shutdown()
     return norms, arrays
+
+
+def _health(monitor, r, record: dict, echo):
+    """Training health of step result `r` (`orchestrator.core.health`): the event, if any, recorded
+    in summary.json's `health` (every event; skipped steps listed) and said on the log."""
+    last = max(s["stage"] for s in r.stats)
+    by_stage = {s["stage"]: s["health"] for s in r.stats if s.get("health") is not None and s["host"] == 0}
+    grad_sq = [by_stage.get(i, (None, None))[0] for i in range(last + 1)]
+    params_bad = [by_stage.get(i, (None, None))[1] for i in range(last + 1)]
+    event = monitor.observe(r.step, r.loss, grad_sq, params_bad)
+    if event is None:
+        return None
+    record["events"].append(event.as_record())
+    if event.action == "skip":
+        record["skipped_steps"].append(event.step)
+    msg = f"training health: {event.why}: {event.action}"
+    log.warning("%s", msg)
+    echo(msg)
+    return event
+
+
+def _act_on_health(event) -> None:
+    """Stop (`HealthStop`: the run fails naming step, stage and kind) or roll back (a recoverable
+    StageFailure carrying the event: the restart path restores the last commit, `skip_data`)."""
+    from orchestrator.core.health import HealthStop
+    from orchestrator.driver.waiting import StageFailure
+
+    if event is None or event.action == "skip":
+        return
+    if event.action == "stop":
+        raise HealthStop(event)
+    e = StageFailure(f"training health: {event.why}: rolling back", label=f"stage {event.stage} host 0")
+    e.health_event = event
+    raise e
 
 
 def _scaling(step: int, stats: list) -> dict:
