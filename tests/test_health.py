@@ -127,7 +127,7 @@ def poison_value(tmp_path) -> float:
     gradient on stage 0 goes NaN, no other step's does (checked over every batch the tests read)."""
     from stages.data import global_batch, open_reader
 
-    checked = checked_of(poison_job(tmp_path, "probe", 0.0, **{"divergence": None}))
+    checked = checked_of(poison_job(tmp_path, "probe", 0.0))
     reader = open_reader(checked.data)
     firsts = [global_batch(reader, checked.data, b)[0][:, 0] for b in range(20)]
     v = float(firsts[BAD_STEP][0])

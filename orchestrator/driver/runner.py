@@ -334,6 +334,9 @@ def _run_pipeline(checked, plan, source, on_step, out: Path, echo, extra: dict, 
                 if job.failure.max_restarts > 0:    # the step it failed in: the actors still answering
                     finished = ex.finished_steps(hung)   # say which steps they finished (a heartbeat, ≤ 2 s)
                     failure = dataclasses.replace(failure, step=failed_step(failure.step, finished))
+                event = getattr(e, "health_event", None)     # a health rollback names its step exactly
+                if event is not None:
+                    failure = dataclasses.replace(failure, step=event.step)
                 steps_done = max(len(losses), failure.step)     # finished before the failure, results or not
                 where = ex.node_of(failure.stage, failure.host)
                 recv_deadlines = {lbl: h.get("recv_s") for lbl, h in ex.heartbeats.items()}   # as the actors said
@@ -352,7 +355,6 @@ def _run_pipeline(checked, plan, source, on_step, out: Path, echo, extra: dict, 
                                        checked.cluster.timeouts.shutdown_s)
                 teardown_s = time.perf_counter() - t1
                 ckpt = prepare(checked, "latest")    # as --resume: checks, removes uncommitted saves
-                event = getattr(e, "health_event", None)
                 if event is not None:     # a health rollback: skip the data from the commit through the bad step
                     restore = ckpt.worker["restore"]
                     restore["data"] = skip_data(restore["data"], ckpt.start, event.step)
