@@ -14,6 +14,11 @@ them, in three variants:
            back before the update (`sq_norm`, a host synchronisation; the cross-stage exchange
            of that scalar is not in it).
 
+Then the update alone (`opt_pairs`): `update` against `update_checked` and its read, alternated,
+many pairs — the added device work isolated from the forwards and backwards, whose noise on a
+shared machine is far larger than 1 %; `added_fraction_of_step` = its median added seconds ÷ the
+median plain step.
+
 Pairs alternate the order (plain, checked, checked, plain, …; `benchmarks.paired.block_order`),
 each pair's ratio checked ÷ plain (and skip ÷ plain) is one sample, and the verdict against
 1.01 comes from the order-statistic interval of the median ratio (`benchmarks.paired.verdict`).
@@ -92,7 +97,38 @@ def step_fn(prog, state: list, mbs: list, variant: str, step: list):
     return run
 
 
-def measure(m: int, pairs: int, warm: int = 3) -> dict:
+def opt_pairs(prog, state: list, pairs: int) -> dict:
+    """The update alone, `update` against `update_checked` + its scalar read, in alternated pairs:
+    the device work the check adds, isolated from the forwards and backwards (whose noise on a
+    shared machine dwarfs it). Seconds per program, and each pair's difference."""
+    import jax
+    import numpy as np
+
+    def plain():
+        state[:] = prog.update(*state, np.float32(0.0))
+        jax.block_until_ready(state[0])
+
+    def checked():
+        *new, h = prog.update_checked(*state, np.float32(0.0))
+        state[:] = new
+        jax.block_until_ready(state[0])
+        np.asarray(h)
+
+    fns = {"plain": plain, "checked": checked}
+    for fn in fns.values():
+        fn(), fn()
+    times: dict[str, list[float]] = {"plain": [], "checked": []}
+    for i in range(pairs):
+        for v in block_order(i, ("plain", "checked")):
+            t0 = time.perf_counter()
+            fns[v]()
+            times[v].append(time.perf_counter() - t0)
+    diffs = [c - p for c, p in zip(times["checked"], times["plain"])]
+    return {"pairs": pairs, "median_s": {v: median(ts) for v, ts in times.items()},
+            "median_added_s": median(diffs), "added_s": diffs}
+
+
+def measure(m: int, pairs: int, warm: int = 3, opt: int = 60) -> dict:
     from stages.telemetry import conditions
 
     size = SIZES["large"]
@@ -113,7 +149,9 @@ def measure(m: int, pairs: int, warm: int = 3) -> dict:
             times[v].append(got[v])
         for v in ratios:
             ratios[v].append(got[v] / got["plain"])
-    return {"size": size.describe(), "m": m, "pairs": pairs, "times_s": times,
+    alone = opt_pairs(prog, state, opt)
+    return {"size": size.describe(), "m": m, "pairs": pairs, "times_s": times, "opt_alone": alone,
+            "added_fraction_of_step": alone["median_added_s"] / median(times["plain"]),
             "median_step_s": {v: median(ts) for v, ts in times.items()},
             "observed": conditions(), "ratios": ratios}
 
@@ -136,7 +174,11 @@ def main(argv=None) -> dict:
             raise SystemExit(f"{name} ÷ plain: the median ratio's interval [{ci['lo']:.3f}, {ci['hi']:.3f}] lies "
                              "below 0.99: more work cannot make a step faster; the machine's speed drifted, so "
                              "this run measures nothing")
-    line = (f"large step (m={args.m}) median {rec['median_step_s']['plain'] * 1e3:.1f} ms; checked ÷ plain: "
+    opt = rec["opt_alone"]
+    line = (f"update alone: {opt['median_s']['plain'] * 1e3:.2f} ms, checked {opt['median_s']['checked'] * 1e3:.2f} ms, "
+            f"median added {opt['median_added_s'] * 1e3:.3f} ms = {rec['added_fraction_of_step'] * 100:.2f} % of the "
+            f"step; "
+            f"large step (m={args.m}) median {rec['median_step_s']['plain'] * 1e3:.1f} ms; checked ÷ plain: "
             f"median {rec['verdict']['per']['checked']['median']:.4f} ({rec['verdict']['overall']} ≤ {args.target}); "
             f"skip ÷ plain: median {rec['skip_verdict']['per']['skip']['median']:.4f}; "
             f"affinity {rec['observed']['affinity']}, load {info['load_start']} → {rec['machine']['load_end']}")
