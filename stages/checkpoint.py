@@ -22,6 +22,7 @@ Basic flow (the worker calls it; `orchestrator.core.checkpoint` is the on-disk l
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import threading
 import time
@@ -108,7 +109,87 @@ def _all_named(worker):
     return out
 
 
-def _save_registry():
+def processes(cfg) -> tuple[int, ...] | None:
+    """The JAX processes a stage's saves and restores involve when the job is ONE world
+    (`transport: xla`: the stage's cluster hosts), else None: the stage's own world is all of them."""
+    return tuple(cfg.hosts) if cfg.transport == "xla" else None
+
+
+@contextlib.contextmanager
+def _orbax_world(procs: tuple[int, ...] | None):
+    """While a one-host stage of a job-wide world (`transport: xla`) saves or restores: orbax sees a
+    one-process world. Orbax's rules are a process-0-writes, all-processes-sync world's: it refuses a
+    fully addressable jax.Array when jax has several processes ("host local") and writes numpy and
+    scalar leaves only on process 0 — both wrong for a stage that is one process of many. jax's
+    own code never reads the public `jax.process_index`/`jax.process_count` it swaps (it calls
+    `xla_bridge`), and the step thread is the only one at work meanwhile (the transfers of the
+    step are flushed; a save is synchronous in this mode). A multi-host stage keeps the real
+    world, with orbax scoped to its processes (`_multiprocessing`) and no host leaves
+    (`_global_leaves`)."""
+    if procs is None or len(procs) != 1:
+        yield
+        return
+    import jax
+
+    real = jax.process_index, jax.process_count
+    jax.process_index, jax.process_count = (lambda backend=None: 0), (lambda backend=None: 1)
+    try:
+        yield
+    finally:
+        jax.process_index, jax.process_count = real
+
+
+def _global_leaves(state: dict, mesh) -> dict:
+    """A multi-host stage's save tree with its numpy / scalar leaves as jax.Arrays replicated over the
+    stage's mesh (orbax writes host leaves only on process 0 of the world; these it writes with the
+    stage's own primary process)."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    replicated = NamedSharding(mesh, PartitionSpec())
+
+    def lift(leaf):
+        if isinstance(leaf, (np.ndarray, np.generic)):
+            host = np.asarray(leaf)
+            return jax.make_array_from_callback(host.shape, replicated, lambda idx: host[idx])
+        return leaf
+
+    return jax.tree.map(lift, state)
+
+
+def _own_signal_keys(procs: tuple[int, ...] | None) -> None:
+    """Inside a job-wide world every stage's orbax shares the coordination service's key-value store,
+    and orbax names its save signals `awaitable_signals_contract_<operation id>/...` — the same names
+    in every stage, which each stage's saves also delete: stage 1's step-directory signal wiped stage
+    0's and a 2-host stage's save waited 300 s for it (measured). Each stage's processes get their own
+    key prefix (a class attribute of orbax's, in this process only: it holds one stage)."""
+    if procs is None:
+        return
+    from orbax.checkpoint._src.futures import future
+
+    future.AwaitableSignalsContract.awaitable_signals_contract_prefix = (
+        f"meshpipe-stage-of-{procs[0]}/awaitable_signals_contract")
+
+
+def _multiprocessing(procs: tuple[int, ...] | None):
+    """Orbax's options for a stage inside a bigger world: its own processes, its first as primary,
+    its own barrier names (stage saves run at the same time under different directories)."""
+    from orbax.checkpoint.options import MultiprocessingOptions
+
+    if procs is None or len(procs) == 1:      # the stage's own world, or a one-process view (`_orbax_world`)
+        return MultiprocessingOptions()
+    return MultiprocessingOptions(primary_host=procs[0], active_processes=set(procs),
+                                  barrier_sync_key_prefix=f"meshpipe-stage-of-{procs[0]}")
+
+
+def _handler(procs: tuple[int, ...] | None, registry=None):
+    import orbax.checkpoint as ocp
+
+    kwargs = {} if registry is None else {"type_handler_registry": registry}
+    return ocp.PyTreeCheckpointHandler(multiprocessing_options=_multiprocessing(procs), **kwargs)
+
+
+def _save_registry(procs: tuple[int, ...] | None = None):
     """Orbax's standard handlers for what a stage saves; replica-parallel saving only across hosts.
 
     Orbax can split a shard replicated over R devices into R slices, one written by each replica
@@ -122,10 +203,12 @@ def _save_registry():
     import jax
     from orbax.checkpoint import type_handlers as th
 
-    across_hosts = jax.process_count() > 1
+    across_hosts = jax.process_count() > 1 if procs is None else len(procs) > 1
+    primary = 0 if procs is None or len(procs) == 1 else procs[0]
     return th.create_type_handler_registry(
         (int, th.ScalarHandler()), (float, th.ScalarHandler()), (np.number, th.ScalarHandler()),
-        (np.ndarray, th.NumpyHandler()), (jax.Array, th.ArrayHandler(use_replica_parallel=across_hosts)))
+        (np.ndarray, th.NumpyHandler()),
+        (jax.Array, th.ArrayHandler(primary_host=primary, use_replica_parallel=across_hosts)))
 
 
 def _disk_full(e: BaseException) -> bool:
@@ -147,15 +230,22 @@ class StageCheckpointer:
       asynchronous: False waits for each save to finish before the step loop goes on.
       stage, host: who this is (host 0 lists the files).
       timeout: bound on waiting for a previous save.
+      procs: the stage's JAX processes inside a job-wide world (`processes`); None: its own world.
     """
 
     def __init__(self, root: str, every: int, total: int, asynchronous: bool, stage: int, host: int,
-                 timeout: float = 600.0):
-        import orbax.checkpoint as ocp
+                 timeout: float = 600.0, procs: tuple[int, ...] | None = None):
+        from orchestrator.core.extras import require
+
+        ocp = require("orbax.checkpoint", "checkpoint:")     # a node without it: the error names the extra
 
         self.root, self.every, self.total = Path(root), every, total
         self.asynchronous, self.stage, self.host, self.timeout = asynchronous, stage, host, timeout
-        self._ckptr = ocp.AsyncCheckpointer(ocp.PyTreeCheckpointHandler(type_handler_registry=_save_registry()))
+        _own_signal_keys(procs)
+        with _orbax_world(procs):
+            self._ckptr = ocp.AsyncCheckpointer(_handler(procs, _save_registry(procs)),
+                                                multiprocessing_options=_multiprocessing(procs))
+        self.procs = procs
         self._thread: threading.Thread | None = None
         self._done: list[dict] = []
         self._error: BaseException | None = None
@@ -190,7 +280,12 @@ class StageCheckpointer:
         directory = stage_dir(self.root, steps_done, self.stage)
         self._step = steps_done
         directory.parent.mkdir(parents=True, exist_ok=True)
-        self._ckptr.save(directory, args=ocp.args.PyTreeSave(state))
+        if self.procs is not None and len(self.procs) > 1:
+            state = _global_leaves(state, worker.mesh)
+        with _orbax_world(self.procs):
+            self._ckptr.save(directory, args=ocp.args.PyTreeSave(state))
+            if self.procs is not None and len(self.procs) == 1:
+                self._ckptr.wait_until_finished()        # the one-process view must not outlive this call
         blocking = self.last_blocking_s = time.perf_counter() - t0
         meta = {name: {"shape": list(leaf.shape), "dtype": str(leaf.dtype), "key": key}
                 for key, (name, leaf) in ((k, (names[k], tree[k])) for k in tree)}
@@ -248,7 +343,8 @@ class StageCheckpointer:
         try:
             self._wait_previous()
         finally:
-            self._ckptr.close()
+            with _orbax_world(self.procs):
+                self._ckptr.close()
 
 
 def restore(worker, plan: dict) -> None:
@@ -285,7 +381,10 @@ def restore(worker, plan: dict) -> None:
             i, key = where[name]
             want.setdefault(i, {})[key] = (name, target(leaf))
     got: dict[str, Any] = {}
-    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as ckptr:
+    procs = processes(worker.cfg)
+    _own_signal_keys(procs)
+    with _orbax_world(procs), ocp.Checkpointer(_handler(procs), multiprocessing_options=_multiprocessing(procs)) \
+            as ckptr:
         for i, targets in sorted(want.items()):
             item = {"arrays": {k: s for k, (_, s) in targets.items()}}
             args = {"arrays": {k: ocp.ArrayRestoreArgs(sharding=s.sharding) for k, (_, s) in targets.items()}}
@@ -321,6 +420,8 @@ def _restore_scale(worker, plan: dict, where: dict) -> tuple[float, int]:
     item = {"arrays": {keys[0]: np.zeros((), np.float64), keys[1]: np.zeros((), np.int64)}}
     args = {"arrays": {k: ocp.RestoreArgs(restore_type=np.ndarray) for k in keys}}
     directory = step_dir(plan["root"], plan["step"]) / plan["stages"][i]["path"]
-    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as ckptr:
+    procs = processes(worker.cfg)
+    with _orbax_world(procs), ocp.Checkpointer(_handler(procs), multiprocessing_options=_multiprocessing(procs)) \
+            as ckptr:
         out = ckptr.restore(directory, args=ocp.args.PyTreeRestore(item, restore_args=args, partial_restore=True))
     return float(out["arrays"][keys[0]]), int(out["arrays"][keys[1]])

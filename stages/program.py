@@ -456,10 +456,18 @@ class StageProgram:
         return params
 
     def init_state(self, params):
-        opt_state = jax.jit(self.tx.init)(params)
+        """The optimizer state and zeroed gradient accumulators of `params`, laid out on the stage
+        mesh as the parameters are: each per-parameter leaf of the optimizer state (Adam's moments)
+        with its parameter's sharding, the rest (step counts, schedule state) replicated. Left to
+        itself, `jax.jit(tx.init)` puts the whole state on one device."""
         zero = (lambda p: jax.tree.map(jnp.zeros_like, p))
-        zeros = (jax.jit(zero) if self.mesh is None else jax.jit(zero, out_shardings=self.param_shardings()))(params)
-        return opt_state, zeros
+        if self.mesh is None:
+            return jax.jit(self.tx.init)(params), jax.jit(zero)(params)
+        psh = self.param_shardings()
+        replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+        state_sh = optax.tree_map_params(self.tx, lambda _, sh: sh, jax.eval_shape(self.tx.init, params), psh,
+                                         transform_non_params=lambda _: replicated)
+        return jax.jit(self.tx.init, out_shardings=state_sh)(params), jax.jit(zero, out_shardings=psh)(params)
 
 
 def _merge(diff: list, rest: list, diff_index: tuple, n: int) -> list:

@@ -74,7 +74,7 @@ class WorkerConfig:
     chunks: tuple[tuple[int, int], ...] = ()   # layer range per virtual chunk; () means (layers,)
     pin_cpus: bool = False          # pin this process to core (cluster_host mod cores) before jax loads
     hooks: tuple = ()               # stages.hooks.WorkerHook objects, called at setup and each step's start
-    transport: str = "ray"          # "ray" (actor calls) or "socket" (stages.socket_transport)
+    transport: str = "ray"          # "ray" (actor calls), "socket" (stages.socket_transport) or "xla" (one JAX world)
     transport_token: bytes | None = field(default=None, repr=False)   # per-run secret for "socket"
     transport_same_machine: str = "unix"   # "socket": same-machine peers over "unix" (+ shared memory) or "tcp"
     transport_tls: dict | None = None      # "socket": {cert_file, key_file, ca_file} paths on this node, or None
@@ -87,6 +87,9 @@ class WorkerConfig:
     loss_scale: dict | None = None  # DynamicLossScale fields (orchestrator.core.model.policy); None: off
     compile_cache: str | None = None   # JAX persistent compilation cache directory (recovery.compile_cache_dir)
     tie_stages: tuple = ()          # per spec.ties entry: (stage of its earlier side, of its later side)
+    # "xla": the world's transfer order, (("F", training step's), ("E", eval's)) of
+    # orchestrator.core.schedule.transfers.Transfer tuples (every stage gets the same)
+    transfers: tuple = ()
     on_nonfinite: str = "stop"      # failure.on_nonfinite: "skip" decides globally before the update
 
     @property
@@ -182,26 +185,17 @@ class StageWorker:
 
         watch_compiles()   # sums jax compile time in this process, for stage_stats
 
-        from stages.jaxinit import initialize as join_submesh
-
-        # as the platform's backend planned it (MESHPIPE_JAX_INIT): explicit coordinator, TPU auto-detect, none
-        held, self._coordinator_port = self._coordinator_port, None
-        join_submesh(cfg.stage_hosts, cfg.host, coordinator, cfg.timeouts.get("jax_distributed_init_s", 60),
-                     who=cfg.who, reservation=held)
-        from jax.sharding import Mesh
-
         from orchestrator.core.model.registry import build_model
+        from stages import dataplane
         from stages.program import StageProgram
 
-        devices = np.array(jax.devices())
-        n = int(np.prod(list(cfg.mesh.values())))
-        if devices.size != n:
-            raise RuntimeError(f"{cfg.who}: mesh {cfg.mesh} needs {n} devices, the stage has {devices.size}")
-        owners = [d.process_index for d in devices]
-        if owners != sorted(owners) or owners.count(cfg.host) != cfg.devices_per_host:
-            raise RuntimeError(f"{cfg.who}: jax device order {owners} is not host-major with "
-                               f"{cfg.devices_per_host} devices per host")
-        self.mesh = Mesh(devices.reshape(tuple(cfg.mesh.values())), tuple(cfg.mesh))
+        # as the platform's backend planned it (MESHPIPE_JAX_INIT), or the job's one world (transport xla)
+        held, self._coordinator_port = self._coordinator_port, None
+        import ray
+
+        transfer_address = dataplane.join_jax(cfg, coordinator, held, ray.util.get_node_ip_address(), self.recv_s)
+        self.mesh = dataplane.stage_mesh(cfg)
+        devices = self.mesh.devices
         model, tx = build_model(cfg.spec.factory, cfg.spec.args), cfg.optimizer
         self.progs = [StageProgram(cfg.spec, model, start, stop, microbatches=cfg.microbatches, optimizer=tx,
                                    mesh=self.mesh, layout=cfg.layout, remat=cfg.remat)
@@ -212,31 +206,13 @@ class StageWorker:
         self.opt_state = [st[0] for st in states]
         self.grads = [st[1] for st in states]
         restore_s = self._setup_checkpoint()
-        args = {"me": cfg.hosts[cfg.host], "geom": cfg.geoms[cfg.stage], "mesh": self.mesh,
-                "inbox": self.inbox, "peers": lambda stage: self.actors[stage]}
-        if cfg.transport == "socket":
-            from orchestrator.core.tls import TlsError
-            from stages.socket_transport import SocketTransport
-
-            try:
-                self.transport = SocketTransport(**args, token=cfg.transport_token, stage=cfg.stage, geoms=cfg.geoms,
-                                                 io_timeout=self.recv_s,    # then set_recv_deadline's
-                                                 shared_memory=cfg.transport_same_machine == "unix",
-                                                 tls=cfg.transport_tls, in_flight=self._in_flight())
-            except TlsError as e:        # the driver checked its own copy; this node's differs
-                raise RuntimeError(f"{cfg.who} on {socket.gethostname()}: {e}") from None
-        else:
-            from stages.transport import RayTransport
-
-            self.transport = RayTransport(**args)
+        self.transport = dataplane.make_transport(self, transfer_address)
         self._plan_edges()
         self._open_data()
         restored = (cfg.checkpoint or {}).get("restore") or {}
         if "source" in restored.get("data", {}):
             self.load_data_state(restored["data"])     # checks seed and source, then the position
         jax.block_until_ready(self.params)
-        import ray
-
         return {"stage": cfg.stage, "host": cfg.host, "pid": os.getpid(),
                 "node_id": ray.get_runtime_context().get_node_id(),
                 "devices": int(devices.size), "local_devices": len(jax.local_devices()),
@@ -250,7 +226,7 @@ class StageWorker:
         ck, self.ckpt = self.cfg.checkpoint, None
         if not ck:
             return None
-        from stages.checkpoint import StageCheckpointer, restore
+        from stages.checkpoint import StageCheckpointer, processes, restore
 
         from orchestrator.core.checkpoint import check_probe
 
@@ -261,7 +237,8 @@ class StageWorker:
             restore(self, ck["restore"])
             took = time.perf_counter() - t0
         self.ckpt = StageCheckpointer(ck["root"], ck["every"], ck["total"], ck["async"], self.cfg.stage,
-                                      self.cfg.host, timeout=self.cfg.timeouts.get("step_s", 600.0))
+                                      self.cfg.host, timeout=self.cfg.timeouts.get("step_s", 600.0),
+                                      procs=processes(self.cfg))
         return took
 
     def checkpoint_flush(self) -> list[dict]:
@@ -359,7 +336,7 @@ class StageWorker:
             self.loader.close()
         if getattr(self, "transport", None) is not None:
             self.transport.close()
-        if self.cfg.stage_hosts > 1:
+        if self.cfg.stage_hosts > 1 or self.cfg.transport == "xla":    # every process of the world at once
             import jax
 
             jax.distributed.shutdown()
@@ -470,6 +447,7 @@ class StageWorker:
             hook.on_step(self.cfg, step)
         self._pin_thread()
         st = StepState(step, self.recv_s, on_peak=self.live_peak, sizes=self._stash_sizes)
+        self.transport.begin(step, st.tag)
         if self.loader is not None:
             waited = self.loader.wait_s
             st.batch = self.loader.get(step, st.timeout)
@@ -565,6 +543,7 @@ class StageWorker:
         losses = []
         for b, batch in enumerate(self._eval_batches):
             st = StepState(step, self.recv_s, tag=f"E{b}")   # its own mailbox keys
+            self.transport.begin(step, st.tag)
             st.batch = batch
             for a, text, handler in self.eval_program:
                 self._doing(step, f"eval {b} {text}", a.kind in RECVS)
@@ -586,29 +565,27 @@ class StageWorker:
         """Every parameter leaf of this stage as a whole numpy array (gathered across hosts), and
         every mutable-state leaf (`state_name`, e.g. BatchNorm's running mean)."""
         import jax
-        from jax.experimental import multihost_utils
 
         from orchestrator.core.model.pipeline import key_path
         from stages.checkpoint import state_name
+        from stages.dataplane import gather
 
         out = self._gathered()
         for prog, mstate in zip(self.progs, self.mstate):
             for i, (layer, s) in enumerate(zip(prog.layers, mstate), start=prog.start):
                 for path, leaf in jax.tree_util.tree_flatten_with_path(s)[0]:
-                    out[state_name(i, layer, key_path(path))] = np.asarray(
-                        multihost_utils.process_allgather(leaf, tiled=True))
+                    out[state_name(i, layer, key_path(path))] = gather(leaf)
         return out
 
     def _gathered(self) -> dict[str, np.ndarray]:
         import jax
-        from jax.experimental import multihost_utils
 
         from orchestrator.core.model.pipeline import key_path
+        from stages.dataplane import gather
 
         out = {}
         for prog, params in zip(self.progs, self.params):
             for i, (layer, p) in enumerate(zip(prog.layers, params), start=prog.start):
                 for path, leaf in jax.tree_util.tree_flatten_with_path(p)[0]:
-                    full = multihost_utils.process_allgather(leaf, tiled=True)
-                    out[param_name(i, layer, key_path(path))] = np.asarray(full)
+                    out[param_name(i, layer, key_path(path))] = gather(leaf)
         return out

@@ -12,7 +12,6 @@ every parameter array, rtol 1e-5 on every loss.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import subprocess
@@ -171,7 +170,9 @@ def poison_oracle(checked, poison: float, batches: list[int | None]):
 
 
 def read_summary(tmp_path, name) -> dict:
-    return json.loads((tmp_path / name / "summary.json").read_text())
+    from tests.records import summary
+
+    return summary(tmp_path, name)
 
 
 @pytest.mark.ray

@@ -255,7 +255,12 @@ def export(ckpt: Path | str, to: Path | str) -> dict:
     to `<to>/meshpipe.json`.
     """
     import numpy as np
-    import orbax.checkpoint as ocp
+    from orchestrator.core.extras import MissingExtra, require
+
+    try:
+        ocp = require("orbax.checkpoint", "meshpipe export")
+    except MissingExtra as e:
+        raise CheckpointError(str(e)) from None
 
     from orchestrator.core.checkpoint import MARKER, is_param_name, read_marker
     from orchestrator.core.private_fs import private_dir, write_private

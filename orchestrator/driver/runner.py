@@ -12,9 +12,9 @@ Records survive a failure: each completed step is appended to `metrics.jsonl`
 as it arrives (`telemetry.StepLog`), and `summary.json` is written on every
 exit (one path, `_record_stop` for early ones) — status completed, failed or
 interrupted, with the error, the steps done and the losses so far; a stage's
-full (redacted) traceback goes to `error.txt` beside it. `existing_record` is
-what `meshpipe run` checks so that a second run of the same job never replaces
-the first one's record silently (`--overwrite`). With batched dispatch (`cluster.steps_per_call` k) the
+full (redacted) traceback goes to `error.txt` beside it. Every run writes into a
+directory of its own under the run's name, `--resume` into the latest one
+(`orchestrator.driver.rundir`): no run replaces another's record. With batched dispatch (`cluster.steps_per_call` k) the
 driver learns steps k at a time, so the steps completed inside a call that
 fails are not recorded. The driver keeps a bounded amount per step: the loss
 and the step time (summary.json's lists) and the step's scalar telemetry; spans only
@@ -43,29 +43,11 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from orchestrator.core.plan import make_plan, plan_json
-from orchestrator.core.private_fs import private_dir, write_private
+from orchestrator.core.private_fs import write_private
 from orchestrator.core.redact import redact, redact_text
+from orchestrator.driver.rundir import open_run
 
 log = logging.getLogger("meshpipe")
-
-
-def output_dir(checked) -> Path:
-    """The run directory, created owner-only (0o700 whatever the umask; see private_fs)."""
-    job = checked.job
-    return private_dir(Path(job.run.output_dir) / job.run.name)
-
-
-RECORD_FILES = ("summary.json", "metrics.jsonl", "trace.json", "timeline.png", "error.txt")
-REFERENCE_RECORD_FILES = ("summary.reference.json", "metrics.reference.jsonl")
-
-
-def existing_record(checked, reference: bool = False) -> Path | None:
-    """The file of an earlier run that this run would replace (in its run directory), if any."""
-    run_dir = Path(checked.job.run.output_dir) / checked.job.run.name
-    for name in (REFERENCE_RECORD_FILES if reference else RECORD_FILES):
-        if (run_dir / name).exists():
-            return run_dir / name
-    return None
 
 
 def step_line(rec: dict, samples: int) -> str:
@@ -80,7 +62,7 @@ def step_line(rec: dict, samples: int) -> str:
 
 def run_job(checked, *, reference: bool = False, echo: Callable[[str], None] = print,
             tty: bool = False, hooks: Sequence = (), keep_params: bool = False, resume=None,
-            resume_command: str | None = None) -> dict:
+            resume_command: str | None = None, run_id: str | None = None) -> dict:
     """Train the checked job; `tty`: draw a progress bar on stdout instead of one line per step;
     `hooks`: `stages.hooks.WorkerHook` objects every stage worker calls (pipeline runs only);
     `keep_params`: the returned summary also holds "params" (name -> final numpy array; not written);
@@ -88,10 +70,13 @@ def run_job(checked, *, reference: bool = False, echo: Callable[[str], None] = p
     continue from that committed checkpoint (`orchestrator.driver.checkpoint`; its checks raise
     CheckpointError before anything starts);
     `resume_command`: the command line that continues this run, for the message of a failure
-    not recovered from (`meshpipe run` passes its own; default `meshpipe run <job.yaml> --resume`).
+    not recovered from (`meshpipe run` passes its own; default `meshpipe run <job.yaml> --resume`);
+    `run_id`: with `resume`, the run directory to continue (default: the latest; `rundir.open_run`).
 
     Writes `metrics.jsonl` (one record per step, as it completes) and `summary.json` into the
-    run directory (`metrics.reference.jsonl` / `summary.reference.json` with `reference`). The
+    run directory (`metrics.reference.jsonl` / `summary.reference.json` with `reference`), a new
+    one under `<run.output_dir>/<run.name>/` (`orchestrator.driver.rundir`; the summary's
+    `run_dir`). The
     summary is written also when the run fails or is interrupted — `status` "failed" or
     "interrupted", `error`, `steps_done` and the losses so far — and the error is re-raised.
     """
@@ -109,14 +94,13 @@ def run_job(checked, *, reference: bool = False, echo: Callable[[str], None] = p
     if resume == "auto" and ckpt is not None and ckpt.marker is None:
         echo(f"--resume auto: no committed checkpoint in {job.checkpoint.dir}: starting at step 0")
     plan = make_plan(checked)
-    out = output_dir(checked)
+    out = open_run(job, resume=resume is not None, run_id=run_id)
+    echo(f"run directory {out}")
     source = checked.data     # a DataPlan: each host that needs data opens its own reader
     samples = job.data.global_batch
     suffix = ".reference" if reference else ""
-    # From here the run directory's record files are this run's (after --overwrite: never two runs mixed;
-    # after --resume: the summary carries the committed steps' losses, metrics.jsonl the steps run now).
-    for stale in (REFERENCE_RECORD_FILES if reference else RECORD_FILES):
-        (out / stale).unlink(missing_ok=True)
+    # The run directory is this run's alone (after --resume the earlier record moved to previous/<k>/:
+    # the summary carries the committed steps' losses, metrics.jsonl the steps run now).
     progress = Progress(job.run.steps, tty=tty, echo=echo, line=lambda rec: step_line(rec, samples))
     records = StepLog(out / f"metrics{suffix}.jsonl")
     losses: list[float] = list(ckpt.losses) if ckpt else []    # a resumed run: the committed steps' losses
@@ -154,6 +138,7 @@ def run_job(checked, *, reference: bool = False, echo: Callable[[str], None] = p
     def summary(status: str, param_norms: dict, error: str | None = None) -> dict:
         return {
             "run": job.run.name,
+            "run_dir": str(out),
             "status": status,               # completed | failed | interrupted
             **({"error": error} if error is not None else {}),
             "steps_done": len(losses),
@@ -239,6 +224,7 @@ def _run_pipeline(checked, plan, source, on_step, out: Path, echo, extra: dict, 
     from orchestrator.driver.interrupt import reinstall
     from orchestrator.driver.quiet import filter_worker_logs
     from orchestrator.driver.telemetry import RunTelemetry
+    from orchestrator.driver.workers import write_workers
 
     job = checked.job
     run = job.run.name
@@ -283,6 +269,7 @@ def _run_pipeline(checked, plan, source, on_step, out: Path, echo, extra: dict, 
                     write_probe(ckpt)      # each stage host reads it back at set-up: checkpoint.dir is shared
                 ex.start()
                 remove_probe(ckpt)
+                write_workers(out, run, ex.info, policy.restarts, echo)    # which process is which (workers.json)
                 extra.setdefault("startup_s", time.perf_counter() - t0)
                 if recovering is not None:   # placement + actors + restore + setup (compiling is in step 1)
                     recovering["start_s"] = time.perf_counter() - t0
@@ -372,7 +359,7 @@ def _run_pipeline(checked, plan, source, on_step, out: Path, echo, extra: dict, 
                     metrics.restarts.set(policy.restarts, tags={"run": run})
                 msg = (f"restart {policy.restarts} of {job.failure.max_restarts}: {recovery.describe(failure, where)}"
                        f"; resuming from checkpoint step {ckpt.start} ({rec['steps_lost']} steps to run again)")
-                log.warning("%s", msg)
+                log.info("%s", msg)      # echo prints it; a warning would reach the terminal a second time
                 echo(msg)
                 rollback(ckpt.start, policy.restarts)
                 committer.pending.clear()       # saves of the failed attempt never commit
@@ -485,6 +472,10 @@ def _ray_info(run: str, echo) -> dict:
         echo(f"Ray dashboard {info['dashboard_url']}  (namespace {info['namespace']}, actors {info['actors']})")
         for line in auth_hint(info["dashboard_url"], _gcs_address()):
             echo(f"  {line}")
+    if info.get("metrics_endpoints"):
+        from orchestrator.driver.workers import metrics_line
+
+        echo(metrics_line(info["metrics_endpoints"]))
     return info
 
 
