@@ -69,7 +69,7 @@ class ProfileHook(WorkerHook):
             out = Path(self.out_dir)
             _STATE["prof"].dump_stats(str(out / f"stage{cfg.stage}.prof"))
             (out / f"stage{cfg.stage}.json").write_text(json.dumps({
-                **_STATE["measured"], "steps": self.steps, "actions": list(cfg.actions),
+                **_STATE["measured"], "steps": self.steps, "actions": list(cfg.stage_spec.actions),
                 "pid": os.getpid(), "affinity": sorted(os.sched_getaffinity(0))}))
 
 

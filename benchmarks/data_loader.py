@@ -31,7 +31,7 @@ def measure(out: Path, steps: int, step_ms: float, hosts: int) -> dict:
     from orchestrator.core.data.shards import resolve_tokens
     from orchestrator.core.data.sampler import windows_per_shard
     from stages.data import HostLoader
-    from tests.data_helpers import prepared
+    from benchmarks.corpus import prepared
 
     seq, mbs, m, vocab = 64, 12, 8, 320
     shards = prepared(out, vocab=vocab, shard_tokens=1 << 16)

@@ -336,8 +336,8 @@ def time_and_check(st, compiled: dict, params, reps: int, warmup: int, rec: dict
     dx_i, carried = c["I"](params, res, dys)
     held = st.zb.split.held(res, dys, carried)
     del carried
-    calls = {"F": lambda: c["F"](params, [x], lab, None), "B": lambda: c["B"](params, res, dys, zero),
-             "I": lambda: c["I"](params, res, dys), "W": lambda: c["W"](params, held, zero),
+    calls = {"F": lambda: c["F"](params, [x], lab, None), "B": lambda: c["B"](params, res, dys, zero),  # noqa: F821
+             "I": lambda: c["I"](params, res, dys), "W": lambda: c["W"](params, held, zero),  # noqa: F821
              "ref": lambda: c["ref"](params, x, other)}
     if "FB" in c:
         acc = [zeros(st.params_s)]

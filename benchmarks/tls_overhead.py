@@ -10,7 +10,7 @@
      out); the losses of all four must be identical.
 
 The load average is recorded before and after (`machine_info`, `load_end`): on a shared machine
-read the difference, not the digits. Throwaway certificates come from tests/tls_certs.py.
+read the difference, not the digits. Throwaway certificates come from benchmarks/tls_certs.py.
 
     python -m benchmarks.tls_overhead --steps 20 --out benchmarks/results/tls_overhead.json
 """
@@ -85,7 +85,7 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/tls_overhead.json")
     args = ap.parse_args()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    from tests.tls_certs import make_tls
+    from benchmarks.tls_certs import make_tls
 
     result: dict = {"machine": machine_info()}
     with tempfile.TemporaryDirectory() as tmp:

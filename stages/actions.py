@@ -1,17 +1,21 @@
 """The stage worker's step interpreter: one small handler per action kind.
 
 Basic flow: `StageWorker` resolves its lowered action list once, at construction,
-into `(action, text, handler)` triples (`HANDLERS[action.kind]`); a step then
-calls `handler(worker, state, action)` for each in order. A handler reads the
-stage's programs, parameters, edges and transport from the worker and keeps the
-tensors that pass between actions in the per-step `StepState`, keyed
-(microbatch, chunk). Adding an action kind (a forward-only eval, a checkpoint
-copy) is one handler here and one entry in `HANDLERS`.
+into `(action, text, handler)` triples (`HANDLERS[action.kind]`); a step then runs
+`state = handler(ctx, state, step_state, action)` for each in order:
+  ctx         `StageContext`: the stage's contract, programs and I/O (`stages.stage_io`) —
+              what a handler reads; it never reaches into the actor;
+  state       the stage's training state (`stages.state.StageState`): in, and the new one out;
+  step_state  `StepState`: the tensors that pass between one step's actions, keyed
+              (microbatch, chunk), its losses and spans.
+Adding an action kind (a forward-only eval, a checkpoint copy) is one handler here and
+one entry in `HANDLERS`; a new piece of per-stage state is a `StageState` field and the
+handler that updates it.
 
 Invariants:
   - A handler blocks until the device work it issued is done, so the span the
     worker records around it is the action's real duration.
-  - SEND_* never blocks on the peer; RECV_* waits at most `state.timeout`.
+  - SEND_* never blocks on the peer; RECV_* waits at most `step_state.timeout`.
   - Nothing here decides what runs when: the order is the lowered schedule's.
   - jax is imported inside the handlers, never at module level: the worker
     process pins its CPUs before jax loads.
@@ -24,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from orchestrator.core.schedule import Kind
+from stages.state import LossScaleState, StageState, with_chunk
 
 
 class StepState:
@@ -145,125 +150,155 @@ def _ready(tree):
     return tree
 
 
-# -- handlers: (worker, state, action) -> None -------------------------------
+# -- handlers: (context, state, step, action) -> state ---------------------------
 
-def _operands(w, st: StepState, a, prog):
+class StageContext:
+    """What a handler reads besides the state: the stage's contract, programs and I/O; never the actor.
+
+    Attributes:
+      cfg: the stage host's `orchestrator.core.contract.WorkerConfig`.
+      progs: one `stages.program.StageProgram` per chunk.
+      io: the stage's `stages.stage_io.StageIO` (transport, edges, rows, scalar exchanges).
+      scaler: `precision.loss_scale`'s rule (`orchestrator.core.model.policy.DynamicLossScale`), or None.
+    """
+
+    __slots__ = ("cfg", "progs", "io", "scaler")
+
+    def __init__(self, cfg, progs, io, scaler=None):
+        self.cfg, self.progs, self.io, self.scaler = cfg, progs, io, scaler
+
+
+def _operands(ctx: StageContext, st: StepState, a, prog):
     """F's input and labels: this host's rows of the batch on the first / last stage."""
-    cfg = w.cfg
-    mbs = cfg.data.global_batch // cfg.microbatches
+    cfg, io = ctx.cfg, ctx.io
+    mbs = cfg.microbatch_size
     if prog.first:
-        x = [w.host_operand(st.batch.xs[a.microbatch], w.rows_in, (mbs, *cfg.spec.input_shape),
-                            prog.input_sharding())]
+        x = [io.host_operand(st.batch.xs[a.microbatch], io.rows_in, (mbs, *cfg.spec.input_shape),
+                             prog.input_sharding())]
     else:
         x = st.inputs.pop((a.microbatch, a.chunk))     # the activation's leaves
     labels = None
     if prog.last:
-        labels = w.host_operand(st.batch.ys[a.microbatch], w.rows_lab, (mbs, *cfg.spec.label_shape),
+        labels = io.host_operand(st.batch.ys[a.microbatch], io.rows_lab, (mbs, *cfg.spec.label_shape),
                                  prog.label_sharding())
     return x, labels
 
 
-def _forward_output(w, st: StepState, a, prog, y) -> None:
+def _forward_output(ctx: StageContext, st: StepState, a, prog, y) -> None:
     c = a.chunk
     if prog.last:
         st.losses[a.microbatch] = y
-    elif w.edge_out[c][0][0].stage == w.cfg.stage:      # next chunk lives here (p = 1)
+    elif ctx.io.edge_out[c][0][0].stage == ctx.cfg.stage:      # next chunk lives here (p = 1)
         st.inputs[(a.microbatch, c + 1)] = y
     else:
         st.outputs[(a.microbatch, c)] = y
 
 
-def forward(w, st: StepState, a) -> None:
+def forward(ctx: StageContext, state: StageState, st: StepState, a) -> StageState:
     """F: forward of (microbatch, chunk); the output goes to the loss, the next chunk here, or SEND_F."""
-    c, key, prog = a.chunk, (a.microbatch, a.chunk), w.progs[a.chunk]
-    x, labels = _operands(w, st, a, prog)
-    ids = np.array([w.cfg.seed, st.step, a.microbatch], np.int32)     # the parts' RNG keys derive from these
+    c, key, prog = a.chunk, (a.microbatch, a.chunk), ctx.progs[a.chunk]
+    chunk = state.chunks[c]
+    x, labels = _operands(ctx, st, a, prog)
+    ids = np.array([ctx.cfg.seed, st.step, a.microbatch], np.int32)     # the parts' RNG keys derive from these
     if prog.stateful:      # mutable model state (BatchNorm): threaded through this chunk's forwards in order
-        y, st.residuals[key], w.mstate[c] = prog.fwd(w.params[c], x, labels, ids, w.mstate[c])
+        y, st.residuals[key], mstate = prog.fwd(chunk.params, x, labels, ids, chunk.mstate)
+        state = with_chunk(state, c, mstate=mstate)
     else:
-        y, st.residuals[key] = prog.fwd(w.params[c], x, labels, ids)
+        y, st.residuals[key] = prog.fwd(chunk.params, x, labels, ids)
     _ready(y)
     st.stash.add(("r", key), st.residuals[key], ("r", c))
-    _forward_output(w, st, a, prog, y)
+    _forward_output(ctx, st, a, prog, y)
+    return state
 
 
-def eval_forward(w, st: StepState, a) -> None:
+def eval_forward(ctx: StageContext, state: StageState, st: StepState, a) -> StageState:
     """F of the forward-only eval schedule: the forward alone (no VJP, nothing kept)."""
-    prog = w.progs[a.chunk]
-    x, labels = _operands(w, st, a, prog)
-    y = _ready(prog.fwd_eval(w.params[a.chunk], x, labels, w.mstate[a.chunk]))
-    _forward_output(w, st, a, prog, y)
+    prog, chunk = ctx.progs[a.chunk], state.chunks[a.chunk]
+    x, labels = _operands(ctx, st, a, prog)
+    y = _ready(prog.fwd_eval(chunk.params, x, labels, chunk.mstate))
+    _forward_output(ctx, st, a, prog, y)
+    return state
 
 
-def _input_grad(w, st: StepState, a, dx) -> None:
+def _input_grad(ctx: StageContext, st: StepState, a, dx) -> None:
     """Where B/I's input gradient goes: the chunk before it here, or SEND_B."""
     if dx is None:
         return
     _ready(dx)
     c = a.chunk
-    if w.edge_in[c][0][0].stage == w.cfg.stage:       # previous chunk lives here (p = 1)
+    if ctx.io.edge_in[c][0][0].stage == ctx.cfg.stage:       # previous chunk lives here (p = 1)
         st.dys[(a.microbatch, c - 1)] = dx
     else:
         st.dxs[(a.microbatch, c)] = dx
 
 
-def _output_grad(w, st: StepState, c: int, key, pop: bool):
+def _output_grad(ctx: StageContext, state: StageState, st: StepState, c: int, key, pop: bool):
     """The output gradient B/I start from: received (or from the next chunk here); on the
     model's last part under loss scaling, the scale (the program seeds scale / m)."""
     dy = st.dys.pop(key, None) if pop else st.dys.get(key)
-    if dy is None and w.progs[c].last and w.scale_state is not None:
-        return np.float32(w.scale_state[0])
+    if dy is None and ctx.progs[c].last and state.loss_scale is not None:
+        return np.float32(state.loss_scale.scale)
     return dy
 
 
-def backward(w, st: StepState, a) -> None:
+def backward(ctx: StageContext, state: StageState, st: StepState, a) -> StageState:
     """B: full backward; accumulates the weight gradient, releases the residuals."""
     c, key = a.chunk, (a.microbatch, a.chunk)
-    dy = _output_grad(w, st, c, key, pop=True)
-    dx, w.grads[c] = w.progs[c].bwd_acc(w.params[c], st.residuals.pop(key), dy, w.grads[c])
-    _ready(w.grads[c])
+    chunk = state.chunks[c]
+    dy = _output_grad(ctx, state, st, c, key, pop=True)
+    dx, grads = ctx.progs[c].bwd_acc(chunk.params, st.residuals.pop(key), dy, chunk.grads)
+    _ready(grads)
     st.stash.drop(("r", key))
-    _input_grad(w, st, a, dx)
+    _input_grad(ctx, st, a, dx)
+    return with_chunk(state, c, grads=grads)
 
 
-def backward_input(w, st: StepState, a) -> None:
+def backward_input(ctx: StageContext, state: StageState, st: StepState, a) -> StageState:
     """I (zero-bubble): the input gradient; keeps only what W reads (`stages.zb_split`: per layer
     the residuals and output cotangents its weight gradients need) and releases the rest."""
     c, key = a.chunk, (a.microbatch, a.chunk)
-    dx, st.held[key] = w.progs[c].bwd_i(w.params[c], st.residuals.pop(key), _output_grad(w, st, c, key, pop=True))
+    dx, st.held[key] = ctx.progs[c].bwd_i(state.chunks[c].params, st.residuals.pop(key),
+                                          _output_grad(ctx, state, st, c, key, pop=True))
     _ready(st.held[key])
     st.stash.drop(("r", key))
     st.stash.add(("w", key), st.held[key], ("w", c))      # kept until W
-    _input_grad(w, st, a, dx)
+    _input_grad(ctx, st, a, dx)
+    return state
 
 
-def backward_weight(w, st: StepState, a) -> None:
+def backward_weight(ctx: StageContext, state: StageState, st: StepState, a) -> StageState:
     """W (zero-bubble): the weight gradients only, from what I kept; releases it."""
     c, key = a.chunk, (a.microbatch, a.chunk)
-    w.grads[c] = _ready(w.progs[c].bwd_w_acc(w.params[c], st.held.pop(key), w.grads[c]))
+    chunk = state.chunks[c]
+    grads = _ready(ctx.progs[c].bwd_w_acc(chunk.params, st.held.pop(key), chunk.grads))
     st.stash.drop(("w", key))
+    return with_chunk(state, c, grads=grads)
 
 
-def forward_backward(w, st: StepState, a) -> None:
+def forward_backward(ctx: StageContext, state: StageState, st: StepState, a) -> StageState:
     """F of the loss chunk when its B comes right after it (`fused_chunks`): forward and backward as
     one program (`StageProgram.fwd_bwd_acc`), nothing kept but the input gradient for that B."""
-    c, key, prog = a.chunk, (a.microbatch, a.chunk), w.progs[a.chunk]
-    x, labels = _operands(w, st, a, prog)
-    ids = np.array([w.cfg.seed, st.step, a.microbatch], np.int32)
-    scale = None if w.scale_state is None else np.float32(w.scale_state[0])     # loss scaling: seed scale / m
+    c, key, prog = a.chunk, (a.microbatch, a.chunk), ctx.progs[a.chunk]
+    chunk = state.chunks[c]
+    x, labels = _operands(ctx, st, a, prog)
+    ids = np.array([ctx.cfg.seed, st.step, a.microbatch], np.int32)
+    scale = None if state.loss_scale is None else np.float32(state.loss_scale.scale)   # loss scaling: seed scale / m
     if prog.stateful:
-        loss, dx, w.grads[c], w.mstate[c] = prog.fwd_bwd_acc(w.params[c], x, labels, ids, w.grads[c], scale,
-                                                               w.mstate[c])
+        loss, dx, grads, mstate = prog.fwd_bwd_acc(chunk.params, x, labels, ids, chunk.grads, scale, chunk.mstate)
+        state = with_chunk(state, c, grads=grads, mstate=mstate)
     else:
-        loss, dx, w.grads[c] = prog.fwd_bwd_acc(w.params[c], x, labels, ids, w.grads[c], scale)
-    _ready(w.grads[c])
+        loss, dx, grads = prog.fwd_bwd_acc(chunk.params, x, labels, ids, chunk.grads, scale)
+        state = with_chunk(state, c, grads=grads)
+    _ready(grads)
     st.losses[a.microbatch] = loss
     st.fused[key] = dx
+    return state
 
 
-def fused_backward(w, st: StepState, a) -> None:
+def fused_backward(ctx: StageContext, state: StageState, st: StepState, a) -> StageState:
     """B whose work its F already did (`forward_backward`): hands the input gradient on."""
-    _input_grad(w, st, a, st.fused.pop((a.microbatch, a.chunk)))
+    _input_grad(ctx, st, a, st.fused.pop((a.microbatch, a.chunk)))
+    return state
 
 
 def fused_chunks(actions, loss_chunk: int | None) -> frozenset:
@@ -286,107 +321,114 @@ def fused_chunks(actions, loss_chunk: int | None) -> frozenset:
     return frozenset({loss_chunk}) if ok else frozenset()
 
 
-def recv_forward(w, st: StepState, a) -> None:
+def recv_forward(ctx: StageContext, state: StageState, st: StepState, a) -> StageState:
     """RECV_F: this chunk's forward input from the previous virtual stage (bounded wait), leaf by
     leaf (key ... + (leaf index,)), each with its own shape, dtype and sharding."""
-    c, key = a.chunk, (a.microbatch, a.chunk)
-    shardings = w.progs[c].input_shardings()
-    st.inputs[key] = [w.transport.recv_operand((st.step, st.tag) + key + (j,), shape, dtype, shardings[j], edge,
-                                               st.timeout)
-                      for j, (edge, shape, dtype) in enumerate(w.edge_in[c])]
+    c, key, io = a.chunk, (a.microbatch, a.chunk), ctx.io
+    shardings = ctx.progs[c].input_shardings()
+    st.inputs[key] = [io.transport.recv_operand((st.step, st.tag) + key + (j,), shape, dtype, shardings[j], edge,
+                                                st.timeout)
+                      for j, (edge, shape, dtype) in enumerate(io.edge_in[c])]
+    return state
 
 
-def recv_backward(w, st: StepState, a) -> None:
+def recv_backward(ctx: StageContext, state: StageState, st: StepState, a) -> StageState:
     """RECV_B: this chunk's output gradient from the next virtual stage (bounded wait): one per
     floating output leaf."""
-    c, key = a.chunk, (a.microbatch, a.chunk)
-    prog, shardings = w.progs[c], w.progs[c].output_shardings()
-    st.dys[key] = [w.transport.recv_operand((st.step, "B") + key + (j,), w.edge_out[c][j][1], w.edge_out[c][j][2],
-                                            shardings[j], w.edge_out[c][j][0], st.timeout)
+    c, key, io = a.chunk, (a.microbatch, a.chunk), ctx.io
+    prog, shardings, edges = ctx.progs[c], ctx.progs[c].output_shardings(), io.edge_out[c]
+    st.dys[key] = [io.transport.recv_operand((st.step, "B") + key + (j,), edges[j][1], edges[j][2], shardings[j],
+                                             edges[j][0], st.timeout)
                    for j in prog.out_diff]
+    return state
 
 
-def send_forward(w, st: StepState, a) -> None:
+def send_forward(ctx: StageContext, state: StageState, st: StepState, a) -> StageState:
     """SEND_F: F's output leaves to the next virtual stage (never blocks)."""
-    c, edges = a.chunk, w.edge_out[a.chunk]
-    peer_chunk = c + (1 if edges[0][0].stage < w.cfg.stage else 0)
+    c, edges = a.chunk, ctx.io.edge_out[a.chunk]
+    peer_chunk = c + (1 if edges[0][0].stage < ctx.cfg.stage else 0)
     for j, leaf in enumerate(st.outputs.pop((a.microbatch, c))):
-        w.transport.send((st.step, st.tag, a.microbatch, peer_chunk, j), leaf, edges[j][0])
+        ctx.io.transport.send((st.step, st.tag, a.microbatch, peer_chunk, j), leaf, edges[j][0])
+    return state
 
 
-def send_backward(w, st: StepState, a) -> None:
+def send_backward(ctx: StageContext, state: StageState, st: StepState, a) -> StageState:
     """SEND_B: B/I's input gradients (floating input leaves) to the previous virtual stage."""
-    c, edges = a.chunk, w.edge_in[a.chunk]
-    peer_chunk = c - (1 if edges[0][0].stage > w.cfg.stage else 0)
-    for j, leaf in zip(w.progs[c].in_diff, st.dxs.pop((a.microbatch, c))):
-        w.transport.send((st.step, "B", a.microbatch, peer_chunk, j), leaf, edges[j][0])
+    c, edges = a.chunk, ctx.io.edge_in[a.chunk]
+    peer_chunk = c - (1 if edges[0][0].stage > ctx.cfg.stage else 0)
+    for j, leaf in zip(ctx.progs[c].in_diff, st.dxs.pop((a.microbatch, c))):
+        ctx.io.transport.send((st.step, "B", a.microbatch, peer_chunk, j), leaf, edges[j][0])
+    return state
 
 
-def optimizer_step(w, st: StepState, a) -> None:
-    """OPT: every chunk's optimizer update from its accumulated gradients. When the chain clips by
-    the global norm, the stages first exchange their squared norms (`sum_over_stages`), so every
-    stage clips with the whole model's norm before any stage updates. Under loss scaling the
-    gradients are unscaled first and the stages sum their non-finite counts (tag "FINITE"):
-    when any is non-zero every stage skips its update and all move the scale the same way
-    (`orchestrator.core.model.policy.DynamicLossScale`).
+def optimizer_step(ctx: StageContext, state: StageState, st: StepState, a) -> StageState:
+    """OPT: every chunk's optimizer update from its accumulated gradients; the step counter moves on.
+    When the chain clips by the global norm, the stages first exchange their squared norms
+    (`StageIO.sum_over_stages`), so every stage clips with the whole model's norm before any stage
+    updates. Under loss scaling the gradients are unscaled first and the stages sum their
+    non-finite counts (tag "FINITE"): when any is non-zero every stage skips its update and all
+    move the scale the same way (`orchestrator.core.model.policy.DynamicLossScale`).
 
     Training health (`orchestrator.core.health`): each update also returns the stage's squared
     gradient norm and its count of non-finite parameters (`st.health`, read once the update is
-    done). Under `failure.on_nonfinite: skip` the stages exchange their squared norms (the clipping
-    exchange, made NaN by a non-finite loss on the last stage) before any update, and a non-finite
-    sum drops the step's update on every stage."""
+    done). Under `failure.on_nonfinite: skip` the squared norms are exchanged even without
+    clipping, made NaN by a non-finite loss on the last stage, and a non-finite sum drops the
+    step's update on every stage (`_skipped`) — one global decision before any stage updates."""
     import jax
 
-    if w.scale_state is not None:
-        scale = w.scale_state[0]
+    progs, io = ctx.progs, ctx.io
+    grads = [c.grads for c in state.chunks]
+    if state.loss_scale is not None:
+        scale = state.loss_scale.scale
         bad = 0.0
-        for i, p in enumerate(w.progs):
-            w.grads[i], n = p.unscale(w.grads[i], np.float32(scale))
+        for i, p in enumerate(progs):
+            grads[i], n = p.unscale(grads[i], np.float32(scale))
             bad += float(n)
-        finite = w.sum_over_stages(st.step, bad, st.timeout, tag="FINITE") == 0
+        finite = io.sum_over_stages(st.step, bad, st.timeout, tag="FINITE") == 0
         st.loss_scale, st.skipped = scale, not finite
-        w.scale_state = w.scaler.next(w.scale_state, finite)
+        state = state._replace(loss_scale=LossScaleState(*ctx.scaler.next(state.loss_scale, finite)))
         if not finite:
-            w.grads = [p.zero_grads(g) for p, g in zip(w.progs, w.grads)]
-            jax.block_until_ready(w.grads)
-            return
-    ties = w.cfg.spec.ties
+            return _skipped(progs, state, grads)
+    ties = ctx.cfg.spec.ties
     if ties:      # tied weights: each copy's gradient := the sum of both (stages.ties)
         from stages.ties import sum_tied
 
-        sum_tied(w.grads, w.progs, ties, exchange=lambda t, mine: w.exchange_tie(st.step, t, mine, st.timeout))
+        sum_tied(grads, progs, ties, exchange=lambda t, mine: io.exchange_tie(st.step, t, mine, st.timeout))
     gnorm = np.float32(0.0)
-    skip = w.cfg.on_nonfinite == "skip"
-    if w.progs[0].clip is not None or skip:
+    skip = ctx.cfg.on_nonfinite == "skip"
+    if progs[0].clip is not None or skip:
         from stages.ties import for_norm
 
-        normed = for_norm(w.grads, w.progs, ties) if ties else w.grads     # a tied array counts once
-        local = sum(float(p.sq_norm(g)) for p, g in zip(w.progs, normed))
-        if skip:       # training health's skip: one global decision before any stage updates
-            mine = local
-            if st.losses and not all(np.isfinite(float(x)) for x in st.losses.values()):
-                local = float("nan")      # a non-finite loss makes the sum, so every stage's decision, NaN
-            total = w.sum_over_stages(st.step, local, st.timeout)
-            if not np.isfinite(total):
-                st.health = (mine, None)      # (squared gradient norm, non-finite parameters: not updated)
-                w.grads = [p.zero_grads(g) for p, g in zip(w.progs, w.grads)]
-                jax.block_until_ready(w.grads)
-                return
-        else:
-            total = w.sum_over_stages(st.step, local, st.timeout)
+        normed = for_norm(grads, progs, ties) if ties else grads     # a tied array counts once
+        mine = sum(float(p.sq_norm(g)) for p, g in zip(progs, normed))
+        nan_loss = skip and not all(np.isfinite(float(x)) for x in st.losses.values())
+        total = io.sum_over_stages(st.step, float("nan") if nan_loss else mine, st.timeout)
+        if skip and not np.isfinite(total):      # every stage sees the same sum: all skip
+            st.health = (mine, None)
+            return _skipped(progs, state, grads)
         gnorm = np.float32(np.sqrt(total))
-    health = []
-    for i, p in enumerate(w.progs):
-        w.params[i], w.opt_state[i], w.grads[i], h = p.update_checked(w.params[i], w.opt_state[i], w.grads[i],
-                                                                      gnorm)
+    chunks, health = [], []
+    for p, c, g in zip(progs, state.chunks, grads):
+        params, opt_state, zeros, h = p.update_checked(c.params, c.opt_state, g, gnorm)
+        chunks.append(c._replace(params=params, opt_state=opt_state, grads=zeros))
         health.append(h)
-    jax.block_until_ready(w.params)
-    # the programs have finished (above): reading their health scalars adds no synchronisation
-    got = np.sum([np.asarray(h) for h in health], axis=0)
+    jax.block_until_ready([c.params for c in chunks])
+    got = np.sum([np.asarray(h) for h in health], axis=0)     # done above: no further synchronisation
     st.health = (float(got[0]), float(got[1]))
+    return state._replace(chunks=tuple(chunks), step=state.step + 1)
 
 
-Handler = Callable[[Any, StepState, Any], None]
+def _skipped(progs, state: StageState, grads) -> StageState:
+    """A step whose update every stage drops: the accumulators zeroed, the step counter moved on."""
+    import jax
+
+    zeros = [p.zero_grads(g) for p, g in zip(progs, grads)]
+    jax.block_until_ready(zeros)
+    return state._replace(chunks=tuple(c._replace(grads=g) for c, g in zip(state.chunks, zeros)),
+                          step=state.step + 1)
+
+
+Handler = Callable[[StageContext, StageState, StepState, Any], StageState]
 
 HANDLERS: dict[Kind, Handler] = {
     Kind.F: forward,

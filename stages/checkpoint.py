@@ -1,24 +1,25 @@
-"""The stage half of checkpoints: save this stage's own shards with orbax, restore into the current shardings.
+"""The stage half of checkpoints: save a stage host's `StageState` with orbax, restore it into the current shardings.
 
 Basic flow (the worker calls it; `orchestrator.core.checkpoint` is the on-disk layout and
 `orchestrator.driver.checkpoint` the commit protocol above it):
-  - after a step, `due(steps_done)` → `save(steps_done, worker)`: the stage's state as one
-    pytree — {"arrays": params, optimizer state and mutable model state (BatchNorm's running
-    statistics, `state_name`), one leaf per model-wide name
-    (`named_state`; under loss scaling also the scale state, `SCALE_NAMES`, the same on every
-    stage), "step", "data": {"next_step"}, "rng": {"seed"}} — goes to an orbax
-    `AsyncCheckpointer` (PyTree handler). The call blocks only for the device→host copy; the
-    bytes are written on orbax's thread while the next steps run. A thread of ours waits for
-    orbax to finish and then (host 0) lists the directory's files with size and sha256: the
-    host's report for the driver (`reports()`, handed back with the step results).
+  - after a step, `due(steps_done)` → `save(state, progs, data)`: the state (`stages.state`) as
+    one orbax tree — {"arrays": every persistent leaf under its model-wide name (`named_leaves`:
+    parameters `param_name`, optimizer state `opt_name`, mutable model state `state_name`,
+    stage-wide fields `opt:<field>|<path>`), "step", "data": {"next_step"}, "rng": {"seed"}} —
+    goes to an orbax `AsyncCheckpointer` (PyTree handler). The call blocks only for the
+    device→host copy; the bytes are written on orbax's thread while the next steps run. A
+    thread of ours waits for orbax to finish and then (host 0) lists the directory's files
+    with size and sha256: the host's report for the driver (`reports()`, handed back with the
+    step results).
   - one save in flight: the next `save` first waits (bounded) for the previous one.
   - multi-host stage: every host of the stage calls `save` on the same directory; orbax writes
     only each host's own shards (its addressable data) and host 0 finalises (orbax's
-    primary host, barriers over the stage's own jax.distributed world).
-  - `restore(worker, plan)`: for each stage directory of the checkpoint that holds names this
-    stage needs, one partial orbax restore straight into the current shardings
-    (`jax.ShapeDtypeStruct(..., sharding=...)` targets); the arrays are then put back into the
-    params / optimizer-state pytrees by name, so another layout restores the same names.
+    primary host, barriers over the stage's own jax.distributed world). Under `transport: xla`
+    the job is one world: orbax is scoped to the stage's processes (`processes`, `_orbax_world`).
+  - `restore(plan, state, progs, mesh, who)`: for each stage directory of the commit that holds
+    names this stage needs, one partial orbax restore straight into `stages.state.abstract`'s
+    targets; the leaves go back into the state by name, so another layout restores the same
+    names. Knows nothing of the actor: a state in, a state out.
 """
 from __future__ import annotations
 
@@ -31,14 +32,11 @@ from typing import Any
 
 import numpy as np
 
+from orchestrator.core.contract import RestorePlan
 from orchestrator.core.checkpoint import file_table, opt_name, stage_dir, step_dir
 from orchestrator.core.checkpoint import state_name as _state_name
 from orchestrator.core.model.pipeline import key_path
 from orchestrator.core.model.spec import param_name
-
-# precision.loss_scale's state (scale, finite steps in a row): host numpy scalars, not model arrays
-SCALE_NAMES = ("opt:loss_scale|scale", "opt:loss_scale|good")
-
 
 def _keys(path) -> tuple[str, ...]:
     return tuple(key_path([k]) for k in path)
@@ -97,22 +95,42 @@ def named_mstate(progs, mstate) -> list[tuple[Any, list[str]]]:
     return out
 
 
-def _all_named(worker):
-    """Per chunk: (names, leaves) of its params, optimizer state and mutable model state."""
+def named_leaves(progs, state) -> list[tuple[str, Any]]:
+    """Every persistent leaf of `state` (a `stages.state.StageState`) under its model-wide name, in
+    save order: per chunk its parameters, optimizer state and mutable model state (a leaf shared by
+    chunks, adam's `count`, once), then the stage-wide fields (`stage_fields`). TRANSIENT fields
+    (the gradient accumulators) are not saved."""
     import jax
 
-    out = []
-    for (_, pn, _, on), (_, sn), p, o, s in zip(named_state(worker.progs, worker.params, worker.opt_state),
-                                                 named_mstate(worker.progs, worker.mstate),
-                                                 worker.params, worker.opt_state, worker.mstate):
-        out.append((pn + on + sn, jax.tree.leaves(p) + jax.tree.leaves(o) + jax.tree.leaves(s)))
+    from stages.state import stage_fields
+
+    chunks = state.chunks
+    named = named_state(progs, [c.params for c in chunks], [c.opt_state for c in chunks])
+    out, seen = [], set()
+    for (_, pn, _, on), (_, sn), c in zip(named, named_mstate(progs, [c.mstate for c in chunks]), chunks):
+        for name, leaf in zip(pn + on + sn, jax.tree.leaves(c.params) + jax.tree.leaves(c.opt_state)
+                              + jax.tree.leaves(c.mstate)):
+            if name not in seen:
+                seen.add(name)
+                out.append((name, leaf))
+    for field, value in stage_fields(state):
+        out += [(stage_name(field, path), leaf) for path, leaf in jax.tree_util.tree_flatten_with_path(value)[0]]
     return out
+
+
+def stage_name(field: str, path=()) -> str:
+    """The name of a stage-wide state leaf: `opt:<field>|<its path in the field>` (`*`: the field itself).
+
+    >>> stage_name("skips")
+    'opt:skips|*'
+    """
+    return opt_name(field, "/".join(_keys(path)) or None)
 
 
 def processes(cfg) -> tuple[int, ...] | None:
     """The JAX processes a stage's saves and restores involve when the job is ONE world
     (`transport: xla`: the stage's cluster hosts), else None: the stage's own world is all of them."""
-    return tuple(cfg.hosts) if cfg.transport == "xla" else None
+    return tuple(cfg.stage_spec.hosts) if cfg.transport.kind == "xla" else None
 
 
 @contextlib.contextmanager
@@ -211,7 +229,7 @@ def _save_registry(procs: tuple[int, ...] | None = None):
         (jax.Array, th.ArrayHandler(primary_host=primary, use_replica_parallel=across_hosts)))
 
 
-def _disk_full(e: BaseException) -> bool:
+def disk_full(e: BaseException) -> bool:
     """ENOSPC, as Python raises it or as tensorstore words it (orbax's writes go through tensorstore:
     `ValueError: RESOURCE_EXHAUSTED: ... No space left on device [os_error_code='28']`)."""
     while e is not None:
@@ -229,23 +247,25 @@ class StageCheckpointer:
       every: save after every `every` steps done, and after the last (`total`).
       asynchronous: False waits for each save to finish before the step loop goes on.
       stage, host: who this is (host 0 lists the files).
+      seed: `run.seed`, recorded with each save.
       timeout: bound on waiting for a previous save.
       procs: the stage's JAX processes inside a job-wide world (`processes`); None: its own world.
     """
 
     def __init__(self, root: str, every: int, total: int, asynchronous: bool, stage: int, host: int,
-                 timeout: float = 600.0, procs: tuple[int, ...] | None = None):
+                 seed: int = 0, timeout: float = 600.0, procs: tuple[int, ...] | None = None, mesh=None):
         from orchestrator.core.extras import require
 
         ocp = require("orbax.checkpoint", "checkpoint:")     # a node without it: the error names the extra
 
         self.root, self.every, self.total = Path(root), every, total
         self.asynchronous, self.stage, self.host, self.timeout = asynchronous, stage, host, timeout
+        self.seed = seed                # recorded with each save (`rng.seed`)
         _own_signal_keys(procs)
         with _orbax_world(procs):
             self._ckptr = ocp.AsyncCheckpointer(_handler(procs, _save_registry(procs)),
                                                 multiprocessing_options=_multiprocessing(procs))
-        self.procs = procs
+        self.procs, self.mesh = procs, mesh
         self._thread: threading.Thread | None = None
         self._done: list[dict] = []
         self._error: BaseException | None = None
@@ -256,34 +276,30 @@ class StageCheckpointer:
     def due(self, steps_done: int) -> bool:
         return steps_done % self.every == 0 or steps_done == self.total
 
-    def save(self, steps_done: int, worker) -> float:
-        """Start saving the state after `steps_done` steps; returns the blocking seconds."""
+    def save(self, state, progs, data: dict | None = None) -> float:
+        """Start saving `state` (a `stages.state.StageState`: after `state.step` steps); `data`: the
+        loader's position (None on a host that loads nothing), reported with the save. Returns the
+        blocking seconds."""
         import orbax.checkpoint as ocp
+
+        from stages.state import host_array
 
         self._wait_previous()
         t0 = time.perf_counter()
-        tree, names, seen = {}, {}, set()
-        for names_, leaves in _all_named(worker):
-            for name, leaf in zip(names_, leaves):
-                if name in seen:
-                    continue                  # a shared leaf (count) of a second chunk
-                key = f"a{len(tree):05d}"
-                tree[key], names[key] = leaf, name
-                seen.add(name)
-        if worker.scale_state is not None:
-            for name, value in zip(SCALE_NAMES, (np.float64(worker.scale_state[0]), np.int64(worker.scale_state[1]))):
-                key = f"a{len(tree):05d}"
-                tree[key], names[key] = np.asarray(value), name
-        state = {"arrays": tree, "step": np.int64(steps_done), "data": {"next_step": np.int64(steps_done)},
-                 "rng": {"seed": np.int64(worker.cfg.seed)}}
-        data = worker.data_state()            # None on a host that loads nothing
+        steps_done = int(state.step)
+        tree, names = {}, {}
+        for name, leaf in named_leaves(progs, state):
+            key = f"a{len(tree):05d}"
+            tree[key], names[key] = (leaf if hasattr(leaf, "sharding") else host_array(leaf)), name
+        saved = {"arrays": tree, "step": np.int64(steps_done), "data": {"next_step": np.int64(steps_done)},
+                 "rng": {"seed": np.int64(self.seed)}}
         directory = stage_dir(self.root, steps_done, self.stage)
         self._step = steps_done
         directory.parent.mkdir(parents=True, exist_ok=True)
         if self.procs is not None and len(self.procs) > 1:
-            state = _global_leaves(state, worker.mesh)
+            saved = _global_leaves(saved, self.mesh)
         with _orbax_world(self.procs):
-            self._ckptr.save(directory, args=ocp.args.PyTreeSave(state))
+            self._ckptr.save(directory, args=ocp.args.PyTreeSave(saved))
             if self.procs is not None and len(self.procs) == 1:
                 self._ckptr.wait_until_finished()        # the one-process view must not outlive this call
         blocking = self.last_blocking_s = time.perf_counter() - t0
@@ -322,7 +338,7 @@ class StageCheckpointer:
         if self._error is not None:
             e, self._error = self._error, None
             full = ("no space left on the device of checkpoint.dir = "
-                    f"{self.root} (the last committed checkpoint is kept): " if _disk_full(e) else "")
+                    f"{self.root} (the last committed checkpoint is kept): " if disk_full(e) else "")
             raise RuntimeError(f"checkpoint save of step {self._step} failed on stage {self.stage} host "
                                f"{self.host}: {full}{type(e).__name__}: {e}") from e
 
@@ -347,81 +363,87 @@ class StageCheckpointer:
                 self._ckptr.close()
 
 
-def restore(worker, plan: dict) -> None:
-    """Replace `worker.params` / `worker.opt_state` / `worker.mstate` by the checkpoint's arrays, by
-    name, in place.
-
-    `plan`: {"root", "step", "stages": [{"path", "arrays": {name: {"shape", "dtype", "key"}}}]} (the
-    commit marker's records, `orchestrator.driver.checkpoint.restore_plan`). Each array lands
-    directly in the sharding the current state has for it.
-    """
+def restore(plan: RestorePlan, state, progs, mesh, who: str, procs: tuple[int, ...] | None = None):
+    """`state` (a `stages.state.StageState`, which gives the structure, names and shardings) with
+    every persistent leaf read from committed step `plan.step`, by name: each array lands directly
+    in the sharding `state` has for it; `procs`: the stage's processes inside a job-wide world
+    (`processes`). Returns the restored state."""
     import jax
     import orbax.checkpoint as ocp
-    from jax.sharding import NamedSharding, PartitionSpec
 
-    replicated = NamedSharding(worker.mesh, PartitionSpec())
-
-    def target(leaf):
-        """The leaf's own sharding; a leaf jit left uncommitted on one device (adam's count) is
-        restored replicated over the stage mesh, so programs see one device set."""
-        sh = leaf.sharding if isinstance(leaf.sharding, NamedSharding) else replicated
-        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sh)
+    from stages.state import abstract
 
     where = {}       # name -> (stage record index, key)
-    for i, rec in enumerate(plan["stages"]):
-        for name, meta in rec["arrays"].items():
-            where.setdefault(name, (i, meta["key"]))
-    named = named_state(worker.progs, worker.params, worker.opt_state)
-    named_s = named_mstate(worker.progs, worker.mstate)
+    for i, rec in enumerate(plan.stages):
+        for arr in rec.arrays:
+            where.setdefault(arr.name, (i, arr.key))
+    named = named_leaves(progs, state)
+    targets = abstract([leaf for _, leaf in named], mesh)
     want: dict[int, dict] = {}
-    for names_, leaves in _all_named(worker):
-        for name, leaf in zip(names_, leaves):
-            if name not in where:
-                raise RuntimeError(f"{worker.cfg.who}: checkpoint step {plan['step']} has no array {name!r}")
-            i, key = where[name]
-            want.setdefault(i, {})[key] = (name, target(leaf))
+    for (name, _), target in zip(named, targets):
+        if name not in where:
+            field = name[len("opt:"):].split("|", 1)[0]
+            if field in state._fields:      # a stage-wide field (e.g. loss_scale): a run saved without it
+                raise RuntimeError(f"{who}: checkpoint step {plan.step} has no {field.replace('_', '-')} state "
+                                   f"({name!r}): it was saved without it")
+            raise RuntimeError(f"{who}: checkpoint step {plan.step} has no array {name!r}")
+        i, key = where[name]
+        want.setdefault(i, {})[key] = (name, target)
     got: dict[str, Any] = {}
-    procs = processes(worker.cfg)
     _own_signal_keys(procs)
     with _orbax_world(procs), ocp.Checkpointer(_handler(procs), multiprocessing_options=_multiprocessing(procs)) \
             as ckptr:
-        for i, targets in sorted(want.items()):
-            item = {"arrays": {k: s for k, (_, s) in targets.items()}}
-            args = {"arrays": {k: ocp.ArrayRestoreArgs(sharding=s.sharding) for k, (_, s) in targets.items()}}
-            directory = step_dir(plan["root"], plan["step"]) / plan["stages"][i]["path"]
+        for i, keyed in sorted(want.items()):
+            item = {"arrays": {k: t for k, (_, t) in keyed.items()}}
+            args = {"arrays": {k: _restore_args(t) for k, (_, t) in keyed.items()}}
+            directory = step_dir(plan.root, plan.step) / plan.stages[i].path
             try:
                 out = ckptr.restore(directory, args=ocp.args.PyTreeRestore(item, restore_args=args,
                                                                            partial_restore=True))
             except Exception as e:
-                raise RuntimeError(f"{worker.cfg.who}: restoring {directory} failed: {type(e).__name__}: "
+                raise RuntimeError(f"{who}: restoring {directory} failed: {type(e).__name__}: "
                                    f"{str(e)[:400]}") from e
-            for key, (name, _) in targets.items():
+            for key, (name, _) in keyed.items():
                 got[name] = out["arrays"][key]
-    if worker.scale_state is not None:
-        worker.scale_state = _restore_scale(worker, plan, where)
-    for c, (ptree, pn, otree, on) in enumerate(named):
-        worker.params[c] = jax.tree_util.tree_unflatten(ptree, [got[n] for n in pn])
-        worker.opt_state[c] = jax.tree_util.tree_unflatten(otree, [got[n] for n in on])
-        stree, sn = named_s[c]
-        worker.mstate[c] = jax.tree_util.tree_unflatten(stree, [got[n] for n in sn])
-    jax.block_until_ready((worker.params, worker.opt_state, worker.mstate))
+    restored = _rebuild(state, progs, got)
+    jax.block_until_ready(restored)
+    return restored
 
 
-def _restore_scale(worker, plan: dict, where: dict) -> tuple[float, int]:
-    """The loss-scale state (scale, finite steps in a row) saved with the checkpoint's step."""
+def _restore_args(target):
     import orbax.checkpoint as ocp
 
-    missing = [n for n in SCALE_NAMES if n not in where]
-    if missing:
-        raise RuntimeError(f"{worker.cfg.who}: checkpoint step {plan['step']} has no loss-scale state "
-                           f"({missing[0]!r}): it was saved without precision.loss_scale")
-    i = where[SCALE_NAMES[0]][0]
-    keys = [where[n][1] for n in SCALE_NAMES]
-    item = {"arrays": {keys[0]: np.zeros((), np.float64), keys[1]: np.zeros((), np.int64)}}
-    args = {"arrays": {k: ocp.RestoreArgs(restore_type=np.ndarray) for k in keys}}
-    directory = step_dir(plan["root"], plan["step"]) / plan["stages"][i]["path"]
-    procs = processes(worker.cfg)
-    with _orbax_world(procs), ocp.Checkpointer(_handler(procs), multiprocessing_options=_multiprocessing(procs)) \
-            as ckptr:
-        out = ckptr.restore(directory, args=ocp.args.PyTreeRestore(item, restore_args=args, partial_restore=True))
-    return float(out["arrays"][keys[0]]), int(out["arrays"][keys[1]])
+    if isinstance(target, np.ndarray):
+        return ocp.RestoreArgs(restore_type=np.ndarray)
+    return ocp.ArrayRestoreArgs(sharding=target.sharding)
+
+
+def _rebuild(state, progs, got: dict):
+    """`state` with its persistent leaves replaced by `got` (name -> restored leaf); a host scalar
+    comes back as the Python type it was."""
+    import jax
+
+    from stages.state import ChunkState, stage_fields
+
+    chunks = state.chunks
+    named = named_state(progs, [c.params for c in chunks], [c.opt_state for c in chunks])
+    named_s = named_mstate(progs, [c.mstate for c in chunks])
+    new = []
+    for c, (ptree, pn, otree, on) in enumerate(named):
+        stree, sn = named_s[c]
+        new.append(ChunkState(jax.tree_util.tree_unflatten(ptree, [got[n] for n in pn]),
+                              jax.tree_util.tree_unflatten(otree, [got[n] for n in on]),
+                              chunks[c].grads, jax.tree_util.tree_unflatten(stree, [got[n] for n in sn])))
+    fields = {}
+    for field, value in stage_fields(state):
+        leaves, tree = jax.tree_util.tree_flatten_with_path(value)
+        fields[field] = jax.tree_util.tree_unflatten(
+            tree, [_as_host(leaf, got[stage_name(field, path)]) for path, leaf in leaves])
+    return state._replace(chunks=tuple(new), **fields)
+
+
+def _as_host(like, value):
+    """A restored host scalar as the Python type `like` is (a device array stays as it came)."""
+    if isinstance(like, (bool, int, float)) and not hasattr(like, "sharding"):
+        return type(like)(np.asarray(value).item())
+    return value

@@ -14,13 +14,17 @@ import threading
 import time
 from typing import Any, Hashable
 
+from orchestrator.core.contract import FAILURE_ATTR
+
 
 _MISSING = object()
 
 
 class MailboxClosed(RuntimeError):
     """This actor was told to stop (`Mailbox.close`): a consequence, not the cause, of a failure.
-    The driver reports the actor that failed by itself in preference (`waiting.wait_all`)."""
+    The driver reports the actor that failed by itself in preference (`waiting.wait_all`); when
+    a peer's failure closed it, the error carries that peer's `StepFailure`
+    (`orchestrator.core.contract.FAILURE_ATTR`), so the driver names the peer from its fields."""
 
 
 class Mailbox:
@@ -29,6 +33,7 @@ class Mailbox:
         self._cv = threading.Condition()
         self._owner = owner
         self._closed: str | None = None
+        self._failure = None       # the peer's StepFailure that closed it, if one did
 
     def put(self, key: Hashable, value: Any) -> None:
         with self._cv:
@@ -42,7 +47,10 @@ class Mailbox:
         with self._cv:
             while key not in self._items:
                 if self._closed:
-                    raise MailboxClosed(f"{self._owner}: mailbox closed ({self._closed}) while waiting for {key!r}")
+                    e = MailboxClosed(f"{self._owner}: mailbox closed ({self._closed}) while waiting for {key!r}")
+                    if self._failure is not None:
+                        setattr(e, FAILURE_ATTR, self._failure)
+                    raise e
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise TimeoutError(f"{self._owner}: nothing arrived for {key!r} within {timeout:.0f} s "
@@ -56,9 +64,11 @@ class Mailbox:
         with self._cv:
             return self._items.pop(key, _MISSING) is not _MISSING
 
-    def close(self, reason: str) -> None:
+    def close(self, reason: str, failure=None) -> None:
+        """Close: every wait, now and later, raises MailboxClosed saying `reason`; `failure`: the
+        `StepFailure` behind it (a peer's), carried on those errors."""
         with self._cv:
-            self._closed = reason
+            self._closed, self._failure = reason, failure
             self._cv.notify_all()
 
     @property

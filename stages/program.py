@@ -12,7 +12,8 @@ and once per step: params, opt_state, grads = update(params, opt_state, grads, g
 gnorm is the global gradient norm over every stage when the chain clips by it (the worker
 exchanges one squared norm per stage, `sq_norm`, before any stage updates). The worker runs
 `update_checked`, the same update that also returns the stage's health on the device (its squared
-gradient norm and its count of non-finite parameters after the update, `orchestrator.core.health`).
+gradient norm before clipping and its count of non-finite parameters after the update,
+`orchestrator.core.health`).
 Evaluation runs `fwd_eval(params, xs[, labels])`: the forward alone, train=False (the last
 stage's loss).
 
@@ -201,220 +202,205 @@ class StageProgram:
             return x, new
 
     def _build(self):
-        meta = self._vjp_meta
-        in_diff, out_diff = self.in_diff, self.out_diff
-
-        stateful = self.stateful
-        aux = stateful or not self.last        # does the objective return auxiliary outputs?
-
-        def objective(xs, labels, ids, mstate=None):
-            """The stage as a function of (params, floating inputs) for jax.vjp, and its primals.
-            A stateful stage's objective also returns the parts' new mutable state (aux)."""
-            xs = list(xs)
-            key = None if ids is None else microbatch_key(ids[0], ids[1], ids[2])
-
-            def f(p, *dx):
-                full = list(xs)
-                for i, v in zip(in_diff, dx):
-                    full[i] = v
-                y, new = self._apply(p, full, key, mstate=mstate)
-                if self.last:
-                    with sharding.use(self.mesh, self.layout):
-                        loss = self.model.loss(self._cast(y, jnp.float32), labels).astype(jnp.float32)
-                    return (loss, new) if stateful else loss
-                leaves = jax.tree.leaves(y)
-                rest = [leaf for i, leaf in enumerate(leaves) if i not in out_diff]
-                return [leaves[i] for i in out_diff], ((rest, new) if stateful else rest)
-
-            return f, [xs[i] for i in in_diff]
-
-        def split_aux(a):
-            """(the rest of the outputs, the new state) from the objective's aux."""
-            if self.last:
-                return [], a
-            return a if stateful else (a, None)
-
-        def fwd(params, xs, labels=None, ids=None, mstate=None):
-            """(outputs, residuals), and for a stateful stage (outputs, residuals, new state)."""
-            f, dx = objective(xs, labels, ids, mstate)
-            primals = (params,) if self.first else (params, *dx)
-            if meta["recompute"]:      # fallback (stages.residuals): keep the inputs, rerun in the backward
-                out = f(*primals)
-                if aux:
-                    out, (rest, new) = out[0], split_aux(out[1])
-                outs = out if self.last else _merge(out, rest, out_diff, len(self.out_leaves))
-                meta["has_ids"] = ids is not None
-                res = (list(xs) + ([labels] if self.last else []) + ([ids] if ids is not None else [])
-                       + ([mstate] if stateful else []))
-                return (outs, res, new) if stateful else (outs, res)
-            if aux:
-                diff, vjp, a = jax.vjp(f, *primals, has_aux=True)
-                rest, new = split_aux(a)
-                outs = diff if self.last else _merge(diff, rest, out_diff, len(self.out_leaves))
-            else:
-                outs, vjp = jax.vjp(f, *primals)
-            leaves, treedef = jax.tree.flatten(vjp)
-            where = {id(leaf): i for i, leaf in enumerate(jax.tree.leaves(params))}
-            slots = tuple(where.get(id(leaf)) for leaf in leaves)
-            meta["treedef"], meta["slots"] = treedef, slots
-            res = [leaf for leaf, s in zip(leaves, slots) if s is None]
-            return (outs, res, new) if stateful else (outs, res)
-
-        def pullback(params, res, dys):
-            if meta["recompute"]:
-                n = len(self.in_leaves)
-                xs, rest = list(res[:n]), list(res[n:])
-                labels = rest.pop(0) if self.last else None
-                ids = rest.pop(0) if meta.get("has_ids") else None
-                mstate = rest.pop(0) if stateful else None
-                f, dx = objective(xs, labels, ids, mstate)
-                primals = (params,) if self.first else (params, *dx)
-                vjp = jax.vjp(f, *primals, has_aux=True)[1] if aux else jax.vjp(f, *primals)[1]
-                grads = vjp(dys)
-            else:
-                plist, it = jax.tree.leaves(params), iter(res)
-                leaves = [plist[s] if s is not None else next(it) for s in meta["slots"]]
-                grads = jax.tree.unflatten(meta["treedef"], leaves)(dys)
-            dparams = grads[0]
-            dxs = None if self.first else list(grads[1:])
-            return dxs, dparams
-
-        def seed(dys):
-            if not self.last:
-                return list(dys)
-            if dys is None:
-                return jnp.float32(1.0 / self.m)
-            return jnp.asarray(dys, jnp.float32) / jnp.float32(self.m)     # loss scaling: S / m
-
-        def fwd_eval(params, xs, labels=None, mstate=None):     # evaluation: no VJP, nothing kept, train=False
-            y, _ = self._apply(params, list(xs), None, train=False, mstate=mstate)
-            if self.last:
-                with sharding.use(self.mesh, self.layout):
-                    return self.model.loss(self._cast(y, jnp.float32), labels).astype(jnp.float32)
-            return jax.tree.leaves(y)
-
-        self.fwd_eval = jax.jit(fwd_eval) if self.mesh is None or self.last else jax.jit(
-            fwd_eval, out_shardings=self.output_shardings())
-
+        """Jit the stage's programs (the module docstring's flow); each is a method below."""
         psh = self.param_shardings() if self.mesh is not None else None
         ssh = self.state_sharding()
-        out_sh = (None if self.last else self.output_shardings(), None) + ((ssh,) if stateful else ())
-
-        def jit_fwd():
-            return jax.jit(fwd, out_shardings=out_sh) if self.mesh is not None else jax.jit(fwd)
-
-        compiled = jit_fwd()
-
-        def checked_fwd(params, *args, **kw):
-            """The first call verifies that no parameter comes back as a residual (stages.residuals)."""
-            nonlocal compiled
-            if "checked" not in meta:
-                meta["checked"] = True
-                if not meta["recompute"] and forwarded_params(lambda p, *a: fwd(p, *a, **kw), params, *args):
-                    warnings.warn(f"parts [{self.start}, {self.stop}): this JAX ({jax.__version__}) returns "
-                                  "parameters as VJP residuals, so each forward would copy the weights; "
-                                  "recomputing the forward in the backward instead", RuntimeWarning, stacklevel=2)
-                    meta["recompute"] = True
-                    compiled = jit_fwd()
-            return compiled(params, *args, **kw)
-
-        self.fwd = checked_fwd
-        self.jitted_fwd = lambda: compiled     # the jitted forward itself (for AOT lowering)
         xsh = None
         if self.mesh is not None and not self.first:
             ins = self.input_shardings()
-            xsh = [ins[i] for i in in_diff]
-
-        def bwd(params, res, dys):
-            with sharding.use(self.mesh, self.layout):
-                return pullback(params, res, seed(dys))
-
-        def bwd_acc(params, res, dys, acc):
-            dxs, dparams = bwd(params, res, dys)
-            return dxs, jax.tree.map(jnp.add, acc, dparams)
-
-        def jit(fn, out_sh):
-            return jax.jit(fn) if self.mesh is None else jax.jit(fn, out_shardings=out_sh)
-
-        self.bwd = jit(bwd, (xsh, psh))
+            xsh = [ins[i] for i in self.in_diff]
+        self._psh, self._xsh, self._splits = psh, xsh, {}
+        self.fwd_eval = jax.jit(self._fwd_eval) if self.mesh is None or self.last else jax.jit(
+            self._fwd_eval, out_shardings=self.output_shardings())
+        self._fwd_out_sh = (None if self.last else self.output_shardings(), None) + ((ssh,) if self.stateful else ())
+        self._compiled_fwd = self._jit_fwd()
+        self.jitted_fwd = lambda: self._compiled_fwd     # the jitted forward itself (for AOT lowering)
+        self.bwd = self._jit(self._bwd, (xsh, psh))
         # backward and gradient accumulation in one program: one dispatch per B/W. Not donated:
         # XLA refused to alias the accumulator when GSPMD chose another layout for it
         # (examples/gpt.yaml, stage {model: 2}: "Expected aliased input ... to have the same size").
-        self.bwd_acc = jit(bwd_acc, (xsh, psh))
-        splits: dict = {}
-
-        def zero_bubble(params, res, dys) -> ZeroBubble:
-            """The I/W programs of this backward (`stages.zb_split`), cut once per argument shapes."""
-            leaves, tree = jax.tree.flatten((params, res, dys))
-            key = (tree, tuple((np.shape(a), np.dtype(a.dtype).str) for a in leaves))
-            if key not in splits:
-                splits[key] = ZeroBubble(split_backward(bwd, params, res, dys), jit, xsh, psh)
-            return splits[key]
-
-        def bwd_i(params, res, dys):
-            return zero_bubble(params, res, dys).i(params, res, dys)
-
-        self.zero_bubble = zero_bubble
-        self.bwd_i = bwd_i
-
-        def fwd_bwd_acc(params, xs, labels, ids, acc, scale=None, mstate=None):
-            """The loss stage's F and B as one program (schedules that run them back to back);
-            `scale`: the loss scale under loss scaling (seed scale / m), else None (1 / m).
-            A stateful stage also returns the parts' new mutable state."""
-            f, dx = objective(list(xs), labels, ids, mstate)
-            primals = (params,) if self.first else (params, *dx)
-            with sharding.use(self.mesh, self.layout):
-                if stateful:
-                    loss, vjp, new = jax.vjp(f, *primals, has_aux=True)
-                else:
-                    loss, vjp = jax.vjp(f, *primals)
-                grads = vjp(seed(scale))
-            out = (loss, None if self.first else list(grads[1:]), jax.tree.map(jnp.add, acc, grads[0]))
-            return out + (new,) if stateful else out
-
+        self.bwd_acc = self._jit(self._bwd_acc, (xsh, psh))
         if self.last:
             # the accumulator is donated where its layout is the parameters' by construction (no mesh or
             # one device: `init_state` makes it with the parameter shardings); with a multi-device mesh
             # GSPMD may lay it out otherwise and XLA refuses the alias (see bwd_acc above)
             donate = (4,) if self.mesh is None or self.mesh.size == 1 else ()
-            self.fwd_bwd_acc = jax.jit(fwd_bwd_acc, donate_argnums=donate) if self.mesh is None else jax.jit(
-                fwd_bwd_acc, out_shardings=(None, xsh, psh) + ((ssh,) if stateful else ()), donate_argnums=donate)
-
-        def accumulate(acc, g):
-            return jax.tree.map(jnp.add, acc, g)
-
-        def update(params, opt_state, grads, gnorm=None):
-            if self.clip is not None:     # optax.clip_by_global_norm's own arithmetic, with the global norm
-                trigger = gnorm < self.clip
-                grads = jax.tree.map(
-                    lambda t: jax.lax.select(trigger, t, (t / gnorm.astype(t.dtype)) * self.clip), grads)
-            updates, opt_state = self.tx.update(grads, opt_state, params)
-            params = optax.apply_updates(params, updates)
-            return params, opt_state, jax.tree.map(jnp.zeros_like, grads)
-
-        def sq_norm(grads):
-            return sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads))
-
-        def unscale(grads, scale):
-            grads = jax.tree.map(lambda g: g / scale.astype(g.dtype), grads)
-            bad = sum(jnp.sum(~jnp.isfinite(g)).astype(jnp.float32) for g in jax.tree.leaves(grads))
-            return grads, bad
-
-        def update_checked(params, opt_state, grads, gnorm=None):
-            """`update`, and the stage's training health on the device (`orchestrator.core.health`):
-            [its squared gradient norm before clipping, its count of non-finite parameters after]."""
-            sq = sq_norm(grads)
-            params, opt_state, zeros = update(params, opt_state, grads, gnorm)
-            bad = sum(jnp.sum(~jnp.isfinite(p)).astype(jnp.float32) for p in jax.tree.leaves(params)
-                      if jnp.issubdtype(p.dtype, jnp.inexact))
-            return params, opt_state, zeros, jnp.stack([sq, jnp.float32(bad)])
-
-        self.sq_norm = jax.jit(sq_norm)
-        self.unscale = jax.jit(unscale, donate_argnums=0)
+            self.fwd_bwd_acc = jax.jit(self._fwd_bwd_acc, donate_argnums=donate) if self.mesh is None else jax.jit(
+                self._fwd_bwd_acc, out_shardings=(None, xsh, psh) + ((ssh,) if self.stateful else ()),
+                donate_argnums=donate)
+        self.sq_norm = jax.jit(_sq_norm)
+        self.unscale = jax.jit(_unscale, donate_argnums=0)
         self.zero_grads = jax.jit(lambda g: jax.tree.map(jnp.zeros_like, g), donate_argnums=0)
-        self.accumulate = jax.jit(accumulate, donate_argnums=0)
-        self.update = jax.jit(update, donate_argnums=(0, 1, 2))
-        self.update_checked = jax.jit(update_checked, donate_argnums=(0, 1, 2))
+        self.accumulate = jax.jit(_accumulate, donate_argnums=0)
+        self.update = jax.jit(self._update, donate_argnums=(0, 1, 2))
+        self.update_checked = jax.jit(self._update_checked, donate_argnums=(0, 1, 2))
+
+    def _jit(self, fn, out_sh):
+        return jax.jit(fn) if self.mesh is None else jax.jit(fn, out_shardings=out_sh)
+
+    def _jit_fwd(self):
+        return jax.jit(self._fwd, out_shardings=self._fwd_out_sh) if self.mesh is not None else jax.jit(self._fwd)
+
+    @property
+    def _aux(self) -> bool:
+        """Does the objective return auxiliary outputs (the rest of the outputs, the new state)?"""
+        return self.stateful or not self.last
+
+    def _objective(self, xs, labels, ids, mstate=None):
+        """The stage as a function of (params, floating inputs) for jax.vjp, and its primals.
+        A stateful stage's objective also returns the parts' new mutable state (aux)."""
+        xs = list(xs)
+        key = None if ids is None else microbatch_key(ids[0], ids[1], ids[2])
+        in_diff, out_diff, stateful = self.in_diff, self.out_diff, self.stateful
+
+        def f(p, *dx):
+            full = list(xs)
+            for i, v in zip(in_diff, dx):
+                full[i] = v
+            y, new = self._apply(p, full, key, mstate=mstate)
+            if self.last:
+                with sharding.use(self.mesh, self.layout):
+                    loss = self.model.loss(self._cast(y, jnp.float32), labels).astype(jnp.float32)
+                return (loss, new) if stateful else loss
+            leaves = jax.tree.leaves(y)
+            rest = [leaf for i, leaf in enumerate(leaves) if i not in out_diff]
+            return [leaves[i] for i in out_diff], ((rest, new) if stateful else rest)
+
+        return f, [xs[i] for i in in_diff]
+
+    def _split_aux(self, a):
+        """(the rest of the outputs, the new state) from the objective's aux."""
+        if self.last:
+            return [], a
+        return a if self.stateful else (a, None)
+
+    def _fwd(self, params, xs, labels=None, ids=None, mstate=None):
+        """(outputs, residuals), and for a stateful stage (outputs, residuals, new state)."""
+        meta, stateful = self._vjp_meta, self.stateful
+        f, dx = self._objective(xs, labels, ids, mstate)
+        primals = (params,) if self.first else (params, *dx)
+        if meta["recompute"]:      # fallback (stages.residuals): keep the inputs, rerun in the backward
+            out = f(*primals)
+            if self._aux:
+                out, (rest, new) = out[0], self._split_aux(out[1])
+            outs = out if self.last else _merge(out, rest, self.out_diff, len(self.out_leaves))
+            meta["has_ids"] = ids is not None
+            res = (list(xs) + ([labels] if self.last else []) + ([ids] if ids is not None else [])
+                   + ([mstate] if stateful else []))
+            return (outs, res, new) if stateful else (outs, res)
+        if self._aux:
+            diff, vjp, a = jax.vjp(f, *primals, has_aux=True)
+            rest, new = self._split_aux(a)
+            outs = diff if self.last else _merge(diff, rest, self.out_diff, len(self.out_leaves))
+        else:
+            outs, vjp = jax.vjp(f, *primals)
+        leaves, treedef = jax.tree.flatten(vjp)
+        where = {id(leaf): i for i, leaf in enumerate(jax.tree.leaves(params))}
+        slots = tuple(where.get(id(leaf)) for leaf in leaves)
+        meta["treedef"], meta["slots"] = treedef, slots
+        res = [leaf for leaf, s in zip(leaves, slots) if s is None]
+        return (outs, res, new) if stateful else (outs, res)
+
+    def fwd(self, params, *args, **kw):
+        """The jitted forward (`_fwd`); the first call verifies that no parameter comes back as a
+        residual (`stages.residuals`), else switches to recomputing the forward in the backward."""
+        meta = self._vjp_meta
+        if "checked" not in meta:
+            meta["checked"] = True
+            if not meta["recompute"] and forwarded_params(lambda p, *a: self._fwd(p, *a, **kw), params, *args):
+                warnings.warn(f"parts [{self.start}, {self.stop}): this JAX ({jax.__version__}) returns "
+                              "parameters as VJP residuals, so each forward would copy the weights; "
+                              "recomputing the forward in the backward instead", RuntimeWarning, stacklevel=2)
+                meta["recompute"] = True
+                self._compiled_fwd = self._jit_fwd()
+        return self._compiled_fwd(params, *args, **kw)
+
+    def _pullback(self, params, res, dys):
+        meta = self._vjp_meta
+        if meta["recompute"]:
+            n = len(self.in_leaves)
+            xs, rest = list(res[:n]), list(res[n:])
+            labels = rest.pop(0) if self.last else None
+            ids = rest.pop(0) if meta.get("has_ids") else None
+            mstate = rest.pop(0) if self.stateful else None
+            f, dx = self._objective(xs, labels, ids, mstate)
+            primals = (params,) if self.first else (params, *dx)
+            vjp = jax.vjp(f, *primals, has_aux=True)[1] if self._aux else jax.vjp(f, *primals)[1]
+            grads = vjp(dys)
+        else:
+            plist, it = jax.tree.leaves(params), iter(res)
+            leaves = [plist[s] if s is not None else next(it) for s in meta["slots"]]
+            grads = jax.tree.unflatten(meta["treedef"], leaves)(dys)
+        dparams = grads[0]
+        dxs = None if self.first else list(grads[1:])
+        return dxs, dparams
+
+    def _seed(self, dys):
+        if not self.last:
+            return list(dys)
+        if dys is None:
+            return jnp.float32(1.0 / self.m)
+        return jnp.asarray(dys, jnp.float32) / jnp.float32(self.m)     # loss scaling: S / m
+
+    def _fwd_eval(self, params, xs, labels=None, mstate=None):     # evaluation: no VJP, nothing kept, train=False
+        y, _ = self._apply(params, list(xs), None, train=False, mstate=mstate)
+        if self.last:
+            with sharding.use(self.mesh, self.layout):
+                return self.model.loss(self._cast(y, jnp.float32), labels).astype(jnp.float32)
+        return jax.tree.leaves(y)
+
+    def _bwd(self, params, res, dys):
+        with sharding.use(self.mesh, self.layout):
+            return self._pullback(params, res, self._seed(dys))
+
+    def _bwd_acc(self, params, res, dys, acc):
+        dxs, dparams = self._bwd(params, res, dys)
+        return dxs, jax.tree.map(jnp.add, acc, dparams)
+
+    def zero_bubble(self, params, res, dys) -> ZeroBubble:
+        """The I/W programs of this backward (`stages.zb_split`), cut once per argument shapes."""
+        leaves, tree = jax.tree.flatten((params, res, dys))
+        key = (tree, tuple((np.shape(a), np.dtype(a.dtype).str) for a in leaves))
+        if key not in self._splits:
+            self._splits[key] = ZeroBubble(split_backward(self._bwd, params, res, dys), self._jit, self._xsh,
+                                           self._psh)
+        return self._splits[key]
+
+    def bwd_i(self, params, res, dys):
+        return self.zero_bubble(params, res, dys).i(params, res, dys)
+
+    def _fwd_bwd_acc(self, params, xs, labels, ids, acc, scale=None, mstate=None):
+        """The loss stage's F and B as one program (schedules that run them back to back);
+        `scale`: the loss scale under loss scaling (seed scale / m), else None (1 / m).
+        A stateful stage also returns the parts' new mutable state."""
+        f, dx = self._objective(list(xs), labels, ids, mstate)
+        primals = (params,) if self.first else (params, *dx)
+        with sharding.use(self.mesh, self.layout):
+            if self.stateful:
+                loss, vjp, new = jax.vjp(f, *primals, has_aux=True)
+            else:
+                loss, vjp = jax.vjp(f, *primals)
+            grads = vjp(self._seed(scale))
+        out = (loss, None if self.first else list(grads[1:]), jax.tree.map(jnp.add, acc, grads[0]))
+        return out + (new,) if self.stateful else out
+
+    def _update(self, params, opt_state, grads, gnorm=None):
+        if self.clip is not None:     # optax.clip_by_global_norm's own arithmetic, with the global norm
+            trigger = gnorm < self.clip
+            grads = jax.tree.map(
+                lambda t: jax.lax.select(trigger, t, (t / gnorm.astype(t.dtype)) * self.clip), grads)
+        updates, opt_state = self.tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        return params, opt_state, jax.tree.map(jnp.zeros_like, grads)
+
+    def _update_checked(self, params, opt_state, grads, gnorm=None):
+        """`_update`, and the stage's training health on the device (`orchestrator.core.health`):
+        [its squared gradient norm before clipping, its count of non-finite parameters after]."""
+        sq = _sq_norm(grads)
+        params, opt_state, zeros = self._update(params, opt_state, grads, gnorm)
+        bad = sum(jnp.sum(~jnp.isfinite(p)).astype(jnp.float32) for p in jax.tree.leaves(params)
+                  if jnp.issubdtype(p.dtype, jnp.inexact))
+        return params, opt_state, zeros, jnp.stack([jnp.asarray(sq, jnp.float32), jnp.float32(bad)])
 
     def bwd_w(self, params, held: Held):
         """W (zero-bubble): the weight gradients from what `bwd_i` returned as `held`."""
@@ -475,3 +461,17 @@ def _merge(diff: list, rest: list, diff_index: tuple, n: int) -> list:
     for i in range(n):
         out.append(next(d) if i in diff_index else next(r))
     return out
+
+
+def _accumulate(acc, g):
+    return jax.tree.map(jnp.add, acc, g)
+
+
+def _sq_norm(grads):
+    return sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads))
+
+
+def _unscale(grads, scale):
+    grads = jax.tree.map(lambda g: g / scale.astype(g.dtype), grads)
+    bad = sum(jnp.sum(~jnp.isfinite(g)).astype(jnp.float32) for g in jax.tree.leaves(grads))
+    return grads, bad

@@ -7,7 +7,8 @@ Basic flow (driven by `orchestrator.driver.executor`):
      world as the platform's backend planned it (`orchestrator.core.backends.jaxinit`:
      explicit coordinator on CPU/GPU, auto-detection on whole TPU slices;
      bounded timeout); builds the stage's
-     named `Mesh`, the jitted programs, parameters and optimizer state. With
+     named `Mesh`, the jitted programs, and the stage's training state (`stages.state.StageState`:
+     initialised, or restored from the checkpoint the driver names). With
      `compile_cache` (`failure.compile_cache`) JAX's persistent compilation cache
      is on first: a restarted stage loads its programs instead of compiling them.
   3. `connect(actors[, addresses])` — every stage's actor handles (interleaved
@@ -18,7 +19,9 @@ Basic flow (driven by `orchestrator.driver.executor`):
      block), RECV_* take from this actor's mailbox (bounded wait), OPT updates.
      Returns the step's losses (last stage) and per-action spans.
      Each action runs its kind's handler (`stages.actions.HANDLERS`, resolved
-     once per action at construction) over the step's `StepState`.
+     once per action at construction): `state = handler(ctx, state, step_state, action)` —
+     the context (`stages.actions.StageContext`: programs and I/O) in, the training state in
+     and out, the step's tensors in `StepState`; no handler reaches into the actor.
      The same list can be driven as `run_steps(first, count)` (several steps in
      one call) or `run_action(step, i)` (one call per action: the reference
      executor); all three share `_begin` / `_act` / `_finish`.
@@ -36,69 +39,17 @@ from __future__ import annotations
 import os
 import socket
 import time
-from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
-from stages.actions import EVAL_HANDLERS, StepState, handler_for, program_of
-from stages.data import HostLoader, rows_array, rows_of
+from stages.actions import EVAL_HANDLERS, StageContext, StepState, handler_for, program_of
+from stages.data import HostLoader, rows_of
 from stages.mailbox import Mailbox, MailboxClosed
+from stages.checkpoint import disk_full
 from stages.telemetry import LivePeak
-from orchestrator.core.recovery import STEP_NOTE
+from orchestrator.core.contract import FAILURE_ATTR, StepFailure, WorkerConfig
 from orchestrator.core.schedule.ir import RECVS
-from orchestrator.core.model.spec import ModelSpec, param_name
-
-
-@dataclass(frozen=True)
-class WorkerConfig:
-    run: str
-    stage: int
-    host: int                 # host index within the stage (= jax process id there)
-    stage_hosts: int          # hosts in this stage
-    cluster_host: int         # host index in the cluster (bundle index)
-    layers: tuple[int, int]
-    mesh: dict[str, int]
-    layout: dict[str, Any]
-    spec: ModelSpec
-    data: Any                 # orchestrator.core.data.DataPlan: each host opens its own reader
-    microbatches: int
-    optimizer: dict                 # the job's optimizer section (JobConfig.optimizer.spec())
-    seed: int
-    actions: tuple[str, ...]
-    num_stages: int
-    timeouts: dict[str, float] = field(default_factory=dict)
-    hosts: tuple[int, ...] = (0,)   # cluster host index of each host of this stage
-    devices_per_host: int = 1
-    geoms: tuple = ()               # orchestrator.core.edges.StageGeom of every stage (peers' meshes/layouts)
-    chunks: tuple[tuple[int, int], ...] = ()   # layer range per virtual chunk; () means (layers,)
-    pin_cpus: bool = False          # pin this process to core (cluster_host mod cores) before jax loads
-    hooks: tuple = ()               # stages.hooks.WorkerHook objects, called at setup and each step's start
-    transport: str = "ray"          # "ray" (actor calls), "socket" (stages.socket_transport) or "xla" (one JAX world)
-    transport_token: bytes | None = field(default=None, repr=False)   # per-run secret for "socket"
-    transport_same_machine: str = "unix"   # "socket": same-machine peers over "unix" (+ shared memory) or "tcp"
-    transport_tls: dict | None = None      # "socket": {cert_file, key_file, ca_file} paths on this node, or None
-    remat: str = "none"             # rematerialisation of this stage's parts (orchestrator.core.model.policy)
-    fuse_loss_chunk: bool = False   # pipeline.fuse_loss_chunk (stages.actions.fused_chunks)
-    eval_actions: tuple[str, ...] = ()   # this stage's forward-only eval list (data.eval), else ()
-    eval_every: int | None = None        # evaluate after every k-th step ...
-    total_steps: int = 0                 # ... and after the last one
-    checkpoint: dict | None = None  # {root, every, total, async[, restore]} (stages.checkpoint); None: off
-    loss_scale: dict | None = None  # DynamicLossScale fields (orchestrator.core.model.policy); None: off
-    compile_cache: str | None = None   # JAX persistent compilation cache directory (recovery.compile_cache_dir)
-    tie_stages: tuple = ()          # per spec.ties entry: (stage of its earlier side, of its later side)
-    # "xla": the world's transfer order, (("F", training step's), ("E", eval's)) of
-    # orchestrator.core.schedule.transfers.Transfer tuples (every stage gets the same)
-    transfers: tuple = ()
-    on_nonfinite: str = "stop"      # failure.on_nonfinite: "skip" decides globally before the update
-
-    @property
-    def layer_chunks(self) -> tuple[tuple[int, int], ...]:
-        return tuple(self.chunks) or (tuple(self.layers),)
-
-    @property
-    def who(self) -> str:
-        return f"{self.run} stage {self.stage} host {self.host}"
+from orchestrator.core.model.spec import param_name
 
 
 def use_compile_cache(jax, path: str, who: str) -> None:
@@ -130,26 +81,25 @@ class StageWorker:
         self.last_done: int | None = None     # the newest step finished here (heartbeat's `done`)
         # what a RECV (and the end-of-step flush) waits: timeouts.step_s until the driver has
         # measured steps, then what it sets (`set_recv_deadline`: a multiple of its progress deadline)
-        self.recv_s = float(cfg.timeouts.get("step_s", 600.0))
+        self.recv_s = float(cfg.timeouts.step_s)
         self.live_peak = LivePeak()      # live device bytes at the training steps' peak (telemetry)
         self._stash_sizes: dict = {}     # (kind, chunk) -> bytes of what that action keeps (`Stash`)
         self.ckpt = None                # stages.checkpoint.StageCheckpointer when checkpointing
+        self.state = None               # the stage's training state (stages.state.StageState), from setup
+        self.ctx: StageContext | None = None     # what the handlers read: programs, I/O (setup)
+        self.loader = None              # this host's data loader (first / last stage), from setup
         self._coordinator_port = None   # host 0 of a multi-host stage: the socket holding its port
-        from orchestrator.core.model.policy import DynamicLossScale
-
         # loss scaling: the rule and (scale, finite steps in a row); the same on every stage
-        self.scaler = DynamicLossScale(**cfg.loss_scale) if cfg.loss_scale else None
-        self.scale_state = self.scaler.start() if self.scaler else None
         from orchestrator.core.schedule import Action
 
-        self.actions = [Action.parse(text) for text in cfg.actions]
+        self.actions = [Action.parse(text) for text in cfg.stage_spec.actions]
         # the step program: each action with its text (span label) and its kind's handler, resolved once
         # (the loss chunk's F and B run as one program where the schedule puts them back to back)
         loss_chunk = next((c for c, (_, stop) in enumerate(cfg.layer_chunks) if stop == cfg.spec.num_layers), None)
-        self.program = program_of(self.actions, cfg.who, loss_chunk, fuse=cfg.fuse_loss_chunk)
+        self.program = program_of(self.actions, cfg.who, loss_chunk, fuse=cfg.stage_spec.fuse_loss_chunk)
         # the forward-only eval program (data.eval), resolved the same way from its own table
         self.eval_program = [(a, str(a), handler_for(a, cfg.who, EVAL_HANDLERS))
-                             for a in (Action.parse(text) for text in cfg.eval_actions)]
+                             for a in (Action.parse(text) for text in cfg.stage_spec.eval_actions)]
         self._eval_batches = None       # this host's rows of the eval batches, read once
         self.pinned: set[int] | None = None
         self.pinned_threads: set[int] = set()
@@ -188,6 +138,8 @@ class StageWorker:
         from orchestrator.core.model.registry import build_model
         from stages import dataplane
         from stages.program import StageProgram
+        from stages.stage_io import StageIO, make_transport
+        from stages.state import init as init_state
 
         # as the platform's backend planned it (MESHPIPE_JAX_INIT), or the job's one world (transport xla)
         held, self._coordinator_port = self._coordinator_port, None
@@ -195,30 +147,34 @@ class StageWorker:
 
         transfer_address = dataplane.join_jax(cfg, coordinator, held, ray.util.get_node_ip_address(), self.recv_s)
         self.mesh = dataplane.stage_mesh(cfg)
-        devices = self.mesh.devices
-        model, tx = build_model(cfg.spec.factory, cfg.spec.args), cfg.optimizer
-        self.progs = [StageProgram(cfg.spec, model, start, stop, microbatches=cfg.microbatches, optimizer=tx,
-                                   mesh=self.mesh, layout=cfg.layout, remat=cfg.remat)
+        model = build_model(cfg.spec.factory, cfg.spec.args)
+        self.progs = [StageProgram(cfg.spec, model, start, stop, microbatches=cfg.microbatches,
+                                   optimizer=cfg.optimizer.to_spec(), mesh=self.mesh,
+                                   layout=cfg.stage_spec.layout_map, remat=cfg.stage_spec.remat)
                       for start, stop in cfg.layer_chunks]
-        self.params = [prog.init_params(cfg.seed) for prog in self.progs]
-        self.mstate = [prog.init_mstate(cfg.seed) for prog in self.progs]     # mutable model state (BatchNorm)
-        states = [prog.init_state(p) for prog, p in zip(self.progs, self.params)]
-        self.opt_state = [st[0] for st in states]
-        self.grads = [st[1] for st in states]
+        self.state = init_state(self.progs, cfg.seed, cfg.loss_scale)
         restore_s = self._setup_checkpoint()
-        self.transport = dataplane.make_transport(self, transfer_address)
-        self._plan_edges()
-        self._open_data()
-        restored = (cfg.checkpoint or {}).get("restore") or {}
-        if "source" in restored.get("data", {}):
-            self.load_data_state(restored["data"])     # checks seed and source, then the position
-        jax.block_until_ready(self.params)
+        transport = make_transport(cfg, self.mesh, self.inbox, lambda stage: self.actors[stage], self.recv_s,
+                                   transfer_address)
+        rows_in, rows_lab = self._open_data()
+        self.ctx = StageContext(cfg, self.progs, StageIO(cfg, transport, self.inbox, rows_in, rows_lab), cfg.loss_scale)
+        restore = cfg.checkpoint.restore if cfg.checkpoint is not None else None
+        if restore is not None and restore.position is not None:
+            self.load_data_state(restore.position.to_dict())     # checks seed and source, then the position
+        if self.loader is not None:      # batches a health rollback skipped (StageState.data_offset)
+            self.loader.offset = self.state.data_offset or 0
+        jax.block_until_ready(self.state)
         return {"stage": cfg.stage, "host": cfg.host, "pid": os.getpid(),
                 "node_id": ray.get_runtime_context().get_node_id(),
-                "devices": int(devices.size), "local_devices": len(jax.local_devices()),
-                "transport": type(self.transport).__name__, "setup_s": time.perf_counter() - t0,
-                "transport_tls": getattr(self.transport, "tls_server", None) is not None,
+                "devices": int(self.mesh.devices.size), "local_devices": len(jax.local_devices()),
+                "transport": type(transport).__name__, "setup_s": time.perf_counter() - t0,
+                "transport_tls": getattr(transport, "tls_server", None) is not None,
                 "restore_s": restore_s}
+
+    @property
+    def transport(self):
+        """The stage's transport (None before setup)."""
+        return None if self.ctx is None else self.ctx.io.transport
 
     def _setup_checkpoint(self) -> float | None:
         """The stage's checkpointer (`cfg.checkpoint`); restores the saved state first when asked.
@@ -226,75 +182,42 @@ class StageWorker:
         ck, self.ckpt = self.cfg.checkpoint, None
         if not ck:
             return None
-        from stages.checkpoint import StageCheckpointer, processes, restore
+        from stages.checkpoint import StageCheckpointer, processes, restore, stage_name
 
         from orchestrator.core.checkpoint import check_probe
 
-        check_probe(ck["root"], ck["probe"], f"{self.cfg.who} on {socket.gethostname()}")
+        check_probe(ck.root, ck.probe, f"{self.cfg.who} on {socket.gethostname()}")
         took = None
-        if ck.get("restore"):
+        if ck.restore is not None:
             t0 = time.perf_counter()
-            restore(self, ck["restore"])
+            plan = ck.restore
+            if plan.locate(stage_name("data_offset")) is not None:    # a run that skipped data: restore it too
+                self.state = self.state._replace(data_offset=0)
+            self.state = restore(plan, self.state, self.progs, self.mesh, self.cfg.who, processes(self.cfg))
+            offset = (self.state.data_offset or 0) + plan.skip_batches     # a health rollback skips more
+            self.state = self.state._replace(step=plan.step, data_offset=offset or None)
             took = time.perf_counter() - t0
-        self.ckpt = StageCheckpointer(ck["root"], ck["every"], ck["total"], ck["async"], self.cfg.stage,
-                                      self.cfg.host, timeout=self.cfg.timeouts.get("step_s", 600.0),
-                                      procs=processes(self.cfg))
+        self.ckpt = StageCheckpointer(ck.root, ck.every, ck.total, ck.asynchronous, self.cfg.stage,
+                                      self.cfg.host, seed=self.cfg.seed, timeout=self.cfg.timeouts.step_s,
+                                      procs=processes(self.cfg), mesh=self.mesh)
         return took
 
     def checkpoint_flush(self) -> list[dict]:
         """Wait (bounded) for this host's save in flight; the reports not yet handed back."""
         return [] if getattr(self, "ckpt", None) is None else self.ckpt.flush()
 
-    def _plan_edges(self) -> None:
-        """Per chunk: where its input comes from and its output goes (virtual stage c·p + s ± 1), one
-        (Edge, global shape, dtype) per leaf of the activation that crosses."""
-        from orchestrator.core.edges import leaf_dtype
-        from stages.transport import Edge
-
-        cfg, p = self.cfg, self.cfg.num_stages
-        v = len(self.progs)
-        mbs = cfg.data.global_batch // cfg.microbatches
-
-        def leaves(layer: int, peer: int):
-            geom = cfg.geoms[peer % p]
-            return [(Edge(peer % p, geom, tuple(leaf.axes)), leaf.batched(mbs), leaf_dtype(leaf.dtype))
-                    for leaf in cfg.spec.layers[layer].outputs]
-
-        self.edge_in, self.edge_out = [], []
-        for c, (start, stop) in enumerate(cfg.layer_chunks):
-            virtual = c * p + cfg.stage
-            before, after = virtual - 1, virtual + 1
-            self.edge_in.append(None if before < 0 else leaves(start - 1, before))
-            self.edge_out.append(None if after >= p * v else leaves(stop - 1, after))
-            # what may arrive (the transport refuses anything else): activations in, gradients back
-            for edge, shape, dtype in (self.edge_in[c] or []) + (self.edge_out[c] or []):
-                self.transport.expect(edge, shape, dtype)
-
-    def _in_flight(self) -> int:
-        """How many tensors of one expected kind (one edge leaf) may have arrived here and not been
-        taken yet: a training step's microbatches (the next step's cannot come before this host
-        has taken them: a sender needs this stage's gradients first), plus every evaluation
-        batch's (forward-only: the first stage may run all of them ahead), with one more step's
-        worth as margin. The transport refuses a connection that makes it hold more."""
+    def _open_data(self) -> tuple:
+        """This host's rows of a microbatch (inputs on the first stage, labels on the last, else None)
+        and their loader."""
         cfg = self.cfg
-        return cfg.microbatches * (2 + (cfg.data.eval_batches if cfg.data is not None else 0))
-
-    def _open_data(self) -> None:
-        """Loaders for this host's rows: inputs on the first stage, labels on the last (else none)."""
-        cfg = self.cfg
-        mbs = cfg.data.global_batch // cfg.microbatches
+        mbs = cfg.microbatch_size
         first, last = self.progs[0], self.progs[-1]
-        self.rows_in = rows_of(first.input_sharding(), (mbs, *cfg.spec.input_shape)) if first.first else None
-        self.rows_lab = rows_of(last.label_sharding(), (mbs, *cfg.spec.label_shape)) if last.last else None
+        rows_in = rows_of(first.input_sharding(), (mbs, *cfg.spec.input_shape)) if first.first else None
+        rows_lab = rows_of(last.label_sharding(), (mbs, *cfg.spec.label_shape)) if last.last else None
         self.loader = None
-        if self.rows_in is not None or self.rows_lab is not None:
-            self.loader = HostLoader(cfg.data, self.rows_in, self.rows_lab, cfg.microbatches, who=cfg.who)
-
-    def host_operand(self, local, rows, shape, sharding):
-        """This host's rows of a microbatch as the jitted program's operand."""
-        if self.transport.single_device:
-            return local                  # one device: the host holds every row (see recv_operand)
-        return rows_array(local, rows, shape, sharding)
+        if rows_in is not None or rows_lab is not None:
+            self.loader = HostLoader(cfg.data, rows_in, rows_lab, cfg.microbatches, who=cfg.who)
+        return rows_in, rows_lab
 
     def data_state(self) -> dict | None:
         """The loader's position (a small dict for a checkpoint); None on a host that loads nothing."""
@@ -312,6 +235,7 @@ class StageWorker:
         """Handles of every stage's actors (interleaved schedules talk to more than two neighbours),
         and for the socket transport every actor's `transport_address()` ([stage][host])."""
         self.actors = [list(row) for row in actors]
+        self.ctx.io.actors = self.actors
         if addresses is not None:
             self.transport.connect(addresses)
 
@@ -336,7 +260,7 @@ class StageWorker:
             self.loader.close()
         if getattr(self, "transport", None) is not None:
             self.transport.close()
-        if self.cfg.stage_hosts > 1 or self.cfg.transport == "xla":    # every process of the world at once
+        if self.cfg.stage_hosts > 1 or self.cfg.transport.kind == "xla":    # every process of the world at once
             import jax
 
             jax.distributed.shutdown()
@@ -402,30 +326,37 @@ class StageWorker:
         """Called in the "io" group once steps are measured: the seconds a RECV of a step that starts
         from now on may wait (never above `timeouts.step_s`, never below 1 s), and the transport's
         own waits (a frame under way, a blocked write: `Transport.set_io_timeout`); returns it."""
-        self.recv_s = min(max(float(seconds), 1.0), float(self.cfg.timeouts.get("step_s", 600.0)))
+        self.recv_s = min(max(float(seconds), 1.0), float(self.cfg.timeouts.step_s))
         if getattr(self, "transport", None) is not None:
             self.transport.set_io_timeout(self.recv_s)
         return self.recv_s
 
-    def abort_step(self, reason: str) -> None:
-        """A peer's step failed: whatever this actor waits for from it fails now, not at its deadline.
-        (Runs in the "io" group, beside the step.) No recovery inside a step: the driver tears the
-        job down (and with `failure.max_restarts` starts it again from the last checkpoint)."""
-        self.inbox.close(reason)
+    def abort_step(self, reason: str, failure: StepFailure | None = None) -> None:
+        """A peer's step failed (`failure`, from its `_fail`) or the driver stops the run: whatever
+        this actor waits for fails now, not at its deadline, carrying `failure` (runs in the "io"
+        group, beside the step). No recovery inside a step: the driver tears the job down (and with
+        `failure.max_restarts` starts it again from the last checkpoint)."""
+        self.inbox.close(reason, failure)
 
     def _fail(self, step: int, error: Exception) -> None:
-        """A step failed here: this actor starts no further step (queued ones fail at once), and
-        unless it was itself told by a peer, every other actor gets `abort_step` (fire and forget)."""
+        """A step failed here: the error gets this actor's `StepFailure` (how the driver learns where
+        and in which step, `orchestrator.core.contract.FAILURE_ATTR`); this actor starts no further
+        step (queued ones fail at once), and unless it was itself told by a peer, every other actor
+        gets `abort_step` with the same record (fire and forget)."""
         if self.inbox.closed:
             return         # aborted by a peer (or the transport closed), or failed before: no echo
-        reason = f"{self.cfg.who} failed in step {step}: {type(error).__name__}: {str(error)[:300]}"
-        error.add_note(STEP_NOTE + reason)   # the driver reads the step from it (orchestrator.core.recovery.origin)
-        self.inbox.close(reason)
+        text = str(error)[:300]
+        failure = StepFailure(self.cfg.stage, self.cfg.host, step,
+                              f"{type(error).__name__}: {text.splitlines()[0] if text else ''}".rstrip(),
+                              kind="disk_full" if disk_full(error) else "error")
+        setattr(error, FAILURE_ATTR, failure)
+        reason = f"{self.cfg.who} failed in step {step}: {type(error).__name__}: {text}"
+        self.inbox.close(reason, failure)
         for s, row in enumerate(self.actors):
             for h, actor in enumerate(row):
                 if (s, h) != (self.cfg.stage, self.cfg.host):
                     try:
-                        actor.abort_step.options(concurrency_group="io").remote(reason)
+                        actor.abort_step.options(concurrency_group="io").remote(reason, failure)
                     except Exception:  # noqa: BLE001 - best effort; every wait still has its deadline
                         pass
 
@@ -458,48 +389,9 @@ class StageWorker:
         """One action of the list (`stages.actions`: its kind's handler), with its span."""
         self._doing(st.step, text, a.kind in RECVS)
         t0 = time.time()
-        handler(self, st, a)
+        self.state = handler(self.ctx, self.state, st, a)
         st.spans.append((text, t0, time.time()))
         st.done += 1
-
-    def sum_over_stages(self, step: int, local: float, timeout: float, tag: str = "NORM") -> float:
-        """`local` summed over every stage (the global gradient norm's square): host 0 of each stage
-        sends its scalar to every host of the other stages, each host adds what the others sent.
-        Every stage's hosts hold the same value (their arrays are global), so one sender suffices."""
-        cfg = self.cfg
-        if cfg.num_stages == 1:
-            return local
-        refs = []
-        if cfg.host == 0:
-            for s, row in enumerate(self.actors):
-                if s != cfg.stage:
-                    refs += [a.deliver.options(concurrency_group="io").remote((step, tag, cfg.stage), local)
-                             for a in row]
-        total = local + sum(float(self.inbox.take((step, tag, s), timeout))
-                            for s in range(cfg.num_stages) if s != cfg.stage)
-        if refs:
-            import ray
-
-            ray.get(refs, timeout=timeout)
-        return total
-
-    def exchange_tie(self, step: int, tie: int, mine: np.ndarray, timeout: float) -> np.ndarray:
-        """A tied array's gradient swapped with the stage holding the tie's other side
-        (`stages.ties`): host 0 sends this stage's (global) array to every host of that stage,
-        every host takes the one that stage's host 0 sent (bounded wait)."""
-        cfg = self.cfg
-        a, b = cfg.tie_stages[tie]
-        peer = b if cfg.stage == a else a
-        refs = []
-        if cfg.host == 0:
-            refs = [h.deliver.options(concurrency_group="io").remote((step, "TIE", tie, cfg.stage), mine)
-                    for h in self.actors[peer]]
-        got = self.inbox.take((step, "TIE", tie, peer), timeout)
-        if refs:
-            import ray
-
-            ray.get(refs, timeout=timeout)
-        return got
 
     def _finish(self, st: StepState) -> dict:
         cfg = self.cfg
@@ -519,9 +411,12 @@ class StageWorker:
             out["stats"].update(loss_scale=float(st.loss_scale), skipped=bool(st.skipped))
         if st.health is not None:       # training health (orchestrator.core.health): the driver judges
             out["stats"]["health"] = list(st.health)
+        if self.state.step != st.step + 1:
+            raise RuntimeError(f"{cfg.who}: step {st.step} ended with the state at step {self.state.step} "
+                               "(its OPT did not run once)")
         if self.ckpt is not None:       # between steps: the state after this step's OPT
-            if self.ckpt.due(st.step + 1):
-                out["stats"]["checkpoint_blocking_s"] = self.ckpt.save(st.step + 1, self)
+            if self.ckpt.due(self.state.step):
+                out["stats"]["checkpoint_blocking_s"] = self.ckpt.save(self.state, self.progs, self.data_state())
             out["checkpoints"] = self.ckpt.reports()
         self.last_done = st.step
         return out
@@ -532,13 +427,13 @@ class StageWorker:
         step) and add `eval_losses` (last stage: one mean loss per eval batch) and `eval_s`."""
         cfg = self.cfg
         due = self.eval_program and ((cfg.eval_every and (step + 1) % cfg.eval_every == 0)
-                                     or step + 1 == cfg.total_steps)
+                                     or step + 1 == cfg.steps)
         if not due:
             return out
         t0 = time.perf_counter()
         if self._eval_batches is None:
             loader = None if self.loader is None else HostLoader(
-                cfg.data.eval, self.rows_in, self.rows_lab, cfg.microbatches, who=f"{cfg.who} eval")
+                cfg.data.eval, self.ctx.io.rows_in, self.ctx.io.rows_lab, cfg.microbatches, who=f"{cfg.who} eval")
             self._eval_batches = [None if loader is None else loader.load(b) for b in range(cfg.data.eval_batches)]
         losses = []
         for b, batch in enumerate(self._eval_batches):
@@ -547,7 +442,7 @@ class StageWorker:
             st.batch = batch
             for a, text, handler in self.eval_program:
                 self._doing(step, f"eval {b} {text}", a.kind in RECVS)
-                handler(self, st, a)
+                handler(self.ctx, self.state, st, a)      # a forward-only list leaves the state as it is
             if self.progs[-1].last:
                 losses.append(float(np.mean([float(st.losses[i]) for i in range(cfg.microbatches)])))
         self.transport.flush(self.recv_s)
@@ -571,7 +466,7 @@ class StageWorker:
         from stages.dataplane import gather
 
         out = self._gathered()
-        for prog, mstate in zip(self.progs, self.mstate):
+        for prog, mstate in zip(self.progs, (c.mstate for c in self.state.chunks)):
             for i, (layer, s) in enumerate(zip(prog.layers, mstate), start=prog.start):
                 for path, leaf in jax.tree_util.tree_flatten_with_path(s)[0]:
                     out[state_name(i, layer, key_path(path))] = gather(leaf)
@@ -584,7 +479,7 @@ class StageWorker:
         from stages.dataplane import gather
 
         out = {}
-        for prog, params in zip(self.progs, self.params):
+        for prog, params in zip(self.progs, (c.params for c in self.state.chunks)):
             for i, (layer, p) in enumerate(zip(prog.layers, params), start=prog.start):
                 for path, leaf in jax.tree_util.tree_flatten_with_path(p)[0]:
                     out[param_name(i, layer, key_path(path))] = gather(leaf)

@@ -19,7 +19,7 @@ from orchestrator.core.backends import Backend, JaxInit, Node, PlacementError, g
 from orchestrator.core.backends.jaxinit import ENV_KEY
 from stages.jaxinit import initialize
 from orchestrator.core.backends.tpu_topology import VALID_TOPOLOGIES, WORKER_DIMS, aligned_block, geometry
-from orchestrator.core.config import ConfigError, check_job, load_cluster, load_job, parse_cluster, parse_job
+from orchestrator.core.config import ConfigError, check_job, load_cluster, parse_cluster, parse_job
 from orchestrator.core.hosts import plan_hosts
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -111,6 +111,7 @@ def test_slice_geometry(tpu_type, topology, hosts, chips_per_host, head):
     assert (g.hosts, g.chips_per_host, g.head_resource) == (hosts, chips_per_host, head)
 
 
+@pytest.mark.ray_260
 def test_topology_tables_match_rays():
     from ray._private.accelerators import tpu as rtpu
 
@@ -417,6 +418,7 @@ def test_ray_up_files_pass_rays_schema_and_match(name):
     assert "--dashboard-host=127.0.0.1" in " ".join(raw["head_start_ray_commands"])
 
 
+@pytest.mark.ray_260
 @pytest.mark.parametrize("name", ["gpu-2x8", "tpu-v5e-16"])
 def test_kuberay_manifests_match_cluster_configs(name):
     cl = load_cluster(CONFIGS / f"{name}.yaml")

@@ -20,6 +20,9 @@ import pytest
 from orchestrator.core.config import check_job, load_job, parse_cluster
 from tests.test_byo_models import ATOL, CLUSTER, RTOL, assert_params_equal, flat, oracle, pipeline_name_to_path
 
+pytestmark = [pytest.mark.needs_models]
+
+
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "eqx.yaml"
 
 

@@ -14,6 +14,9 @@ from tests.test_byo_models import (ATOL, CLUSTER, RTOL, assert_params_equal, che
                                    pytree_job)
 
 
+pytestmark = [pytest.mark.needs_models]
+
+
 # ----------------------------------------------------------------------------- named split points
 
 def split_job(job, names, extra_stages=()):

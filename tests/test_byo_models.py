@@ -28,6 +28,8 @@ import pytest
 from orchestrator.core.config import ConfigError, check_job, parse_cluster, parse_job
 from orchestrator.core.model.pipeline import key_path
 
+pytestmark = [pytest.mark.needs_models]
+
 RTOL, ATOL = 1e-5, 1e-6
 # init_s: stage setup compiles each part's programs; on the shared 2-core machine 120 s ran out
 CLUSTER = {"address": None, "platform": "cpu", "hosts": 4, "devices_per_host": 2, "cpus_per_host": 0.5,

@@ -21,6 +21,8 @@ import pytest
 from orchestrator.core.model.pipeline import ModelError, describe
 from tests.test_byo_models import ATOL, RTOL, assert_params_equal, checked_of, flat, oracle
 
+pytestmark = [pytest.mark.needs_models]      # flax / equinox models throughout (CI's oldest step leaves them out)
+
 LLAMA = {"vocab": 64, "d_model": 32, "heads": 4, "kv_heads": 2, "d_mlp": 64, "blocks": 2}
 
 

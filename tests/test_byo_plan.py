@@ -9,6 +9,8 @@ worked out here from the models' shapes, not read from the planner.
 """
 from __future__ import annotations
 
+import pytest
+
 from orchestrator.core.plan import make_plan, plan_json, plan_text
 from tests.test_byo_models import checked_of, pytree_job
 from tests.test_byo_state import bn_job
@@ -54,6 +56,7 @@ def test_plan_without_ties_lists_none_and_counts_every_parameter_once():
     assert "tied parameters" not in plan_text(make_plan(checked))
 
 
+@pytest.mark.needs_models
 def test_plan_shows_state_bytes_per_stage_and_counts_them_per_device():
     """The equinox BatchNorm MLP (d 16: each BatchNorm over 2d = 32 channels, "ema" mode: running
     mean and variance float32[32] and a first-time flag bool[]) and the nnx one (mean and var)."""

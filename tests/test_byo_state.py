@@ -25,6 +25,7 @@ from orchestrator.core.config import ConfigError
 from tests.test_byo_models import (ATOL, RTOL, assert_params_equal, checked_of, flat, framework_job,
                                    pipeline_name_to_path)
 
+pytestmark = [pytest.mark.needs_models]
 
 LINEN_SPREAD = 1.13e-5      # linen oracle, jit vs op by op: max |difference| / max |array| over all arrays
 

@@ -17,6 +17,9 @@ from orchestrator.core.config import ConfigError
 from tests.test_byo_models import (ATOL, CHAIN, MAX_NORM, RTOL, checked_of, flat, llama_job, llama_split, oracle,
                                    oracle_chain, pipeline_name_to_path, pytree_job)
 
+pytestmark = [pytest.mark.needs_models]
+
+
 EMBED = ("00.embed/embed/embedding", "03.head/embed/embedding")
 
 

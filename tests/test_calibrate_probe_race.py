@@ -21,7 +21,6 @@ from __future__ import annotations
 import secrets
 import threading
 
-import numpy as np
 import pytest
 
 from stages.calibrate_probe import CalibrationProbe

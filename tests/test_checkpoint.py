@@ -16,12 +16,15 @@ import numpy as np
 import pytest
 
 from orchestrator.core import checkpoint as ck
-from orchestrator.core.config import ConfigError, check_checkpoint_dir, check_job, parse_cluster, parse_job
+from orchestrator.core.config import check_checkpoint_dir, check_job, parse_cluster, parse_job
 from orchestrator.core.config import checkpoint_bytes as ck_bytes
 from orchestrator.core.config.disk import CHECKPOINT_FIXED_BYTES
 from orchestrator.driver.checkpoint import model_arrays, prepare
 from tests import records
 from tests.test_bad_input import error_of, has_all, unwritable_dir
+
+pytestmark = [pytest.mark.needs_checkpoint]
+
 
 CLUSTER = {"hosts": 2, "devices_per_host": 2}
 

@@ -13,7 +13,7 @@ import pytest
 from orchestrator.core.config import ConfigError, check_job, parse_cluster, parse_job
 from stages.data import HostLoader, global_batch, open_reader
 from stages.data.readers import hf_tokens
-from tests.data_helpers import gpt_job, grain_windows, prepared, write_docs
+from tests.data_helpers import gpt_job, prepared, write_docs
 
 CLUSTER = {"address": None, "platform": "cpu", "hosts": 4, "devices_per_host": 2, "cpus_per_host": 0.5}
 REPO_TEXT = "examples/data/tiny_shakespeare_like.txt"
@@ -110,3 +110,18 @@ def test_held_out_eval_split_by_files(tmp_path, shards):
     assert x.shape == (16, 16)
     with pytest.raises(ConfigError, match="give exactly one of data.eval.path"):
         checked(tmp_path, {"source": "tokens", "path": str(shards), "eval": {"batches": 2}})
+
+
+def test_every_source_the_schema_accepts_has_one_planner_and_one_reader():
+    """The sources are told apart in one table per layer (the planner's, the readers'): a source
+    added to the schema without its entries fails here, not at a user's first run."""
+    import typing
+
+    from orchestrator.core.config.schema import DataConfig
+    from orchestrator.core.data.plan import SOURCES
+    from stages.data.readers import READERS
+
+    accepted = set(typing.get_args(DataConfig.model_fields["source"].annotation))
+    assert accepted == {"synthetic", "text", "tokens", "hf", "grain"}
+    assert set(SOURCES) == accepted - {"synthetic"}          # synthetic: the base plan, nothing to check
+    assert set(READERS) == accepted

@@ -63,7 +63,8 @@ def _linen(count):
         m.linen_bn_module = orig
 
 
-@pytest.mark.parametrize("build", [_plain, _nnx, _eqx, _linen], ids=["plain", "nnx", "eqx", "linen"])
+@pytest.mark.parametrize("build", [_plain] + [pytest.param(b, marks=pytest.mark.needs_models) for b in (_nnx, _eqx, _linen)],
+                         ids=["plain", "nnx", "eqx", "linen"])
 def test_describe_traces_the_whole_init_once_for_all_parts(build):
     count = []
     model = build(count)

@@ -120,7 +120,9 @@ CASES = {"linen": ("linen_pipeline", whole_linen), "plain": ("plain_pipeline", w
 
 # equinox: its attention compiles slowly (24-52 s on 2 loaded cores); its text is checked verbatim
 # above and its adapter planned in tests/test_byo_eqx_example.py in the default suite
-@pytest.mark.parametrize("name", ["linen", "nnx", "plain", pytest.param("equinox", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("name", [pytest.param("linen", marks=pytest.mark.needs_models),
+                                  pytest.param("nnx", marks=pytest.mark.needs_models), "plain",
+                                  pytest.param("equinox", marks=pytest.mark.slow)])
 def test_snippet_runs_and_its_parts_compute_the_whole_model(name):
     import importlib
 
@@ -151,6 +153,7 @@ def test_snippet_runs_and_its_parts_compute_the_whole_model(name):
     assert np.isfinite(float(model.loss(got, labels)))
 
 
+@pytest.mark.needs_models
 def test_the_models_pages_other_python_blocks_run_as_written():
     rest = [b for b in blocks(MODELS, "python") if not b.name]
     assert rest, "the models page shows how to check a model with meshpipe.describe"

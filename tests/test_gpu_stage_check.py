@@ -27,6 +27,7 @@ def _python(code: str, timeout: float):
                           timeout=timeout, env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"})
 
 
+@pytest.mark.jax_min_0_10
 def test_the_stage_builds_without_ray():
     """Everything up to compiling (the imports inside functions too): the spec, the stage program, its
     forward traced and its backward cut into I and W, the sizes of what each keeps."""

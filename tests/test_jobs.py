@@ -322,6 +322,7 @@ def test_state_api_lists_the_named_actors_while_running_and_none_after(submitted
     assert submitted.actors_after == set()
 
 
+@pytest.mark.ray_260
 def test_metrics_endpoint_has_every_metric_with_its_tags(submitted):
     by_name: dict = {}
     for name, labels, value in submitted.samples:

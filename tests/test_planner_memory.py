@@ -206,6 +206,7 @@ def test_adapter_sizes_stage_edges_in_the_jobs_compute_dtype():
     assert from_spec(with_compute_dtype(ints, "bfloat16"), "toy", {}, None).layers[0].out_itemsize == 4
 
 
+@pytest.mark.needs_models
 def test_a_factory_model_plans_in_the_jobs_compute_dtype():
     """The same through a job naming a factory model (examples/llama.yaml, flax.nnx: the models
     extra): every edge at 2 bytes under bfloat16, and the worker told to compile in bfloat16."""

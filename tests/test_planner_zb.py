@@ -12,6 +12,9 @@ from orchestrator.core.schedule import generate, lower, simulate, stash_timeline
 from tests.planner_fakes import FakeProfiles, fake_model
 from tests.test_planner_search import topo
 
+pytestmark = [pytest.mark.jax_min_0_10]
+
+
 ZB = dict(schedules=("zb-h1",), max_model=1, remats=("none",), max_fsdp=1, top=0)
 
 

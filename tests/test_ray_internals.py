@@ -30,6 +30,7 @@ def test_every_private_internal_still_exists(module, name):
                                 f"Ray {ray_internals.TESTED_RAY}: re-check orchestrator/driver/ray_internals.py")
 
 
+@pytest.mark.ray_260
 def test_the_internals_keep_their_shape():
     from ray._private import ray_constants
     from ray._raylet import AuthenticationTokenLoader

@@ -19,6 +19,9 @@ from tests.test_bad_input import error_of, has_all
 from tests.test_checkpoint import gpt_job
 
 
+pytestmark = [pytest.mark.needs_checkpoint]
+
+
 # ----------------------------------------------------------------------------- config (pure)
 
 def test_failure_section_keys_and_rules(tmp_path):
@@ -116,25 +119,37 @@ def test_policy_restarts_until_used_up_and_stops_a_repeated_failure():
 
 
 def test_classify_names_the_peer_that_failed_not_the_one_told_to_abort():
-    from orchestrator.core.recovery import DIED, ERROR, HANG, STEP_NOTE
-    from orchestrator.driver.recovery import classify
-    from orchestrator.driver.waiting import ProgressTimeout, StageFailure, short_error
+    """The driver decides from typed fields (the actor's StepFailure, the call's ActorId), never from
+    the words: rewording a message changes no decision, and text that reads like an origin is none."""
+    import pickle
 
-    told = StageFailure("steps 4-7 failed on stage 0 host 0: RuntimeError: r stage 0 host 0: mailbox closed "
-                        "(r stage 1 host 0 failed in step 5: RuntimeError: r stage 1 host 0: boom) while waiting "
-                        "for (5, 'B', 1)", label="stage 0 host 0")
-    f = classify(told, next_step=4)
-    assert (f.cause, f.stage, f.host, f.step, f.text) == (ERROR, 1, 0, 5, "RuntimeError: r stage 1 host 0: boom")
-    f = classify(StageFailure("steps 4-7 failed on stage 1 host 0: ActorDiedError", label="stage 1 host 0", died=True), 4)
+    from orchestrator.core.contract import FAILURE_ATTR, ActorId, StepFailure, failure_of
+    from orchestrator.core.recovery import DIED, ERROR, HANG
+    from orchestrator.driver.recovery import classify
+    from orchestrator.driver.waiting import ProgressTimeout, StageFailure
+
+    peer = StepFailure(1, 0, 5, "RuntimeError: r stage 1 host 0: boom")
+    for message in ("steps 4-7 failed on stage 0 host 0: RuntimeError: r stage 0 host 0: mailbox closed (r stage 1 "
+                    "host 0 failed in step 5: RuntimeError: r stage 1 host 0: boom) while waiting for (5, 'B', 1)",
+                    "told to stop, in other words"):
+        f = classify(StageFailure(message, label=ActorId(0, 0), origin=peer), next_step=4)
+        assert (f.cause, f.stage, f.host, f.step, f.text) == (ERROR, 1, 0, 5, "RuntimeError: r stage 1 host 0: boom")
+    looks_like = StageFailure("steps 4-7 failed on stage 0 host 0: r stage 1 host 0 failed in step 5: boom",
+                              label=ActorId(0, 0))
+    f = classify(looks_like, 4)                     # no record on it: the call's own actor, the driver's step
+    assert (f.cause, f.stage, f.host, f.step) == (ERROR, 0, 0, 4)
+    f = classify(StageFailure("steps 4-7 failed on stage 1 host 0: ActorDiedError", label=ActorId(1, 0), died=True), 4)
     assert (f.cause, f.stage, f.host, f.step) == (DIED, 1, 0, 4)
-    own = RuntimeError("Traceback ...\nRuntimeError: r stage 1 host 0: boom\n"
-                       f"{STEP_NOTE}r stage 1 host 0 failed in step 5: RuntimeError: r stage 1 host 0: boom")
-    assert short_error(own) == "RuntimeError: r stage 1 host 0: boom"     # the note is for the driver only
-    f = classify(StageFailure("steps 4-7 failed on stage 1 host 0", detail=str(own), label="stage 1 host 0"), 4)
-    assert (f.cause, f.stage, f.host, f.step) == (ERROR, 1, 0, 5)           # the step from the worker's note
-    f = classify(ProgressTimeout("no answer", ["stage 1 host 0"]), 6)
+    own = RuntimeError("r stage 1 host 0: boom")          # the record travels on the error, pickled (Ray)
+    setattr(own, FAILURE_ATTR, peer)
+    wrapped = RuntimeError("the transport's error")
+    wrapped.__cause__ = pickle.loads(pickle.dumps(own))
+    assert failure_of(wrapped) == peer and failure_of(RuntimeError("x")) is None
+    f = classify(ProgressTimeout("no answer", [ActorId(1, 0)]), 6)
     assert (f.cause, f.stage, f.host, f.step) == (HANG, 1, 0, 6)
-    f = classify(ProgressTimeout("no answer", ["stage 0 host 0", "stage 1 host 0"]), 6)
+    f = classify(ProgressTimeout("no answer", [ActorId(0, 0), ActorId(1, 0)]), 6)
+    assert (f.cause, f.stage) == (HANG, None)
+    f = classify(ProgressTimeout("no answer", ["stage 1 host 0"]), 6)      # a label, not an ActorId: unknown
     assert (f.cause, f.stage) == (HANG, None)
 
 
@@ -229,13 +244,14 @@ def test_stop_message_commands_are_ones_the_cli_accepts():
 
 
 def test_a_failure_while_a_node_is_gone_is_that_nodes_loss():
+    from orchestrator.core.contract import ActorId
     from orchestrator.core.recovery import DIED, ERROR, NODE_LOST, Failure, RestartPolicy, node_loss
 
     seen = Failure(ERROR, 0, 0, 5, "RuntimeError: Gloo: Connection reset by peer")
     assert node_loss(seen, {}) is seen                          # no node gone: the failure as it was
-    f = node_loss(seen, {"ab" * 28: {"labels": ["stage 0 host 1", "stage 1 host 0"], "why": "Ray marks it dead",
+    f = node_loss(seen, {"ab" * 28: {"labels": [ActorId(0, 1), ActorId(1, 0)], "why": "Ray marks it dead",
                                      "address": "10.1.2.3"}})
-    assert (f.cause, f.stage, f.host, f.step) == (NODE_LOST, 0, 1, 5)
+    assert (f.cause, f.stage, f.host, f.step, f.node) == (NODE_LOST, 0, 1, 5, "ab" * 28)
     assert f.text.startswith(f"node {'ab' * 6} (10.1.2.3) is gone (Ray marks it dead), with stage 0 host 1, "
                              "stage 1 host 0; first error seen: error: stage 0 host 0: RuntimeError: Gloo")
     p = RestartPolicy(2)                   # a node loss is never "the same failure", like a death

@@ -41,16 +41,23 @@ def test_each_run_gets_its_own_sortable_directory_and_latest_names_the_newest(tm
 
 
 def test_resume_continues_the_latest_run_and_sets_the_earlier_record_aside(tmp_path):
+    """The earlier invocation's documents go to previous/<k>/; its metrics.jsonl stays where it is,
+    for the resumed invocation to append to (issue #35: a resumed run appends to its record, the
+    earlier lines kept in the same file; `orchestrator.driver.record`)."""
     j = job(tmp_path)
     first = rundir.open_run(j, now=T0)
     (first / "summary.json").write_text('{"status": "failed"}')
     (first / "metrics.jsonl").write_text('{"step": 0}\n')
+    (first / "error.txt").write_text("boom")
+    (first / "error.1.txt").write_text("boom again")
     (first / "compile_notes").write_text("not a record file")        # left where it is
     again = rundir.open_run(j, resume=True)
     assert again == first
-    assert sorted(p.name for p in first.iterdir()) == ["compile_notes", "previous"]
+    assert sorted(p.name for p in first.iterdir()) == ["compile_notes", "metrics.jsonl", "previous"]
     assert (first / "previous" / "1" / "summary.json").read_text() == '{"status": "failed"}'
-    assert (first / "previous" / "1" / "metrics.jsonl").read_text() == '{"step": 0}\n'
+    assert sorted(p.name for p in (first / "previous" / "1").iterdir()) == ["error.1.txt", "error.txt", "summary.json"]
+    assert (first / "metrics.jsonl").read_text() == '{"step": 0}\n'
+    assert rundir.previous_of(first) == ["previous/1"]
     (first / "summary.json").write_text('{"status": "interrupted"}')
     rundir.open_run(j, resume=True)
     assert (first / "previous" / "2" / "summary.json").read_text() == '{"status": "interrupted"}'

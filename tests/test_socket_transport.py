@@ -196,7 +196,9 @@ def test_io_timeout_follows_the_recv_deadline_set_by_the_driver():
         b.recv((0, "F", 0, 0), x.shape, np.float32, sharding, Edge(0, geoms[0], axes), timeout=5)
         conn = next(iter(a._conns.values()))
         assert conn.sock.gettimeout() == 5
-        worker = SimpleNamespace(cfg=SimpleNamespace(timeouts={"step_s": 600.0}), transport=a, recv_s=600.0)
+        from orchestrator.core.contract import Timeouts
+
+        worker = SimpleNamespace(cfg=SimpleNamespace(timeouts=Timeouts(step_s=600.0)), transport=a, recv_s=600.0)
         assert StageWorker.set_recv_deadline(worker, 0.7) == 1.0        # the RECV deadline's floor
         assert a.io_timeout == a.listener.io_timeout == conn.io_timeout == 1.0
         a.send((1, "F", 0, 0), jax.device_put(x, sharding), Edge(1, geoms[1], axes))

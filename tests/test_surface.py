@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from orchestrator.core.config import check_job, load_cluster, load_job, parse_cluster, parse_job
+from orchestrator.core.config import check_job, load_cluster, load_job
 from orchestrator.core.plan import make_plan, plan_json, plan_text
 from tests import records
 from tests.conftest import ROOT
@@ -62,13 +62,13 @@ def test_plan_of_an_interleaved_schedule_lists_every_chunk_and_every_edge():
 
 @pytest.mark.parametrize("sets", [INTERLEAVED, []], ids=["interleaved", "1f1b"])
 def test_plan_shows_the_edges_the_stage_workers_plan(sets):
-    """The same edges as the workers' own rule (`StageWorker._plan_edges`, run on the configs the
+    """The same edges as the workers' own rule (`stages.stage_io.plan_edges`, run on the configs the
     executor would hand them, no Ray): each cross-actor output edge of each chunk, and its input twin."""
     from types import SimpleNamespace
 
     from orchestrator.core.edges import planned_edges
     from orchestrator.driver.executor import PipelineExecutor
-    from stages.worker import StageWorker
+    from stages.stage_io import plan_edges
 
     checked = check_job(load_job(GPT, sets), load_cluster(LOCAL))
     plan = make_plan(checked)
@@ -77,13 +77,11 @@ def test_plan_shows_the_edges_the_stage_workers_plan(sets):
     for stage in checked.stages:
         cfg = ex.worker_config(stage, 0)
         expected = []      # what the worker tells its transport to expect: (edge, shape, dtype)
-        w = SimpleNamespace(cfg=cfg, progs=[None] * len(cfg.layer_chunks),
-                            transport=SimpleNamespace(expect=lambda *a: expected.append(a)))
-        StageWorker._plan_edges(w)
+        edge_in, edge_out = plan_edges(cfg, SimpleNamespace(expect=lambda *a: expected.append(a)))
         assert expected and {str(d) for _, _, d in expected} == {"float32"}
         for c, (start, stop) in enumerate(cfg.layer_chunks):
-            out_edge = w.edge_out[c][0][0] if w.edge_out[c] else None     # (Edge, shape, dtype) per leaf
-            in_edge = w.edge_in[c][0][0] if w.edge_in[c] else None
+            out_edge = edge_out[c][0][0] if edge_out[c] else None     # (Edge, shape, dtype) per leaf
+            in_edge = edge_in[c][0][0] if edge_in[c] else None
             if out_edge is not None and out_edge.stage != stage.index:
                 outs.add((stage.index, out_edge.stage, stop))
             if in_edge is not None and in_edge.stage != stage.index:

@@ -21,6 +21,9 @@ from tests.test_residuals import GPT, MLP, _batch, _stages
 RTOL, ATOL = 1e-5, 1e-6
 
 
+pytestmark = [pytest.mark.jax_min_0_10]
+
+
 def assert_close(a, b) -> None:
     """rtol 1e-5; atol 1e-6 of the array's own scale (max |b|, at least 1). The stage programs and
     the oracle sum the same terms in different orders (fused vs op by op), so an entry's float32

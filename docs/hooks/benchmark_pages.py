@@ -198,7 +198,7 @@ def reading(run: Run) -> list[str]:
     m = re.search(r"<!-- run: (.+?) -->", text)
     out = ["", "## Reading this run", ""]
     if m is None or m.group(1).strip() != run.when():
-        out += [f'!!! warning "Written for another run"',
+        out += ['!!! warning "Written for another run"',
                 f"    This reading was written for the run of {m.group(1) if m else 'an unnamed date'}; "
                 f"the results above are from {run.when()}. Its figures may not be the ones above.", ""]
     return out + [text.strip()]

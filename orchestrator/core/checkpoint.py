@@ -29,7 +29,6 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-import time
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional
 

@@ -17,8 +17,8 @@ Actions: STOP (the run fails, the message names step, stage, kind and values), S
 have already dropped the update — the decision was global, taken on the device values before any
 stage updated, `stages.actions.optimizer_step` — and the driver counts it; more than
 `max_skips` in a row become STOP), ROLLBACK (restore the last commit and advance the data past the
-bad step: `skip_data`). A parameter that is already non-finite cannot be skipped: under `skip` it
-stops the run.
+bad step: `skip_data`; the driver raises `HealthRollback`). A parameter that is already non-finite
+cannot be skipped: under `skip` it stops the run.
 
 Invariants: the monitor's state (the loss history, the skips in a row) is explicit and is rolled
 back with the run (`rollback`); a skipped, diverged or non-finite step never enters the median.
@@ -185,19 +185,17 @@ class HealthMonitor:
         self.skips_in_row = 0
 
 
-def skip_data(data: dict, step: int, bad_step: int) -> dict:
-    """The data position a rollback restores: commit `step`'s loader state with the batches
-    `step` … `bad_step` skipped (the restored step `step` trains on batch `bad_step` + 1), on top of
-    any earlier skip (`offset`: batches ahead of the step number).
+def skip_data(step: int, bad_step: int) -> int:
+    """The batches a rollback to commit `step` skips: `step` … `bad_step`, so the restored step
+    `step` trains on batch `bad_step` + 1 (on top of any earlier skip: the stages add it to their
+    `stages.state.StageState.data_offset`, `orchestrator.core.contract.RestorePlan.skip_batches`).
 
-    >>> skip_data({"source": "synthetic", "seed": 0, "next_step": 4}, 4, 6)
-    {'source': 'synthetic', 'seed': 0, 'next_step': 4, 'offset': 3}
-    >>> skip_data({"next_step": 8, "offset": 3}, 8, 8)["offset"]
-    4
+    >>> skip_data(4, 6), skip_data(8, 8)
+    (3, 1)
     """
     if bad_step < step:
         raise ValueError(f"the bad step {bad_step} is before the commit {step} it rolls back to")
-    return {**data, "offset": int(data.get("offset", 0)) + bad_step + 1 - step}
+    return bad_step + 1 - step
 
 
 class HealthStop(RuntimeError):
@@ -208,9 +206,18 @@ class HealthStop(RuntimeError):
         self.event = event
 
 
+class HealthRollback(RuntimeError):
+    """A training-health event whose action is ROLLBACK: the driver restarts from the last commit
+    (`orchestrator.core.recovery.ROLLBACK`) with the data through `event.step` skipped."""
+
+    def __init__(self, event: Event):
+        super().__init__(f"training health: {event.why}: rolling back")
+        self.event = event
+
+
 def _short(values: dict) -> str:
     return ", ".join(f"{k} {v}" for k, v in values.items())
 
 
-__all__ = ["HealthRule", "HealthMonitor", "Event", "HealthStop", "first_nonfinite", "diverged", "skip_data",
+__all__ = ["HealthRule", "HealthMonitor", "Event", "HealthStop", "HealthRollback", "first_nonfinite", "diverged", "skip_data",
            "STOP", "SKIP", "ROLLBACK", "LOSS", "GRAD", "PARAMS", "DIVERGENCE"]

@@ -17,7 +17,9 @@ one microbatch of the stage's outputs, no temporaries); the auto-planner
 """
 from __future__ import annotations
 
-__all__ = ["device_bytes"]
+from typing import Mapping
+
+__all__ = ["device_bytes", "optimizer_slots"]
 
 
 def device_bytes(params, state, activations, *, slots=0, inflight=1, temp=0):
@@ -28,3 +30,13 @@ def device_bytes(params, state, activations, *, slots=0, inflight=1, temp=0):
         432
     """
     return params * (2 + slots) + state + inflight * activations + temp
+
+
+def optimizer_slots(name: str, args: Mapping[str, object] | None = None) -> int:
+    """Per-parameter state arrays of an optax optimizer (sgd 0, momentum 1, adam-like 2)."""
+    args = args or {}
+    if name == "sgd":
+        return 1 if args.get("momentum") else 0
+    if name in ("adagrad", "rmsprop", "sm3", "lion", "adafactor"):
+        return 1
+    return 2

@@ -3,9 +3,9 @@
 The driver's recovery loop (`orchestrator.driver.runner`, `orchestrator.driver.recovery`) asks
 these questions; the answers depend only on the values passed in, so they test in milliseconds.
 
-  - `origin(text)`: the actor, step and error of a step failure: `stages.worker._fail` puts
-    "<who> failed in step N: <error>" in every abort it sends (so a survivor told to abort
-    names the peer) and as a note (`STEP_NOTE`) on its own error.
+  - `Failure`: what failed (cause, stage, host, node, step), built by the driver from typed
+    fields only — the actor's `orchestrator.core.contract.StepFailure` carried on its error (and
+    on every survivor's it aborted), the `ActorId` of the call that failed — never from text.
   - `RestartPolicy.decide(failure, committed)`: restart while restarts are left, a checkpoint
     is committed, and the failure is not the same one at the same step as before (a
     deterministic failure — a NaN, a shape error, an injected fault, a deadlock — would fail
@@ -24,17 +24,15 @@ these questions; the answers depend only on the values passed in, so they test i
 """
 from __future__ import annotations
 
-import re
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional
 
+from orchestrator.core.contract import ActorId
+
 DIED, NODE_LOST, HANG, ERROR = "actor died", "node lost", "hang", "error"
-STEP_NOTE = "meshpipe step failure: "   # + "<who> failed in step N: <error>", a note on a step's own error
-# "<who> failed in step N: <error>", inside "mailbox closed (...) while waiting for <key>" or at a line's end
-_ABORT = re.compile(r"(?:\S+ )?stage (\d+) host (\d+) failed in step (\d+): (.*?)(?:\) while waiting for .*)?$")
-_LABEL = re.compile(r"stage (\d+) host (\d+)")
+ROLLBACK = "training health"      # a health event whose action is rollback (orchestrator.core.health)
 
 
 @dataclass(frozen=True)
@@ -43,11 +41,13 @@ class Failure:
 
     Attributes:
       cause: DIED (the actor's process is gone), NODE_LOST (a node that held actors of the run is
-        gone), HANG (no progress within the deadline) or ERROR.
+        gone), HANG (no progress within the deadline), ERROR, or ROLLBACK (a training-health event
+        asked for one: `orchestrator.core.health.HealthRollback`; its step is the bad step).
       stage, host: the failed actor (None when unknown).
       step: the step it failed in (the first step the driver had no result for, unless the
         actor said which).
       text: the error, one line.
+      node: the Ray node id of the failed actor (of the lost node for NODE_LOST), when known.
     """
 
     cause: str
@@ -55,6 +55,7 @@ class Failure:
     host: Optional[int]
     step: int
     text: str
+    node: Optional[str] = None
 
     @property
     def who(self) -> str:
@@ -63,29 +64,17 @@ class Failure:
     def key(self) -> Optional[tuple]:
         """What makes two failures "the same": cause, actor, step, and for errors their text. A death
         has no key: a killed process or a lost node says nothing about the next attempt (a death
-        that repeats counts against `max_restarts` only)."""
-        if self.cause in (DIED, NODE_LOST):
+        that repeats counts against `max_restarts` only). Nor has a rollback: it skips the bad
+        step's data, so the step that follows is another."""
+        if self.cause in (DIED, NODE_LOST, ROLLBACK):
             return None
         return (self.cause, self.stage, self.host, self.step, self.text if self.cause == ERROR else "")
 
 
-def origin(text: str) -> Optional[tuple[int, int, int, str]]:
-    """(stage, host, step, error) of the peer whose failure an abort message reports, else None.
-
-    >>> origin("mailbox closed (r stage 1 host 0 failed in step 3: RuntimeError: boom) while waiting for (3, 'B', 0)")
-    (1, 0, 3, 'RuntimeError: boom')
-    """
-    for line in reversed(text.splitlines()):
-        m = _ABORT.search(line)
-        if m:
-            return int(m[1]), int(m[2]), int(m[3]), m[4]
-    return None
-
-
-def label_of(label: Optional[str]) -> tuple[Optional[int], Optional[int]]:
-    """`"stage 1 host 0"` → (1, 0); anything else → (None, None)."""
-    m = _LABEL.search(label or "")
-    return (int(m[1]), int(m[2])) if m else (None, None)
+def actor_of(label) -> tuple[Optional[int], Optional[int]]:
+    """(stage, host) of an `ActorId`; (None, None) for anything else."""
+    actor = ActorId.of(label)
+    return (actor.stage, actor.host) if actor is not None else (None, None)
 
 
 def node_loss(failure: Failure, lost: dict) -> Failure:
@@ -95,10 +84,10 @@ def node_loss(failure: Failure, lost: dict) -> Failure:
     the error first seen stays in the text.
 
     >>> f = node_loss(Failure(ERROR, 0, 0, 5, "Gloo: Connection reset by peer"),
-    ...               {"3f2a": {"labels": ["stage 0 host 1"], "why": "its raylet refuses connections",
+    ...               {"3f2a": {"labels": [ActorId(0, 1)], "why": "its raylet refuses connections",
     ...                         "address": "10.0.0.2"}})
-    >>> (f.cause, f.stage, f.host, f.step)
-    ('node lost', 0, 1, 5)
+    >>> (f.cause, f.stage, f.host, f.step, f.node)
+    ('node lost', 0, 1, 5, '3f2a')
     >>> f.text
     'node 3f2a (10.0.0.2) is gone (its raylet refuses connections), with stage 0 host 1; first error seen: error: stage 0 host 0: Gloo: Connection reset by peer'
     """
@@ -108,10 +97,10 @@ def node_loss(failure: Failure, lost: dict) -> Failure:
     for node_id, n in lost.items():
         at = f" ({n['address']})" if n.get("address") else ""
         parts.append(f"node {node_id[:12]}{at} is gone ({n['why']}), with {', '.join(n['labels'])}")
-    first = next(iter(lost.values()))["labels"]
-    stage, host = label_of(first[0] if first else None)
+    node, gone = next(iter(lost.items()))
+    stage, host = actor_of(gone["labels"][0] if gone["labels"] else None)
     seen = f"; first error seen: {failure.cause}: {failure.who}: {failure.text}" if failure.text else ""
-    return Failure(NODE_LOST, stage, host, failure.step, "; ".join(parts) + seen)
+    return Failure(NODE_LOST, stage, host, failure.step, "; ".join(parts) + seen, node=node)
 
 
 def failed_step(step: int, done: dict) -> int:
@@ -271,5 +260,5 @@ def stalled(beats: dict, silent_s: dict, deadline_s: float, slow_s: float = 5.0)
     return sorted(busy), f"every busy actor waits in a RECV, the longest for {longest:.0f} s (deadline {deadline_s:g} s)"
 
 
-__all__ = ["DIED", "ERROR", "HANG", "NODE_LOST", "Decision", "Failure", "ProgressDeadline", "RestartPolicy",
-           "compile_cache_dir", "failed_step", "label_of", "node_loss", "origin", "stalled"]
+__all__ = ["DIED", "ERROR", "HANG", "NODE_LOST", "ROLLBACK", "Decision", "Failure", "ProgressDeadline", "RestartPolicy",
+           "actor_of", "compile_cache_dir", "failed_step", "node_loss", "stalled"]

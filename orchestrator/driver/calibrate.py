@@ -303,31 +303,12 @@ def calibrate(cluster_path: str, *, out: Optional[str] = None, force: bool = Fal
       CalibrationError: the output path is refused or a figure could not be fitted.
       PlacementError / TimeoutError / RuntimeError: Ray could not place or run the probes.
     """
-    import ray
-
-    from orchestrator.driver import placement
-    from orchestrator.driver.quiet import filter_worker_logs
-
     raw = load_raw(cluster_path)
     cluster = load_cluster(cluster_path)
     dest = destination(cluster_path, out, force)
-    run = f"calibrate-{secrets.token_hex(3)}"
     t0 = time.perf_counter()
     load0 = os.getloadavg()
-    started = placement.connect(cluster, namespace=f"meshpipe-{run}")
-    filter_worker_logs()   # Gloo's connection lines from the 2-host worlds (unless `meshpipe -v`)
-    try:
-        probe = _probes(cluster, echo, run)
-        fits = {cls: replace(fit_alpha_beta(_samples(ss), what=f"links.{cls}"), per_array_s=fit_per_array(ss))
-                for cls, ss in probe["samples"].items()}
-        coll = {cls: replace(fit_alpha_beta(_samples(ss), what=f"links.{cls}.collectives"),
-                             per_array_s=fit_per_array(ss))
-                for cls, ss in probe["collectives"].items()}
-        cross = next((fits[c] for c in ("group", "dcn") if c in fits), None)
-        over = _overhead(cluster, cross, echo, rounds)
-    finally:
-        if started:
-            ray.shutdown()
+    probe, fits, coll, over = _measure(cluster, echo, rounds)
     dev, busy = probe["device"], probe["all_busy"] or probe["device"]    # one host: all hosts busy = host 0
     new = calibrated_raw(raw, tflops=busy["flops_per_device"] / 1e12,
                          memory_bandwidth_gbps=busy["bandwidth_per_device"] / 1e9,
@@ -340,25 +321,66 @@ def calibrate(cluster_path: str, *, out: Optional[str] = None, force: bool = Fal
                          shared_slowdown=shared_slowdown(dev, probe["all_busy"]))
     load1 = os.getloadavg()
     loads = " ".join(f"{a:.1f}->{b:.1f}" for a, b in (r["load_avg"] for r in over["rounds"]))
-    coll_note = "".join(f"; links.{c}.collectives: one JAX world across hosts" for c in coll)
-    header = (f"written by `meshpipe calibrate --cluster {cluster_path}` on {time.strftime('%Y-%m-%d %H:%M:%S %Z')}\n"
-              f"measured: device.tflops/memory_bandwidth_gbps on all {cluster.hosts} host(s) at once (the slowest "
-              f"host's; {dev['devices']} devices each), device.lone_* on host 0 alone, links.{{{','.join(fits)}}} "
-              f"(α-β fits{coll_note}), "
-              f"device.*kernel_overhead_us (chains of tiny kernels, the same two ways), device.shared_slowdown "
-              f"(a stage-sized program, all hosts ÷ host 0 alone), "
-              f"device.action/transfer_overhead_us (tiny real runs, medians of {len(over['rounds'])} rounds' fits"
-              f"{'; transfer from the ' + over['transfer_source'] if 'transfer_source' in over else ''})\n"
-              f"load average {load0[0]:.1f} -> {load1[0]:.1f} (1 min; per overhead round {loads}); figures measured "
-              "under load are lower bounds of what the cluster can do")
+    header = _header(cluster_path, cluster, probe, fits, coll, over, f"{load0[0]:.1f} -> {load1[0]:.1f}", loads)
     path = write_calibrated(new, cluster_path, dest, force=force, header=header)
-    report = {"written": str(path), "affinity": probe["affinity"], "device": dev, "all_busy": probe["all_busy"], "links": {c: {**f.link(), "samples": f.samples,
-                                                                   "max_rel_residual": f.max_rel_residual}
-                                                               for c, f in fits.items()},
-              "collective_links": {c: {**f.link(), "samples": f.samples, "max_rel_residual": f.max_rel_residual}
-                                   for c, f in coll.items()},
+    report = {"written": str(path), "affinity": probe["affinity"], "device": dev, "all_busy": probe["all_busy"],
+              "links": {c: _fit_report(f) for c, f in fits.items()},
+              "collective_links": {c: _fit_report(f) for c, f in coll.items()},
               "samples": probe["samples"], "collective_samples": probe["collectives"], "pairs": probe["pairs"],
               "overhead": over, "load_avg": [load0[0], load1[0]], "wall_s": time.perf_counter() - t0}
+    _echo_figures(echo, probe, fits, coll, over)
+    echo(f"wrote {path} (load average {load0[0]:.1f} -> {load1[0]:.1f}; per overhead round {loads})")
+    return report
+
+
+def _measure(cluster, echo: Callable[[str], None], rounds: int) -> tuple[dict, dict, dict, dict]:
+    """(the probes' results, the links' α-β fits, the collectives' fits, the runtime overheads), on a
+    Ray connected here for the purpose (and shut down after, when this started it)."""
+    import ray
+
+    from orchestrator.driver import placement
+    from orchestrator.driver.quiet import filter_worker_logs
+
+    run = f"calibrate-{secrets.token_hex(3)}"
+    started = placement.connect(cluster, namespace=f"meshpipe-{run}")
+    filter_worker_logs()   # Gloo's connection lines from the 2-host worlds (unless `meshpipe -v`)
+    try:
+        probe = _probes(cluster, echo, run)
+        fits = {cls: replace(fit_alpha_beta(_samples(ss), what=f"links.{cls}"), per_array_s=fit_per_array(ss))
+                for cls, ss in probe["samples"].items()}
+        coll = {cls: replace(fit_alpha_beta(_samples(ss), what=f"links.{cls}.collectives"),
+                             per_array_s=fit_per_array(ss))
+                for cls, ss in probe["collectives"].items()}
+        cross = next((fits[c] for c in ("group", "dcn") if c in fits), None)
+        return probe, fits, coll, _overhead(cluster, cross, echo, rounds)
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def _fit_report(f) -> dict:
+    return {**f.link(), "samples": f.samples, "max_rel_residual": f.max_rel_residual}
+
+
+def _header(cluster_path: str, cluster, probe: dict, fits: dict, coll: dict, over: dict, load: str, loads: str) -> str:
+    """The calibrated file's header: what was measured how, and under what load."""
+    dev = probe["device"]
+    coll_note = "".join(f"; links.{c}.collectives: one JAX world across hosts" for c in coll)
+    return (f"written by `meshpipe calibrate --cluster {cluster_path}` on {time.strftime('%Y-%m-%d %H:%M:%S %Z')}\n"
+            f"measured: device.tflops/memory_bandwidth_gbps on all {cluster.hosts} host(s) at once (the slowest "
+            f"host's; {dev['devices']} devices each), device.lone_* on host 0 alone, links.{{{','.join(fits)}}} "
+            f"(α-β fits{coll_note}), "
+            f"device.*kernel_overhead_us (chains of tiny kernels, the same two ways), device.shared_slowdown "
+            f"(a stage-sized program, all hosts ÷ host 0 alone), "
+            f"device.action/transfer_overhead_us (tiny real runs, medians of {len(over['rounds'])} rounds' fits"
+            f"{'; transfer from the ' + over['transfer_source'] if 'transfer_source' in over else ''})\n"
+            f"load average {load} (1 min; per overhead round {loads}); figures measured "
+            "under load are lower bounds of what the cluster can do")
+
+
+def _echo_figures(echo: Callable[[str], None], probe: dict, fits: dict, coll: dict, over: dict) -> None:
+    """The measured figures, a line each, for people."""
+    dev = probe["device"]
     echo(f"device, host 0 alone: {dev['flops_per_device'] / 1e9:.3g} GFLOP/s per device (one device alone "
          f"{dev['single_device_flops'] / 1e9:.3g}), {dev['bandwidth_per_device'] / 1e9:.3g} GB/s, "
          f"{dev['kernel_s'] * 1e6:.2f} µs per kernel")
@@ -370,14 +392,11 @@ def calibrate(cluster_path: str, *, out: Optional[str] = None, force: bool = Fal
              f"{ab['overlap']['matmul']:.0%} / {ab['overlap']['elementwise']:.0%}); a stage-sized program "
              f"{ab['stage_sized_s'] * 1e3:.3g} ms against {dev['stage_sized_s'] * 1e3:.3g} ms alone: "
              f"device.shared_slowdown {shared_slowdown(dev, ab):.3g}")
-    for c, f in fits.items():
-        echo(f"links.{c}: {f.bandwidth / 1e9:.3g} GB/s, {f.latency_s * 1e6:.3g} µs"
-             + ("" if f.per_array_s is None else f", {f.per_array_s * 1e6:.3g} µs per further array combined")
-             + f" ({f.samples} samples, largest residual {f.max_rel_residual:.0%})")
-    for c, f in coll.items():
-        echo(f"links.{c}.collectives: {f.bandwidth / 1e9:.3g} GB/s, {f.latency_s * 1e6:.3g} µs"
-             + ("" if f.per_array_s is None else f", {f.per_array_s * 1e6:.3g} µs per further array combined")
-             + f" ({f.samples} samples, largest residual {f.max_rel_residual:.0%})")
+    for name, table in (("", fits), (".collectives", coll)):
+        for c, f in table.items():
+            echo(f"links.{c}{name}: {f.bandwidth / 1e9:.3g} GB/s, {f.latency_s * 1e6:.3g} µs"
+                 + ("" if f.per_array_s is None else f", {f.per_array_s * 1e6:.3g} µs per further array combined")
+                 + f" ({f.samples} samples, largest residual {f.max_rel_residual:.0%})")
     echo(f"per-action overhead: {over['action_overhead_s'] * 1e6:.0f} µs (tiny 1-stage run: "
          f"{over['one_stage']['measured_step_s'] * 1e3:.2f} ms per step; median of {len(over['rounds'])} rounds' fits)")
     if over["transfer_overhead_s"] is not None:
@@ -388,5 +407,3 @@ def calibrate(cluster_path: str, *, out: Optional[str] = None, force: bool = Fal
             spans = over["transfer_source"] == "spans"
             echo(("WARNING: " if spans else "") + over["direct"]["check"]
                  + ("; the machine was probably busy: calibrate again when it is quiet" if spans else ""))
-    echo(f"wrote {path} (load average {load0[0]:.1f} -> {load1[0]:.1f}; per overhead round {loads})")
-    return report

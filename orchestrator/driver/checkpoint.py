@@ -13,7 +13,8 @@ Basic flow (`orchestrator.driver.runner` calls it):
      saying so; the damaged directories are kept as `step_<N>.damaged`. `checkpoint.dir` is made
      absolute here, once (relative: from the current directory). Uncommitted step
      directories (an interrupted save) are deleted here. Returns what the workers get
-     (`WorkerConfig.checkpoint`: where, how often, and the restore plan) and the step to start at.
+     (`orchestrator.core.contract.CheckpointSpec`: where, how often, and the restore plan) and the
+     step to start at.
   2. `Committer.add(reports)` with every step's results: each stage host reports its save
      finished (`stages.checkpoint`); when all hosts of all stages reported a step, the driver
      writes that step's one commit marker (atomic), and only then deletes what `keep` no
@@ -27,6 +28,7 @@ Basic flow (`orchestrator.driver.runner` calls it):
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import importlib.util
 import json
@@ -42,6 +44,7 @@ from typing import Optional
 from orchestrator.core.checkpoint import (FORMAT, PROBE, CheckpointError, check_model, committed, gc_dirs,
                                           layout_of, newest_intact, scan, select, set_aside, stale_dirs,
                                           verify_files, write_marker)
+from orchestrator.core.contract import CheckpointSpec, RestorePlan
 from orchestrator.core.model.spec import param_name
 
 log = logging.getLogger("meshpipe")
@@ -55,7 +58,7 @@ def model_arrays(spec) -> dict[str, dict]:
 
 @dataclass
 class Prepared:
-    worker: dict                 # WorkerConfig.checkpoint
+    spec: CheckpointSpec         # what the stages get (WorkerConfig.checkpoint)
     start: int                   # first step index to run
     losses: list = field(default_factory=list)    # per-step losses before `start` (from the marker)
     marker: Optional[dict] = None                  # the marker resumed from
@@ -80,8 +83,7 @@ def prepare(checked, resume) -> Optional[Prepared]:
         raise CheckpointError(f"checkpoint.dir = {ck.dir}: checkpoints need orbax-checkpoint, which is not "
                               "installed: pip install 'meshpipe[checkpoint]' (or -e \".[checkpoint]\")")
     root = checkpoint_root(job)
-    worker = {"root": str(root), "every": ck.every_steps, "total": job.run.steps, "async": ck.async_,
-              "probe": secrets.token_hex(16)}
+    spec = CheckpointSpec(str(root), ck.every_steps, job.run.steps, ck.async_, secrets.token_hex(16))
     entries = scan(root)
     if resume == "auto":
         resume = "latest" if entries else None
@@ -92,7 +94,7 @@ def prepare(checked, resume) -> Optional[Prepared]:
             raise CheckpointError(f"checkpoint.dir = {ck.dir} holds committed checkpoints (steps {steps}): "
                                   "pass --resume to continue from one, or use another checkpoint.dir")
         _remove(stale_dirs(root, ()))
-        return Prepared(worker, 0)
+        return Prepared(spec, 0)
     damaged: list[tuple[int, str]] = []
     if resume == "latest":
         marker, damaged = newest_intact(root)       # every file verified; damaged newer steps listed
@@ -122,9 +124,8 @@ def prepare(checked, resume) -> Optional[Prepared]:
         log.warning("--resume: checkpoint step %d is damaged (%s); it is kept as %s and the run resumes "
                     "from the newest intact one, step %d", bad, why, aside, step)
     _remove(stale_dirs(root, ()))
-    worker["restore"] = {"root": str(root), "step": step, "data": dict(marker["data"]),
-                         "stages": [{"path": r["path"], "arrays": r["arrays"]} for r in marker["stages"]]}
-    return Prepared(worker, step, list(marker["losses"]), marker)
+    spec = dataclasses.replace(spec, restore=RestorePlan.of_marker(str(root), marker))
+    return Prepared(spec, step, list(marker["losses"]), marker)
 
 
 def checkpoint_root(job) -> Path:
@@ -138,16 +139,16 @@ def checkpoint_root(job) -> Path:
 def write_probe(prepared: Prepared) -> Path:
     """The file each stage host reads back at set-up (`core.checkpoint.check_probe`): proof that
     the hosts see the driver's checkpoint.dir. Removed by `remove_probe` once they all did."""
-    root = Path(prepared.worker["root"])
+    root = Path(prepared.spec.root)
     root.mkdir(parents=True, exist_ok=True)
     path = root / PROBE
-    path.write_text(prepared.worker["probe"])
+    path.write_text(prepared.spec.probe)
     return path
 
 
 def remove_probe(prepared: Optional[Prepared]) -> None:
     if prepared is not None:
-        (Path(prepared.worker["root"]) / PROBE).unlink(missing_ok=True)
+        (Path(prepared.spec.root) / PROBE).unlink(missing_ok=True)
 
 
 def _remove(paths) -> None:

@@ -51,6 +51,55 @@ DEFAULT_CLUSTER = Path(__file__).resolve().with_name("local_cluster.yaml")
 
 CLUSTER_PREFIX = "cluster."
 
+# What an error makes `meshpipe` print and exit with: one mapping for every command. Each entry is
+# (the class's module, its name, the exit code, what the message starts with; `{failed}` is the
+# command's own words for a failure of what it ran). The first class the error is an instance of
+# wins, matched through the error's type and its bases (`exit_of`): nothing is imported to look,
+# so a command that never loaded Ray or the planner does not load them to report an error.
+EXITS = (
+    ("orchestrator.core.config.errors", "ConfigError", 2, "invalid configuration:\n"),
+    ("orchestrator.core.checkpoint", "CheckpointError", 2, "checkpoint: "),
+    ("orchestrator.core.planner.search", "PlanningError", 2, "no plan: "),
+    ("orchestrator.core.planner.calibrate", "CalibrationError", 2, "calibrate: "),
+    ("orchestrator.core.planner.profile", "ProfileError", 1, "profiling failed: "),
+    ("orchestrator.driver.rundir", "RunDirError", 2, ""),
+    ("orchestrator.core.backends.base", "PlacementError", 1, "{failed}: "),
+    ("orchestrator.driver.waiting", "StageFailure", 1, "{failed}: "),
+    ("orchestrator.core.private_fs", "DiskFullError", 1, "{failed}: "),
+    ("orchestrator.core.health", "HealthStop", 1, "{failed}: "),
+    ("builtins", "TimeoutError", 1, "{failed}: "),
+)
+RUNTIME = (("builtins", "RuntimeError", 1, "{failed}: "),)   # for the commands whose runs report them
+
+
+def exit_of(e: BaseException, table=EXITS) -> tuple[int, str] | None:
+    """(exit code, message prefix) of `e` by `table` (`EXITS`), or None: not an error the CLI reports.
+
+    Example:
+        >>> from orchestrator.core.checkpoint import CheckpointError
+        >>> exit_of(CheckpointError("no commit")), exit_of(TimeoutError()), exit_of(KeyError("x"))
+        ((2, 'checkpoint: '), (1, '{failed}: '), None)
+    """
+    names = {(c.__module__, c.__qualname__) for c in type(e).__mro__}
+    return next(((code, prefix) for module, name, code, prefix in table if (module, name) in names), None)
+
+
+@contextlib.contextmanager
+def reporting(failed: str = "run failed", table=EXITS, after: str = ""):
+    """Run the block; an error `table` knows ends the process with its code and a one-line message
+    on stderr (`meshpipe: <prefix><error>`, then `after` where the prefix is the command's
+    `{failed}`), without a driver traceback; any other propagates."""
+    try:
+        yield
+    except Exception as e:
+        found = exit_of(e, table)
+        if found is None:
+            raise
+        code, prefix = found
+        tail = after if "{failed}" in prefix else ""
+        click.echo(f"meshpipe: {prefix.format(failed=failed)}{e}{tail}", err=True)
+        sys.exit(code)
+
 
 def split_overrides(overrides: tuple[str, ...] | list[str]) -> tuple[list[str], list[str]]:
     """(job overrides, cluster overrides): `cluster.KEY=VALUE` goes to the cluster file as `KEY=VALUE`.
@@ -96,11 +145,11 @@ def _checked(job_path: str, cluster_path: str | None, overrides: tuple[str, ...]
              allow_code: bool = True, command: str = "run"):
     import dataclasses
 
-    from orchestrator.core.config import ConfigError, check_output_dir, load_cluster, load_job
+    from orchestrator.core.config import check_output_dir, load_cluster, load_job
 
     job_sets, cluster_sets = split_overrides(overrides)
     import_dir = job_import_dir(job_path)
-    try:
+    with reporting():
         job = load_job(job_path, overrides=job_sets)
         if not allow_code:
             _refuse_code(job, command)
@@ -109,9 +158,6 @@ def _checked(job_path: str, cluster_path: str | None, overrides: tuple[str, ...]
                                overrides=cluster_sets + ([f"address={address}", "num_cpus=null"] if address else []))
         checked = _check_with_code(job, cluster)
         return dataclasses.replace(checked, import_dir=import_dir), check_output_dir
-    except ConfigError as e:
-        click.echo(f"meshpipe: invalid configuration:\n{e}", err=True)
-        sys.exit(2)
 
 
 def _check_with_code(job, cluster):
@@ -214,10 +260,8 @@ def run(job, cluster, overrides, reference, address, overwrite, resume, run_id):
     Each run writes its record (summary.json, metrics.jsonl, workers.json, trace.json,
     timeline.png) into a new directory <run.output_dir>/<run.name>/<UTC start time>/;
     `latest` there names the newest."""
-    from orchestrator.core.checkpoint import CheckpointError
-    from orchestrator.core.config import ConfigError, check_checkpoint_dir, checkpoint_bytes
+    from orchestrator.core.config import check_checkpoint_dir, checkpoint_bytes
     from orchestrator.core.tls import check_transport_tls
-    from orchestrator.driver.rundir import RunDirError
     from orchestrator.driver.runner import run_job
 
     if resume is not None and resume not in ("latest", "auto") and not (resume.isdigit() and int(resume) > 0):
@@ -229,38 +273,22 @@ def run(job, cluster, overrides, reference, address, overwrite, resume, run_id):
         click.echo(f"meshpipe: --run-id {run_id}: only with --resume (a new run gets a new directory)", err=True)
         sys.exit(2)
     checked, check_output_dir = _checked(job, cluster, overrides, address)
-    try:
+    with reporting():
         check_output_dir(checked.job)
         check_checkpoint_dir(checked.job, 0 if reference else checkpoint_bytes(checked))   # --reference saves none
         if not reference:
             check_transport_tls(checked.cluster)
-    except ConfigError as e:
-        click.echo(f"meshpipe: invalid configuration:\n{e}", err=True)
-        sys.exit(2)
     if overwrite:
         click.echo("meshpipe: --overwrite is no longer needed: every run writes into a new directory under "
                    f"{Path(checked.job.run.output_dir) / checked.job.run.name}/ and nothing is replaced", err=True)
-    from orchestrator.core.private_fs import DiskFullError
     from orchestrator.driver.interrupt import stop_on_signals, stopped_message
-    from orchestrator.core.health import HealthStop
-    from orchestrator.driver.placement import PlacementError
-    from orchestrator.driver.waiting import StageFailure
 
     with stop_on_signals() as stop:
-        try:
-            run_job(checked, reference=reference, echo=lambda s: click.echo(s), tty=sys.stdout.isatty(),
-                    resume=resume, resume_command=resume_command(job, cluster, overrides, address),
-                    run_id=run_id)
-        except CheckpointError as e:     # raised before anything started
-            click.echo(f"meshpipe: checkpoint: {e}", err=True)
-            sys.exit(2)
-        except RunDirError as e:         # raised before anything started
-            click.echo(f"meshpipe: {e}", err=True)
-            sys.exit(2)
-        except (PlacementError, StageFailure, TimeoutError, DiskFullError, HealthStop) as e:
-            # the run was torn down already (runner's finally); say what failed, without a driver traceback
-            click.echo(f"meshpipe: run failed: {e}", err=True)
-            sys.exit(1)
+        try:   # the run was torn down already when an error arrives here (runner's finally)
+            with reporting("run failed"):
+                run_job(checked, reference=reference, echo=lambda s: click.echo(s), tty=sys.stdout.isatty(),
+                        resume=resume, resume_command=resume_command(job, cluster, overrides, address),
+                        run_id=run_id)
         except KeyboardInterrupt as e:   # Ctrl-C or SIGTERM (interrupt.stop_on_signals); all torn down
             click.echo(f"\nmeshpipe: {stopped_message(stop, e)}", err=True)
             sys.exit(130)
@@ -311,13 +339,10 @@ def plan(job, cluster, overrides, as_json, png, auto, out, explain_, top, max_mo
     from orchestrator.core.plan import make_plan, plan_json, plan_text
 
     if auto and not allow_code:
-        from orchestrator.core.config import ConfigError, load_job
+        from orchestrator.core.config import load_job
 
-        try:
+        with reporting():
             _refuse_code(load_job(job, overrides=split_overrides(overrides)[0]), "plan")
-        except ConfigError as e:
-            click.echo(f"meshpipe: invalid configuration:\n{e}", err=True)
-            sys.exit(2)
     if auto:
         _auto(job, cluster, overrides, out, explain_, top, max_model, microbatches, target_step_ms, cache_dir, as_json,
               measure, not no_calibrate, recalibrate)
@@ -340,23 +365,16 @@ def plan(job, cluster, overrides, as_json, png, auto, out, explain_, top, max_mo
 @set_opt
 def checkpoints(job, overrides):
     """List JOB's committed checkpoints (step, time, size, layout)."""
-    from orchestrator.core.checkpoint import CheckpointError
-    from orchestrator.core.config import ConfigError, load_job
+    from orchestrator.core.config import load_job
     from orchestrator.driver.checkpoint import listing
 
-    try:
+    with reporting():
         cfg = load_job(job, overrides=list(overrides))
-    except ConfigError as e:
-        click.echo(f"meshpipe: invalid configuration:\n{e}", err=True)
-        sys.exit(2)
     if cfg.checkpoint is None:
         click.echo("meshpipe: the job has no `checkpoint:` section", err=True)
         sys.exit(2)
-    try:
+    with reporting():
         lines = listing(cfg.checkpoint.dir)
-    except CheckpointError as e:
-        click.echo(f"meshpipe: checkpoint: {e}", err=True)
-        sys.exit(2)
     click.echo("\n".join(lines) if lines else f"no committed checkpoint in {cfg.checkpoint.dir}")
 
 
@@ -365,36 +383,26 @@ def checkpoints(job, overrides):
 @click.option("--to", "to", required=True, type=click.Path(), help="new directory for the consolidated checkpoint")
 def export(ckpt, to):
     """Write committed checkpoint CKPT (a step_<N> directory) as one plain JAX/orbax checkpoint in DIR."""
-    from orchestrator.core.checkpoint import CheckpointError
     from orchestrator.driver.checkpoint import export as export_ckpt
 
-    try:
+    with reporting():
         info = export_ckpt(ckpt, to)
-    except CheckpointError as e:
-        click.echo(f"meshpipe: checkpoint: {e}", err=True)
-        sys.exit(2)
     click.echo(f"exported step {info['step']} of {info['model']} ({len(info['names'])} parameters) to {to}")
 
 
 def _auto(job, cluster, overrides, out, explain_, top, max_model, microbatches, target_step_ms, cache_dir, as_json,
           measure, calibrate: bool = True, recalibrate: bool = False):
-    from orchestrator.core.backends import PlacementError
-    from orchestrator.core.config import ConfigError
-    from orchestrator.core.planner.calibrate import CalibrationError
     from orchestrator.driver import autocal
-    from orchestrator.driver.autoplan import PlanningError, ProfileError, auto_plan
+    from orchestrator.driver.autoplan import auto_plan
 
     job_import_dir(job)
-    try:
+    with reporting():
         from orchestrator.core.config import load_cluster, load_job
         from orchestrator.driver.usercode import guard
 
         job_sets, cluster_sets = split_overrides(overrides)    # the job's code returns in time, first
         guard(load_job(job, overrides=job_sets),
               load_cluster(cluster or str(DEFAULT_CLUSTER), overrides=cluster_sets).timeouts.factory_s)
-    except ConfigError as e:
-        click.echo(f"meshpipe: invalid configuration:\n{e}", err=True)
-        sys.exit(2)
     try:
         ms = tuple(int(x) for x in microbatches.split(",")) if microbatches else None
     except ValueError:
@@ -402,33 +410,16 @@ def _auto(job, cluster, overrides, out, explain_, top, max_model, microbatches, 
                    "e.g. 4,8", err=True)
         sys.exit(2)
     cluster = cluster or str(DEFAULT_CLUSTER)
-    try:
-        with json_stdout(as_json) as echo:   # calibrating and --measure start Ray: its lines go to stderr
-            say = (lambda s: click.echo(s, err=True)) if as_json else echo
-            try:
-                calibration = autocal.resolve(cluster, calibrate=calibrate, recalibrate=recalibrate, echo=say)
-            except CalibrationError as e:
-                click.echo(f"meshpipe: calibrate: {e}", err=True)
-                sys.exit(2)
-            except (PlacementError, RuntimeError, TimeoutError) as e:
-                click.echo(f"meshpipe: calibrating the cluster failed: {e} (--no-calibrate plans from nominal "
-                           "figures instead)", err=True)
-                sys.exit(1)
+    with json_stdout(as_json) as echo:   # calibrating and --measure start Ray: its lines go to stderr
+        say = (lambda s: click.echo(s, err=True)) if as_json else echo
+        with reporting("calibrating the cluster failed", EXITS + RUNTIME,
+                       after=" (--no-calibrate plans from nominal figures instead)"):
+            calibration = autocal.resolve(cluster, calibrate=calibrate, recalibrate=recalibrate, echo=say)
+        # --measure: a candidate's run that failed (torn down already) is "measuring failed"
+        with reporting("measuring failed", EXITS + RUNTIME):
             auto_plan(job, cluster, overrides, out=out, explain_=explain_, top=top,
                       max_model=max_model, microbatches=ms, target_step_ms=target_step_ms, cache_dir=cache_dir,
                       as_json=as_json, echo=echo, measure=measure, calibration=calibration)
-    except ConfigError as e:
-        click.echo(f"meshpipe: invalid configuration:\n{e}", err=True)
-        sys.exit(2)
-    except PlanningError as e:
-        click.echo(f"meshpipe: no plan: {e}", err=True)
-        sys.exit(2)
-    except ProfileError as e:
-        click.echo(f"meshpipe: profiling failed: {e}", err=True)
-        sys.exit(1)
-    except (RuntimeError, TimeoutError) as e:   # --measure: a candidate's run failed (torn down already)
-        click.echo(f"meshpipe: measuring failed: {e}", err=True)
-        sys.exit(1)
 
 
 @main.command()
@@ -442,22 +433,11 @@ def _auto(job, cluster, overrides, out, explain_, top, max_model, microbatches, 
 def calibrate(cluster, out, force, as_json):
     """Measure the cluster's devices, link classes and per-action runtime cost; write them as a new
     cluster YAML (`device:`, `links:`) for `meshpipe plan --auto`."""
-    from orchestrator.core.backends import PlacementError
-    from orchestrator.core.config import ConfigError
-    from orchestrator.driver.calibrate import CalibrationError, calibrate as run_calibration
+    from orchestrator.driver.calibrate import calibrate as run_calibration
 
-    try:
-        with json_stdout(as_json) as echo:   # the probes' forwarded lines go to stderr with --json
-            report = run_calibration(cluster, out=out, force=force, echo=(lambda s: None) if as_json else echo)
-    except ConfigError as e:
-        click.echo(f"meshpipe: invalid configuration:\n{e}", err=True)
-        sys.exit(2)
-    except CalibrationError as e:
-        click.echo(f"meshpipe: calibrate: {e}", err=True)
-        sys.exit(2)
-    except (PlacementError, RuntimeError, TimeoutError) as e:
-        click.echo(f"meshpipe: calibrate failed: {e}", err=True)
-        sys.exit(1)
+    with reporting("calibrate failed", EXITS + RUNTIME), json_stdout(as_json) as echo:
+        # the probes' forwarded lines go to stderr with --json
+        report = run_calibration(cluster, out=out, force=force, echo=(lambda s: None) if as_json else echo)
     if as_json:
         click.echo(json.dumps(report, indent=1))
 

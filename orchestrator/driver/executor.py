@@ -44,7 +44,9 @@ from orchestrator.core.edges import stage_geoms
 from orchestrator.driver.waiting import StageFailure, stage_failure, wait_all
 from stages.hooks import WorkerHook
 from stages.ties import tie_stages
-from stages.worker import StageWorker, WorkerConfig
+from stages.worker import StageWorker
+from orchestrator.core.contract import (ActorId, CheckpointSpec, OptimizerSpec, StageSpec, Timeouts, TlsFiles,
+                                        TransferOrder, TransportSpec, WorkerConfig)
 
 RECV_FACTOR = 2.0    # an actor's RECV deadline: this × the driver's progress deadline for a call
 # After a failure: the seconds the survivors (told to abort) get to end their step and close before they
@@ -68,15 +70,14 @@ class StepResult:
 
 class PipelineExecutor:
     def __init__(self, checked, lowered, data_source, run: str, eval_schedule=None,
-                 hooks: Sequence[WorkerHook] = (), checkpoint: dict | None = None, deadline=None,
+                 hooks: Sequence[WorkerHook] = (), checkpoint: CheckpointSpec | None = None, deadline=None,
                  placement_wait: float = 0.0, avoid_nodes: Sequence[str] = ()):
         self.checked, self.lowered, self.data, self.run = checked, lowered, data_source, run
         self.eval_schedule = eval_schedule
         self.hooks = tuple(hooks)       # stages.hooks.WorkerHook objects, passed to every actor
-        self.checkpoint = checkpoint     # WorkerConfig.checkpoint (orchestrator.driver.checkpoint.prepare)
+        self.checkpoint = checkpoint     # the stages' CheckpointSpec (orchestrator.driver.checkpoint.prepare)
         t = checked.cluster.timeouts
-        self.timeouts = {"init_s": t.init_s, "step_s": t.step_s, "shutdown_s": t.shutdown_s,
-                         "jax_distributed_init_s": t.jax_distributed_init_s}
+        self.timeouts = Timeouts(t.init_s, t.step_s, t.shutdown_s, t.jax_distributed_init_s)
         from orchestrator.core.recovery import ProgressDeadline
 
         self.deadline = deadline if deadline is not None else ProgressDeadline(t.step_s)
@@ -99,51 +100,50 @@ class PipelineExecutor:
 
     # -- lifecycle ---------------------------------------------------------
     def worker_config(self, stage, host: int) -> WorkerConfig:
+        """The contract of `stage`'s host `host` (`orchestrator.core.contract`)."""
         from orchestrator.core.recovery import compile_cache_dir
 
-        job = self.checked.job
-        grid = self.lowered.actions[stage.index]
-        geoms = stage_geoms(self.checked)
+        checked, job = self.checked, self.checked.job
+        cluster = checked.cluster
+        evals = () if self.eval_schedule is None else self.eval_schedule.actions[stage.index]
+        tls = cluster.transport_tls
         return WorkerConfig(
-            run=self.run, stage=stage.index, host=host, stage_hosts=len(stage.hosts),
-            cluster_host=stage.hosts[host], layers=tuple(stage.layers), mesh=dict(stage.mesh),
-            layout=dict(stage.layout), spec=self.checked.model, data=self.data,
-            microbatches=job.pipeline.microbatches,
-            optimizer=job.optimizer.spec(), seed=job.run.seed,
-            actions=tuple(str(a) for a in grid if a is not None), num_stages=len(self.checked.stages),
-            timeouts=dict(self.timeouts), pin_cpus=self.checked.cluster.pin_cpus,
-            hooks=self.hooks,
-            hosts=tuple(stage.hosts), devices_per_host=stage.devices_per_host,
-            geoms=tuple(geoms), chunks=tuple(tuple(c) for c in stage.chunks),
-            transport=self.plane, transport_token=self.token, remat=stage.remat,
-            transfers=self._transfers() if self.plane == "xla" else (),
-            transport_same_machine=self.checked.cluster.transport_same_machine,
-            transport_tls=(None if self.checked.cluster.transport_tls is None
-                           else self.checked.cluster.transport_tls.model_dump()),
-            fuse_loss_chunk=self.checked.job.pipeline.fuse_loss_chunk,
-            eval_actions=() if self.eval_schedule is None else tuple(
-                str(a) for a in self.eval_schedule.actions[stage.index] if a is not None),
-            eval_every=job.run.eval_every, total_steps=job.run.steps, checkpoint=self.checkpoint,
-            compile_cache=compile_cache_dir(job),
-            loss_scale=None if job.precision.scaling() is None else job.precision.scaling().to_dict(),
-            tie_stages=tie_stages(self.checked.model.ties, [s.chunks for s in self.checked.stages]),
+            run=self.run, stage=stage.index, host=host, cluster_host=stage.hosts[host],
+            stage_spec=StageSpec(
+                index=stage.index, hosts=tuple(stage.hosts), devices_per_host=stage.devices_per_host,
+                mesh=tuple(dict(stage.mesh).items()), layout=tuple(dict(stage.layout).items()),
+                chunks=tuple(tuple(c) for c in stage.chunks),
+                actions=tuple(str(a) for a in self.lowered.actions[stage.index] if a is not None),
+                eval_actions=tuple(str(a) for a in evals if a is not None),
+                remat=stage.remat, fuse_loss_chunk=job.pipeline.fuse_loss_chunk),
+            spec=checked.model, data=self.data, microbatches=job.pipeline.microbatches,
+            microbatch_size=checked.microbatch_size, optimizer=OptimizerSpec.of(job.optimizer.spec()),
+            seed=job.run.seed, num_stages=len(checked.stages), steps=job.run.steps, eval_every=job.run.eval_every,
+            geoms=tuple(stage_geoms(checked)),
+            tie_stages=tie_stages(checked.model.ties, [s.chunks for s in checked.stages]),
+            timeouts=self.timeouts,
+            transport=TransportSpec(kind=self.plane, token=self.token, same_machine=cluster.transport_same_machine,
+                                    tls=None if tls is None else TlsFiles(tls.cert_file, tls.key_file, tls.ca_file),
+                                    transfers=self._transfers() if self.plane == "xla" else ()),
+            loss_scale=job.precision.scaling(), checkpoint=self.checkpoint,
+            compile_cache=compile_cache_dir(job), pin_cpus=cluster.pin_cpus, hooks=self.hooks,
             on_nonfinite=job.failure.on_nonfinite)
 
-    def _transfers(self) -> tuple:
+    def _transfers(self) -> tuple[TransferOrder, ...]:
         """The world's transfer order of a training step and of an eval batch (`transport: xla`)."""
         from orchestrator.core.schedule.transfers import world_order
 
         chunks = [tuple(s.chunks) or (tuple(s.layers),) for s in self.checked.stages]
-        orders = [("F", world_order(self.lowered, chunks))]
+        orders = [TransferOrder("F", world_order(self.lowered, chunks))]
         if self.eval_schedule is not None:
-            orders.append(("E", world_order(self.eval_schedule, chunks)))
+            orders.append(TransferOrder("E", world_order(self.eval_schedule, chunks)))
         return tuple(orders)
 
     def _coordinators(self) -> list:
         """Per stage, the coordinator address its setup gets: a multi-host stage's own (its host 0
         picks it), or under `transport: xla` the one world's (cluster host 0's actor picks it)."""
         def pick(row, names, what):
-            return wait_all([row[0].coordinator_address.remote()], self.timeouts["init_s"], what, names[:1])[0]
+            return wait_all([row[0].coordinator_address.remote()], self.timeouts.init_s, what, names[:1])[0]
 
         if self.plane == "xla":       # process 0 of the world: the actor of cluster host 0
             s, h = next((s, st.hosts.index(0)) for s, st in enumerate(self.checked.stages) if 0 in st.hosts)
@@ -158,7 +158,7 @@ class PipelineExecutor:
         from ray.util import placement_group_table
 
         t0 = time.perf_counter()
-        self.pg = placement.reserve(self.checked, f"{self.run}/pg", self.timeouts["init_s"],
+        self.pg = placement.reserve(self.checked, f"{self.run}/pg", self.timeouts.init_s,
                                     wait_for_fit=self.placement_wait, avoid=self.avoid_nodes)
         self.placement_s = time.perf_counter() - t0
         bundle_nodes = placement_group_table(self.pg).get("bundles_to_node_id", {})
@@ -170,7 +170,7 @@ class PipelineExecutor:
                 opts = placement.actor_options(self.checked, stage, host, self.pg, self.run)
                 opts["namespace"] = f"meshpipe-{self.run}"   # also when the driver attached elsewhere
                 row.append(remote.options(**opts).remote(self.worker_config(stage, host)))
-                names.append(f"stage {stage.index} host {host}")
+                names.append(ActorId(stage.index, host))
             self.actors.append(row)
             self.labels.append(names)
         coords = self._coordinators()
@@ -179,7 +179,7 @@ class PipelineExecutor:
             refs += [a.setup.remote(coord) for a in row]
             labels += names
         try:
-            self.info = wait_all(refs, self.timeouts["init_s"], "stage setup", labels)
+            self.info = wait_all(refs, self.timeouts.init_s, "stage setup", labels)
         except StageFailure as e:
             raise self.first_cause(e) from e
         for rec in self.info:
@@ -189,11 +189,11 @@ class PipelineExecutor:
             refs = [a.connect.remote(self.actors) for row in self.actors for a in row]
         else:   # socket transport: every actor's listening address, [stage][host]
             flat = wait_all([a.transport_address.remote() for row in self.actors for a in row],
-                            self.timeouts["init_s"], "collecting transport addresses", labels)
+                            self.timeouts.init_s, "collecting transport addresses", labels)
             it = iter(flat)
             addresses = [[next(it) for _ in row] for row in self.actors]
             refs = [a.connect.remote(self.actors, addresses) for row in self.actors for a in row]
-        wait_all(refs, self.timeouts["init_s"], "connecting stages", labels)
+        wait_all(refs, self.timeouts.init_s, "connecting stages", labels)
 
     def unresponsive(self, labels: list[str], timeout: float = 5.0) -> list[str]:
         """Of these actors, those whose "io" group does not answer a heartbeat within `timeout`
@@ -256,7 +256,7 @@ class PipelineExecutor:
         # before `shutdown`, which queues behind a step that waits on a dead peer, and before a compiled
         # graph's teardown, which waits for every actor's step to end
         self.abort("the driver is shutting the run down")
-        grace = min(ABORT_GRACE_S, self.timeouts["shutdown_s"]) if after_failure else self.timeouts["shutdown_s"]
+        grace = min(ABORT_GRACE_S, self.timeouts.shutdown_s) if after_failure else self.timeouts.shutdown_s
         t0 = time.perf_counter()
         stuck = []
         dispatcher, self.dispatcher = self.dispatcher, None
@@ -292,7 +292,7 @@ class PipelineExecutor:
         counts = [len(self.lowered.actions[s]) - self.lowered.actions[s].count(None)
                   for s, row in enumerate(self.actors) for _ in row]
         if self.dispatcher is None:    # an attempt's first call compiles: the configured deadline
-            self.dispatcher = dispatch.make(self.kind, flat, labels, counts, self.timeouts["step_s"],
+            self.dispatcher = dispatch.make(self.kind, flat, labels, counts, self.timeouts.step_s,
                                             self.checked.cluster.calls_of_steps)
             # a lost node or a hang noticed in seconds; under compiled_graph also a death (its channel
             # reads do not see one: the heartbeats do), so there always
@@ -300,7 +300,7 @@ class PipelineExecutor:
                 from orchestrator.driver.recovery import HeartbeatWatch, NodeWatch
 
                 nodes = NodeWatch(self.info)
-                self.beats = HeartbeatWatch(dict(zip(labels, flat)), self.timeouts["step_s"])
+                self.beats = HeartbeatWatch(dict(zip(labels, flat)), self.timeouts.step_s)
 
                 def watch() -> None:
                     nodes()
@@ -372,7 +372,7 @@ class PipelineExecutor:
         """Set every actor's RECV deadline to RECV_FACTOR × the progress deadline of a call (fire and
         forget, in the "io" group) when it moved by more than a tenth since last set."""
         per_call = getattr(self.dispatcher, "per_call", 1)
-        want = min(self.timeouts["step_s"], RECV_FACTOR * self.deadline.call_s(per_call))
+        want = min(self.timeouts.step_s, RECV_FACTOR * self.deadline.call_s(per_call))
         if self.recv_s is not None and abs(want - self.recv_s) <= 0.1 * self.recv_s:
             return
         self.recv_s = want
@@ -400,7 +400,7 @@ class PipelineExecutor:
         for row, names in zip(self.actors, self.labels):
             refs += [a.checkpoint_flush.remote() for a in row]
             labels += names
-        return [rec for part in wait_all(refs, self.timeouts["step_s"], "finishing checkpoint saves", labels)
+        return [rec for part in wait_all(refs, self.timeouts.step_s, "finishing checkpoint saves", labels)
                 for rec in part]
 
     def param_norms(self) -> dict[str, float]:
@@ -416,6 +416,6 @@ class PipelineExecutor:
             refs += [getattr(a, method).remote() for a in row]
             labels += names
         out: dict = {}
-        for part in wait_all(refs, self.timeouts["step_s"], what, labels):
+        for part in wait_all(refs, self.timeouts.step_s, what, labels):
             out.update(part)
         return dict(sorted(out.items()))

@@ -81,21 +81,12 @@ class JobsError(RuntimeError):
 
 
 # -- the token ---------------------------------------------------------------
-def token_source() -> str | None:
-    """Where Ray would read the token from (no value), in Ray's order; None if nowhere."""
-    if os.environ.get("RAY_AUTH_TOKEN", "").strip():
-        return "RAY_AUTH_TOKEN"
-    path = os.environ.get("RAY_AUTH_TOKEN_PATH")
-    if path:
-        return f"RAY_AUTH_TOKEN_PATH ({path})"
-    default = Path.home() / ".ray" / "auth_token"
-    return str(default) if default.is_file() else None
-
-
 def auth_headers() -> tuple[dict[str, str], str]:
     """({"authorization": "Bearer …"} or {}, a sentence saying where it came from — never the token)."""
     if os.environ.get("RAY_AUTH_MODE", "").strip().lower() == "disabled":
         return {}, "RAY_AUTH_MODE=disabled is set: no Ray auth token sent"
+    from orchestrator.driver.ray_internals import token_source
+
     source = token_source()
     headers: dict[str, str] = {}
     from orchestrator.driver.ray_internals import auth_headers_from_ray
@@ -181,7 +172,7 @@ def package(checked, job_path: str, cluster_path: str | None, overrides: tuple[s
     args += ["--address", "auto"]
     if job.checkpoint is not None:      # a retry (the same submission again) continues the run
         args += ["--resume", "auto"]
-    if job.data.source in ("text", "tokens", "hf") and isinstance(job.data.path, str):
+    if isinstance(job.data.path, str):      # (only the sources that read files take a path)
         src = Path(checked.data_path or job.data.path)
         sets.append(f"data.path={inside(src, 'the data file', 'data.path')}")
     elif job.data.path is not None:         # several files: the list, each relative to the working dir

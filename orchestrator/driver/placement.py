@@ -42,8 +42,8 @@ import math
 import os
 from typing import Mapping, Sequence
 
-from orchestrator.core.backends import HostPlacement, Node, PlacementError, get_backend  # pure: no ray, no jax
-from orchestrator.core.hosts import bundles, plan_hosts
+from orchestrator.core.backends import HostPlacement, Node, PlacementError, get_backend  # noqa: F401 - pure: no ray, no jax; re-exported
+from orchestrator.core.hosts import bundles, plan_hosts  # noqa: F401 - plan_hosts re-exported
 
 log = logging.getLogger("meshpipe")
 

@@ -46,6 +46,7 @@ import ipaddress
 import itertools
 import logging
 import os
+from pathlib import Path
 
 from orchestrator.core.backends import PlacementError   # pure: no ray, no jax
 
@@ -292,14 +293,23 @@ GCS_DASHBOARD_QUERY = ("import sys\nfrom ray._raylet import GcsClient\n"
                        "print((url or b'').decode())\n")
 
 
+def token_source() -> str | None:
+    """Where Ray would read the token from (no value), in Ray's order; None if nowhere."""
+    if os.environ.get("RAY_AUTH_TOKEN", "").strip():
+        return "RAY_AUTH_TOKEN"
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH")
+    if path:
+        return f"RAY_AUTH_TOKEN_PATH ({path})"
+    default = Path.home() / ".ray" / "auth_token"
+    return str(default) if default.is_file() else None
+
+
 def dashboard_of_gcs(gcs_address: str, timeout: float = 20.0) -> tuple[str | None, str]:
     """(the dashboard URL the cluster at `gcs_address` advertises, or None; why not). Asked in a
     subprocess (a GCS client of Ray's own, bounded by `timeout`), with `RAY_AUTH_MODE=token` when
     a token is at hand and the user did not choose a mode: Ray's client needs it to send one."""
     import subprocess
     import sys
-
-    from orchestrator.driver.jobs import token_source
 
     env = dict(os.environ)
     if not env.get("RAY_AUTH_MODE") and token_source():

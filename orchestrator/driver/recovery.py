@@ -8,7 +8,8 @@ Basic flow (`orchestrator.driver.runner._run_pipeline` runs attempts in a loop):
      a heartbeat's actor-death error: a death, where the step's call does not show it, as under
      `compiled_graph`);
   2. `classify` turns it into an `orchestrator.core.recovery.Failure` naming the actor that
-     failed first (an aborted survivor's error names the peer it was told about; after a
+     failed first, from typed fields alone (the `StepFailure` an actor's error carries — on an
+     aborted survivor's, the peer's that aborted it —, the `ActorId` of the call; after a
      timeout, the pending actor that does not answer a heartbeat is the hung one);
      — unless a node that held actors of the run is gone (`lost_nodes`: Ray marks it dead, or its
      raylet no longer accepts a connection): then the failure is that node's loss
@@ -34,7 +35,8 @@ import logging
 import time
 from typing import Optional
 
-from orchestrator.core.recovery import DIED, ERROR, HANG, Decision, Failure, label_of, origin
+from orchestrator.core.contract import ActorId, failure_of
+from orchestrator.core.recovery import DIED, ERROR, HANG, Decision, Failure, actor_of
 from orchestrator.driver.waiting import ProgressTimeout, StageFailure, stage_failure
 
 log = logging.getLogger("meshpipe")
@@ -49,7 +51,8 @@ class RecoveryStopped(StageFailure):
     def after(cls, message: str, e: BaseException) -> "RecoveryStopped":
         """Keeps the failure's own report (where, the stage's traceback) under the new message."""
         return cls(message, detail=getattr(e, "detail", ""), where=getattr(e, "where", ""),
-                   tail=getattr(e, "tail", ""), label=getattr(e, "label", None), died=getattr(e, "died", False))
+                   tail=getattr(e, "tail", ""), label=getattr(e, "label", None), died=getattr(e, "died", False),
+                   origin=getattr(e, "origin", None))
 
 
 def is_hang(e: BaseException) -> bool:
@@ -57,26 +60,24 @@ def is_hang(e: BaseException) -> bool:
 
 
 def classify(e: BaseException, next_step: int, hung: Optional[list[str]] = None) -> Failure:
-    """The Failure behind `e`; `next_step`: the first step the driver has no result for; `hung`:
-    for a timeout, the pending actors that did not answer a heartbeat (`PipelineExecutor.unresponsive`)
-    — when exactly one did not, the hang is its."""
+    """The Failure behind `e`, from its typed fields (never its text); `next_step`: the first step
+    the driver has no result for; `hung`: for a timeout, the pending actors that did not answer a
+    heartbeat (`PipelineExecutor.unresponsive`) — when exactly one did not, the hang is its."""
     if is_hang(e):
         labels = getattr(e, "labels", [])
         culprits = hung or getattr(e, "culprits", None) or labels
-        stage, host = label_of(culprits[0] if len(culprits) == 1 else None)
+        stage, host = actor_of(culprits[0] if len(culprits) == 1 else None)
         text = str(e) + (f"; not answering a heartbeat: {', '.join(hung)}" if hung else "")
         return Failure(HANG, stage, host, next_step, text)
-    text = "\n".join(str(x) for x in (e.__cause__, getattr(e, "detail", ""), e) if x)
     short = getattr(e, "message", None) or str(e)       # a StageFailure's first line, without its traceback
     short = short.split(" Some common causes include", 1)[0]    # Ray's advice after an actor death
     if isinstance(e, StageFailure) and e.died:
-        stage, host = label_of(e.label)
+        stage, host = actor_of(e.label)
         return Failure(DIED, stage, host, next_step, short)
-    found = origin(text)
-    if found is not None:     # a survivor told to abort: the failure is its peer's
-        stage, host, step, err = found
-        return Failure(ERROR, stage, host, step, err.strip())
-    stage, host = label_of(getattr(e, "label", None))
+    found = getattr(e, "origin", None) or failure_of(e)
+    if found is not None:     # where the step failed first (a survivor told to abort: its peer)
+        return Failure(ERROR, found.stage, found.host, found.step, found.error)
+    stage, host = actor_of(getattr(e, "label", None))
     return Failure(ERROR, stage, host, next_step, short)
 
 
@@ -103,7 +104,7 @@ def lost_nodes(info: list[dict], timeout: float = 2.0) -> dict:
     for w in info:
         node_id = w.get("node_id") or w.get("bundle_node_id")
         if node_id:
-            by_node.setdefault(node_id, []).append(f"stage {w['stage']} host {w['host']}")
+            by_node.setdefault(node_id, []).append(ActorId(w["stage"], w["host"]))
     if not by_node:
         return {}
     try:
@@ -144,7 +145,7 @@ class NodeWatch:
         self.labels: dict[str, list[str]] = {}
         for w in info:
             if w.get("node_id"):
-                self.labels.setdefault(w["node_id"], []).append(f"stage {w['stage']} host {w['host']}")
+                self.labels.setdefault(w["node_id"], []).append(ActorId(w["stage"], w["host"]))
         known = {n["NodeID"]: n for n in ray.nodes() if n.get("Alive")}
         self.addr = {nid: (known[nid]["NodeManagerAddress"], known[nid]["NodeManagerPort"])
                      for nid in self.labels

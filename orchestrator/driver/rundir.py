@@ -4,7 +4,8 @@ Layout (`<run.output_dir>/<run.name>/` is the NAME directory, shared by every ru
 
     runs/gpt-tiny/
         20261206-121503/        one `meshpipe run`: summary.json, metrics.jsonl, workers.json,
-                                trace.json, timeline.png (error.txt after a stage error)
+                                trace.json, timeline.png (error.txt after a stage error),
+                                previous/<k>/ after --resume
         20261206-121503-2/      a second run started in the same second
         20261206-130044/
         latest -> 20261206-130044   the newest run (a symlink; a one-line file where the file
@@ -17,11 +18,13 @@ Basic flow of `open_run` (the one place that decides):
     an exclusive mkdir, so two runs starting at once never share one), and `latest` is
     pointed at it;
   - `--resume` continues the latest run's directory (or the run id given, `run_id`): the
-    earlier invocation's record files are first moved, unchanged, into
-    `previous/<k>/` inside it (k = 1, 2, ... in order), so the run directory holds the whole
-    run — the resumed summary.json carries the committed steps' losses, metrics.jsonl the
-    steps run now — and nothing is replaced. `--resume` on a name with no run yet starts a
-    new directory.
+    earlier invocation's documents (`DOCUMENTS`: its summary, error files, workers.json,
+    pictures) are first moved, unchanged, into `previous/<k>/` inside it (k = 1, 2, ... in
+    order), and its `metrics.jsonl` stays where it is: the resumed invocation appends to it
+    after a `resume` line (`orchestrator.driver.record.RunRecord`). So the run directory holds
+    the whole run — metrics.jsonl every step of every invocation, summary.json the newest
+    invocation's (with the committed steps' losses), previous/ the earlier ones' — and nothing
+    is replaced. `--resume` on a name with no run yet starts a new directory.
 
 Invariants: a record file is never overwritten or removed by a later run; directories are
 owner-only (`private_fs`); `latest` is replaced atomically (a new link renamed over it).
@@ -36,10 +39,15 @@ from typing import Optional
 
 from orchestrator.core.private_fs import private_dir
 
-__all__ = ["RECORD_FILES", "RunDirError", "latest", "name_dir", "open_run", "run_ids", "LATEST", "PREVIOUS"]
+__all__ = ["DOCUMENTS", "LOGS", "RECORD_FILES", "RunDirError", "latest", "name_dir", "open_run", "previous_of", "run_ids",
+           "LATEST", "PREVIOUS"]
 
-RECORD_FILES = ("summary.json", "metrics.jsonl", "trace.json", "timeline.png", "error.txt", "workers.json",
-                "summary.reference.json", "metrics.reference.jsonl")
+# What an invocation writes as whole documents: set aside in previous/<k>/ when --resume continues the
+# run (with the numbered error files, error.1.txt, ...). The logs (metrics*.jsonl) are appended to.
+DOCUMENTS = ("summary.json", "trace.json", "timeline.png", "error.txt", "workers.json", "summary.reference.json")
+LOGS = ("metrics.jsonl", "metrics.reference.jsonl")
+RECORD_FILES = DOCUMENTS + LOGS
+ERROR_FILE_RE = re.compile(r"^error\.\d+\.txt$")
 LATEST = "latest"
 PREVIOUS = "previous"
 ID_RE = re.compile(r"^(\d{8}-\d{6})(?:-(\d+))?$")
@@ -129,9 +137,27 @@ def open_run(job, resume: bool = False, run_id: Optional[str] = None, now: Optio
     return candidate
 
 
+def previous_of(run: Path) -> list[str]:
+    """The earlier invocations' set-aside records of a run directory, oldest first (`previous/<k>`).
+
+    >>> import tempfile
+    >>> d = Path(tempfile.mkdtemp())
+    >>> for k in ("10", "2", "1"):
+    ...     (d / PREVIOUS / k).mkdir(parents=True)
+    >>> previous_of(d)
+    ['previous/1', 'previous/2', 'previous/10']
+    """
+    prev = run / PREVIOUS
+    if not prev.is_dir():
+        return []
+    return [f"{PREVIOUS}/{k}" for k in sorted((int(p.name) for p in prev.iterdir() if p.name.isdigit()))]
+
+
 def _set_aside(run: Path) -> None:
-    """Move the record files of the run's earlier invocation into `previous/<k>/`, unchanged."""
-    present = [run / f for f in RECORD_FILES if (run / f).exists()]
+    """Move the documents of the run's earlier invocation into `previous/<k>/`, unchanged (its
+    metrics.jsonl stays: the resumed invocation appends to it)."""
+    present = [run / f for f in DOCUMENTS if (run / f).exists()]
+    present += sorted(p for p in run.iterdir() if ERROR_FILE_RE.match(p.name))
     if not present:
         return
     prev = private_dir(run / PREVIOUS)

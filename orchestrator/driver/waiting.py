@@ -5,10 +5,12 @@ stage/host and the exception (`short_error`), followed by where it ran (pid, nod
 and the last frames of the stage's own traceback, redacted
 (`orchestrator.core.redact`) and short enough for one screen; `detail` keeps the
 whole (redacted) remote traceback, which the runner writes to `<run dir>/error.txt`.
-For recovery (`orchestrator.driver.recovery`) a failure also says which actor it came from
-(`label`, e.g. "stage 1 host 0") and whether its process died (`died`: Ray's actor-death
-error); a deadline that passes raises `ProgressTimeout` (a TimeoutError) with the labels
-still pending. A survivor's own error (not a "told to stop") is not taken for the cause
+For recovery (`orchestrator.driver.recovery`) a failure also says, in typed fields, which actor
+it came from (`label`: an `orchestrator.core.contract.ActorId`, "stage 1 host 0" with `stage` and
+`host`), whether its process died (`died`: Ray's actor-death error) and where the step failed
+first (`origin`: the `StepFailure` the actor put on its error, or on a survivor's the one of
+the peer that aborted it); a deadline that passes raises `ProgressTimeout` (a TimeoutError)
+with the labels still pending. A survivor's own error (not a "told to stop") is not taken for the cause
 while a peer's death shows up within `DEATH_GRACE_S`.
 """
 from __future__ import annotations
@@ -27,10 +29,11 @@ class StageFailure(RuntimeError):
     `error_file` is set by the runner once `detail` is written to the run directory."""
 
     def __init__(self, message: str, detail: str = "", where: str = "", tail: str = "",
-                 label: str | None = None, died: bool = False):
+                 label: str | None = None, died: bool = False, origin=None):
         super().__init__(message)
         self.message, self.detail, self.where, self.tail = message, detail, where, tail
-        self.label, self.died = label, died      # the actor ("stage 1 host 0"); its process died
+        self.label, self.died = label, died      # the actor (an ActorId: "stage 1 host 0"); its process died
+        self.origin = origin     # orchestrator.core.contract.StepFailure: where the step failed first, or None
         self.error_file: str | None = None
 
     def __str__(self) -> str:
@@ -52,6 +55,7 @@ def stage_failure(what: str, label: str, e: BaseException) -> StageFailure:
     """
     import traceback
 
+    from orchestrator.core.contract import failure_of
     from orchestrator.core.redact import redact_text
 
     text = _ANSI.sub("", redact_text(str(e))).rstrip()
@@ -63,7 +67,7 @@ def stage_failure(what: str, label: str, e: BaseException) -> StageFailure:
     else:
         detail = redact_text("".join(traceback.format_exception(type(e), e, e.__traceback__))).rstrip()
     return StageFailure(f"{what} failed on {label}: {short_error(e)}", detail=detail, where=where,
-                        tail=_tail(detail), label=label, died=_died(e))
+                        tail=_tail(detail), label=label, died=_died(e), origin=failure_of(e))
 
 
 class ProgressTimeout(TimeoutError):
@@ -176,12 +180,10 @@ def _death(pending: list):
 
 
 def short_error(e: Exception) -> str:
-    from orchestrator.core.recovery import STEP_NOTE
     from orchestrator.core.redact import redact_text
 
     text = redact_text(str(e)).strip()
     noise = ("For simplicity, JAX has removed", "-----")
-    lines = [ln for ln in text.splitlines() if ln.strip() and not ln.startswith(noise)
-             and not ln.strip().startswith(STEP_NOTE)]   # the worker's note for the recovery loop
+    lines = [ln for ln in text.splitlines() if ln.strip() and not ln.startswith(noise)]
     # Ray wraps remote errors with the whole traceback; the last line holds the cause.
     return lines[-1] if lines else type(e).__name__

@@ -12,8 +12,8 @@ Basic flow (one `HostLoader` per split on a stage host that needs data):
   - Asking for a step other than the next one (a resume, a restore) restarts the
     thread there. `state()` / `load_state()` is the loader's whole position — a
     small dict a checkpoint saves — since the batch of step n depends only on
-    (seed, n) and the data set. `offset` (a training-health rollback's skipped batches,
-    `orchestrator.core.health.skip_data`): step n reads batch n + offset.
+    (seed, n) and the data set. `offset` (the stage's `StageState.data_offset`: a
+    training-health rollback's skipped batches): step n reads batch n + offset.
   - `close()` stops the thread (bounded join). Every wait has a deadline.
 """
 from __future__ import annotations
@@ -138,19 +138,18 @@ class HostLoader:
             step += 1
 
     def state(self) -> dict:
-        """The loader's position: all a checkpoint needs to resume the data exactly."""
-        out = {"source": self.plan.source, "seed": self.plan.seed, "next_step": self._next,
-               "samples": (self._next + self.offset) * self.plan.global_batch}
-        return {**out, "offset": self.offset} if self.offset else out
+        """The loader's position: all a checkpoint needs to resume the data exactly (with the
+        stage's `data_offset`, which the checkpoint saves in the stage's state)."""
+        return {"source": self.plan.source, "seed": self.plan.seed, "next_step": self._next,
+                "samples": self._next * self.plan.global_batch}
 
     def load_state(self, state: dict) -> None:
-        """Resume at `state['next_step']`, `offset` batches ahead (the seed must be the plan's)."""
+        """Resume at `state['next_step']` (the seed must be the plan's)."""
         if state.get("seed") != self.plan.seed or state.get("source") != self.plan.source:
             raise ValueError(f"{self.who}: loader state {state} is not of this data set "
                              f"(source {self.plan.source!r}, seed {self.plan.seed})")
         self.close()
         self._next = int(state["next_step"])
-        self.offset = int(state.get("offset", 0))
 
     def close(self, timeout: float = 5.0) -> None:
         if self._thread is not None:

@@ -22,7 +22,6 @@ Nothing here imports ray or (at module level) jax.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from typing import Optional
 

@@ -519,13 +519,12 @@ def _rule_key(job: JobConfig, i: int, logical: str) -> tuple[str, Any]:
     return f"layout.{logical}", _json_rule(job.layout.get(logical))
 
 
-def _check_batch(job: JobConfig, layouts: Optional[list], probs: _Problems) -> int:
+def _check_batch(job: JobConfig, layouts: Optional[list], mb: int, probs: _Problems) -> None:
     gb, m = job.data.global_batch, job.pipeline.microbatches
     if gb % m:
         probs.add("data.global_batch", gb, f"not divisible by pipeline.microbatches = {m}; the "
                   "global batch is split into equal microbatches")
-        return gb // m
-    mb = gb // m
+        return
     for i, layout in enumerate(layouts or ()):
         st = job.pipeline.stages[i]
         n = shard_count(layout.get("batch"), st.mesh)
@@ -534,7 +533,6 @@ def _check_batch(job: JobConfig, layouts: Optional[list], probs: _Problems) -> i
             probs.add("pipeline.microbatches", m, f"microbatch size data.global_batch / microbatches = "
                       f"{gb} / {m} = {mb} is not divisible by {n}, the number of shards of logical axis "
                       f"'batch' on stage {i} ({key} = {rule!r}, mesh {dict(st.mesh)})")
-    return mb
 
 
 def _stage_tensors(model: ModelSpec, st, mb: int) -> list[tuple[str, tuple, tuple]]:
@@ -623,11 +621,11 @@ def check_job(job: JobConfig, cluster: ClusterConfig) -> Checked:
     hosts = _check_hosts_meshes(job, cluster, probs)
     _check_schedule(job, probs)
     layouts = _check_layout_names(job, model, probs)
+    mb, rest = divmod(job.data.global_batch, job.pipeline.microbatches)    # the microbatch size: here only
     if layouts is not None:           # candidate rules (layout `{first: [...]}`) chosen per stage
-        layouts = _choose_layouts(job, model, layouts, max(1, job.data.global_batch // job.pipeline.microbatches),
-                                  layers_ok and job.data.global_batch % job.pipeline.microbatches == 0)
-    mb = _check_batch(job, layouts, probs)
-    if layers_ok and layouts is not None and job.data.global_batch % job.pipeline.microbatches == 0:
+        layouts = _choose_layouts(job, model, layouts, max(1, mb), layers_ok and rest == 0)
+    _check_batch(job, layouts, mb, probs)
+    if layers_ok and layouts is not None and rest == 0:
         _check_divisibility(job, model, layouts, mb, probs)
         if not probs:
             probs.extend(memory_problems(job, cluster, model, layouts, mb))

@@ -112,7 +112,7 @@ def checkpoint_bytes(checked: "Checked") -> int:
         True
     """
     from orchestrator.core.edges import leaf_dtype
-    from orchestrator.core.planner.cost import optimizer_slots
+    from orchestrator.core.memory import optimizer_slots
 
     opt = checked.job.optimizer
     slots = (max(optimizer_slots(e.name, e.args) for e in opt.chain) if opt.chain is not None

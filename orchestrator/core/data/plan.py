@@ -23,7 +23,7 @@ from orchestrator.core.data.sampler import windows_per_shard
 from orchestrator.core.data.shards import (SCAN_BUDGET, SCAN_BYTES, ShardError, first_at_least, regular_file,
                                            resolve_tokens, scan_max)
 
-__all__ = ["DataPlan", "DataProblems", "plan_data", "synthetic_plan", "EXTRA_HINT", "hf_format", "load_factory"]
+__all__ = ["DataPlan", "DataProblems", "SOURCES", "plan_data", "synthetic_plan", "EXTRA_HINT", "hf_format", "load_factory"]
 
 EXTRA_HINT = "install the data extra: pip install 'meshpipe[data]'"
 _FORMATS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".arrow": "arrow", ".csv": "csv"}
@@ -158,58 +158,74 @@ def _check_split(train: DataPlan, ev: DataPlan, probs) -> None:
 
 
 def _one(d, path, base: DataPlan, key: str, probs, vocab: int, seq: int) -> Optional[DataPlan]:
+    """The plan of one split at `path` (`key`: the job key naming it), by its source's entry in
+    `SOURCES`; None with its problems added to `probs`."""
     try:
-        if d.source == "text":
-            f = str(regular_file(path, "text file"))
-            n = windows_per_shard(os.path.getsize(f), seq)
-            if n < 1:
-                probs.append((key, path, f"holds {os.path.getsize(f)} bytes, fewer than data.seq_len + 1 = {seq + 1}"))
-                return None
-            if vocab and vocab < 256:
-                _fit_bytes(key, f, vocab, probs)
-            return replace(base, files=(f,), dtype="uint8", counts=(n,))
-        if d.source == "tokens":
-            ts = resolve_tokens(path, d.dtype)
-            counts = []
-            for f, t in zip(ts.files, ts.tokens):
-                n = windows_per_shard(t, seq)
-                if n < 1:
-                    probs.append((key, f, f"shard holds {t} tokens, fewer than data.seq_len + 1 = {seq + 1}"))
-                counts.append(n)
-            if vocab:
-                _fit_tokens(key, ts, vocab, probs)
-            if ts.vocab is not None and vocab and ts.vocab > vocab:
-                probs.append((key, path, f"the shards were tokenized with a vocabulary of {ts.vocab}, larger "
-                              f"than the model's vocab {vocab}"))
-            return replace(base, files=ts.files, dtype=ts.dtype, counts=tuple(counts))
-        if d.source == "hf":
-            files = tuple(str(regular_file(p, "data file")) for p in ((path,) if isinstance(path, str) else path))
-            try:
-                fmt = hf_format(files, d.format)
-            except ValueError as e:
-                probs.append(("data.format", d.format, str(e)))
-                return None
-            column = d.column or "text"
-            for f in files:
-                cols = _columns(f, fmt)
-                if column not in cols:
-                    probs.append(("data.column", column, f"not a column of {f} (columns: {', '.join(cols)})"))
-                    break
-            tok = str(regular_file(d.tokenizer, "tokenizer file"))
-            size = _tokenizer_vocab(tok)
-            if vocab and size > vocab:
-                probs.append(("data.tokenizer", d.tokenizer, f"the tokenizer's vocabulary has {size} tokens, "
-                              f"more than the model's vocab {vocab}"))
-            return replace(base, files=files, dtype="uint32", fmt=fmt, column=column, tokenizer=tok)
-        if d.source == "grain":
-            args = dict(d.args or {})
-            _probe_grain(d.factory, args, seq, vocab, probs)
-            return replace(base, factory=d.factory, args=tuple(sorted(args.items())))
+        return SOURCES[d.source](d, path, base, key, probs, vocab, seq)
     except ShardError as e:
         probs.append((key, e.value, e.rule))
     except ImportError as e:
         probs.append(("data.source", d.source, f"needs a package that is not installed ({e.name}); {EXTRA_HINT}"))
     return None
+
+
+def _text(d, path, base: DataPlan, key: str, probs, vocab: int, seq: int) -> Optional[DataPlan]:
+    f = str(regular_file(path, "text file"))
+    n = windows_per_shard(os.path.getsize(f), seq)
+    if n < 1:
+        probs.append((key, path, f"holds {os.path.getsize(f)} bytes, fewer than data.seq_len + 1 = {seq + 1}"))
+        return None
+    if vocab and vocab < 256:
+        _fit_bytes(key, f, vocab, probs)
+    return replace(base, files=(f,), dtype="uint8", counts=(n,))
+
+
+def _tokens(d, path, base: DataPlan, key: str, probs, vocab: int, seq: int) -> Optional[DataPlan]:
+    ts = resolve_tokens(path, d.dtype)
+    counts = []
+    for f, t in zip(ts.files, ts.tokens):
+        n = windows_per_shard(t, seq)
+        if n < 1:
+            probs.append((key, f, f"shard holds {t} tokens, fewer than data.seq_len + 1 = {seq + 1}"))
+        counts.append(n)
+    if vocab:
+        _fit_tokens(key, ts, vocab, probs)
+    if ts.vocab is not None and vocab and ts.vocab > vocab:
+        probs.append((key, path, f"the shards were tokenized with a vocabulary of {ts.vocab}, larger "
+                      f"than the model's vocab {vocab}"))
+    return replace(base, files=ts.files, dtype=ts.dtype, counts=tuple(counts))
+
+
+def _hf(d, path, base: DataPlan, key: str, probs, vocab: int, seq: int) -> Optional[DataPlan]:
+    files = tuple(str(regular_file(p, "data file")) for p in ((path,) if isinstance(path, str) else path))
+    try:
+        fmt = hf_format(files, d.format)
+    except ValueError as e:
+        probs.append(("data.format", d.format, str(e)))
+        return None
+    column = d.column or "text"
+    for f in files:
+        cols = _columns(f, fmt)
+        if column not in cols:
+            probs.append(("data.column", column, f"not a column of {f} (columns: {', '.join(cols)})"))
+            break
+    tok = str(regular_file(d.tokenizer, "tokenizer file"))
+    size = _tokenizer_vocab(tok)
+    if vocab and size > vocab:
+        probs.append(("data.tokenizer", d.tokenizer, f"the tokenizer's vocabulary has {size} tokens, "
+                      f"more than the model's vocab {vocab}"))
+    return replace(base, files=files, dtype="uint32", fmt=fmt, column=column, tokenizer=tok)
+
+
+def _grain(d, path, base: DataPlan, key: str, probs, vocab: int, seq: int) -> Optional[DataPlan]:
+    args = dict(d.args or {})
+    _probe_grain(d.factory, args, seq, vocab, probs)
+    return replace(base, factory=d.factory, args=tuple(sorted(args.items())))
+
+
+# `data.source` -> how one split of it is planned: the one place the planner tells the sources apart
+# (`synthetic` needs no plan of its own; the readers' table is `stages.data.readers.READERS`).
+SOURCES = {"text": _text, "tokens": _tokens, "hf": _hf, "grain": _grain}
 
 
 def _fit_bytes(key: str, f: str, vocab: int, probs) -> None:

@@ -30,7 +30,7 @@ import fnmatch
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
-__all__ = ["Built", "OptimError", "build", "normalize"]
+__all__ = ["Built", "OptimError", "build", "normalize", "schedule_fn"]
 
 
 class OptimError(ValueError):
@@ -58,6 +58,18 @@ def normalize(spec: Any) -> list[dict]:
     return [{"name": spec["name"], "args": dict(spec.get("args") or {})}]
 
 
+def schedule_fn(value: Mapping[str, Any]):
+    """The optax schedule function `{schedule: name, args: {...}}` names, or ValueError (the rule)."""
+    import optax
+
+    name = str(value["schedule"])
+    fn = getattr(optax, name, None)
+    if fn is None or not callable(fn) or not name.endswith("schedule"):
+        raise ValueError("not an optax schedule function (e.g. warmup_cosine_decay_schedule, "
+                         "cosine_decay_schedule)")
+    return fn
+
+
 def _mask(rule: Mapping[str, Any], names: Callable) -> Callable:
     include = list(rule.get("include") or [])
     exclude = list(rule.get("exclude") or [])
@@ -76,8 +88,6 @@ def _mask(rule: Mapping[str, Any], names: Callable) -> Callable:
 
 
 def _value(key: str, value: Any, names: Callable):
-    from orchestrator.core.model.optim_rules import schedule_fn
-
     if isinstance(value, Mapping) and "schedule" in value:
         try:
             fn = schedule_fn(value)

@@ -29,7 +29,9 @@ import inspect
 import math
 from typing import Any, Callable, Iterator, Mapping, Optional
 
-__all__ = ["RULES", "MAX_LEARNING_RATE", "DENSE_STEPS", "problems", "schedule_fn"]
+from orchestrator.core.model.optim import normalize, schedule_fn
+
+__all__ = ["RULES", "MAX_LEARNING_RATE", "DENSE_STEPS", "problems"]
 
 MAX_LEARNING_RATE = 100.0
 DENSE_STEPS = 100_000        # a schedule is evaluated at every step up to this many steps
@@ -60,18 +62,6 @@ RULES: dict[str, tuple[Callable[[float], bool], str]] = {
     "trust_coefficient": _POS, "decay_rate": _POS, "min_scale": _POS,
     "warmup_steps": _NONNEG, "decay_steps": _NONNEG, "transition_steps": _NONNEG, "transition_begin": _NONNEG,
 }
-
-
-def schedule_fn(value: Mapping[str, Any]):
-    """The optax schedule function `{schedule: name, args: {...}}` names, or ValueError (the rule)."""
-    import optax
-
-    name = str(value["schedule"])
-    fn = getattr(optax, name, None)
-    if fn is None or not callable(fn) or not name.endswith("schedule"):
-        raise ValueError("not an optax schedule function (e.g. warmup_cosine_decay_schedule, "
-                         "cosine_decay_schedule)")
-    return fn
 
 
 def _numbers(value: Any, loc: str) -> Iterator[tuple[str, Any]]:
@@ -247,8 +237,6 @@ def problems(spec: Any, steps: int, allow_ascent: bool = False) -> list[tuple[st
         'optimizer.chain'
     """
     import optax
-
-    from orchestrator.core.model.optim import normalize
 
     entries = normalize(spec)
     chain = isinstance(spec, Mapping) and "chain" in spec

@@ -1,18 +1,20 @@
 """Model factories: built-in names and `package.module:function` paths (pure: no jax here).
 
 A factory returns a `PipelineModel` (`orchestrator.core.model.pipeline`); the
-built-ins `gpt` and `mlp` are plain-JAX factories like any user's (their jax code
-is in `stages/models/`, resolved by import path at call time, never imported by
-this package). `build_spec` calls the factory and describes the model by shape
-evaluation (`describe`); `build_model` calls it again on a worker to get the jax
-functions.
+built-ins `gpt` and `mlp` are plain-JAX factories like any user's. The package that
+owns a model's code registers it under a name as an entry point of the group
+`meshpipe.models` (meshpipe's own in pyproject.toml: their jax code is in the stage
+runtime); `BUILTIN` reads the names and import paths from the installed metadata,
+without importing them, and this package names no module of another layer.
+`build_spec` calls the factory and describes the model by shape evaluation
+(`describe`); `build_model` calls it again on a worker to get the jax functions.
 """
 from __future__ import annotations
 
 import importlib
 import inspect
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import Any, Iterator, Mapping, Optional
 
 from orchestrator.core.extras import hinting
 from orchestrator.core.model import gpt, mlp
@@ -28,10 +30,43 @@ class Builtin:
     defaults: Mapping[str, Any]
 
 
-BUILTIN = {"mlp": Builtin("stages.models.mlp_impl:model", mlp.DEFAULTS),
-           "gpt": Builtin("stages.models.gpt_impl:model", gpt.DEFAULTS)}
+ENTRY_POINTS = "meshpipe.models"      # the entry-point group a package registers its models in
+DEFAULTS = {"mlp": mlp.DEFAULTS, "gpt": gpt.DEFAULTS}     # the built-ins' arguments (pure descriptions)
 
-__all__ = ["BUILTIN", "Builtin", "build_model", "build_spec", "factory_args", "resolve"]
+
+class Builtins(Mapping):
+    """name -> `Builtin`, from the entry points of `ENTRY_POINTS` (read once, on first use)."""
+
+    def __init__(self):
+        self._found: Optional[dict[str, Builtin]] = None
+
+    def _table(self) -> dict[str, Builtin]:
+        if self._found is None:
+            from importlib.metadata import entry_points
+
+            found = {ep.name: Builtin(ep.value, DEFAULTS.get(ep.name, {})) for ep in entry_points(group=ENTRY_POINTS)}
+            missing = sorted(set(DEFAULTS) - set(found))
+            if missing:
+                raise ModelError(f"the built-in models {', '.join(missing)} are not registered: this meshpipe's "
+                                 f"install is older than its source (entry points {ENTRY_POINTS!r} in "
+                                 "pyproject.toml); install it again: pip install -e .")
+            self._found = found
+        return self._found
+
+    def __getitem__(self, name: str) -> Builtin:
+        return self._table()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._table())
+
+    def __len__(self) -> int:
+        return len(self._table())
+
+
+BUILTIN = Builtins()
+
+__all__ = ["BUILTIN", "Builtin", "Builtins", "DEFAULTS", "ENTRY_POINTS", "build_model", "build_spec", "factory_args",
+           "resolve"]
 
 
 def resolve(path: str):

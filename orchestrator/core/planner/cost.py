@@ -62,6 +62,7 @@ from typing import Mapping, Optional
 
 import numpy as np
 
+from orchestrator.core.memory import optimizer_slots  # noqa: F401 - part of this module's API
 from orchestrator.core.model.layout import partition_spec, shard_count
 from orchestrator.core.planner.model import PlanLayer
 from orchestrator.core.planner.profile import LayerProfile, ProfileRequest, linear
@@ -166,16 +167,6 @@ class LayerCost:
     w_s: float = 0.0
     held_bytes: float = 0.0            # what I keeps for W per microbatch
     split_temp_bytes: float = 0.0      # the largest temp of F, I and W
-
-
-def optimizer_slots(name: str, args: Mapping[str, object] | None = None) -> int:
-    """Per-parameter state arrays of an optax optimizer (sgd 0, momentum 1, adam-like 2)."""
-    args = args or {}
-    if name == "sgd":
-        return 1 if args.get("momentum") else 0
-    if name in ("adagrad", "rmsprop", "sm3", "lion", "adafactor"):
-        return 1
-    return 2
 
 
 def _restricted(layer: PlanLayer, rules: tuple[tuple[str, str], ...]) -> tuple[tuple[str, str], ...]:

@@ -98,14 +98,14 @@ def interleaved_plans(model, topo, choices, tables, m: int, p: int, v: int, infl
     A plan is [(chunks, first host, hosts, choice index)] per stage (module docstring).
     `infl_fn()` gives the schedule's in-flight pairs per stage; it is called (the schedule
     generated and simulated) only when some host count's lower bound, memory aside, is ≤ `bound`."""
-    from orchestrator.core.planner.search import _aligned
+    from orchestrator.core.planner.topology import aligned
 
     L, H = model.num_layers, topo.hosts
     over = topo.action_overhead_s
     a = np.array(cut[:-1])
     b = np.array(cut[1:])
     ks = [k for k in range(1, H // p + 1) if choices.get(k)
-          and all(_aligned(i * k, k, topo.hosts_per_group, H) for i in range(p))]
+          and all(aligned(i * k, k, topo.hosts_per_group, H) for i in range(p))]
     for k in ks:
         if (k, m, False) not in memo:
             memo[(k, m, False)] = stacked(tables, k, len(choices[k]), m, L, False)

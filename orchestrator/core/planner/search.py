@@ -65,7 +65,7 @@ from orchestrator.core.planner.cost import MeshChoice, fits_layer, layer_cost, l
 from orchestrator.core.planner.model import PlanModel
 from orchestrator.core.planner.profile import LayerProfile, ProfileRequest
 from orchestrator.core.planner.tables import Table, fuses, layer_table, stage_memory, stage_tables
-from orchestrator.core.planner.topology import Topology
+from orchestrator.core.planner.topology import Topology, aligned
 from orchestrator.core.planner.transports import edge_record
 
 __all__ = ["SearchOptions", "StageChoice", "Candidate", "SearchResult", "PlanningError", "search",
@@ -238,14 +238,6 @@ def _inflight(schedule: str, p: int, m: int, v: int = 1) -> Optional[tuple[int, 
 
     low = _lowered(schedule, p, m, v)
     return None if low is None else tuple(simulate(low, {"F": 1, "B": 2}).peak_inflight)
-
-
-def _aligned(h: int, k: int, hpg: int, hosts: int) -> bool:
-    if hpg <= 1 or hpg >= hosts:
-        return True
-    if k <= hpg:
-        return h % hpg + k <= hpg
-    return k % hpg == 0 and h % hpg == 0
 
 
 def search(model: PlanModel, topo: Topology, global_batch: int, *, profile: ProfileFn,
@@ -507,7 +499,7 @@ def _dp(stage_tab, edge, infl, L, H, topo, bound):
 @functools.lru_cache(maxsize=256)
 def _starts(k: int, hpg: int, H: int) -> np.ndarray:
     """First hosts a stage of k hosts may take (whole aligned node groups)."""
-    return np.array([h for h in range(H - k + 1) if _aligned(h, k, hpg, H)], dtype=np.int64)
+    return np.array([h for h in range(H - k + 1) if aligned(h, k, hpg, H)], dtype=np.int64)
 
 
 def _dp_many(stage_tab, edge, infl, L, H, topo, bounds):
@@ -573,7 +565,7 @@ def _enumerate(choices, tables, m, L, H, topo, p, limit=200_000):
             if sum(ks) > H:
                 continue
             starts = np.concatenate([[0], np.cumsum(ks)[:-1]]).astype(int)
-            if not all(_aligned(int(h), k, topo.hosts_per_group, H) for h, k in zip(starts, ks)):
+            if not all(aligned(int(h), k, topo.hosts_per_group, H) for h, k in zip(starts, ks)):
                 continue
             options = []
             for s in range(p):
@@ -600,7 +592,7 @@ def _min_max(stage_tab, infl, L, H, topo, index):
                 continue
             val = stage_tab[(k, infl[s])][index]
             for h in range(0, H - k + 1):
-                if _aligned(h, k, topo.hosts_per_group, H):
+                if aligned(h, k, topo.hosts_per_group, H):
                     cur[:, h] = np.minimum(cur[:, h], np.maximum(val, nxt[None, :, h + k]).min(axis=1))
         nxt = cur
     return float(nxt[0, 0])

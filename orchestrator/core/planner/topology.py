@@ -65,7 +65,7 @@ from orchestrator.core.planner.hardware import XLA_GPU_MEMORY_FRACTION, gpu_figu
 from orchestrator.core.planner.transports import (TRANSPORTS, EdgeCost, EdgeLayout, TransportModel,
                                                   default_links, resolve)
 
-__all__ = ["LinkClass", "Topology", "DEFAULTS", "CLASSES", "collective_time", "from_cluster"]
+__all__ = ["LinkClass", "Topology", "DEFAULTS", "CLASSES", "aligned", "collective_time", "from_cluster"]
 
 CLASSES = ("host", "group", "dcn")   # nearest first
 
@@ -357,3 +357,13 @@ def _transport(model: TransportModel, given, copy_d, notes: list[str]) -> tuple[
         return model, None
     notes.append(f"links.host_copy: default {copy_d[0]:g} GB/s, {copy_d[1]:g} µs (device ↔ host copies)")
     return model, LinkClass("host_copy", copy_d[1] * 1e-6, copy_d[0] * 1e9)
+
+
+def aligned(h: int, k: int, hpg: int, hosts: int) -> bool:
+    """Whether `k` hosts from host `h` keep to the node groups of `hpg` hosts each (of `hosts`): within
+    one group, or whole groups from a group's start (any span when there is one group)."""
+    if hpg <= 1 or hpg >= hosts:
+        return True
+    if k <= hpg:
+        return h % hpg + k <= hpg
+    return k % hpg == 0 and h % hpg == 0

@@ -284,5 +284,5 @@ class Schedule:
                         bool(data.get("lowered", False)), bool(data.get("forward_only", False)))
 
     def __str__(self) -> str:
-        from orchestrator.core.schedule.render import render_grid
+        from orchestrator.core.schedule.grid import render_grid
         return render_grid(self)

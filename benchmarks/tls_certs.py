@@ -1,5 +1,6 @@
-"""Throwaway TLS material for the transport's TLS tests (the `cryptography` package, which Ray's
-dependencies bring; tests skip without it).
+"""Throwaway TLS material for the transport's TLS tests and `benchmarks.tls_overhead` (the
+`cryptography` package, which Ray's dependencies bring; without it `make_tls` raises ImportError,
+and the tests skip).
 
     files = make_tls(tmp_path)            # {"cert_file", "key_file", "ca_file"}: a CA and a node cert it signed
     other = make_tls(tmp_path / "b")      # another CA: its certificates are strangers to the first
@@ -8,8 +9,6 @@ from __future__ import annotations
 
 import datetime as dt
 from pathlib import Path
-
-import pytest
 
 
 def _key():
@@ -43,7 +42,6 @@ def _cert(subject: str, key, issuer: str, issuer_key, ca: bool, days: float = 1.
 def make_tls(directory: Path, expired: bool = False) -> dict[str, str]:
     """A fresh CA and one node certificate it signed (valid a day, or expired a day ago), as PEM
     files in `directory`; the key files are 0o600."""
-    pytest.importorskip("cryptography")
     from cryptography.hazmat.primitives import serialization
 
     directory.mkdir(parents=True, exist_ok=True)

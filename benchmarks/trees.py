@@ -1,0 +1,130 @@
+"""Step time of two meshpipe source trees, alternated: is a refactor free?
+
+Run:  python -m benchmarks.trees --before DIR [--before-python PY] [--sizes tiny,large]
+                                 [--pairs 6] [--steps 40] [--warmup 8] [--out FILE]
+
+Each measurement is one child process in one tree (`TREE/… python -m benchmarks.trees
+child SIZE STEPS WARMUP`, with that tree first on its path and its own venv's python): an
+embedded Ray, the pipeline benchmark's job (`benchmarks.pipeline.checked_job`: the GPT of
+`benchmarks.common.SIZES`, 2 stages × 1 host × 1 CPU device, 1F1B, m=8, stage actors pinned
+to their own core, the default executor), run by the tree's own `PipelineExecutor`; the step
+period is `benchmarks.formulas.call_period_s` of the steps after `warmup` (compile). The
+child prints JSON: the period, the steps' periods, the affinity each actor's step thread read
+back, the load average before and after.
+
+The parent runs the two trees in pairs (before then after, then after then before, ...:
+`benchmarks.paired.block_order`), so a drift of the shared machine over a pair cancels in the
+pair's ratio after ÷ before; it reports per size the median ratio, its order-statistic
+interval (`benchmarks.paired.median_interval`) and the spread of the ratios. The child of the
+"before" tree runs this file from the "after" tree (it only needs the executor API both
+trees share), so the before tree needs no copy of it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent.parent
+M, SCHEDULE = 8, "1f1b"
+
+
+def child(size_name: str, steps: int, warmup: int) -> dict:
+    """One pipelined run in this process's tree (see the module docstring)."""
+    import ray
+
+    from benchmarks.common import SIZES
+    from benchmarks.formulas import call_period_s
+    from benchmarks.pipeline import checked_job
+    from orchestrator.core.plan import make_plan
+    from orchestrator.driver import placement
+    from orchestrator.driver.executor import PipelineExecutor
+
+    load0 = os.getloadavg()
+    checked = checked_job(SIZES[size_name], SCHEDULE, M, warmup + steps)
+    plan = make_plan(checked)
+    placement.connect(checked.cluster, namespace=f"meshpipe-trees-{size_name}")
+    ex = PipelineExecutor(checked, plan.schedule, checked.data, f"trees-{size_name}")
+    walls, affinity = [], {}
+    try:
+        ex.start()
+        for r in ex.steps(warmup + steps):
+            if r.step >= warmup:
+                walls.append(r.wall_s)
+                for st in r.stats:
+                    if "affinity" in st:
+                        affinity[f"{st['stage']}/{st.get('host', 0)}"] = st["affinity"]
+    finally:
+        ex.shutdown()
+        ray.shutdown()
+    return {"step_s": call_period_s(walls, warmup, checked.cluster.calls_of_steps), "walls_s": walls,
+            "affinity": affinity, "load_before": load0, "load_after": os.getloadavg()}
+
+
+def run_tree(tree: Path, python: str, size: str, steps: int, warmup: int, timeout: float) -> dict:
+    env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{HERE}", "JAX_PLATFORMS": "cpu"}
+    r = subprocess.run([python, str(Path(__file__).resolve()), "child", size, str(steps), str(warmup)],
+                       cwd=tree, env=env, capture_output=True, text=True, timeout=timeout)
+    if r.returncode != 0:
+        raise RuntimeError(f"{tree} {size}: exit {r.returncode}\n{r.stderr[-3000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def compare(trees: dict, sizes: list[str], pairs: int, steps: int, warmup: int, timeout: float) -> dict:
+    from benchmarks.paired import block_order, median_interval
+
+    out: dict = {"m": M, "schedule": SCHEDULE, "steps": steps, "warmup": warmup, "sizes": {}}
+    for size in sizes:
+        runs = []
+        for i in range(pairs):
+            pair = {}
+            for name in block_order(i, ("before", "after")):
+                tree, python = trees[name]
+                pair[name] = run_tree(tree, python, size, steps, warmup, timeout)
+            pair["ratio"] = pair["after"]["step_s"] / pair["before"]["step_s"]
+            runs.append(pair)
+            print(f"{size} pair {i}: before {pair['before']['step_s'] * 1e3:.2f} ms, after "
+                  f"{pair['after']['step_s'] * 1e3:.2f} ms, ratio {pair['ratio']:.3f}", file=sys.stderr, flush=True)
+        ratios = [p["ratio"] for p in runs]
+        out["sizes"][size] = {
+            "ratio_median": statistics.median(ratios), "ratios": ratios,
+            "ratio_spread": [min(ratios), max(ratios)], "interval": median_interval(ratios, 0.75),
+            "before_ms": [p["before"]["step_s"] * 1e3 for p in runs],
+            "after_ms": [p["after"]["step_s"] * 1e3 for p in runs],
+            "affinity": [p[k]["affinity"] for p in runs for k in ("before", "after")],
+            "load": [[p[k]["load_before"][0], p[k]["load_after"][0]] for p in runs for k in ("before", "after")]}
+    return out
+
+
+def main(argv: list[str]) -> None:
+    if argv and argv[0] == "child":
+        print(json.dumps(child(argv[1], int(argv[2]), int(argv[3]))))
+        return
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--before", required=True, type=Path, help="the other source tree (e.g. a git archive of main)")
+    ap.add_argument("--before-python", default=None, help="its venv's python (default: DIR/.venv/bin/python)")
+    ap.add_argument("--sizes", default="tiny,large")
+    ap.add_argument("--pairs", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--warmup", type=int, default=8)
+    ap.add_argument("--timeout", type=float, default=900.0)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    trees = {"before": (args.before.resolve(), args.before_python or str(args.before.resolve() / ".venv/bin/python")),
+             "after": (HERE, sys.executable)}
+    t0 = time.time()
+    result = {**compare(trees, args.sizes.split(","), args.pairs, args.steps, args.warmup, args.timeout),
+              "trees": {k: str(v[0]) for k, v in trees.items()}, "wall_s": time.time() - t0, "nproc": os.cpu_count()}
+    text = json.dumps(result, indent=1)
+    if args.out:
+        Path(args.out).write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
