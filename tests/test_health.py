@@ -69,6 +69,19 @@ def test_skip_data_moves_the_position_past_the_bad_step():
         skip_data(4, 3)
 
 
+def test_a_rollback_is_a_typed_cause_never_the_same_failure_again():
+    """A rollback skips the bad step's data, so the step that follows is another: two rollbacks at
+    the same step both restart (`max_restarts` bounds them), where two errors there would not."""
+    from orchestrator.core.recovery import ERROR, ROLLBACK, Failure, RestartPolicy
+
+    policy = RestartPolicy(2)
+    bad = Failure(ROLLBACK, 0, 0, BAD_STEP, "step 3: gradient norm non-finite on stage 0")
+    assert [policy.decide(bad, committed=2).restart for _ in range(3)] == [True, True, False]
+    errors = RestartPolicy(2)
+    err = Failure(ERROR, 0, 0, BAD_STEP, "boom")
+    assert [errors.decide(err, committed=2).restart for _ in range(2)] == [True, False]
+
+
 def _job(tmp_path, **failure):
     return {"run": {"name": "h", "steps": 6, "seed": 5, "output_dir": str(tmp_path)},
             "model": {"name": "mlp", "args": {"d_in": 8, "d_hidden": 16, "d_out": 4, "blocks": 2}},
