@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Callable, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence, Union
 
 from orchestrator.core.config import ClusterConfig, JobConfig, apply_overrides, check_job, load_cluster
 from orchestrator.core.config import load_job, parse_cluster, parse_job
@@ -23,7 +23,7 @@ from orchestrator.core.plan import Plan, make_plan
 JobLike = Union[str, "os.PathLike[str]", Mapping[str, Any], JobConfig]
 ClusterLike = Union[str, "os.PathLike[str]", Mapping[str, Any], ClusterConfig, None]
 
-__all__ = ["run", "plan", "describe"]
+__all__ = ["run", "plan", "describe", "batches"]
 
 
 def _job(job: JobLike, overrides: Sequence[str]) -> JobConfig:
@@ -178,3 +178,30 @@ def describe(model, *, name: str = "model") -> ModelSpec:
 
     return describe_model(model, name=name, factory=f"<python: {name}>", args={})
 
+
+def batches(job: JobLike, cluster: ClusterLike = None, *, steps: Optional[Iterable[int]] = None,
+            overrides: Sequence[str] = ()) -> Iterator[tuple[Any, Any]]:
+    """The global batches a run of `job` trains on, step by step: `(inputs, labels)` numpy arrays
+    of `data.global_batch` rows each, read from the job's data exactly as the stage hosts read
+    their rows of it (the same source, seed and order; a resumed run reads the same batch at the
+    same step). Use it to compare a pipelined run with your own training loop over the same data.
+
+    Args:
+      job, cluster, overrides: as for `run`.
+      steps: the steps to read (default: every step of the run, `0 .. run.steps - 1`).
+
+    Raises:
+      ConfigError: the job does not check (key, value and rule).
+
+    Example:
+        >>> import meshpipe
+        >>> (x, y), = meshpipe.batches("examples/gpt.yaml", steps=[0])
+        >>> x.shape, y.shape, bool((x[:, 1:] == y[:, :-1]).all())
+        ((16, 32), (16, 32), True)
+    """
+    from stages.data import global_batch, open_reader
+
+    checked = _checked(job, cluster, overrides, None)
+    reader = open_reader(checked.data)
+    for step in range(checked.job.run.steps) if steps is None else steps:
+        yield global_batch(reader, checked.data, int(step))

@@ -93,3 +93,21 @@ def test_run_trains_a_pipeline_on_ray(tmp_path, monkeypatch):
                            echo=lambda s: None)
     assert summary["status"] == "completed" and len(summary["losses"]) == 2
     assert json.loads((tmp_path / "gpt-tiny" / "latest" / "summary.json").read_text())["losses"] == summary["losses"]
+
+
+def test_batches_are_windows_of_the_jobs_data_in_a_fixed_order(monkeypatch):
+    """`meshpipe.batches`: each row a window of the text file's bytes, labels the next token,
+    the same batch for the same step on every call, another batch at another step."""
+    import meshpipe
+
+    monkeypatch.chdir(ROOT)
+    text = (ROOT / "examples/data/tiny_shakespeare_like.txt").read_bytes()
+    first = list(meshpipe.batches("examples/gpt.yaml", steps=[0, 1]))
+    again = list(meshpipe.batches("examples/gpt.yaml", steps=[1, 0]))
+    assert len(first) == 2 and all(x.shape == (16, 32) == y.shape for x, y in first)
+    for x, y in first:
+        for row_x, row_y in zip(x, y):
+            assert bytes(row_x.astype("uint8").tolist()) + bytes([int(row_y[-1])]) in text
+            assert (row_x[1:] == row_y[:-1]).all()
+    assert (first[0][0] == again[1][0]).all() and (first[1][1] == again[0][1]).all()
+    assert not (first[0][0] == first[1][0]).all()
