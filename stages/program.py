@@ -10,7 +10,10 @@ transport moves. Basic flow for one microbatch on one stage:
     loss, dxs, grads = fwd_bwd_acc(params, xs, labels, ids, grads[, scale])   # last stage, F and B back to back
 and once per step: params, opt_state, grads = update(params, opt_state, grads, gnorm), where
 gnorm is the global gradient norm over every stage when the chain clips by it (the worker
-exchanges one squared norm per stage, `sq_norm`, before any stage updates).
+exchanges one squared norm per stage, `sq_norm`, before any stage updates). The worker runs
+`update_checked`, the same update that also returns the stage's health on the device (its squared
+gradient norm before clipping and its count of non-finite parameters after the update,
+`orchestrator.core.health`).
 Evaluation runs `fwd_eval(params, xs[, labels])`: the forward alone, train=False (the last
 stage's loss).
 
@@ -230,6 +233,7 @@ class StageProgram:
         self.zero_grads = jax.jit(lambda g: jax.tree.map(jnp.zeros_like, g), donate_argnums=0)
         self.accumulate = jax.jit(_accumulate, donate_argnums=0)
         self.update = jax.jit(self._update, donate_argnums=(0, 1, 2))
+        self.update_checked = jax.jit(self._update_checked, donate_argnums=(0, 1, 2))
 
     def _jit(self, fn, out_sh):
         return jax.jit(fn) if self.mesh is None else jax.jit(fn, out_shardings=out_sh)
@@ -388,6 +392,15 @@ class StageProgram:
         updates, opt_state = self.tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         return params, opt_state, jax.tree.map(jnp.zeros_like, grads)
+
+    def _update_checked(self, params, opt_state, grads, gnorm=None):
+        """`_update`, and the stage's training health on the device (`orchestrator.core.health`):
+        [its squared gradient norm before clipping, its count of non-finite parameters after]."""
+        sq = _sq_norm(grads)
+        params, opt_state, zeros = self._update(params, opt_state, grads, gnorm)
+        bad = sum(jnp.sum(~jnp.isfinite(p)).astype(jnp.float32) for p in jax.tree.leaves(params)
+                  if jnp.issubdtype(p.dtype, jnp.inexact))
+        return params, opt_state, zeros, jnp.stack([jnp.asarray(sq, jnp.float32), jnp.float32(bad)])
 
     def bwd_w(self, params, held: Held):
         """W (zero-bubble): the weight gradients from what `bwd_i` returned as `held`."""

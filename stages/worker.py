@@ -161,6 +161,8 @@ class StageWorker:
         restore = cfg.checkpoint.restore if cfg.checkpoint is not None else None
         if restore is not None and restore.position is not None:
             self.load_data_state(restore.position.to_dict())     # checks seed and source, then the position
+        if self.loader is not None:      # batches a health rollback skipped (StageState.data_offset)
+            self.loader.offset = self.state.data_offset or 0
         jax.block_until_ready(self.state)
         return {"stage": cfg.stage, "host": cfg.host, "pid": os.getpid(),
                 "node_id": ray.get_runtime_context().get_node_id(),
@@ -180,7 +182,7 @@ class StageWorker:
         ck, self.ckpt = self.cfg.checkpoint, None
         if not ck:
             return None
-        from stages.checkpoint import StageCheckpointer, processes, restore
+        from stages.checkpoint import StageCheckpointer, processes, restore, stage_name
 
         from orchestrator.core.checkpoint import check_probe
 
@@ -188,8 +190,12 @@ class StageWorker:
         took = None
         if ck.restore is not None:
             t0 = time.perf_counter()
-            self.state = restore(ck.restore, self.state, self.progs, self.mesh, self.cfg.who, processes(self.cfg))
-            self.state = self.state._replace(step=ck.restore.step)
+            plan = ck.restore
+            if plan.locate(stage_name("data_offset")) is not None:    # a run that skipped data: restore it too
+                self.state = self.state._replace(data_offset=0)
+            self.state = restore(plan, self.state, self.progs, self.mesh, self.cfg.who, processes(self.cfg))
+            offset = (self.state.data_offset or 0) + plan.skip_batches     # a health rollback skips more
+            self.state = self.state._replace(step=plan.step, data_offset=offset or None)
             took = time.perf_counter() - t0
         self.ckpt = StageCheckpointer(ck.root, ck.every, ck.total, ck.asynchronous, self.cfg.stage,
                                       self.cfg.host, seed=self.cfg.seed, timeout=self.cfg.timeouts.step_s,
@@ -405,6 +411,8 @@ class StageWorker:
             out["losses"] = [float(st.losses[i]) for i in range(cfg.microbatches)]
         if st.loss_scale is not None:
             out["stats"].update(loss_scale=float(st.loss_scale), skipped=bool(st.skipped))
+        if st.health is not None:       # training health (orchestrator.core.health): the driver judges
+            out["stats"]["health"] = list(st.health)
         if self.state.step != st.step + 1:
             raise RuntimeError(f"{cfg.who}: step {st.step} ended with the state at step {self.state.step} "
                                "(its OPT did not run once)")

@@ -20,6 +20,7 @@ travels with the actor's creation (Ray pickles it) and the actor never asks for 
       checkpoint: CheckpointSpec | None              where and how often to save, and what to restore
         restore: RestorePlan | None                  the commit to restore, by array name
       compile_cache, pin_cpus, hooks
+      on_nonfinite: "stop" | "skip" | "rollback"   `failure.on_nonfinite` ("skip": decided on the stages)
 
 Actor → driver. A failed step raises its own error with a `StepFailure` on it (`FAILURE_ATTR`),
 and the actors it aborts get the same record (`stages.worker.StageWorker.abort_step`): the driver
@@ -35,7 +36,7 @@ Invariants:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Protocol, Union
+from typing import Any, Literal, Mapping, Optional, Protocol, Union
 
 from orchestrator.core.data.plan import DataPlan
 from orchestrator.core.edges import StageGeom
@@ -212,12 +213,15 @@ class RestorePlan:
       step: the committed step (steps done).
       position: the loaders' position the marker recorded, None when no host loaded data.
       stages: the step's stage directories; an array is read from the first that holds it.
+      skip_batches: a training-health rollback (`orchestrator.core.health.skip_data`): batches the
+        restored run skips, from the commit's data position through the bad step (0: none).
     """
 
     root: str
     step: int
     position: Optional[LoaderPosition]
     stages: tuple[SavedStage, ...]
+    skip_batches: int = 0
 
     def locate(self, name: str) -> Optional[tuple[int, SavedArray]]:
         """(index into `stages`, the saved array) of array `name`, or None when no stage saved it."""
@@ -337,6 +341,9 @@ class WorkerConfig:
     compile_cache: Optional[str] = None    # JAX persistent compilation cache directory, or None
     pin_cpus: bool = False     # pin this process to core (cluster_host mod cores) before jax loads
     hooks: tuple[Hook, ...] = ()
+    # failure.on_nonfinite (orchestrator.core.health): under "skip" every stage drops a step's update
+    # when the global squared gradient norm (or the loss) is non-finite, decided before any update
+    on_nonfinite: Literal["stop", "skip", "rollback"] = "stop"
 
     @property
     def layer_chunks(self) -> tuple[tuple[int, int], ...]:

@@ -41,6 +41,7 @@ STORAGE = "checkpoint storage"      # checkpoint.dir refused a write: full, read
 STORAGE_ERRNOS = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "disk quota exceeded",
                   errno.EACCES: "permission denied", errno.EPERM: "operation not permitted",
                   errno.EROFS: "read-only file system", errno.ENOTDIR: "a file stands where a directory must go"}
+ROLLBACK = "training health"      # a health event whose action is rollback (orchestrator.core.health)
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,8 @@ class Failure:
     Attributes:
       cause: DIED (the actor's process is gone), NODE_LOST (a node that held actors of the run is
         gone), HANG (no progress within the deadline), STORAGE (`checkpoint.dir` refused a write
-        with one of `STORAGE_ERRNOS`) or ERROR.
+        with one of `STORAGE_ERRNOS`), ERROR, or ROLLBACK (a training-health event asked for one:
+        `orchestrator.core.health.HealthRollback`; its step is the bad step).
       stage, host: the failed actor (None when unknown).
       step: the step it failed in (the first step the driver had no result for, unless the
         actor said which).
@@ -85,8 +87,9 @@ class Failure:
     def key(self) -> Optional[tuple]:
         """What makes two failures "the same": cause, actor, step, and for errors their text. A death
         has no key: a killed process or a lost node says nothing about the next attempt (a death
-        that repeats counts against `max_restarts` only)."""
-        if self.cause in (DIED, NODE_LOST):
+        that repeats counts against `max_restarts` only). Nor has a rollback: it skips the bad
+        step's data, so the step that follows is another."""
+        if self.cause in (DIED, NODE_LOST, ROLLBACK):
             return None
         return (self.cause, self.stage, self.host, self.step, self.text if self.cause == ERROR else "")
 
@@ -366,5 +369,6 @@ def stalled(beats: dict, silent_s: dict, deadline_s: float, slow_s: float = 5.0)
     return sorted(busy), f"every busy actor waits in a RECV, the longest for {longest:.0f} s (deadline {deadline_s:g} s)"
 
 
-__all__ = ["DIED", "ERROR", "HANG", "NODE_LOST", "STORAGE", "STORAGE_ERRNOS", "storage_error", "storage_stop", "storage_words", "Decision", "Failure", "ProgressDeadline", "RestartPolicy",
+__all__ = ["DIED", "ERROR", "HANG", "NODE_LOST", "ROLLBACK", "STORAGE", "STORAGE_ERRNOS", "storage_error",
+           "storage_stop", "storage_words", "Decision", "Failure", "ProgressDeadline", "RestartPolicy",
            "actor_of", "compile_cache_dir", "compiled_graph_restarts", "failed_step", "node_loss", "stalled"]

@@ -2,9 +2,13 @@
 
 Basic flow (`orchestrator.driver.runner._run_pipeline`):
   `Session` — for the whole run: the run's telemetry and Ray metrics, the checkpoint
-  committer, the progress deadline the attempts share, the nodes lost so far and the
-  recoveries; `take(r)` feeds one step result to all of them and to the record
-  (`orchestrator.driver.record.RunRecord`).
+  committer, the progress deadline the attempts share, the nodes lost so far, the
+  recoveries and the training-health monitor; `take(r)` feeds one step result to all of
+  them and to the record (`orchestrator.driver.record.RunRecord`). A health event
+  (`orchestrator.core.health`) is recorded with its step; then only the saves from before
+  the bad step commit, and its action follows: stop (`HealthStop` ends the run) or roll back
+  (`HealthRollback`: the attempt fails as a typed ROLLBACK at the bad step, and the restart
+  skips the data from the commit through it).
   `Attempt` — one executor lifetime: reserve the placement, start the actors (restoring the
   checkpoint it is given), run the steps from `first`, flush the last saves. A failure
   leaves it as `AttemptFailed`: a typed `orchestrator.core.recovery.Failure` (cause, stage,
@@ -24,7 +28,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol
 
-from orchestrator.core.recovery import NODE_LOST, STORAGE, Decision, Failure, RestartPolicy
+from orchestrator.core.health import ROLLBACK as ROLLBACK_ACTION
+from orchestrator.core.health import SKIP, STOP, HealthRollback, HealthStop, skip_data
+from orchestrator.core.recovery import NODE_LOST, ROLLBACK, STORAGE, Decision, Failure, RestartPolicy
 
 log = logging.getLogger("meshpipe")
 
@@ -119,6 +125,7 @@ class Session:
     """
 
     def __init__(self, checked, plan, record, ckpt, resume_command: str, echo: Callable[[str], None]):
+        from orchestrator.core.health import HealthMonitor, HealthRule
         from orchestrator.core.recovery import ProgressDeadline
         from orchestrator.driver.checkpoint import Committer
 
@@ -136,6 +143,10 @@ class Session:
         self.tel = self.metrics = None
         self.last_spans: list = []
         self.executor = None            # the newest attempt's executor (what summary.json describes)
+        self.monitor = HealthMonitor(HealthRule.from_job(job))     # training health (orchestrator.core.health)
+        divergence = job.failure.divergence
+        record.extra["health"] = {"on_nonfinite": job.failure.on_nonfinite, "skipped_steps": [], "events": [],
+                                  "divergence": None if divergence is None else divergence.model_dump()}
 
     def open(self) -> None:
         """The run's telemetry and Ray metrics (Ray is connected)."""
@@ -156,11 +167,33 @@ class Session:
                                            for s in r.stats if "affinity" in s]
         if self.metrics is not None:
             self.metrics.record(st, eval_loss=r.eval_loss)
+        event = self._health(r)
         self.record.step({"step": r.step, "loss": r.loss, "step_time_s": r.wall_s, "eval_loss": r.eval_loss,
-                          "span_s": st.span_s, "measured_bubble": st.measured_bubble, **scaling(r.step, r.stats)})
+                          "span_s": st.span_s, "measured_bubble": st.measured_bubble, **scaling(r.step, r.stats),
+                          **({"health": f"{event.action}: {event.kind}"} if event else {})})
         if self.committer is not None:     # after the record: the marker records the losses so far
-            for done in self.committer.add(r.checkpoints):
+            before = event is None or event.action == SKIP      # else only the saves from before it commit
+            for done in self.committer.add([c for c in r.checkpoints if before or c["step"] <= r.step]):
                 log.info("checkpoint step %d committed", done)
+        if event is not None and event.action == STOP:
+            raise HealthStop(event)
+        if event is not None and event.action == ROLLBACK_ACTION:
+            raise HealthRollback(event)
+
+    def _health(self, r):
+        """Training health of step result `r` (`orchestrator.core.health`): its event or None; an
+        event goes into the record and onto the log."""
+        last = max(s["stage"] for s in r.stats)
+        by_stage = {s["stage"]: s["health"] for s in r.stats if s.get("health") is not None and s["host"] == 0}
+        grad_sq = [by_stage.get(i, (None, None))[0] for i in range(last + 1)]
+        params_bad = [by_stage.get(i, (None, None))[1] for i in range(last + 1)]
+        event = self.monitor.observe(r.step, r.loss, grad_sq, params_bad)
+        if event is not None:
+            self.record.health(event.as_record())
+            msg = f"training health: {event.why}: {event.action}"
+            log.warning("%s", msg)
+            self.echo(msg)
+        return event
 
     def describe(self, ex) -> None:
         """What the attempt's executor knows, into summary.json's fields."""
@@ -192,6 +225,11 @@ class Session:
                                checked.cluster.timeouts.shutdown_s)
         teardown_s = time.perf_counter() - t1
         self.ckpt = prepare(checked, "latest")    # as --resume: checks, removes uncommitted saves
+        if failed.failure.cause == ROLLBACK:     # training health: skip the data from the commit through the bad step
+            spec = self.ckpt.spec
+            self.ckpt.spec = dataclasses.replace(spec, restore=dataclasses.replace(
+                spec.restore, skip_batches=skip_data(self.ckpt.start, failed.failure.step)))
+        self.monitor.rollback(self.ckpt.start)       # the losses and skips from the commit on run again
         rec = recovery.record(failed.failure, failed.where, self.ckpt.start, failed.detected_at, failed.waited_s)
         rec.update(restart=restarts, teardown_s=teardown_s, teardown_graceful_s=torn["graceful_s"],
                    teardown_stuck=torn["stuck"],
@@ -305,6 +343,10 @@ class Attempt:
                 self.session.take(r)
         except recovery.RECOVERABLE as e:
             raise self._failed(e) from e
+        except HealthRollback as e:      # typed: the bad step, its stage; the actors are all well
+            raise AttemptFailed(Failure(ROLLBACK, e.event.stage, 0, e.event.step, e.event.why),
+                                self.ex.node_of(e.event.stage, 0), e, steps_done=e.event.step + 1,
+                                detected_at=time.time()) from e
         except CommitWriteError as e:
             raise self._commit_failed(e) from e
         try:

@@ -66,6 +66,7 @@ EXITS = (
     ("orchestrator.core.backends.base", "PlacementError", 1, "{failed}: "),
     ("orchestrator.driver.waiting", "StageFailure", 1, "{failed}: "),
     ("orchestrator.core.private_fs", "DiskFullError", 1, "{failed}: "),
+    ("orchestrator.core.health", "HealthStop", 1, "{failed}: "),
     ("builtins", "TimeoutError", 1, "{failed}: "),
 )
 RUNTIME = (("builtins", "RuntimeError", 1, "{failed}: "),)   # for the commands whose runs report them

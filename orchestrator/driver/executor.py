@@ -126,7 +126,8 @@ class PipelineExecutor:
                                     tls=None if tls is None else TlsFiles(tls.cert_file, tls.key_file, tls.ca_file),
                                     transfers=self._transfers() if self.plane == "xla" else ()),
             loss_scale=job.precision.scaling(), checkpoint=self.checkpoint,
-            compile_cache=compile_cache_dir(job), pin_cpus=cluster.pin_cpus, hooks=self.hooks)
+            compile_cache=compile_cache_dir(job), pin_cpus=cluster.pin_cpus, hooks=self.hooks,
+            on_nonfinite=job.failure.on_nonfinite)
 
     def _transfers(self) -> tuple[TransferOrder, ...]:
         """The world's transfer order of a training step and of an eval batch (`transport: xla`)."""

@@ -15,10 +15,10 @@
 Basic flow (`orchestrator.driver.runner.run_job`): `rundir.open_run` gives the directory (a new
 one, or with `--resume` the one continued, its earlier documents set aside), then
 `RunRecord(...)` opens the record: metrics.jsonl is always appended to, after a `resume` line
-when there was a record to continue. Then `step(rec)` per step result, `rollback(step,
-restart)` when a restart drops the steps after the commit it resumes from, `error_file(e)` for
-each failure's traceback, and `completed(norms)` or `stopped(e)` at the end. `close()` in every
-case.
+when there was a record to continue. Then `step(rec)` per step result, `health(event)` per
+training-health event (`orchestrator.core.health`), `rollback(step, restart)` when a restart drops
+the steps after the commit it resumes from, `error_file(e)` for each failure's traceback, and
+`completed(norms)` or `stopped(e)` at the end. `close()` in every case.
 
 Invariants:
   - No record is erased or replaced: a run's directory is its own, a resumed invocation appends
@@ -104,6 +104,14 @@ class RunRecord:
         if self.progress is not None:
             self.progress.update(rec)
 
+    def health(self, event: dict) -> None:
+        """A training-health event (`orchestrator.core.health.Event.as_record`) into summary.json's
+        `health` (opened by the run: `Session`): every event is kept, a skip's step is listed."""
+        health = self.extra["health"]
+        health["events"].append(event)
+        if event["action"] == "skip":
+            health["skipped_steps"].append(event["step"])
+
     def rollback(self, step: int, restart: int) -> None:
         """A restart from checkpoint `step`: the later steps leave summary.json's lists (they run
         again); metrics.jsonl keeps them and gets a `restart` line."""
@@ -116,6 +124,8 @@ class RunRecord:
                 del scaled["scales"][max(0, len(scaled["scales"]) - lost):]
                 scaled["skipped_steps"] = [s for s in scaled["skipped_steps"] if s < step]
         self.evals[:] = [e for e in self.evals if e[0] < step]
+        if "health" in self.extra:          # the skips from the commit on run again (the events stay)
+            self.extra["health"]["skipped_steps"] = [s for s in self.extra["health"]["skipped_steps"] if s < step]
         self.metrics.append({"restart": restart, "resumed_from": step, "time": time.time()})
 
     def error_file(self, message: str, where: str, detail: str) -> Path:

@@ -51,6 +51,8 @@ def step_line(rec: dict, samples: int) -> str:
             f"{samples / rec['step_time_s']:9.1f} samples/s")
     if rec.get("eval_loss") is not None:
         line += f"  eval loss {rec['eval_loss']:.5f}"
+    if rec.get("health"):      # a training-health event (orchestrator.core.health): its action and kind
+        line += f"  [{rec['health']}]"
     return line
 
 
