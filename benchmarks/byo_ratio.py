@@ -98,7 +98,8 @@ def run_once(tree: Path, job: str, cluster: Path, name: str, out: Path, steps: i
     if proc.returncode != 0:
         tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-12:])
         raise RuntimeError(f"{name}: `meshpipe run {job}` in {tree} exited {proc.returncode}:\n{tail}")
-    summary = json.loads((out / name / "summary.json").read_text())
+    run_dir = out / name / "latest"      # a tree with per-run directories (rundir); an older one writes flat
+    summary = json.loads(((run_dir if run_dir.exists() else out / name) / "summary.json").read_text())
     return {"summary": summary, "wall_s": wall, "load_before": load_before, "load_after": os.getloadavg()}
 
 

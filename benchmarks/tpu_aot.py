@@ -171,7 +171,8 @@ def stage_programs(cfg: dict, devices, stage: int, stages: int = 2) -> dict:
     shapes = jax.eval_shape(prog.tx.init, params())
     opt_info = optax.tree_map_params(prog.tx, lambda s, p: sds(s.shape, s.dtype, p.sharding), shapes, params(),
                                      transform_non_params=lambda s: sds(s.shape, s.dtype, rep))
-    # ... and where `StageProgram.init_state`'s `jax.jit(tx.init)` puts it before that first step
+    # ... and where a bare `jax.jit(tx.init)` puts it (what `StageProgram.init_state` did before it gave
+    # the optimizer state its parameters' shardings)
     init_out = jax.jit(prog.tx.init).lower(params()).compile().out_info
     init_bytes = {}
     for leaf in jax.tree.leaves(init_out):

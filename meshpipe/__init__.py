@@ -35,7 +35,7 @@ from orchestrator.core.model.pipeline import (ArraySpec, ModelError, Part, Pipel
 from orchestrator.core.plan import Plan, plan_json, plan_text
 from stages.hooks import WorkerHook
 
-from meshpipe._api import describe, plan, run
+from meshpipe._api import batches, describe, plan, run
 
 __all__ = [
     # bring your own model
@@ -45,5 +45,5 @@ __all__ = [
     "by_path", "batch_first", "replicated", "parse_layout", "format_layout", "partition_spec", "FirstOf",
     # jobs
     "load_job", "load_cluster", "check_job", "JobConfig", "ClusterConfig", "ConfigError",
-    "plan", "Plan", "plan_text", "plan_json", "run", "WorkerHook",
+    "plan", "Plan", "plan_text", "plan_json", "run", "batches", "WorkerHook",
 ]

@@ -4,7 +4,7 @@ A thin layer over the driver and the pure core, doing what `meshpipe run` / `mes
 do with their arguments (`orchestrator.driver.cli`): load the job and cluster (a YAML path, a
 plain dict or an already-loaded config), apply `key.path=value` overrides, check the job
 against the cluster, then plan or train. Errors are raised, not turned into exit codes:
-`ConfigError` (what the CLI exits 2 for), `FileExistsError` (an earlier run's record),
+`ConfigError` (what the CLI exits 2 for), `RunDirError` (a `run_id` that names no run),
 and whatever a failed run raises (the CLI's exit 1). The driver, and with it Ray, is
 imported only when `run` is called.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Callable, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence, Union
 
 from orchestrator.core.config import ClusterConfig, JobConfig, apply_overrides, check_job, load_cluster
 from orchestrator.core.config import load_job, parse_cluster, parse_job
@@ -23,7 +23,7 @@ from orchestrator.core.plan import Plan, make_plan
 JobLike = Union[str, "os.PathLike[str]", Mapping[str, Any], JobConfig]
 ClusterLike = Union[str, "os.PathLike[str]", Mapping[str, Any], ClusterConfig, None]
 
-__all__ = ["run", "plan", "describe"]
+__all__ = ["run", "plan", "describe", "batches"]
 
 
 def _job(job: JobLike, overrides: Sequence[str]) -> JobConfig:
@@ -93,13 +93,16 @@ def plan(job: JobLike, cluster: ClusterLike = None, *, overrides: Sequence[str] 
 
 
 def run(job: JobLike, cluster: ClusterLike = None, *, overrides: Sequence[str] = (), reference: bool = False,
-        resume: Union[None, str, int] = None, overwrite: bool = False, address: Optional[str] = None,
-        echo: Callable[[str], None] = print, hooks: Sequence = (), keep_params: bool = False) -> dict:
+        resume: Union[None, str, int] = None, run_id: Optional[str] = None, overwrite: bool = False,
+        address: Optional[str] = None, echo: Callable[[str], None] = print, hooks: Sequence = (),
+        keep_params: bool = False) -> dict:
     """Train a job, as `meshpipe run` does, and return its summary.
 
-    The run writes its record into `<run.output_dir>/<run.name>/` (`summary.json`,
-    `metrics.jsonl`, `trace.json`, `timeline.png`) whether it completes or fails; the
-    returned dict is `summary.json`'s content. Whatever the run started (an embedded Ray,
+    Each run writes its record into a directory of its own,
+    `<run.output_dir>/<run.name>/<UTC start time>/` (`summary.json`, `metrics.jsonl`,
+    `workers.json`, `trace.json`, `timeline.png`), whether it completes or fails; `latest`
+    beside it names the newest. Running a job again starts a new directory and replaces
+    nothing. The returned dict is `summary.json`'s content (its `run_dir`: the directory). Whatever the run started (an embedded Ray,
     actors, a placement group) is shut down before it returns or raises.
 
     Args:
@@ -109,9 +112,11 @@ def run(job: JobLike, cluster: ClusterLike = None, *, overrides: Sequence[str] =
       reference: train the same model, data and optimizer in this process with plain JAX
         (`--reference`: the numerical oracle; no Ray).
       resume: None (a fresh run), "latest" (the newest committed checkpoint), "auto" (the
-        newest if any is committed, else step 0) or a step number (`--resume`).
-      overwrite: replace the record of an earlier run with the same `run.name` (`--overwrite`);
-        without it such a record raises `FileExistsError`, unless `resume` is given.
+        newest if any is committed, else step 0) or a step number (`--resume`). The record
+        goes on in the latest run directory (the earlier invocation's files set aside, unchanged,
+        in its `previous/<k>/`).
+      run_id: with `resume`, the run directory to continue (`--run-id`; default: `latest`'s).
+      overwrite: no longer needed (every run gets its own directory); accepted and ignored.
       address: a running Ray to connect to ('auto', 'host:port') instead of the cluster's.
       echo: where progress lines go (one per step).
       hooks: `WorkerHook` objects every stage worker calls at set-up and at each step (a
@@ -120,7 +125,8 @@ def run(job: JobLike, cluster: ClusterLike = None, *, overrides: Sequence[str] =
 
     Raises:
       ConfigError: the job or cluster is invalid (nothing started).
-      FileExistsError: an earlier run's record is in the way (nothing started).
+      ValueError: `run_id` without `resume`; `RunDirError` (a ValueError): `run_id` names no
+        run of this job's name (nothing started).
 
     Example:
         A pipeline run starts Ray; `reference=True` trains in this process:
@@ -133,20 +139,17 @@ def run(job: JobLike, cluster: ClusterLike = None, *, overrides: Sequence[str] =
         ('completed', 2)
     """
     from orchestrator.core.config import check_checkpoint_dir, check_output_dir, checkpoint_bytes
-    from orchestrator.driver.runner import existing_record, run_job
+    from orchestrator.driver.runner import run_job
 
+    if run_id is not None and resume is None:
+        raise ValueError(f"run_id = {run_id!r}: only with resume= (a new run gets a new directory)")
+    del overwrite                  # every run writes into a new directory: nothing to replace
     checked = _checked(job, cluster, overrides, address)
     check_output_dir(checked.job)
     check_checkpoint_dir(checked.job, 0 if reference else checkpoint_bytes(checked))   # --reference saves none
-    found = existing_record(checked, reference)
-    if found and not overwrite and resume is None:      # a resumed run continues its own record
-        r = checked.job.run
-        raise FileExistsError(f"run.name = {r.name!r} (run.output_dir = {r.output_dir!r}): {found} exists from "
-                              "an earlier run; pass overwrite=True to replace it, or choose another name "
-                              "(overrides=['run.name=...'])")
     resume_arg = None if resume is None else resume if isinstance(resume, str) else str(int(resume))
     return run_job(checked, reference=reference, echo=echo, hooks=tuple(hooks), keep_params=keep_params,
-                   resume=resume_arg)
+                   resume=resume_arg, run_id=run_id)
 
 
 def describe(model, *, name: str = "model") -> ModelSpec:
@@ -175,3 +178,30 @@ def describe(model, *, name: str = "model") -> ModelSpec:
 
     return describe_model(model, name=name, factory=f"<python: {name}>", args={})
 
+
+def batches(job: JobLike, cluster: ClusterLike = None, *, steps: Optional[Iterable[int]] = None,
+            overrides: Sequence[str] = ()) -> Iterator[tuple[Any, Any]]:
+    """The global batches a run of `job` trains on, step by step: `(inputs, labels)` numpy arrays
+    of `data.global_batch` rows each, read from the job's data exactly as the stage hosts read
+    their rows of it (the same source, seed and order; a resumed run reads the same batch at the
+    same step). Use it to compare a pipelined run with your own training loop over the same data.
+
+    Args:
+      job, cluster, overrides: as for `run`.
+      steps: the steps to read (default: every step of the run, `0 .. run.steps - 1`).
+
+    Raises:
+      ConfigError: the job does not check (key, value and rule).
+
+    Example:
+        >>> import meshpipe
+        >>> (x, y), = meshpipe.batches("examples/gpt.yaml", steps=[0])
+        >>> x.shape, y.shape, bool((x[:, 1:] == y[:, :-1]).all())
+        ((16, 32), (16, 32), True)
+    """
+    from stages.data import global_batch, open_reader
+
+    checked = _checked(job, cluster, overrides, None)
+    reader = open_reader(checked.data)
+    for step in range(checked.job.run.steps) if steps is None else steps:
+        yield global_batch(reader, checked.data, int(step))

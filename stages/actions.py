@@ -52,6 +52,8 @@ class StepState:
       losses: the last stage's loss per microbatch.
       loss_scale, skipped: under loss scaling, the scale this step used and whether its update
         was skipped (a non-finite gradient on some stage); None otherwise.
+      health: (this stage's squared gradient norm, its non-finite parameters after the update, None
+        when the update was skipped) once OPT ran (`orchestrator.core.health`); None before.
       spans: (action text, start, end) of each executed action.
       stash: bytes per device of what is kept between actions.
     """
@@ -65,6 +67,7 @@ class StepState:
         self.fused: dict = {}
         self.losses: dict[int, Any] = {}
         self.loss_scale, self.skipped = None, None
+        self.health = None
         self.spans: list = []
         self.stash = Stash(on_peak, sizes)
 
@@ -364,7 +367,13 @@ def optimizer_step(ctx: StageContext, state: StageState, st: StepState, a) -> St
     (`StageIO.sum_over_stages`), so every stage clips with the whole model's norm before any stage
     updates. Under loss scaling the gradients are unscaled first and the stages sum their
     non-finite counts (tag "FINITE"): when any is non-zero every stage skips its update and all
-    move the scale the same way (`orchestrator.core.model.policy.DynamicLossScale`)."""
+    move the scale the same way (`orchestrator.core.model.policy.DynamicLossScale`).
+
+    Training health (`orchestrator.core.health`): each update also returns the stage's squared
+    gradient norm and its count of non-finite parameters (`st.health`, read once the update is
+    done). Under `failure.on_nonfinite: skip` the squared norms are exchanged even without
+    clipping, made NaN by a non-finite loss on the last stage, and a non-finite sum drops the
+    step's update on every stage (`_skipped`) — one global decision before any stage updates."""
     import jax
 
     progs, io = ctx.progs, ctx.io
@@ -379,28 +388,44 @@ def optimizer_step(ctx: StageContext, state: StageState, st: StepState, a) -> St
         st.loss_scale, st.skipped = scale, not finite
         state = state._replace(loss_scale=LossScaleState(*ctx.scaler.next(state.loss_scale, finite)))
         if not finite:
-            zeros = [p.zero_grads(g) for p, g in zip(progs, grads)]
-            jax.block_until_ready(zeros)
-            return state._replace(chunks=tuple(c._replace(grads=g) for c, g in zip(state.chunks, zeros)),
-                                  step=state.step + 1)
+            return _skipped(progs, state, grads)
     ties = ctx.cfg.spec.ties
     if ties:      # tied weights: each copy's gradient := the sum of both (stages.ties)
         from stages.ties import sum_tied
 
         sum_tied(grads, progs, ties, exchange=lambda t, mine: io.exchange_tie(st.step, t, mine, st.timeout))
     gnorm = np.float32(0.0)
-    if progs[0].clip is not None:
+    skip = ctx.cfg.on_nonfinite == "skip"
+    if progs[0].clip is not None or skip:
         from stages.ties import for_norm
 
         normed = for_norm(grads, progs, ties) if ties else grads     # a tied array counts once
-        local = sum(float(p.sq_norm(g)) for p, g in zip(progs, normed))
-        gnorm = np.float32(np.sqrt(io.sum_over_stages(st.step, local, st.timeout)))
-    chunks = []
+        mine = sum(float(p.sq_norm(g)) for p, g in zip(progs, normed))
+        nan_loss = skip and not all(np.isfinite(float(x)) for x in st.losses.values())
+        total = io.sum_over_stages(st.step, float("nan") if nan_loss else mine, st.timeout)
+        if skip and not np.isfinite(total):      # every stage sees the same sum: all skip
+            st.health = (mine, None)
+            return _skipped(progs, state, grads)
+        gnorm = np.float32(np.sqrt(total))
+    chunks, health = [], []
     for p, c, g in zip(progs, state.chunks, grads):
-        params, opt_state, zeros = p.update(c.params, c.opt_state, g, gnorm)
+        params, opt_state, zeros, h = p.update_checked(c.params, c.opt_state, g, gnorm)
         chunks.append(c._replace(params=params, opt_state=opt_state, grads=zeros))
+        health.append(h)
     jax.block_until_ready([c.params for c in chunks])
+    got = np.sum([np.asarray(h) for h in health], axis=0)     # done above: no further synchronisation
+    st.health = (float(got[0]), float(got[1]))
     return state._replace(chunks=tuple(chunks), step=state.step + 1)
+
+
+def _skipped(progs, state: StageState, grads) -> StageState:
+    """A step whose update every stage drops: the accumulators zeroed, the step counter moved on."""
+    import jax
+
+    zeros = [p.zero_grads(g) for p, g in zip(progs, grads)]
+    jax.block_until_ready(zeros)
+    return state._replace(chunks=tuple(c._replace(grads=g) for c, g in zip(state.chunks, zeros)),
+                          step=state.step + 1)
 
 
 Handler = Callable[[StageContext, StageState, StepState, Any], StageState]

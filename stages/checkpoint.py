@@ -14,7 +14,8 @@ Basic flow (the worker calls it; `orchestrator.core.checkpoint` is the on-disk l
   - one save in flight: the next `save` first waits (bounded) for the previous one.
   - multi-host stage: every host of the stage calls `save` on the same directory; orbax writes
     only each host's own shards (its addressable data) and host 0 finalises (orbax's
-    primary host, barriers over the stage's own jax.distributed world).
+    primary host, barriers over the stage's own jax.distributed world). Under `transport: xla`
+    the job is one world: orbax is scoped to the stage's processes (`processes`, `_orbax_world`).
   - `restore(plan, state, progs, mesh, who)`: for each stage directory of the commit that holds
     names this stage needs, one partial orbax restore straight into `stages.state.abstract`'s
     targets; the leaves go back into the state by name, so another layout restores the same
@@ -22,6 +23,7 @@ Basic flow (the worker calls it; `orchestrator.core.checkpoint` is the on-disk l
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import threading
 import time
@@ -35,6 +37,7 @@ from orchestrator.core.checkpoint import file_table, opt_name, stage_dir, step_d
 from orchestrator.core.checkpoint import state_name as _state_name
 from orchestrator.core.model.pipeline import key_path
 from orchestrator.core.model.spec import param_name
+from orchestrator.core.recovery import storage_error, storage_words
 
 def _keys(path) -> tuple[str, ...]:
     return tuple(key_path([k]) for k in path)
@@ -125,7 +128,87 @@ def stage_name(field: str, path=()) -> str:
     return opt_name(field, "/".join(_keys(path)) or None)
 
 
-def _save_registry():
+def processes(cfg) -> tuple[int, ...] | None:
+    """The JAX processes a stage's saves and restores involve when the job is ONE world
+    (`transport: xla`: the stage's cluster hosts), else None: the stage's own world is all of them."""
+    return tuple(cfg.stage_spec.hosts) if cfg.transport.kind == "xla" else None
+
+
+@contextlib.contextmanager
+def _orbax_world(procs: tuple[int, ...] | None):
+    """While a one-host stage of a job-wide world (`transport: xla`) saves or restores: orbax sees a
+    one-process world. Orbax's rules are a process-0-writes, all-processes-sync world's: it refuses a
+    fully addressable jax.Array when jax has several processes ("host local") and writes numpy and
+    scalar leaves only on process 0 — both wrong for a stage that is one process of many. jax's
+    own code never reads the public `jax.process_index`/`jax.process_count` it swaps (it calls
+    `xla_bridge`), and the step thread is the only one at work meanwhile (the transfers of the
+    step are flushed; a save is synchronous in this mode). A multi-host stage keeps the real
+    world, with orbax scoped to its processes (`_multiprocessing`) and no host leaves
+    (`_global_leaves`)."""
+    if procs is None or len(procs) != 1:
+        yield
+        return
+    import jax
+
+    real = jax.process_index, jax.process_count
+    jax.process_index, jax.process_count = (lambda backend=None: 0), (lambda backend=None: 1)
+    try:
+        yield
+    finally:
+        jax.process_index, jax.process_count = real
+
+
+def _global_leaves(state: dict, mesh) -> dict:
+    """A multi-host stage's save tree with its numpy / scalar leaves as jax.Arrays replicated over the
+    stage's mesh (orbax writes host leaves only on process 0 of the world; these it writes with the
+    stage's own primary process)."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    replicated = NamedSharding(mesh, PartitionSpec())
+
+    def lift(leaf):
+        if isinstance(leaf, (np.ndarray, np.generic)):
+            host = np.asarray(leaf)
+            return jax.make_array_from_callback(host.shape, replicated, lambda idx: host[idx])
+        return leaf
+
+    return jax.tree.map(lift, state)
+
+
+def _own_signal_keys(procs: tuple[int, ...] | None) -> None:
+    """Inside a job-wide world every stage's orbax shares the coordination service's key-value store,
+    and orbax names its save signals `awaitable_signals_contract_<operation id>/...` — the same names
+    in every stage, which each stage's saves also delete: stage 1's step-directory signal wiped stage
+    0's and a 2-host stage's save waited 300 s for it (measured). Each stage's processes get their own
+    key prefix (a class attribute of orbax's, in this process only: it holds one stage)."""
+    if procs is None:
+        return
+    from orbax.checkpoint._src.futures import future
+
+    future.AwaitableSignalsContract.awaitable_signals_contract_prefix = (
+        f"meshpipe-stage-of-{procs[0]}/awaitable_signals_contract")
+
+
+def _multiprocessing(procs: tuple[int, ...] | None):
+    """Orbax's options for a stage inside a bigger world: its own processes, its first as primary,
+    its own barrier names (stage saves run at the same time under different directories)."""
+    from orbax.checkpoint.options import MultiprocessingOptions
+
+    if procs is None or len(procs) == 1:      # the stage's own world, or a one-process view (`_orbax_world`)
+        return MultiprocessingOptions()
+    return MultiprocessingOptions(primary_host=procs[0], active_processes=set(procs),
+                                  barrier_sync_key_prefix=f"meshpipe-stage-of-{procs[0]}")
+
+
+def _handler(procs: tuple[int, ...] | None, registry=None):
+    import orbax.checkpoint as ocp
+
+    kwargs = {} if registry is None else {"type_handler_registry": registry}
+    return ocp.PyTreeCheckpointHandler(multiprocessing_options=_multiprocessing(procs), **kwargs)
+
+
+def _save_registry(procs: tuple[int, ...] | None = None):
     """Orbax's standard handlers for what a stage saves; replica-parallel saving only across hosts.
 
     Orbax can split a shard replicated over R devices into R slices, one written by each replica
@@ -139,20 +222,12 @@ def _save_registry():
     import jax
     from orbax.checkpoint import type_handlers as th
 
-    across_hosts = jax.process_count() > 1
+    across_hosts = jax.process_count() > 1 if procs is None else len(procs) > 1
+    primary = 0 if procs is None or len(procs) == 1 else procs[0]
     return th.create_type_handler_registry(
         (int, th.ScalarHandler()), (float, th.ScalarHandler()), (np.number, th.ScalarHandler()),
-        (np.ndarray, th.NumpyHandler()), (jax.Array, th.ArrayHandler(use_replica_parallel=across_hosts)))
-
-
-def disk_full(e: BaseException) -> bool:
-    """ENOSPC, as Python raises it or as tensorstore words it (orbax's writes go through tensorstore:
-    `ValueError: RESOURCE_EXHAUSTED: ... No space left on device [os_error_code='28']`)."""
-    while e is not None:
-        if getattr(e, "errno", None) == errno.ENOSPC or "No space left on device" in str(e):
-            return True
-        e = e.__cause__
-    return False
+        (np.ndarray, th.NumpyHandler()),
+        (jax.Array, th.ArrayHandler(primary_host=primary, use_replica_parallel=across_hosts)))
 
 
 class StageCheckpointer:
@@ -165,16 +240,23 @@ class StageCheckpointer:
       stage, host: who this is (host 0 lists the files).
       seed: `run.seed`, recorded with each save.
       timeout: bound on waiting for a previous save.
+      procs: the stage's JAX processes inside a job-wide world (`processes`); None: its own world.
     """
 
     def __init__(self, root: str, every: int, total: int, asynchronous: bool, stage: int, host: int,
-                 seed: int = 0, timeout: float = 600.0):
-        import orbax.checkpoint as ocp
+                 seed: int = 0, timeout: float = 600.0, procs: tuple[int, ...] | None = None, mesh=None):
+        from orchestrator.core.extras import require
+
+        ocp = require("orbax.checkpoint", "checkpoint:")     # a node without it: the error names the extra
 
         self.root, self.every, self.total = Path(root), every, total
         self.asynchronous, self.stage, self.host, self.timeout = asynchronous, stage, host, timeout
         self.seed = seed                # recorded with each save (`rng.seed`)
-        self._ckptr = ocp.AsyncCheckpointer(ocp.PyTreeCheckpointHandler(type_handler_registry=_save_registry()))
+        _own_signal_keys(procs)
+        with _orbax_world(procs):
+            self._ckptr = ocp.AsyncCheckpointer(_handler(procs, _save_registry(procs)),
+                                                multiprocessing_options=_multiprocessing(procs))
+        self.procs, self.mesh = procs, mesh
         self._thread: threading.Thread | None = None
         self._done: list[dict] = []
         self._error: BaseException | None = None
@@ -204,8 +286,17 @@ class StageCheckpointer:
                  "rng": {"seed": np.int64(self.seed)}}
         directory = stage_dir(self.root, steps_done, self.stage)
         self._step = steps_done
-        directory.parent.mkdir(parents=True, exist_ok=True)
-        self._ckptr.save(directory, args=ocp.args.PyTreeSave(saved))
+        try:
+            directory.parent.mkdir(parents=True, exist_ok=True)
+        except FileExistsError:      # something that is not a directory stands at step_<N>
+            raise NotADirectoryError(errno.ENOTDIR, "not a directory: the checkpoint's step directory cannot be "
+                                     "made", str(directory.parent)) from None
+        if self.procs is not None and len(self.procs) > 1:
+            saved = _global_leaves(saved, self.mesh)
+        with _orbax_world(self.procs):
+            self._ckptr.save(directory, args=ocp.args.PyTreeSave(saved))
+            if self.procs is not None and len(self.procs) == 1:
+                self._ckptr.wait_until_finished()        # the one-process view must not outlive this call
         blocking = self.last_blocking_s = time.perf_counter() - t0
         meta = {name: {"shape": list(leaf.shape), "dtype": str(leaf.dtype), "key": key}
                 for key, (name, leaf) in ((k, (names[k], tree[k])) for k in tree)}
@@ -241,8 +332,9 @@ class StageCheckpointer:
             self._thread = None
         if self._error is not None:
             e, self._error = self._error, None
-            full = ("no space left on the device of checkpoint.dir = "
-                    f"{self.root} (the last committed checkpoint is kept): " if disk_full(e) else "")
+            storage = storage_error(e)
+            full = (f"checkpoint.dir = {self.root} refused the write ({storage_words(storage[0])}; the last "
+                    "committed checkpoint is kept): " if storage else "")
             raise RuntimeError(f"checkpoint save of step {self._step} failed on stage {self.stage} host "
                                f"{self.host}: {full}{type(e).__name__}: {e}") from e
 
@@ -263,13 +355,15 @@ class StageCheckpointer:
         try:
             self._wait_previous()
         finally:
-            self._ckptr.close()
+            with _orbax_world(self.procs):
+                self._ckptr.close()
 
 
-def restore(plan: RestorePlan, state, progs, mesh, who: str):
+def restore(plan: RestorePlan, state, progs, mesh, who: str, procs: tuple[int, ...] | None = None):
     """`state` (a `stages.state.StageState`, which gives the structure, names and shardings) with
     every persistent leaf read from committed step `plan.step`, by name: each array lands directly
-    in the sharding `state` has for it. Returns the restored state."""
+    in the sharding `state` has for it; `procs`: the stage's processes inside a job-wide world
+    (`processes`). Returns the restored state."""
     import jax
     import orbax.checkpoint as ocp
 
@@ -292,7 +386,9 @@ def restore(plan: RestorePlan, state, progs, mesh, who: str):
         i, key = where[name]
         want.setdefault(i, {})[key] = (name, target)
     got: dict[str, Any] = {}
-    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as ckptr:
+    _own_signal_keys(procs)
+    with _orbax_world(procs), ocp.Checkpointer(_handler(procs), multiprocessing_options=_multiprocessing(procs)) \
+            as ckptr:
         for i, keyed in sorted(want.items()):
             item = {"arrays": {k: t for k, (_, t) in keyed.items()}}
             args = {"arrays": {k: _restore_args(t) for k, (_, t) in keyed.items()}}

@@ -13,6 +13,16 @@ effective uid share a port that way, so no other local user can take it in betwe
 the port is picked by bind-then-close; either way, host 0 checks afterwards that its own
 process listens on the port (`coordinator_is_ours`) and refuses to continue otherwise.
 `tests/test_jaxinit_port.py` checks both halves against the installed jax.
+
+One world per job (cluster `transport: xla`, `join_world`): every stage actor is one process of
+one `jax.distributed` world — process index = its cluster host index — whose coordinator runs in
+cluster host 0's actor, reserved as above. XLA's cross-host transfer library is bound to the node
+address too: its control socket on a port picked here (`jax_cross_host_transfer_socket_address`:
+XLA publishes that address as given, so port 0 would be unreachable) and its data sockets on
+ephemeral ports of the same address (`jax_cross_host_transport_addresses`; XLA's default is
+0.0.0.0). JAX's heartbeat timeout is set above the driver's own hang detection, so the driver —
+which can tell the hung actor from the ones waiting on it — always names a failure before JAX's
+coordination service aborts the world's other processes.
 """
 from __future__ import annotations
 
@@ -22,7 +32,7 @@ from typing import Optional
 
 from orchestrator.core.backends.jaxinit import ENV_KEY, JaxInit
 
-__all__ = ["initialize", "reserve_port", "coordinator_is_ours"]
+__all__ = ["initialize", "join_world", "reserve_port", "coordinator_is_ours", "listens_on"]
 
 
 def _spec(stage_hosts: int, host: int) -> JaxInit:
@@ -99,6 +109,69 @@ def _initialize(stage_hosts: int, host: int, coordinator: Optional[str], timeout
                            f"the plan needs {spec.process_id} of {spec.num_processes} (on TPU the process "
                            "index is the TPU worker id: the host bundle is on the wrong worker)")
     return spec
+
+
+TRANSPORT_SOCKETS = 4       # XLA's data sockets per process (its own default count)
+
+
+def join_world(world: int, process: int, coordinator: str, node_ip: str, timeout_s: float, who: str = "",
+               reservation: Optional[socket.socket] = None, transfer_timeout_s: float = 60.0,
+               heartbeat_s: float = 300.0) -> str:
+    """Worker side of `transport: xla`: join the job's one JAX world as process `process` of `world`.
+
+    Sets XLA's transfer library to `node_ip` first (module docstring), then initialises
+    `jax.distributed` with the backend's device choice (`MESHPIPE_JAX_INIT`'s local device ids).
+    Returns the transfer library's control address ("ip:port"); `listens_on` checks it later
+    (XLA binds it on the first transfer).
+
+    Raises:
+      RuntimeError: jax made this process another index, or another process holds the
+        coordinator port (host 0).
+    """
+    try:
+        return _join_world(world, process, coordinator, node_ip, timeout_s, who, transfer_timeout_s, heartbeat_s)
+    finally:
+        if reservation is not None:
+            reservation.close()
+
+
+def _join_world(world, process, coordinator, node_ip, timeout_s, who, transfer_timeout_s, heartbeat_s) -> str:
+    import jax
+
+    spec = _spec(1, 0)
+    if spec.mode == "auto":      # a TPU slice: the platform's own world (process index = TPU worker id)
+        kwargs = spec.kwargs(None, timeout_s)
+    else:
+        ids = spec.local_device_ids
+        kwargs = JaxInit("explicit", world, process, ids).kwargs(coordinator, timeout_s)
+    kwargs["heartbeat_timeout_seconds"] = max(10, int(heartbeat_s))
+    address, held = reserve_port(node_ip)
+    if held is not None:
+        held.close()            # XLA binds it without SO_REUSEPORT, on the first transfer: `listens_on` checks
+    host = f"[{node_ip}]" if ":" in node_ip else node_ip
+    jax.config.update("jax_cross_host_transfer_socket_address", address)
+    jax.config.update("jax_cross_host_transport_addresses", ",".join([f"{host}:0"] * TRANSPORT_SOCKETS))
+    jax.config.update("jax_cross_host_transfer_timeout_seconds", max(1, int(transfer_timeout_s)))
+    jax.distributed.initialize(**kwargs)
+    if spec.mode != "auto" and process == 0 and not coordinator_is_ours(coordinator):
+        raise RuntimeError(f"{who}: the world's jax.distributed coordinator port {coordinator} is not held by "
+                           "this process after initialisation; refusing to continue")
+    got = (jax.process_index(), jax.process_count())
+    if got != (process, world):
+        raise RuntimeError(f"{who}: jax.distributed made this process {got[0]} of {got[1]}; the job's world needs "
+                           f"{process} of {world} (on TPU the process index is the TPU worker id)")
+    return address
+
+
+def listens_on(address: str, pid: Optional[int] = None) -> bool:
+    """Whether process `pid` (default: this one) listens on `address` ("ip:port")."""
+    import psutil
+
+    ip, _, port = address.rpartition(":")
+    ip = ip.strip("[]")
+    conns = psutil.Process(pid).net_connections(kind="inet")
+    return any(c.status == psutil.CONN_LISTEN and c.laddr.port == int(port) and c.laddr.ip in (ip, f"::ffff:{ip}")
+               for c in conns)
 
 
 def coordinator_is_ours(coordinator: str, pid: Optional[int] = None) -> bool:

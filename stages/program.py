@@ -10,7 +10,10 @@ transport moves. Basic flow for one microbatch on one stage:
     loss, dxs, grads = fwd_bwd_acc(params, xs, labels, ids, grads[, scale])   # last stage, F and B back to back
 and once per step: params, opt_state, grads = update(params, opt_state, grads, gnorm), where
 gnorm is the global gradient norm over every stage when the chain clips by it (the worker
-exchanges one squared norm per stage, `sq_norm`, before any stage updates).
+exchanges one squared norm per stage, `sq_norm`, before any stage updates). The worker runs
+`update_checked`, the same update that also returns the stage's health on the device (its squared
+gradient norm before clipping and its count of non-finite parameters after the update,
+`orchestrator.core.health`).
 Evaluation runs `fwd_eval(params, xs[, labels])`: the forward alone, train=False (the last
 stage's loss).
 
@@ -230,6 +233,7 @@ class StageProgram:
         self.zero_grads = jax.jit(lambda g: jax.tree.map(jnp.zeros_like, g), donate_argnums=0)
         self.accumulate = jax.jit(_accumulate, donate_argnums=0)
         self.update = jax.jit(self._update, donate_argnums=(0, 1, 2))
+        self.update_checked = jax.jit(self._update_checked, donate_argnums=(0, 1, 2))
 
     def _jit(self, fn, out_sh):
         return jax.jit(fn) if self.mesh is None else jax.jit(fn, out_shardings=out_sh)
@@ -389,6 +393,15 @@ class StageProgram:
         params = optax.apply_updates(params, updates)
         return params, opt_state, jax.tree.map(jnp.zeros_like, grads)
 
+    def _update_checked(self, params, opt_state, grads, gnorm=None):
+        """`_update`, and the stage's training health on the device (`orchestrator.core.health`):
+        [its squared gradient norm before clipping, its count of non-finite parameters after]."""
+        sq = _sq_norm(grads)
+        params, opt_state, zeros = self._update(params, opt_state, grads, gnorm)
+        bad = sum(jnp.sum(~jnp.isfinite(p)).astype(jnp.float32) for p in jax.tree.leaves(params)
+                  if jnp.issubdtype(p.dtype, jnp.inexact))
+        return params, opt_state, zeros, jnp.stack([jnp.asarray(sq, jnp.float32), jnp.float32(bad)])
+
     def bwd_w(self, params, held: Held):
         """W (zero-bubble): the weight gradients from what `bwd_i` returned as `held`."""
         return held.owner.w(params, held)
@@ -429,10 +442,18 @@ class StageProgram:
         return params
 
     def init_state(self, params):
-        opt_state = jax.jit(self.tx.init)(params)
+        """The optimizer state and zeroed gradient accumulators of `params`, laid out on the stage
+        mesh as the parameters are: each per-parameter leaf of the optimizer state (Adam's moments)
+        with its parameter's sharding, the rest (step counts, schedule state) replicated. Left to
+        itself, `jax.jit(tx.init)` puts the whole state on one device."""
         zero = (lambda p: jax.tree.map(jnp.zeros_like, p))
-        zeros = (jax.jit(zero) if self.mesh is None else jax.jit(zero, out_shardings=self.param_shardings()))(params)
-        return opt_state, zeros
+        if self.mesh is None:
+            return jax.jit(self.tx.init)(params), jax.jit(zero)(params)
+        psh = self.param_shardings()
+        replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+        state_sh = optax.tree_map_params(self.tx, lambda _, sh: sh, jax.eval_shape(self.tx.init, params), psh,
+                                         transform_non_params=lambda _: replicated)
+        return jax.jit(self.tx.init, out_shardings=state_sh)(params), jax.jit(zero, out_shardings=psh)(params)
 
 
 def _merge(diff: list, rest: list, diff_index: tuple, n: int) -> list:

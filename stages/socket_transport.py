@@ -25,6 +25,10 @@ that would open a tensor past the budget, repeat a part already arrived, or name
 already delivered and not yet taken closes its connection before anything is allocated; a
 "done" counts only for a tensor whose shared memory was granted to that same connection.
 
+A SEND on the compute thread only hands the tensor over (`TiledTransport.send`: the device-to-host
+copies of all its shards start at once); the cutting and everything below run on the transport's
+sender thread, one tensor after another, and a failure there is raised by the next SEND or flush.
+
 Moving one tensor from this host to destination host d (one payload per pair):
   shared memory  (same machine, at least SHM_MIN_BYTES for d): the sender asks d for
                  a grant; d's reader thread allocates d's destination blocks in shared
@@ -450,7 +454,9 @@ class SocketTransport(TiledTransport):
             conn.close()
 
     def flush(self, timeout):
-        """Nothing is in flight after a send returns; surfaces a broken connection or a failed reader."""
+        """Wait (bounded) until every send handed over went out; surfaces the sender thread's failure,
+        a broken connection or a failed reader."""
+        self._drain(timeout)
         if self._error:
             raise ConnectionError(f"socket transport: {self._error}")
         for address, conn in list(self._conns.items()):
@@ -459,6 +465,7 @@ class SocketTransport(TiledTransport):
                 raise ConnectionError(f"socket transport: the peer at {address[0]}:{address[1]} closed the connection")
 
     def close(self) -> None:
+        self._stop_sender()
         self.listener.close()
         with self._conns_lock:
             conns, self._conns = list(self._conns.values()), {}

@@ -59,13 +59,13 @@ def in_flight(cfg: WorkerConfig) -> int:
     return cfg.microbatches * (2 + (cfg.data.eval_batches if cfg.data is not None else 0))
 
 
-def _ray_transport(cfg: WorkerConfig, args: dict, io_timeout: float):
+def _ray_transport(cfg: WorkerConfig, args: dict, io_timeout: float, transfer_address=None):
     from stages.transport import RayTransport
 
     return RayTransport(**args)
 
 
-def _socket_transport(cfg: WorkerConfig, args: dict, io_timeout: float):
+def _socket_transport(cfg: WorkerConfig, args: dict, io_timeout: float, transfer_address=None):
     from orchestrator.core.tls import TlsError
     from stages.socket_transport import SocketTransport
 
@@ -79,19 +79,41 @@ def _socket_transport(cfg: WorkerConfig, args: dict, io_timeout: float):
         raise RuntimeError(f"{cfg.who} on {socket.gethostname()}: {e}") from None
 
 
-# cluster.transport -> (cfg, {me, geom, mesh, inbox, peers}, io timeout) -> a stages.transport.Transport
-TRANSPORTS = {"ray": _ray_transport, "socket": _socket_transport}
+def _xla_transport(cfg: WorkerConfig, args: dict, io_timeout: float, transfer_address=None):
+    """XLA's own transfers in the job's one JAX world (`stages.dataplane.join_jax` joined it and
+    returned `transfer_address`, the socket XLA's transfer server must hold)."""
+    from stages.jaxinit import listens_on
+    from stages.xla_transport import XlaTransport, leaf_specs, stage_meshes
+
+    meshes = stage_meshes(cfg.geoms)
+    meshes[cfg.stage] = args["mesh"]
+    transport = XlaTransport(me=cfg.cluster_host, stage=cfg.stage, geoms=cfg.geoms, meshes=meshes,
+                             programs=cfg.transport.orders(), leaves=leaf_specs(cfg.spec, cfg.microbatch_size),
+                             io_timeout=io_timeout, inbox=args["inbox"])
+    transport.warm_up(cfg.timeouts.init_s)
+    if transfer_address and not listens_on(transfer_address):
+        transport.close()
+        raise RuntimeError(f"{cfg.who}: XLA's transfer socket {transfer_address} is not held by this process "
+                           "after the first transfer (another process took the port); refusing to continue")
+    transport.transfer_address = transfer_address
+    return transport
 
 
-def make_transport(cfg: WorkerConfig, mesh, inbox, peers, io_timeout: float):
-    """This host's transport of kind `cfg.transport.kind` (`TRANSPORTS`)."""
+# cluster.transport -> (cfg, {me, geom, mesh, inbox, peers}, io timeout, XLA's transfer address)
+#   -> a stages.transport.Transport
+TRANSPORTS = {"ray": _ray_transport, "socket": _socket_transport, "xla": _xla_transport}
+
+
+def make_transport(cfg: WorkerConfig, mesh, inbox, peers, io_timeout: float, transfer_address: str | None = None):
+    """This host's transport of kind `cfg.transport.kind` (`TRANSPORTS`); `transfer_address`: under
+    `xla`, what `stages.dataplane.join_jax` returned."""
     make = TRANSPORTS.get(cfg.transport.kind)
     if make is None:
         raise ValueError(f"{cfg.who}: cluster.transport = {cfg.transport.kind!r}: this stage runtime knows "
                          f"{', '.join(sorted(TRANSPORTS))}")
     args = {"me": cfg.stage_spec.hosts[cfg.host], "geom": cfg.geoms[cfg.stage], "mesh": mesh, "inbox": inbox,
             "peers": peers}
-    return make(cfg, args, io_timeout)
+    return make(cfg, args, io_timeout, transfer_address)
 
 
 class StageIO:

@@ -9,6 +9,8 @@
       step         steps done: the next step to run, and the data position (a loader serves
                    step n's rows from (seed, n) alone, `orchestrator.core.data.WindowSampler`)
       loss_scale   `precision.loss_scale`'s (scale, finite steps in a row), or None (off)
+      data_offset  batches a training-health rollback skipped (`orchestrator.core.health`): step n
+                   trains on batch n + data_offset; None: none skipped (nothing saved)
 
 Basic flow: `init(progs, seed)` builds the state a run starts from; the step's handlers
 (`stages.actions`) take it and return a new one (`with_chunk`, `NamedTuple._replace`); the
@@ -53,6 +55,7 @@ class StageState(NamedTuple):
     chunks: tuple
     step: int
     loss_scale: LossScaleState | None = None
+    data_offset: int | None = None
 
 
 TRANSIENT = frozenset({"grads"})     # ChunkState fields a checkpoint leaves out: zero between steps

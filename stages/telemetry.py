@@ -97,6 +97,9 @@ def stage_stats(worker) -> dict:
     return {
         "sent_bytes": int(getattr(transport, "sent_bytes", 0)),      # cumulative, both directions
         "sent_bytes_to": {k: int(v) for k, v in by_direction.items()},  # cumulative, per neighbour
+        # the compute thread's time inside SEND (it only hands the tensor over), cumulative, and the SENDs
+        "send_blocked_s": float(getattr(transport, "send_blocked_s", 0.0)),
+        "send_calls": int(getattr(transport, "send_calls", 0)),
         "memory_bytes": int(mem),
         "memory_source": source,
         "compile_s": float(_compile_s[0]),                           # cumulative

@@ -68,11 +68,9 @@ def set_leaf(grads, c: int, j: int, path: str, value) -> None:
 
 def _host(leaf) -> np.ndarray:
     """The whole array on this host (gathered across the stage's hosts when sharded over several)."""
-    from jax.experimental import multihost_utils
+    from stages.dataplane import gather
 
-    if not leaf.is_fully_addressable:
-        return np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
-    return np.asarray(leaf)
+    return gather(leaf)
 
 
 def _device(value: np.ndarray, like):

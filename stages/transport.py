@@ -14,12 +14,15 @@ No host ever gathers the whole tensor unless its own shards are the whole tensor
 
 `Transport` is the interface the worker uses; `TiledTransport` holds the plan/pack/
 assemble part every tile transport shares, `RayTransport` ships with Ray calls and
-`stages.socket_transport.SocketTransport` (the default, cluster `transport: socket`) with
-framed streams over TCP or Unix sockets and shared memory on one machine. A faster transport (e.g. NCCL between GPU hosts) can replace
-them without touching the plan.
+`stages.socket_transport.SocketTransport` (cluster `transport: socket`) with framed streams over
+TCP or Unix sockets and shared memory on one machine. `stages.xla_transport.XlaTransport`
+(`transport: xla`) moves the same plans device to device with XLA's own transfers in one JAX
+world. Which one a worker gets: `stages.dataplane`.
 """
 from __future__ import annotations
 
+import collections
+import threading
 import time
 from dataclasses import dataclass
 
@@ -64,6 +67,11 @@ class Transport:
         (`StageWorker.set_recv_deadline`). A transport whose only waits are the RECVs' (the Ray
         transport: their `timeout`) ignores it."""
 
+    def begin(self, step: int, tag: str) -> None:
+        """A program of the schedule starts on this stage: training step `step` ("F") or its eval
+        batch b ("E<b>"). A transport that issues transfers in a world-wide order
+        (`stages.xla_transport`) queues that program's; the default ignores it."""
+
     def expect(self, edge: Edge, shape: tuple, dtype) -> None:
         """Announce a tensor that may arrive along `edge` (before any peer sends it). A transport
         that reads headers from the network accepts only announced tensors; the default ignores it."""
@@ -99,11 +107,18 @@ class TiledTransport(Transport):
         here = jax.process_index()
         self.local = [(i, d) for i, d in enumerate(devices) if d.process_index == here]
         self.single_device = len(devices) == 1
+        self.on_host = devices[0].platform == "cpu"    # device memory is host memory: no D2H to start
         self.sent_bytes = 0
         self.sent_bytes_to: dict[str, int] = {}   # per destination stage (telemetry)
         self._plans: dict = {}
         self._dest_lists: dict = {}     # id(plan) -> (plan, [(dst host, source devices, bytes)]) (`_dests`)
         self._fast_plans: dict = {}     # (id(edge), outgoing, shape, dtype) -> (edge, plan) (`_plan`)
+        self._send_cv = threading.Condition()
+        self._queued: collections.deque = collections.deque()   # (key, array, edge) handed over, not yet sent
+        self._sender: threading.Thread | None = None            # made by the first send
+        self._send_error: BaseException | None = None
+        self._send_closed = False
+        self.send_calls, self.send_blocked_s = 0, 0.0   # the compute thread's time inside `send` (telemetry)
 
     def _plan(self, edge: Edge, outgoing: bool, shape, dtype):
         """The edge's reshard plan, memoised here: a dict hit instead of rebuilding MeshSides per action.
@@ -129,7 +144,8 @@ class TiledTransport(Transport):
         """Every stage's hosts' transport addresses ([stage][host]); unused by transports that need none."""
 
     def close(self) -> None:
-        """Release what the transport holds (sockets, threads); nothing by default."""
+        """Release what the transport holds (sockets, threads): the sender thread here."""
+        self._stop_sender()
 
     def _dests(self, plan) -> list:
         """Per destination host this host sends tiles of `plan` to: (host, source devices, bytes),
@@ -141,7 +157,75 @@ class TiledTransport(Transport):
                 for dst, tiles in plan.sends.get(self.me, {}).items() if tiles])
         return got[1]
 
+    # -- sending: the compute thread hands over, the sender thread moves ------------------
     def send(self, key, array, edge):
+        """Hand `array` over for sending and return: its device-to-host copies start now (all shards
+        at once, `copy_to_host_async`), the cutting and the wire run on this transport's sender
+        thread (`_send_now`, FIFO). A failure there is raised by the next `send` or `flush`."""
+        t0 = time.perf_counter()
+        with self._send_cv:
+            self._raise_send_error()
+            if self._sender is None:
+                self._sender = threading.Thread(target=self._send_loop, name=f"transport sender host {self.me}",
+                                                daemon=True)
+                self._sender.start()
+            if not self.on_host:
+                array.copy_to_host_async()
+            self._queued.append((key, array, edge))
+            self._send_cv.notify_all()
+        self.send_calls += 1
+        self.send_blocked_s += time.perf_counter() - t0
+
+    def _send_loop(self) -> None:
+        while True:
+            with self._send_cv:
+                while not self._queued and not self._send_closed:
+                    self._send_cv.wait()
+                if not self._queued:
+                    return
+                key, array, edge = self._queued[0]
+            try:
+                if self._send_error is None:
+                    self._send_now(key, array, edge)
+            except BaseException as e:  # noqa: BLE001 - raised on the compute thread by the next send/flush
+                with self._send_cv:
+                    self._send_error = e
+            finally:
+                with self._send_cv:
+                    self._queued.popleft()
+                    self._send_cv.notify_all()
+
+    def _raise_send_error(self) -> None:
+        """(Under `_send_cv`.) The sender thread's failure, raised with its cause."""
+        e = self._send_error
+        if e is not None:
+            if isinstance(e, (ConnectionError, TimeoutError)):
+                raise type(e)(f"sending (on the sender thread): {e}") from e
+            raise RuntimeError(f"sending (on the sender thread) failed: {type(e).__name__}: {e}") from e
+
+    def _drain(self, timeout: float) -> None:
+        """Wait (bounded) until every send handed over has gone out; raises the sender's failure."""
+        deadline = time.monotonic() + timeout
+        with self._send_cv:
+            while self._queued and self._send_error is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"transport host {self.me}: {len(self._queued)} send(s) still under way "
+                                       f"after {timeout:.0f} s (the next: {self._queued[0][0]})")
+                self._send_cv.wait(left)
+            self._raise_send_error()
+
+    def _stop_sender(self, timeout: float = 5.0) -> None:
+        with self._send_cv:
+            self._send_closed = True
+            self._queued.clear()
+            self._send_cv.notify_all()
+        if self._sender is not None:
+            self._sender.join(timeout)
+
+    def _send_now(self, key, array, edge):
+        """One send, on the sender thread: each destination host's tiles cut from this host's shards
+        (the device-to-host copies `send` started) and pushed (`_push`)."""
         plan = self._plan(edge, True, array.shape, array.dtype)
         if self.single_device:                         # the array is its only shard
             by_device = {0: array}
@@ -183,12 +267,25 @@ class TiledTransport(Transport):
         return assemble(plan, self.me, received)
 
     def _to_array(self, local: dict, shape, sharding):
+        """This host's shards as the global array. Replicas share one host buffer (`assemble`): it
+        goes to the device once; the other replicas are on-device copies of it (on CPU, where
+        `device_put` adopts an aligned host buffer without copying, every device adopts it)."""
         import jax
 
         if len(self.local) == 1:                       # (the single-device call is cheaper)
             arrays = [jax.device_put(local[self.local[0][0]], self.local[0][1])]
-        else:
+            return jax.make_array_from_single_device_arrays(tuple(shape), sharding, arrays)
+        first: dict[int, int] = {}                     # id(host buffer) -> position of its first device
+        for k, (i, _) in enumerate(self.local):
+            first.setdefault(id(local[i]), k)
+        if self.local[0][1].platform == "cpu" or len(first) == len(self.local):
             arrays = jax.device_put([local[i] for i, _ in self.local], [d for _, d in self.local])
+        else:
+            heads = sorted(set(first.values()))
+            put = dict(zip(heads, jax.device_put([local[self.local[k][0]] for k in heads],
+                                                 [self.local[k][1] for k in heads])))
+            arrays = [put[k] if k in put else jax.device_put(put[first[id(local[i])]], d)
+                      for k, (i, d) in enumerate(self.local)]
         return jax.make_array_from_single_device_arrays(tuple(shape), sharding, arrays)
 
 
@@ -207,9 +304,12 @@ class RayTransport(TiledTransport):
         self._inflight.append(peer.deliver.options(concurrency_group="io").remote((*key, self.me), payload))
 
     def flush(self, timeout):
-        """Wait (bounded) until this step's pushes were accepted; surfaces a dead receiver."""
+        """Wait (bounded) until this step's sends went out and their pushes were accepted; surfaces
+        a dead receiver."""
         import ray
 
+        deadline = time.monotonic() + timeout
+        self._drain(timeout)
         if self._inflight:
-            ray.get(self._inflight, timeout=timeout)
+            ray.get(self._inflight, timeout=max(0.0, deadline - time.monotonic()))
         self._inflight.clear()

@@ -45,7 +45,7 @@ import numpy as np
 from stages.actions import EVAL_HANDLERS, StageContext, StepState, handler_for, program_of
 from stages.data import HostLoader, rows_of
 from stages.mailbox import Mailbox, MailboxClosed
-from stages.checkpoint import disk_full
+from orchestrator.core.recovery import storage_error
 from stages.telemetry import LivePeak
 from orchestrator.core.contract import FAILURE_ATTR, StepFailure, WorkerConfig
 from orchestrator.core.schedule.ir import RECVS
@@ -135,18 +135,18 @@ class StageWorker:
 
         watch_compiles()   # sums jax compile time in this process, for stage_stats
 
-        from stages.jaxinit import initialize as join_submesh
-
-        # as the platform's backend planned it (MESHPIPE_JAX_INIT): explicit coordinator, TPU auto-detect, none
-        held, self._coordinator_port = self._coordinator_port, None
-        join_submesh(cfg.stage_hosts, cfg.host, coordinator, cfg.timeouts.jax_distributed_init_s,
-                     who=cfg.who, reservation=held)
         from orchestrator.core.model.registry import build_model
+        from stages import dataplane
         from stages.program import StageProgram
         from stages.stage_io import StageIO, make_transport
         from stages.state import init as init_state
 
-        self.mesh = self._stage_mesh(jax)
+        # as the platform's backend planned it (MESHPIPE_JAX_INIT), or the job's one world (transport xla)
+        held, self._coordinator_port = self._coordinator_port, None
+        import ray
+
+        transfer_address = dataplane.join_jax(cfg, coordinator, held, ray.util.get_node_ip_address(), self.recv_s)
+        self.mesh = dataplane.stage_mesh(cfg)
         model = build_model(cfg.spec.factory, cfg.spec.args)
         self.progs = [StageProgram(cfg.spec, model, start, stop, microbatches=cfg.microbatches,
                                    optimizer=cfg.optimizer.to_spec(), mesh=self.mesh,
@@ -154,37 +154,22 @@ class StageWorker:
                       for start, stop in cfg.layer_chunks]
         self.state = init_state(self.progs, cfg.seed, cfg.loss_scale)
         restore_s = self._setup_checkpoint()
-        transport = make_transport(cfg, self.mesh, self.inbox, lambda stage: self.actors[stage], self.recv_s)
+        transport = make_transport(cfg, self.mesh, self.inbox, lambda stage: self.actors[stage], self.recv_s,
+                                   transfer_address)
         rows_in, rows_lab = self._open_data()
         self.ctx = StageContext(cfg, self.progs, StageIO(cfg, transport, self.inbox, rows_in, rows_lab), cfg.loss_scale)
         restore = cfg.checkpoint.restore if cfg.checkpoint is not None else None
         if restore is not None and restore.position is not None:
             self.load_data_state(restore.position.to_dict())     # checks seed and source, then the position
+        if self.loader is not None:      # batches a health rollback skipped (StageState.data_offset)
+            self.loader.offset = self.state.data_offset or 0
         jax.block_until_ready(self.state)
-        import ray
-
         return {"stage": cfg.stage, "host": cfg.host, "pid": os.getpid(),
                 "node_id": ray.get_runtime_context().get_node_id(),
                 "devices": int(self.mesh.devices.size), "local_devices": len(jax.local_devices()),
                 "transport": type(transport).__name__, "setup_s": time.perf_counter() - t0,
                 "transport_tls": getattr(transport, "tls_server", None) is not None,
                 "restore_s": restore_s}
-
-    def _stage_mesh(self, jax):
-        """The stage's named Mesh over every device of its world, checked host-major."""
-        from jax.sharding import Mesh
-
-        cfg = self.cfg
-        devices = np.array(jax.devices())
-        mesh_shape = cfg.stage_spec.mesh_shape
-        n = int(np.prod(list(mesh_shape.values())))
-        if devices.size != n:
-            raise RuntimeError(f"{cfg.who}: mesh {mesh_shape} needs {n} devices, the stage has {devices.size}")
-        owners = [d.process_index for d in devices]
-        if owners != sorted(owners) or owners.count(cfg.host) != cfg.stage_spec.devices_per_host:
-            raise RuntimeError(f"{cfg.who}: jax device order {owners} is not host-major with "
-                               f"{cfg.stage_spec.devices_per_host} devices per host")
-        return Mesh(devices.reshape(tuple(mesh_shape.values())), tuple(mesh_shape))
 
     @property
     def transport(self):
@@ -197,7 +182,7 @@ class StageWorker:
         ck, self.ckpt = self.cfg.checkpoint, None
         if not ck:
             return None
-        from stages.checkpoint import StageCheckpointer, restore
+        from stages.checkpoint import StageCheckpointer, processes, restore, stage_name
 
         from orchestrator.core.checkpoint import check_probe
 
@@ -205,11 +190,16 @@ class StageWorker:
         took = None
         if ck.restore is not None:
             t0 = time.perf_counter()
-            self.state = restore(ck.restore, self.state, self.progs, self.mesh, self.cfg.who)
-            self.state = self.state._replace(step=ck.restore.step)
+            plan = ck.restore
+            if plan.locate(stage_name("data_offset")) is not None:    # a run that skipped data: restore it too
+                self.state = self.state._replace(data_offset=0)
+            self.state = restore(plan, self.state, self.progs, self.mesh, self.cfg.who, processes(self.cfg))
+            offset = (self.state.data_offset or 0) + plan.skip_batches     # a health rollback skips more
+            self.state = self.state._replace(step=plan.step, data_offset=offset or None)
             took = time.perf_counter() - t0
         self.ckpt = StageCheckpointer(ck.root, ck.every, ck.total, ck.asynchronous, self.cfg.stage,
-                                      self.cfg.host, seed=self.cfg.seed, timeout=self.cfg.timeouts.step_s)
+                                      self.cfg.host, seed=self.cfg.seed, timeout=self.cfg.timeouts.step_s,
+                                      procs=processes(self.cfg), mesh=self.mesh)
         return took
 
     def checkpoint_flush(self) -> list[dict]:
@@ -270,7 +260,7 @@ class StageWorker:
             self.loader.close()
         if getattr(self, "transport", None) is not None:
             self.transport.close()
-        if self.cfg.stage_hosts > 1:
+        if self.cfg.stage_hosts > 1 or self.cfg.transport.kind == "xla":    # every process of the world at once
             import jax
 
             jax.distributed.shutdown()
@@ -356,9 +346,11 @@ class StageWorker:
         if self.inbox.closed:
             return         # aborted by a peer (or the transport closed), or failed before: no echo
         text = str(error)[:300]
+        storage = storage_error(error)     # checkpoint.dir refused a write: no restart can help
         failure = StepFailure(self.cfg.stage, self.cfg.host, step,
                               f"{type(error).__name__}: {text.splitlines()[0] if text else ''}".rstrip(),
-                              kind="disk_full" if disk_full(error) else "error")
+                              kind="storage" if storage else "error",
+                              errno=storage[0] if storage else None, path=storage[1] if storage else None)
         setattr(error, FAILURE_ATTR, failure)
         reason = f"{self.cfg.who} failed in step {step}: {type(error).__name__}: {text}"
         self.inbox.close(reason, failure)
@@ -388,6 +380,7 @@ class StageWorker:
             hook.on_step(self.cfg, step)
         self._pin_thread()
         st = StepState(step, self.recv_s, on_peak=self.live_peak, sizes=self._stash_sizes)
+        self.transport.begin(step, st.tag)
         if self.loader is not None:
             waited = self.loader.wait_s
             st.batch = self.loader.get(step, st.timeout)
@@ -418,6 +411,8 @@ class StageWorker:
             out["losses"] = [float(st.losses[i]) for i in range(cfg.microbatches)]
         if st.loss_scale is not None:
             out["stats"].update(loss_scale=float(st.loss_scale), skipped=bool(st.skipped))
+        if st.health is not None:       # training health (orchestrator.core.health): the driver judges
+            out["stats"]["health"] = list(st.health)
         if self.state.step != st.step + 1:
             raise RuntimeError(f"{cfg.who}: step {st.step} ended with the state at step {self.state.step} "
                                "(its OPT did not run once)")
@@ -445,6 +440,7 @@ class StageWorker:
         losses = []
         for b, batch in enumerate(self._eval_batches):
             st = StepState(step, self.recv_s, tag=f"E{b}")   # its own mailbox keys
+            self.transport.begin(step, st.tag)
             st.batch = batch
             for a, text, handler in self.eval_program:
                 self._doing(step, f"eval {b} {text}", a.kind in RECVS)
@@ -466,29 +462,27 @@ class StageWorker:
         """Every parameter leaf of this stage as a whole numpy array (gathered across hosts), and
         every mutable-state leaf (`state_name`, e.g. BatchNorm's running mean)."""
         import jax
-        from jax.experimental import multihost_utils
 
         from orchestrator.core.model.pipeline import key_path
         from stages.checkpoint import state_name
+        from stages.dataplane import gather
 
         out = self._gathered()
         for prog, mstate in zip(self.progs, (c.mstate for c in self.state.chunks)):
             for i, (layer, s) in enumerate(zip(prog.layers, mstate), start=prog.start):
                 for path, leaf in jax.tree_util.tree_flatten_with_path(s)[0]:
-                    out[state_name(i, layer, key_path(path))] = np.asarray(
-                        multihost_utils.process_allgather(leaf, tiled=True))
+                    out[state_name(i, layer, key_path(path))] = gather(leaf)
         return out
 
     def _gathered(self) -> dict[str, np.ndarray]:
         import jax
-        from jax.experimental import multihost_utils
 
         from orchestrator.core.model.pipeline import key_path
+        from stages.dataplane import gather
 
         out = {}
         for prog, params in zip(self.progs, (c.params for c in self.state.chunks)):
             for i, (layer, p) in enumerate(zip(prog.layers, params), start=prog.start):
                 for path, leaf in jax.tree_util.tree_flatten_with_path(p)[0]:
-                    full = multihost_utils.process_allgather(leaf, tiled=True)
-                    out[param_name(i, layer, key_path(path))] = np.asarray(full)
+                    out[param_name(i, layer, key_path(path))] = gather(leaf)
         return out

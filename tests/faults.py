@@ -149,3 +149,19 @@ class FillDiskAt(WorkerHook):
         finally:
             os.close(fd)
 
+
+@dataclass(frozen=True)
+class BlockStepDir(WorkerHook):
+    """At the start of `step`, stage 0 host 0 puts a file where checkpoint step `blocked`'s
+    directory must go (`<root>/step_<blocked>`): that save then fails with a real OSError, as
+    a read-only or full `checkpoint.dir` would (tests run as root here, so chmod blocks nothing)."""
+
+    root: str
+    step: int
+    blocked: int
+
+    def on_step(self, cfg, step: int) -> None:
+        from orchestrator.core.checkpoint import step_dir
+
+        if (cfg.stage, cfg.host, step) == (0, 0, self.step):
+            step_dir(self.root, self.blocked).write_text("in the way\n")

@@ -42,6 +42,23 @@ class RecordPid(WorkerHook):
         Path(self.dir, str(os.getpid())).write_text(repr(time.time()))
 
 
+@dataclass(frozen=True)
+class RecordListeners(WorkerHook):
+    """At the start of step `step` each stage actor writes `<dir>/<pid>.json`: the "ip:port" addresses
+    its process listens on then (its transport's, JAX's and the collectives' sockets all open by then)."""
+
+    dir: str
+    step: int = 1
+
+    def on_step(self, cfg, step: int) -> None:
+        if step == self.step:
+            import json
+
+            os.makedirs(self.dir, exist_ok=True)
+            found = sorted(f"{ip}:{port}" for ip, port in listening())
+            Path(self.dir, f"{os.getpid()}.json").write_text(json.dumps({"who": cfg.who, "listening": found}))
+
+
 def listening(pid: int | None = None) -> set:
     """The TCP (ip, port) pairs process `pid` (default: this one) listens on."""
     import psutil

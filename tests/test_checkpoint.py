@@ -20,6 +20,7 @@ from orchestrator.core.config import check_checkpoint_dir, check_job, parse_clus
 from orchestrator.core.config import checkpoint_bytes as ck_bytes
 from orchestrator.core.config.disk import CHECKPOINT_FIXED_BYTES
 from orchestrator.driver.checkpoint import model_arrays, prepare
+from tests import records
 from tests.test_bad_input import error_of, has_all, unwritable_dir
 
 pytestmark = [pytest.mark.needs_checkpoint]
@@ -384,8 +385,9 @@ def test_resume_is_bit_exact_1f1b_and_bad_checkpoints_refused(tmp_path, no_leaks
     has_all(auto(2), "--resume auto: no committed checkpoint in", str(auto_dir), "starting at step 0")
     assert [m["step"] for m in ck.committed(auto_dir)] == [2]
     has_all(auto(4), "resuming from checkpoint step 2")
-    summary = json.loads((tmp_path / "runs" / "auto" / "summary.json").read_text())
+    summary = records.summary(tmp_path / "runs", "auto")      # --resume: the same run directory, continued
     assert summary["status"] == "completed" and summary["checkpoint"]["resumed_from"] == 2
+    assert records.run_ids_of(tmp_path / "runs", "auto") == [Path(summary["run_dir"]).name]
     assert summary["losses"] == full["losses"] and len(summary["step_times_s"]) == 2     # ran steps 2, 3
     assert ck.select(auto_dir)["step"] == 4 and ck.select(auto_dir)["arrays"] == ck.select(full_dir)["arrays"]
     has_all(auto(4, code=2), "checkpoint step 4 is not before run.steps = 4", "nothing left to train")

@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +15,7 @@ from orchestrator.driver.runner import run_job
 from orchestrator.driver.waiting import StageFailure
 from tests.conftest import ROOT
 from tests.faults import FailSetup, FailStep
+from tests import records
 
 CALL = ("import sys; from orchestrator.driver.cli import main\n"
         "try:\n    main(sys.argv[1:])\n"
@@ -76,18 +78,30 @@ def test_cli_run_on_embedded_ray_writes_summary(tmp_path, example, run_name):
     out = meshpipe("run", example, "--set", "run.steps=2", "--set", f"run.output_dir={tmp_path}", timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.count("loss") >= 2
-    summary = json.loads((tmp_path / run_name / "summary.json").read_text())
+    summary = records.summary(tmp_path, run_name)
+    assert f"run directory {summary['run_dir']}" in out.stdout       # where the record is, said up front
     assert len(summary["losses"]) == 2 and summary["mode"] == "pipeline"
     assert summary["status"] == "completed" and summary["steps_done"] == 2 and "error" not in summary
-    records = [json.loads(line) for line in (tmp_path / run_name / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == [0, 1]
-    assert [r["loss"] for r in records] == summary["losses"]
-    assert [r["step_time_s"] for r in records] == summary["step_times_s"]
+    recs = records.metrics(tmp_path, run_name)
+    assert [r["step"] for r in recs] == [0, 1]
+    assert [r["loss"] for r in recs] == summary["losses"]
+    assert [r["step_time_s"] for r in recs] == summary["step_times_s"]
     # every stage actor's CPU affinity and thread count, as read back on the actor
     hosts = {(st["index"], h) for st in summary["plan"]["stages"] for h in range(len(st["hosts"]))}
     assert {(c["stage"], c["host"]) for c in summary["conditions"]} == hosts
     assert all(c["affinity"] and set(c["affinity"]) <= set(range(os.cpu_count())) and c["os_threads"] > 1
                for c in summary["conditions"]), summary["conditions"]
+    if run_name != "gpt-tiny":
+        return
+    # the README's first command again: a run of its own beside the first, which stays as it was
+    first = (Path(summary["run_dir"]) / "summary.json").read_text()
+    again = meshpipe("run", example, "--set", "run.steps=2", "--set", f"run.output_dir={tmp_path}", timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    second = records.summary(tmp_path, run_name)
+    assert records.run_ids_of(tmp_path, run_name) == [Path(summary["run_dir"]).name, Path(second["run_dir"]).name]
+    assert (tmp_path / run_name / "latest").resolve() == Path(second["run_dir"]).resolve()
+    assert (Path(summary["run_dir"]) / "summary.json").read_text() == first
+    assert second["losses"] == summary["losses"]             # same job, same seed
 
 
 @pytest.mark.ray
@@ -116,16 +130,16 @@ def test_failed_step_fails_fast_everywhere_and_leaves_nothing(tmp_path, no_leaks
     with pytest.raises(StageFailure, match="stage 1 host 0: injected step failure at step 2"):
         run_job(checked, echo=lambda s: None, hooks=[FailStep(stage=1, host=0, step=2)])
     assert time.monotonic() - t0 < 60
-    run_dir = tmp_path / f"fails-{executor}"
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    run_dir = records.run_dir(tmp_path, f"fails-{executor}")
+    recs = records.metrics(tmp_path, f"fails-{executor}")
     done = [] if executor == "compiled_graph" else [0, 1]
-    assert [r["step"] for r in records] == done
-    summary = json.loads((run_dir / "summary.json").read_text())
+    assert [r["step"] for r in recs] == done
+    summary = records.summary(tmp_path, f"fails-{executor}")
     assert summary["status"] == "failed" and summary["steps_done"] == len(done)
     assert "StageFailure" in summary["error"] and "injected step failure" in summary["error"]
-    assert summary["losses"] == [r["loss"] for r in records] and len(summary["losses"]) == len(done)
+    assert summary["losses"] == [r["loss"] for r in recs] and len(summary["losses"]) == len(done)
     assert summary["param_norms"] == {} and summary["mode"] == "pipeline"
-    assert summary["telemetry"].get("measured_bubble_per_step", []) == [r["measured_bubble"] for r in records]
+    assert summary["telemetry"].get("measured_bubble_per_step", []) == [r["measured_bubble"] for r in recs]
     assert not [p.name for p in run_dir.iterdir() if "tmp" in p.name]   # no temp file left behind
 
 

@@ -60,7 +60,7 @@ def test_the_check_finds_an_untyped_field():
 
 
 def test_a_failure_and_an_actor_survive_pickling_with_their_fields():
-    f = contract.StepFailure(1, 0, 7, "ValueError: boom", kind="disk_full")
+    f = contract.StepFailure(1, 0, 7, "ValueError: boom", kind="storage", errno=28, path="/ck/step_00000004")
     back = pickle.loads(pickle.dumps(f))
     assert back == f and back.actor.stage == 1 and back.actor.host == 0
     a = pickle.loads(pickle.dumps(contract.ActorId(2, 3)))

@@ -9,6 +9,7 @@ reads exactly half of every step's windows.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -50,8 +51,8 @@ def test_tokens_pipeline_matches_reference_learns_and_evaluates(ray_local, tmp_p
                                rtol=RTOL, atol=ATOL)
     assert pipe["eval_losses"][1][1] < pipe["eval_losses"][0][1]        # held-out loss falls too
     assert sum("eval loss" in line for line in lines) == 2
-    records = [json.loads(line) for line in (tmp_path / job["run"]["name"] / "metrics.jsonl").read_text().splitlines()]
-    assert [[r["step"], r["eval_loss"]] for r in records if r["eval_loss"] is not None] == pipe["eval_losses"]
+    recs = [json.loads(line) for line in (Path(pipe["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    assert [[r["step"], r["eval_loss"]] for r in recs if r["eval_loss"] is not None] == pipe["eval_losses"]
     assert np.mean(pipe["losses"][-2:]) < pipe["losses"][0] - 0.3          # it learns the corpus
     hosts = pipe["telemetry"]["hosts_last"]
     for name in ("stage0/host0", "stage1/host0"):   # one host each: every row of every step

@@ -120,7 +120,7 @@ def test_cli_address_where_nothing_listens_fails_in_seconds_naming_the_address_r
     assert f"cannot reach a Ray cluster at cluster.address = '127.0.0.1:{port}'" in r.stderr, r.stderr
     assert f"(Ray connects to {tried}" in r.stderr and "for 2 s (cluster.timeouts.connect_s)" in r.stderr
     assert took < 120, took
-    summary = json.loads((tmp_path / "gpt-tiny" / "summary.json").read_text())
+    summary = json.loads((tmp_path / "gpt-tiny" / "latest" / "summary.json").read_text())
     assert summary["status"] == "failed" and "cannot reach a Ray cluster" in summary["error"]
 
 

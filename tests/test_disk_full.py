@@ -138,7 +138,8 @@ except SystemExit as e:
 except BaseException as e:
     code = f"{type(e).__name__}: {e}"
 sys.stderr = real
-run_dir = d / "mlp-tiny"
+from tests.records import run_dir as latest_run
+run_dir = latest_run(d, "mlp-tiny")
 lines = (run_dir / "metrics.reference.jsonl").read_text().splitlines()
 print(json.dumps({"code": code, "stderr": err.getvalue(), "records": [json.loads(ln).get("step") for ln in lines],
                   "files": sorted(p.name for p in run_dir.iterdir())}))
@@ -193,9 +194,12 @@ def cli(*args):
         sys.stderr = real
     return code, err.getvalue()
 
-def losses():
-    lines = (work / "runs" / "diskfull" / "metrics.jsonl").read_text().splitlines()
-    return [[json.loads(ln)["step"], json.loads(ln)["loss"]] for ln in lines]
+def losses(part="all"):      # [step, loss] of the run's metrics.jsonl: all, or before / after its resume line
+    from tests.records import run_dir
+    lines = [json.loads(ln) for ln in (run_dir(work / "runs", "diskfull") / "metrics.jsonl").read_text().splitlines()]
+    cut = next((i for i, ln in enumerate(lines) if "resume" in ln), len(lines))
+    lines = {"all": lines, "before": lines[:cut], "after": lines[cut + 1:]}[part]
+    return [[ln["step"], ln["loss"]] for ln in lines if "step" in ln]
 
 out = {}
 runner.run_job = with_fill
@@ -207,7 +211,8 @@ out["committed"] = [m["step"] for m in ck.committed(root)]
 ck.verify_files(root, ck.select(root))          # the last commit: every file there, sizes and sha256 as marked
 os.remove(filler)                               # the disk has room again: resume from the last commit
 out["resume_code"], out["resume_stderr"] = cli("--resume")
-out["resumed_losses"] = losses()
+out["resumed_losses"] = losses("after")
+out["set_aside_losses"] = losses("before")     # the failed invocation's lines, kept in the run's metrics.jsonl
 out["committed_after"] = [m["step"] for m in ck.committed(root)]
 out["steps_after"] = sorted(p.name for p in root.iterdir())
 print(json.dumps(out))
@@ -236,5 +241,6 @@ def test_a_disk_that_fills_up_during_a_checkpoint_save(tmp_path):
     assert out["resume_code"] == 0, out["resume_stderr"][-3000:]
     assert [s for s, _ in out["resumed_losses"]] == list(range(2, 8))     # the resumed record: steps 2-7
     assert out["resumed_losses"][0] == out["losses"][2]                    # step 2's loss, exactly
+    assert out["set_aside_losses"] == out["losses"]                        # the first record, kept whole
     assert out["committed_after"] == [4, 6, 8]
     assert out["steps_after"] == ["step_00000004", "step_00000006", "step_00000008"]   # the partial one removed

@@ -228,7 +228,7 @@ def test_the_data_pages_commands_run_as_written(tmp_path):
             assert r.returncode == 0, f"{cmd}\n{r.stderr[-3000:]}"
     import json
 
-    summary = json.loads((tmp_path / "runs" / "gpt-tokens" / "summary.json").read_text())
+    summary = json.loads((tmp_path / "runs" / "gpt-tokens" / "latest" / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["eval_losses"]
 
 

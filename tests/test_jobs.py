@@ -72,6 +72,7 @@ class Head:
     token_path: str
     tmp: str
     proc: subprocess.Popen
+    gcs: str = ""
 
     def get(self, path: str, timeout: float = 10.0):
         req = urllib.request.Request(self.dashboard + path, headers={"Authorization": f"Bearer {self.token}"})
@@ -155,7 +156,7 @@ def head():
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     h = Head(dashboard=f"http://127.0.0.1:{ports['dashboard-port']}",
              metrics_url=f"http://127.0.0.1:{ports['metrics-export-port']}/metrics",
-             token=token, token_path=token_path, tmp=tmp, proc=proc)
+             token=token, token_path=token_path, tmp=tmp, proc=proc, gcs=f"127.0.0.1:{ports['port']}")
 
     def jobs_api_up():
         if proc.poll() is not None:
@@ -202,6 +203,13 @@ class Submitted:
     exposed: set = field(default_factory=set)            # listening sockets beyond loopback, while running
 
     @property
+    def record(self) -> Path:
+        """The run's directory (`out_dir` is the run name's; the run writes into <out_dir>/<run id>/)."""
+        from tests.records import run_dir
+
+        return run_dir(self.out_dir.parent, self.out_dir.name)
+
+    @property
     def submission_id(self) -> str:
         return next(w for w in self.stdout.split() if w.startswith(f"meshpipe-{RUN}-"))
 
@@ -214,10 +222,11 @@ def _seen_all_metrics(samples) -> bool:
 @pytest.fixture(scope="module")
 def submitted(head, tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("submit-out")
+    # no --address: the dashboard is found through the cluster's GCS (RAY_ADDRESS), as `ray job` does
     cmd = [str(BIN / "meshpipe"), "submit", "examples/mlp.yaml", "--set", f"run.steps={STEPS}",
-           "--set", f"run.output_dir={out_dir}", "--address", head.dashboard]
+           "--set", f"run.output_dir={out_dir}"]
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=head.env(), stdout=out, stderr=err)
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=head.env(RAY_ADDRESS=head.gcs), stdout=out, stderr=err)
         seen: dict = {}
         samples: dict = {}
         exposed: set = set()
@@ -254,6 +263,10 @@ def submitted(head, tmp_path_factory):
 
 def test_submit_succeeds_prints_how_to_follow_and_exits_with_the_outcome(head, submitted):
     assert submitted.rc == 0, submitted.stdout + submitted.stderr
+    # the dashboard found through the GCS RAY_ADDRESS names, not a guessed port; only the job file
+    # travels (a built-in model on synthetic data), not the rest of examples/
+    assert f"Ray dashboard {head.dashboard} (from RAY_ADDRESS (GCS {head.gcs}))" in submitted.stderr, submitted.stderr
+    assert "shipping 1 file(s)" in submitted.stderr and ": mlp.yaml" in submitted.stderr, submitted.stderr
     sid = submitted.submission_id
     for cmd in (f"ray job status {sid} --address {head.dashboard}", f"ray job logs {sid}",
                 f"meshpipe status {sid}"):
@@ -263,7 +276,7 @@ def test_submit_succeeds_prints_how_to_follow_and_exits_with_the_outcome(head, s
     assert f"job {sid}: SUCCEEDED" in submitted.stdout
     assert "using the Ray auth token from RAY_AUTH_TOKEN_PATH" in submitted.stderr
     assert head.token not in submitted.stdout + submitted.stderr
-    summary = json.loads((submitted.out_dir / "summary.json").read_text())
+    summary = json.loads((submitted.record / "summary.json").read_text())
     assert len(summary["losses"]) == STEPS and summary["ray"]["namespace"] == f"meshpipe-{RUN}"
 
 
@@ -329,7 +342,7 @@ def test_metrics_endpoint_has_every_metric_with_its_tags(submitted):
 
 
 def test_trace_has_one_span_per_compute_action_and_a_png_timeline(submitted):
-    trace = json.loads((submitted.out_dir / "trace.json").read_text())
+    trace = json.loads((submitted.record / "trace.json").read_text())
     work = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["cat"] != "step"]
     compute = [e for e in work if Action.parse(e["args"]["action"]).kind in (Kind.F, Kind.B)]
     per_step: dict = {}
@@ -346,7 +359,7 @@ def test_trace_has_one_span_per_compute_action_and_a_png_timeline(submitted):
     for events in by_host.values():                          # actions of a host never overlap
         for a, b in zip(events, events[1:]):
             assert b["ts"] >= a["ts"] + a["dur"] - 1.0, (a, b)  # 1 µs: float rounding of the epoch times
-    png = (submitted.out_dir / "timeline.png").read_bytes()
+    png = (submitted.record / "timeline.png").read_bytes()
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and png[12:16] == b"IHDR"
     width, height = int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")
     assert width > 400 and height > 200

@@ -156,6 +156,6 @@ def test_non_editable_install_trains_from_another_directory(tmp_path):
                           "--set", "run.output_dir=out"], cwd=work, capture_output=True, text=True,
                          timeout=600, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
-    summary = json.loads((work / "out" / "gpt-tiny" / "summary.json").read_text())
+    summary = json.loads((work / "out" / "gpt-tiny" / "latest" / "summary.json").read_text())
     assert summary["status"] == "completed" and len(summary["losses"]) == 2
-    assert len((work / "out" / "gpt-tiny" / "metrics.jsonl").read_text().splitlines()) == 2
+    assert len((work / "out" / "gpt-tiny" / "latest" / "metrics.jsonl").read_text().splitlines()) == 2

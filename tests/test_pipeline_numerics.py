@@ -8,6 +8,7 @@ different order), so results agree to float32 rounding, not bit for bit.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -87,7 +88,7 @@ def test_gpt_two_stages_different_meshes_matches_reference(tmp_path, no_leaks, s
     assert_same_training(pipe, ref)
     # the loss moved: 5 steps of adam on this data is not a no-op
     assert pipe["losses"][-1] < pipe["losses"][0]
-    written = json.loads((tmp_path / f"gpt-{schedule}" / "summary.json").read_text())
+    written = json.loads((Path(pipe["run_dir"]) / "summary.json").read_text())   # (the reference ran after it)
     assert written["losses"] == pipe["losses"]
     assert [s["mesh"] for s in written["plan"]["stages"]] == [{"data": 2}, {"model": 2}]
     assert {w["transport"] for w in pipe["workers"]} == {"SocketTransport"}   # the default transport
@@ -183,7 +184,7 @@ def test_fused_loss_chunk_matches_reference_and_keeps_no_residuals(tmp_path, no_
     job["pipeline"]["fuse_loss_chunk"] = True
     pipe, ref = run_both(job)
     assert_same_training(pipe, ref)
-    written = json.loads((tmp_path / "gpt-1f1b" / "summary.json").read_text())
+    written = json.loads((Path(pipe["run_dir"]) / "summary.json").read_text())
     assert pipe_job_fuses(written)
     hosts = written["telemetry"]["hosts_last"]
     assert hosts["stage1/host0"]["stash_peak_items"] == 0 and hosts["stage0/host0"]["stash_peak_items"] > 0

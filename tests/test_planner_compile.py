@@ -16,6 +16,7 @@ from orchestrator.core.model.registry import build_spec
 from orchestrator.core.plan import make_plan
 from orchestrator.core.planner.adapter import from_spec
 from orchestrator.core.planner.profile import Profiler, ProfileRequest, linear
+from tests import records
 from tests.conftest import ROOT
 from tests.test_cli import meshpipe
 
@@ -69,7 +70,7 @@ def test_profiles_come_from_compiled_programs_and_are_cached(cache):
 def test_plan_auto_writes_a_job_that_loads_checks_and_plans(cache, tmp_path):
     out = tmp_path / "mlp.auto.yaml"
     r = meshpipe("plan", "examples/mlp.yaml", "--auto", "--explain", "--max-model", "2", "--microbatches", "2,4",
-                 "--out", str(out), "--cache-dir", str(cache), timeout=900)
+                 "--out", str(out), "--cache-dir", str(cache), "--no-calibrate", timeout=900)
     assert r.returncode == 0, r.stderr
     assert "RAY_IMPORTED=False" in r.stderr
     assert "step ms" in r.stdout and "winner:" in r.stdout and "loses by" in r.stdout
@@ -83,7 +84,7 @@ def test_plan_auto_writes_a_job_that_loads_checks_and_plans(cache, tmp_path):
     assert r2.returncode == 0, r2.stderr
     # warm cache: the same search compiles nothing
     r3 = meshpipe("plan", "examples/mlp.yaml", "--auto", "--json", "--max-model", "2", "--microbatches", "2,4",
-                  "--out", str(tmp_path / "again.yaml"), "--cache-dir", str(cache), timeout=300)
+                  "--out", str(tmp_path / "again.yaml"), "--cache-dir", str(cache), "--no-calibrate", timeout=300)
     assert r3.returncode == 0, r3.stderr
     rep = json.loads(r3.stdout)
     assert rep["profiles"]["compiled"] == 0 and rep["profiles"]["cache_hits"] > 0
@@ -94,7 +95,7 @@ def test_plan_auto_model_that_cannot_fit_exits_2_naming_the_memory(cache, tmp_pa
     cluster = tmp_path / "tiny.yaml"
     cluster.write_text("hosts: 1\ndevices_per_host: 1\ncpus_per_host: 0.5\ndevice: {memory_gb: 0.000001}\n")
     r = meshpipe("plan", "examples/mlp.yaml", "--auto", "--cluster", str(cluster), "--microbatches", "2",
-                 "--out", str(tmp_path / "x.yaml"), "--cache-dir", str(cache), timeout=600)
+                 "--out", str(tmp_path / "x.yaml"), "--cache-dir", str(cache), "--no-calibrate", timeout=600)
     assert r.returncode == 2
     assert "does not fit" in r.stderr and "the smallest needs" in r.stderr and "GB per device" in r.stderr
     assert not (tmp_path / "x.yaml").exists()
@@ -104,13 +105,13 @@ def test_plan_auto_model_that_cannot_fit_exits_2_naming_the_memory(cache, tmp_pa
 def test_plan_auto_measure_runs_the_top_candidate_on_ray(cache, tmp_path):
     r = meshpipe("plan", "examples/mlp.yaml", "--auto", "--json", "--measure", "1", "--max-model", "2",
                  "--microbatches", "2,4", "--out", str(tmp_path / "m.yaml"), "--cache-dir", str(cache),
-                 "--set", f"run.output_dir={tmp_path / 'runs'}", timeout=900)
+                 "--set", f"run.output_dir={tmp_path / 'runs'}", "--no-calibrate", timeout=900)
     assert r.returncode == 0, r.stderr
     rep = json.loads(r.stdout)
     (row,) = rep["measured"]
     assert row["predicted_s"] == rep["candidates"][0]["step_s"] and row["measured_s"] > 0
     assert row["steps_timed"] == 4
-    summary = json.loads((tmp_path / "runs" / "mlp-tiny-auto0" / "summary.json").read_text())
+    summary = records.summary(tmp_path / "runs", "mlp-tiny-auto-measure0")
     assert len(summary["step_times_s"]) == 8
 
 

@@ -92,9 +92,14 @@ def test_link_classes_per_transport_nvlink_inside_a_node_group_the_network_acros
     assert same_node == pytest.approx(5e-6 + MIB128 / 450e9) and across == pytest.approx(10e-6 + MIB128 / 50e9)
     # collectives inside a stage are XLA's own whatever the stage transport
     assert sock.collective_link("dcn").bandwidth == 50e9 and sock.collective_link("host").bandwidth == 450e9
-    # a cluster's own link figures describe its transport's stage edges, as before
-    given = from_cluster(parse_cluster({**GPU, "links": {"dcn": {"bandwidth_gbps": 3, "latency_us": 40}}}))
+    # a cluster's own link figures describe its transport's stage edges, as before; under xla (what
+    # `auto`, the default, is on GPU) the stage edges ride the collectives' wires, so they stand for both
+    dcn3 = {"links": {"dcn": {"bandwidth_gbps": 3, "latency_us": 40}}}
+    given = from_cluster(parse_cluster({**GPU, **dcn3, "transport": "socket"}))
     assert given.links["dcn"].bandwidth == 3e9 and given.collective_link("dcn").bandwidth == 50e9
+    given = from_cluster(parse_cluster({**GPU, **dcn3}))
+    assert given.transport.name == "xla"
+    assert given.links["dcn"].bandwidth == 3e9 and given.collective_link("dcn").bandwidth == 3e9
 
 
 def test_search_puts_a_big_edge_on_nvlink_under_xla():

@@ -214,8 +214,8 @@ def test_steps_lost_are_the_finished_steps_run_again():
 
 
 def test_stop_message_commands_are_ones_the_cli_accepts():
-    """Stopped with nothing committed: the command printed starts again with --overwrite (the failed
-    run's record exists: without it `meshpipe run` exits 2); with a commit: --resume. Parsed by the
+    """Stopped with nothing committed: the command printed starts again (a new run directory; no
+    --overwrite, which is only a deprecation notice now); with a commit: --resume. Parsed by the
     `run` command itself."""
     import doctest
     import shlex
@@ -235,7 +235,7 @@ def test_stop_message_commands_are_ones_the_cli_accepts():
     cmd = resume_command(job, cluster, ("run.steps=8",), "auto")
     f, no = Failure(DIED, 1, 0, 1, "killed"), Decision(False, "no checkpoint is committed yet")
     fresh = parsed(recovery.stop_message(f, {}, no, None, 1, cmd), "Start again with:")
-    assert fresh["overwrite"] and fresh["resume"] is None, fresh
+    assert not fresh["overwrite"] and fresh["resume"] is None, fresh
     assert (fresh["job"], fresh["cluster"], fresh["overrides"], fresh["address"]) == (job, cluster,
                                                                                      ("run.steps=8",), "auto")
     again = parsed(recovery.stop_message(f, {}, Decision(False, "used up"), 4, 6, cmd), "Continue with:")
@@ -253,7 +253,8 @@ def test_a_failure_while_a_node_is_gone_is_that_nodes_loss():
                                      "address": "10.1.2.3"}})
     assert (f.cause, f.stage, f.host, f.step, f.node) == (NODE_LOST, 0, 1, 5, "ab" * 28)
     assert f.text.startswith(f"node {'ab' * 6} (10.1.2.3) is gone (Ray marks it dead), with stage 0 host 1, "
-                             "stage 1 host 0; first error seen: error: stage 0 host 0: RuntimeError: Gloo")
+                             "stage 1 host 0; a consequence, seen first: error: stage 0 host 0: RuntimeError: Gloo")
+    assert f.consequence == "error: stage 0 host 0: RuntimeError: Gloo: Connection reset by peer"
     p = RestartPolicy(2)                   # a node loss is never "the same failure", like a death
     assert p.decide(f, committed=4).restart and p.decide(f, committed=4).restart
     assert "used up" in p.decide(node_loss(Failure(DIED, 1, 0, 5, "x"), {"n": {"labels": [], "why": "w"}}), 4).reason
@@ -329,15 +330,17 @@ def recovery_job(tmp_path: Path, name: str, ckpt_dir: Path, max_restarts: int = 
 
 
 def _run(job: dict, hooks=(), resume=None, resume_command=None, executor: str = "step_calls",
-         pids: Path | None = None) -> dict:
+         pids: Path | None = None, transport: str = "socket") -> dict:
     """run_job on the session's Ray; `pids`: each stage process of each attempt records itself there
-    (`tests.leaks.RecordPid`) for `_nothing_left`."""
+    (`tests.leaks.RecordPid`) for `_nothing_left`. `transport: xla` puts every attempt's actors in one
+    JAX world (a death takes the world down; recovery makes a new one)."""
     from orchestrator.driver.runner import run_job
     from tests.leaks import RecordPid
     from tests.test_checkpoint import CLUSTER, checked_of
 
     hooks = list(hooks) + ([RecordPid(str(pids))] if pids is not None else [])
-    return run_job(checked_of(job, {**CLUSTER, "executor": executor}), echo=lambda s: None, keep_params=True,
+    return run_job(checked_of(job, {**CLUSTER, "executor": executor, "transport": transport}), echo=lambda s: None,
+                   keep_params=True,
                    hooks=hooks, resume=resume, resume_command=resume_command)
 
 
@@ -349,9 +352,9 @@ def _nothing_left(pids: Path, job: dict, listening_before: set) -> None:
 
 
 def _summary(job: dict) -> dict:
-    import json
+    from tests.records import summary
 
-    return json.loads((Path(job["run"]["output_dir"]) / job["run"]["name"] / "summary.json").read_text())
+    return summary(job["run"]["output_dir"], job["run"]["name"])
 
 
 def _assert_same_run(got: dict, want: dict) -> None:
@@ -414,8 +417,9 @@ def _signal_when(targets, namespace: str, sig: int):
 
 @pytest.mark.ray
 @pytest.mark.chaos
-@pytest.mark.parametrize("executor", ["step_calls", "action_calls", "compiled_graph"])
-def test_kill_9_of_a_stage_actor_recovers_bit_equal(tmp_path, no_leaks, uninterrupted, executor):
+@pytest.mark.parametrize("executor,transport", [("step_calls", "socket"), ("action_calls", "socket"),
+                                                ("compiled_graph", "socket"), ("step_calls", "xla")])
+def test_kill_9_of_a_stage_actor_recovers_bit_equal(tmp_path, no_leaks, uninterrupted, executor, transport):
     """kill -9 of stage 1's actor (found through Ray's state API) while it is in step 5, with steps
     2 and 4 committed: one restart from step 4; losses and parameters equal the uninterrupted run's
     (run with the default executor: every executor runs the same action lists)."""
@@ -426,12 +430,12 @@ def test_kill_9_of_a_stage_actor_recovers_bit_equal(tmp_path, no_leaks, uninterr
 
     root = tmp_path / "ck"
     job = recovery_job(tmp_path, "killed", root)
-    name = job["run"]["name"] = f"killed-{executor.replace('_', '-')}"
+    name = job["run"]["name"] = f"killed-{executor.replace('_', '-')}-{transport}"
     reached = tmp_path / "reached"
     hold = HoldAt(stage=1, host=0, step=5, wait_for=str(ck.step_dir(root, 4) / ck.MARKER), reached=str(reached))
     before = listening()
     t, killed = _signal_when([(reached, f"{name}/stage1/host0")], f"meshpipe-{name}", signal.SIGKILL)
-    got = _run(job, hooks=[hold], executor=executor, pids=tmp_path / "pids")
+    got = _run(job, hooks=[hold], executor=executor, pids=tmp_path / "pids", transport=transport)
     t.join(60)
     assert "error" not in killed, killed.get("error")
     assert killed["pid"] == int(reached.read_text())                # the held actor is the one killed
@@ -449,15 +453,17 @@ def test_kill_9_of_a_stage_actor_recovers_bit_equal(tmp_path, no_leaks, uninterr
     _assert_same_run(got, uninterrupted)
     assert _summary(job)["restarts"] == 1 and _summary(job)["status"] == "completed"
     assert [m["step"] for m in ck.committed(root)][-1] == STEPS
-    lines = (Path(job["run"]["output_dir"]) / name / "metrics.jsonl").read_text().splitlines()
+    lines = (Path(got["run_dir"]) / "metrics.jsonl").read_text().splitlines()
     assert sum('"restart": 1' in ln for ln in lines) == 1
     _nothing_left(tmp_path / "pids", job, before)
 
 
 @pytest.mark.ray
 @pytest.mark.chaos
-@pytest.mark.parametrize("executor", ["step_calls", "compiled_graph"])
-def test_kill_9_without_restarts_ends_the_run_at_once_naming_the_dead_actor(tmp_path, no_leaks, executor):
+@pytest.mark.parametrize("executor,transport", [("step_calls", "socket"), ("compiled_graph", "socket"),
+                                                ("step_calls", "xla")])
+def test_kill_9_without_restarts_ends_the_run_at_once_naming_the_dead_actor(tmp_path, no_leaks, executor,
+                                                                            transport):
     """max_restarts 0: kill -9 of stage 1's actor held in step 5 ends the run within seconds — a
     compiled graph's channel read does not see the death, the heartbeats do — with the error naming
     the dead actor (not stage 0, which waited on it), and leaves nothing behind."""
@@ -470,13 +476,13 @@ def test_kill_9_without_restarts_ends_the_run_at_once_naming_the_dead_actor(tmp_
 
     root = tmp_path / "ck"
     job = recovery_job(tmp_path, "once", root, max_restarts=0)
-    name = job["run"]["name"] = f"once-{executor.replace('_', '-')}"
+    name = job["run"]["name"] = f"once-{executor.replace('_', '-')}-{transport}"
     reached = tmp_path / "reached"
     hold = HoldAt(stage=1, host=0, step=5, wait_for=str(ck.step_dir(root, 4) / ck.MARKER), reached=str(reached),
                   timeout_s=300.0)
     t, killed = _signal_when([(reached, f"{name}/stage1/host0")], f"meshpipe-{name}", signal.SIGKILL)
     with pytest.raises(StageFailure) as ei:
-        _run(job, hooks=[hold], executor=executor)
+        _run(job, hooks=[hold], executor=executor, transport=transport)
     ended = time.monotonic()
     t.join(60)
     assert "error" not in killed, killed.get("error")
@@ -538,7 +544,9 @@ def test_restarts_used_up_stop_with_the_resume_command(tmp_path, no_leaks, unint
 
 @pytest.mark.ray
 @pytest.mark.chaos
-def test_sigstop_hang_is_detected_by_the_progress_deadline_and_recovered(tmp_path, no_leaks, uninterrupted):
+@pytest.mark.parametrize("transport", ["socket", "xla"])
+def test_sigstop_hang_is_detected_by_the_progress_deadline_and_recovered(tmp_path, no_leaks, uninterrupted,
+                                                                         transport):
     """SIGSTOP of stage 1's actor in step 5: no result within the progress deadline (max(30 s, 3 x
     4 x the median step), the first call's steps measured), the stopped actor is the one that does
     not answer a heartbeat (stage 0 waits on it and answers, with its RECV deadline: twice the
@@ -551,12 +559,13 @@ def test_sigstop_hang_is_detected_by_the_progress_deadline_and_recovered(tmp_pat
 
     root = tmp_path / "ck"
     job = recovery_job(tmp_path, "stopped", root)
+    name = job["run"]["name"] = f"stopped-{transport}"
     reached = tmp_path / "reached"
     hold = HoldAt(stage=1, host=0, step=5, wait_for=str(ck.step_dir(root, 4) / ck.MARKER), reached=str(reached),
                   timeout_s=300.0)
     before = listening()
-    t, stopped = _signal_when([(reached, "stopped/stage1/host0")], "meshpipe-stopped", signal.SIGSTOP)
-    got = _run(job, hooks=[hold], pids=tmp_path / "pids")
+    t, stopped = _signal_when([(reached, f"{name}/stage1/host0")], f"meshpipe-{name}", signal.SIGSTOP)
+    got = _run(job, hooks=[hold], pids=tmp_path / "pids", transport=transport)
     t.join(60)
     assert "error" not in stopped, stopped.get("error")
     (rec,) = got["recoveries"]
@@ -579,7 +588,8 @@ def test_sigstop_hang_is_detected_by_the_progress_deadline_and_recovered(tmp_pat
 
 @pytest.mark.ray
 @pytest.mark.chaos
-def test_a_second_kill_while_recovering_is_survived(tmp_path, no_leaks, uninterrupted):
+@pytest.mark.parametrize("transport", ["socket", "xla"])
+def test_a_second_kill_while_recovering_is_survived(tmp_path, no_leaks, uninterrupted, transport):
     """kill -9 of stage 1 in step 5, then kill -9 of stage 0 while the new attempt sets up: two
     restarts (max_restarts 2), both from step 4; the run ends equal to the uninterrupted one."""
     import signal
@@ -589,13 +599,14 @@ def test_a_second_kill_while_recovering_is_survived(tmp_path, no_leaks, uninterr
 
     root = tmp_path / "ck"
     job = recovery_job(tmp_path, "twice", root, max_restarts=2)
+    name = job["run"]["name"] = f"twice-{transport}"
     first, second = tmp_path / "first", tmp_path / "second"
     hooks = [HoldAt(stage=1, host=0, step=5, wait_for=str(ck.step_dir(root, 4) / ck.MARKER), reached=str(first)),
              HoldSetup(stage=0, host=0, armed=str(first), reached=str(second))]
     before = listening()
-    t, done = _signal_when([(first, "twice/stage1/host0"), (second, "twice/stage0/host0")], "meshpipe-twice",
+    t, done = _signal_when([(first, f"{name}/stage1/host0"), (second, f"{name}/stage0/host0")], f"meshpipe-{name}",
                            signal.SIGKILL)
-    got = _run(job, hooks=hooks, pids=tmp_path / "pids")
+    got = _run(job, hooks=hooks, pids=tmp_path / "pids", transport=transport)
     t.join(60)
     assert "error" not in done, done.get("error")
     assert got["restarts"] == 2

@@ -33,7 +33,8 @@ CLUSTER = {"address": "auto", "platform": "cpu", "hosts": 3, "devices_per_host":
 
 @pytest.fixture(scope="module")
 def cluster():
-    with simulated_cluster("meshpipe-recovery-multinode-tests", nodes=[{"num_cpus": 1}] * 4, head={
+    # 3 hosts, one spare per transport the node-loss test runs under, the last loss left with none
+    with simulated_cluster("meshpipe-recovery-multinode-tests", nodes=[{"num_cpus": 1}] * 5, head={
             "num_cpus": 0, "include_dashboard": True, "dashboard_host": "127.0.0.1",
             "dashboard_port": free_port()}) as c:
         yield c
@@ -50,11 +51,11 @@ def node_job(tmp_path, name: str, ckpt_dir, placement_timeout_s: float | None = 
     return job
 
 
-def _run(job: dict, hooks=(), resume_command=None) -> dict:
+def _run(job: dict, hooks=(), resume_command=None, transport: str = "socket") -> dict:
     from orchestrator.core.config import check_job, parse_cluster, parse_job
     from orchestrator.driver.runner import run_job
 
-    checked = check_job(parse_job(job), parse_cluster(CLUSTER))
+    checked = check_job(parse_job(job), parse_cluster({**CLUSTER, "transport": transport}))
     return run_job(checked, echo=lambda s: None, keep_params=True, hooks=hooks, resume_command=resume_command)
 
 
@@ -108,15 +109,20 @@ def uninterrupted(cluster, tmp_path_factory):
     return full
 
 
-def test_a_lost_node_is_named_and_the_run_recovers_bit_equal_on_the_spare(cluster, tmp_path, uninterrupted):
+@pytest.mark.parametrize("transport", ["socket", "xla"])
+def test_a_lost_node_is_named_and_the_run_recovers_bit_equal_on_the_spare(cluster, tmp_path, uninterrupted,
+                                                                          transport):
+    """Under `transport: xla` the lost host is a process of the job's one JAX world: the world goes
+    with it and the restart makes a new one on the nodes left."""
     from orchestrator.core import checkpoint as ck
     from tests.faults import HoldAt
 
     root, reached = tmp_path / "ck", tmp_path / "reached"
-    job = node_job(tmp_path, "node-lost", root)
+    name = f"node-lost-{transport}"
+    job = node_job(tmp_path, name, root)
     hold = HoldAt(stage=0, host=1, step=5, wait_for=str(ck.step_dir(root, 4) / ck.MARKER), reached=str(reached))
-    lost = _lose_node(cluster, "node-lost", reached)
-    got = _run(job, hooks=[hold])
+    lost = _lose_node(cluster, name, reached)
+    got = _run(job, hooks=[hold], transport=transport)
     wait_until(lambda: "removed_s" in lost or "error" in lost, 120, "the node thread")
     assert "error" not in lost, lost.get("error")
     assert got["restarts"] == 1
@@ -139,11 +145,11 @@ def test_a_lost_node_is_named_and_the_run_recovers_bit_equal_on_the_spare(cluste
     _assert_same_run(got, uninterrupted)
     nodes = {(w["stage"], w["host"]): w["node_id"] for w in got["workers"]}      # the new attempt's placement:
     assert lost["node_id"] not in nodes.values() and len(set(nodes.values())) == 3, nodes   # so on the spare
-    _nothing_left("node-lost", lost["pid"])
+    _nothing_left(name, lost["pid"])
 
 
 def test_no_node_to_replace_a_lost_one_stops_within_the_placement_timeout(cluster, tmp_path):
-    """No node to spare (after the first test, three nodes for three hosts; one lost): the restart
+    """No node to spare (after the first test's two runs, three nodes for three hosts; one lost): the restart
     waits `failure.placement_timeout_s` (20 s) and the run stops saying so, with the command that
     continues it. (The failed call was steps 4-7: the failure's step is 5, the first one the actors
     still answering had not finished.)"""

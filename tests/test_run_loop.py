@@ -192,11 +192,20 @@ def _lines(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+def _job(tmp_path):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(run=SimpleNamespace(output_dir=str(tmp_path / "runs"), name="rec"))
+
+
 def test_a_resumed_record_keeps_every_earlier_line_error_and_summary(tmp_path):
+    """One run, two invocations: the second (`--resume`) appends to the run's metrics.jsonl after a
+    `resume` line, the first's summary and error file are under previous/1/, nothing is replaced."""
+    from orchestrator.driver.rundir import open_run
     from orchestrator.driver.waiting import StageFailure
 
-    checked, out = _checked(tmp_path), tmp_path / "run"
-    out.mkdir()
+    checked = _checked(tmp_path)
+    out = open_run(_job(tmp_path))
     first = _record(checked, out)
     for step in range(3):
         first.step({"step": step, "loss": 1.0 - step / 10, "step_time_s": 0.5})
@@ -206,6 +215,7 @@ def test_a_resumed_record_keeps_every_earlier_line_error_and_summary(tmp_path):
     err = StageFailure("steps 2-3 failed on stage 1 host 0: boom", detail="Traceback ...\nboom", where="stage 1 host 0")
     first.stopped(err, echo=lambda s: None)
     assert err.error_file == str(out / "error.txt")
+    assert open_run(_job(tmp_path), resume=True) == out
     second = _record(checked, out, resume=True, losses=[1.0, 0.9])
     second.error_file("a recovered failure", "stage 0 host 0", "Traceback ...\nother")
     second.step({"step": 2, "loss": 0.8, "step_time_s": 0.4})
@@ -213,45 +223,49 @@ def test_a_resumed_record_keeps_every_earlier_line_error_and_summary(tmp_path):
     done = second.completed({"w": 1.0}, echo=lambda s: None)
     lines = _lines(out / "metrics.jsonl")
     assert [ln.get("step", ln.get("restart", ln.get("resume"))) for ln in lines] == [0, 1, 2, 1, 2, 2, 2]
-    assert lines[3]["restart"] == 1 and lines[5] == {**lines[5], "resume": 2, "earlier_summaries": ["summary.1.json"]}
-    assert (out / "error.txt").read_text().startswith("steps 2-3 failed")          # the first run's, kept
-    assert (out / "error.1.txt").read_text().startswith("a recovered failure")
-    earlier = json.loads((out / "summary.1.json").read_text())
+    assert lines[3]["restart"] == 1 and lines[5] == {**lines[5], "resume": 2, "previous": ["previous/1"]}
+    earlier = json.loads((out / "previous" / "1" / "summary.json").read_text())      # the first's, kept
     assert earlier["status"] == "failed" and earlier["error_files"] == ["error.txt"]
-    assert done["error_files"] == ["error.1.txt"] and done["earlier_summaries"] == ["summary.1.json"]
-    assert done["losses"] == [1.0, 0.9, 0.8] and done["status"] == "completed"
+    assert (out / "previous" / "1" / "error.txt").read_text().startswith("steps 2-3 failed")
+    assert (out / "error.txt").read_text().startswith("a recovered failure")          # the second's own
+    assert done["error_files"] == ["error.txt"] and done["previous"] == ["previous/1"]
+    assert done["losses"] == [1.0, 0.9, 0.8] and done["status"] == "completed" and done["run_dir"] == str(out)
     assert json.loads((out / "summary.json").read_text())["status"] == "completed"
 
 
 def test_a_resumed_record_with_nothing_before_it_is_a_plain_one(tmp_path):
     """`--resume auto` with nothing to continue (what `meshpipe submit` runs the first time): no
-    resume line, nothing renamed."""
-    checked, out = _checked(tmp_path), tmp_path / "run"
-    out.mkdir()
+    resume line, nothing set aside."""
+    from orchestrator.driver.rundir import open_run
+
+    checked = _checked(tmp_path)
+    out = open_run(_job(tmp_path), resume=True)
     rec = _record(checked, out, resume=True)
     rec.step({"step": 0, "loss": 1.0, "step_time_s": 0.5})
     rec.close()
     assert [ln["step"] for ln in _lines(out / "metrics.jsonl")] == [0]
-    assert "earlier_summaries" not in rec.completed({}, echo=lambda s: None)
+    assert "previous" not in rec.completed({}, echo=lambda s: None)
+    assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl", "summary.json"]
 
 
-def test_a_fresh_record_replaces_every_file_of_the_earlier_one(tmp_path):
-    from orchestrator.driver.runner import existing_record
+def test_a_second_run_of_the_job_replaces_nothing(tmp_path):
+    """Running the job again (no --resume) is a run of its own in a new directory: the first run's
+    files stay as they were, whatever they were (the code before run directories deleted them
+    after --overwrite)."""
+    from orchestrator.driver.rundir import open_run, run_ids
 
     checked = _checked(tmp_path)
-    out = Path(checked.job.run.output_dir) / checked.job.run.name
-    out.mkdir(parents=True)
-    for name in ("error.1.txt", "summary.2.json"):     # an earlier resumed run's numbered files only
-        (out / name).write_text("{}\n")
-    assert existing_record(checked) == out / "error.1.txt"       # a record too: --overwrite needed
-    for name in ("summary.json", "error.txt", "metrics.jsonl", "trace.json"):
-        (out / name).write_text("{}\n")
-    (out / "notes.txt").write_text("the user's")
-    assert existing_record(checked) == out / "summary.json"
-    rec = _record(checked, out)        # what --overwrite leads to
+    first = open_run(_job(tmp_path), now=0)
+    for name in ("summary.json", "error.txt", "error.1.txt", "metrics.jsonl", "trace.json"):
+        (first / name).write_text("{}\n")
+    second = open_run(_job(tmp_path), now=1)
+    rec = _record(checked, second)
     rec.close()
-    assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl", "notes.txt"]
-    assert (out / "metrics.jsonl").read_text() == ""
+    assert second != first and run_ids(first.parent) == [first.name, second.name]
+    assert sorted(p.name for p in first.iterdir()) == ["error.1.txt", "error.txt", "metrics.jsonl", "summary.json",
+                                                       "trace.json"]
+    assert all(p.read_text() == "{}\n" for p in first.iterdir())
+    assert sorted(p.name for p in second.iterdir()) == ["metrics.jsonl"]
 
 
 # ----------------------------------------------------------------------------- on Ray
@@ -260,29 +274,31 @@ def test_a_fresh_record_replaces_every_file_of_the_earlier_one(tmp_path):
 @pytest.mark.needs_checkpoint
 def test_a_failed_run_resumed_continues_its_record(tmp_path, no_leaks):
     """A run that fails at step 5 (the driver learns steps 4 at a time: it has 0-3, a commit at 2 or 4)
-    and is then resumed: metrics.jsonl holds both runs' steps with a resume line between, error.txt
-    of the failure is still there and listed, the failed run's summary is kept as summary.1.json
+    and is then resumed: its run directory's metrics.jsonl holds both invocations' steps with a
+    resume line between, the failed invocation's error.txt and summary are kept in previous/1/
     (the code before this erased all three at the resumed run's start)."""
     from orchestrator.core import checkpoint as ck
     from orchestrator.driver.runner import run_job
     from tests.faults import FailStep
+    from tests.records import run_dir
     from tests.test_checkpoint import checked_of, gpt_job
 
     job = gpt_job(tmp_path, "again", tmp_path / "ck", steps=6)
-    out = Path(job["run"]["output_dir"]) / "again"
     with pytest.raises(Exception, match="injected step failure at step 5"):
         run_job(checked_of(job), echo=lambda s: None, hooks=[FailStep(stage=1, host=0, step=5)])
+    out = run_dir(job["run"]["output_dir"], "again")
     assert (out / "error.txt").exists() and json.loads((out / "summary.json").read_text())["status"] == "failed"
     steps_before = [ln["step"] for ln in _lines(out / "metrics.jsonl") if "step" in ln]
     assert steps_before == [0, 1, 2, 3]
     committed = ck.select(tmp_path / "ck")["step"]
     done = run_job(checked_of(job), echo=lambda s: None, resume="latest")
+    assert done["run_dir"] == str(out)                                     # the same run, continued
     lines = _lines(out / "metrics.jsonl")
     resume_at = next(i for i, ln in enumerate(lines) if "resume" in ln)
     assert [ln["step"] for ln in lines[:resume_at]] == steps_before          # the failed run's lines kept
-    assert lines[resume_at]["resume"] == committed
+    assert lines[resume_at]["resume"] == committed and lines[resume_at]["previous"] == ["previous/1"]
     assert [ln["step"] for ln in lines[resume_at + 1:]] == list(range(committed, 6))
-    assert "injected step failure at step 5" in (out / "error.txt").read_text()
-    assert json.loads((out / "summary.1.json").read_text())["error_files"] == ["error.txt"]
-    assert done["status"] == "completed" and done["earlier_summaries"] == ["summary.1.json"]
+    assert "injected step failure at step 5" in (out / "previous" / "1" / "error.txt").read_text()
+    assert json.loads((out / "previous" / "1" / "summary.json").read_text())["error_files"] == ["error.txt"]
+    assert done["status"] == "completed" and done["previous"] == ["previous/1"]
     assert done["steps_done"] == 6 and len(done["losses"]) == 6

@@ -325,13 +325,16 @@ def test_summary_is_redacted_and_owner_only(tmp_path):
         run_job(checked, reference=True, echo=lambda s: None)
     finally:
         os.umask(old)
-    run_dir = tmp_path / "out" / "sec"
+    from tests.records import run_dir as latest_run
+
+    run_dir = latest_run(tmp_path / "out", "sec")
     (summary,) = run_dir.glob("summary*.json")
     text = summary.read_text()
     assert "hunter2" not in text and GH_TOKEN not in text
     env = json.loads(json.loads(text)["config"])["cluster"]["env_vars"]
     assert env == {"HF_TOKEN": REDACTED, "NOTES": REDACTED, "NCCL_DEBUG": "INFO"}
-    assert mode(run_dir) == 0o700 and mode(tmp_path / "out") == 0o700 and mode(summary) == 0o600
+    assert mode(run_dir) == 0o700 and mode(run_dir.parent) == 0o700 and mode(tmp_path / "out") == 0o700
+    assert mode(summary) == 0o600
     assert not [p for p in run_dir.iterdir() if p.name.endswith(".tmp")]
 
 
@@ -431,7 +434,7 @@ def test_private_dirs_and_files_ignore_umask(tmp_path, umask):
 
 
 def test_existing_run_dir_is_tightened_but_shared_parents_are_not(tmp_path):
-    from orchestrator.driver.runner import output_dir
+    from orchestrator.driver.rundir import open_run
 
     shared = tmp_path / "shared"
     shared.mkdir(mode=0o755)
@@ -441,7 +444,8 @@ def test_existing_run_dir_is_tightened_but_shared_parents_are_not(tmp_path):
     checked = check_job(parse_job(tiny_job(shared)), parse_cluster({"hosts": 2, "devices_per_host": 1,
                                                                      "num_cpus": 2}))
     assert check_output_dir(checked.job) == shared / "sec"
-    assert output_dir(checked) == shared / "sec"
+    run = open_run(checked.job)
+    assert run.parent == shared / "sec" and mode(run) == 0o700
     assert mode(shared / "sec") == 0o700 and mode(shared) == 0o755
 
 

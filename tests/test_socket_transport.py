@@ -162,6 +162,7 @@ def test_same_machine_peers_share_memory_and_fall_back_to_tcp(unix_reachable):
         a.send((0, "F", 0, 0), jax.device_put(x, sharding), Edge(1, geoms[1], axes))
         got = b.recv((0, "F", 0, 0), x.shape, np.float32, sharding, Edge(0, geoms[0], axes), timeout=5)
         np.testing.assert_array_equal(np.asarray(got), x)
+        a.flush(5)                              # the sender thread's counters are final
         conn = next(iter(a._conns.values()))
         assert conn.unix is unix_reachable
         assert (a.shm_sends, a.stream_sends) == ((1, 0) if unix_reachable else (0, 1))
@@ -201,8 +202,8 @@ def test_io_timeout_follows_the_recv_deadline_set_by_the_driver():
         assert StageWorker.set_recv_deadline(worker, 0.7) == 1.0        # the RECV deadline's floor
         assert a.io_timeout == a.listener.io_timeout == conn.io_timeout == 1.0
         a.send((1, "F", 0, 0), jax.device_put(x, sharding), Edge(1, geoms[1], axes))
-        assert conn.sock.gettimeout() == 1.0                            # taken up at the next send
         b.recv((1, "F", 0, 0), x.shape, np.float32, sharding, Edge(0, geoms[0], axes), timeout=5)
+        assert conn.sock.gettimeout() == 1.0            # taken up by the next send (on the sender thread)
 
         b.set_io_timeout(0.5)
         stall = _Conn(b.address, TOKEN, io_timeout=5)
@@ -218,6 +219,65 @@ def test_io_timeout_follows_the_recv_deadline_set_by_the_driver():
             stall.close()
         assert b.inbox.closed and "stalled" in b.inbox.closed, b.inbox.closed
         assert 0.5 <= took < 3.0, took       # the new deadline (+ the reader's poll), not the 5 s it had
+    finally:
+        a.close()
+        b.close()
+
+
+def test_send_returns_at_once_and_the_sender_threads_failure_surfaces_at_the_next_send_or_flush():
+    """SEND only hands the tensor over: with the receiver gone, `send` itself returns, and the sender
+    thread's ConnectionError (naming the peer) is raised by the next `send` and by `flush`."""
+    import jax
+
+    from stages.transport import Edge
+
+    (a, b), geoms, sharding = _pair(shared_memory=False)
+    try:
+        for t in (a, b):
+            t.connect([[a.address], [b.address]])
+        b.close()                                   # the peer is gone before anything is sent
+        x = jax.device_put(np.ones((8, 4), np.float32), sharding)
+        edge = Edge(1, geoms[1], ("batch", "embed"))
+        a.send((0, "F", 0, 0), x, edge)             # returns: the failure is the sender thread's
+        with pytest.raises(ConnectionError, match="127.0.0.1"):
+            a.flush(5)
+        with pytest.raises(ConnectionError, match="sender thread"):
+            a.send((1, "F", 0, 0), x, edge)
+    finally:
+        a.close()
+
+
+def test_a_stuck_wire_fails_the_sender_thread_at_the_io_deadline():
+    """A receiver that stops reading mid-tensor: the sender thread's blocked write gives up after
+    `io_timeout` (1 s here) and the flush raises it, instead of waiting for the wire forever."""
+    import time
+
+    import jax
+
+    from stages.transport import Edge
+
+    (a, b), geoms, sharding = _pair(shared_memory=False)
+    stalled = threading.Event()
+    real = b.listener.destinations
+
+    def stall(header, nbytes, conn):                # the reader thread stops reading at the first frame
+        stalled.set()
+        time.sleep(30)
+        return real(header, nbytes, conn)
+
+    b.listener.destinations = stall
+    try:
+        for t in (a, b):
+            t.connect([[a.address], [b.address]])
+        a.set_io_timeout(1.0)
+        axes = ("batch", "embed")
+        x = np.ones((16384, 1024), np.float32)      # 64 MiB: more than the sockets' buffers hold
+        b.expect(Edge(0, geoms[0], axes), x.shape, np.float32)
+        t0 = time.monotonic()
+        a.send((0, "F", 0, 0), jax.device_put(x, sharding), Edge(1, geoms[1], axes))
+        with pytest.raises((ConnectionError, TimeoutError)):
+            a.flush(20)
+        assert stalled.is_set() and time.monotonic() - t0 < 20
     finally:
         a.close()
         b.close()

@@ -19,6 +19,7 @@ import yaml
 
 from orchestrator.core.config import check_job, load_cluster, load_job
 from orchestrator.core.plan import make_plan, plan_json, plan_text
+from tests import records
 from tests.conftest import ROOT
 
 GPT, LOCAL = str(ROOT / "examples/gpt.yaml"), str(ROOT / "cluster_configs/local.yaml")
@@ -263,7 +264,7 @@ def test_progress_bar_fits_an_80_column_terminal(tmp_path):
     assert rc == 0, text[-3000:]
     bars = [ln for ln in _screen_lines(text) if "3/3" in ln or "1/3" in ln]
     assert bars, text[-3000:]
-    assert all(len(ln) <= 79 for ln in bars), [len(ln) for ln in bars]
+    assert all(len(ln) <= 79 for ln in bars), [ln for ln in bars if len(ln) > 79]
     assert "loss" in bars[-1]
     # the run's first lines: the dashboard URL and how to get in with token auth
     url = re.search(r"Ray dashboard (http://127\.0\.0\.1:\d+)", text)
@@ -273,9 +274,9 @@ def test_progress_bar_fits_an_80_column_terminal(tmp_path):
     assert f"RAY_AUTH_MODE=token ray list actors --address {url.group(1)}" in text
 
 
-# -- a stage error, through the CLI: cause, traceback, error.txt; then no silent overwrite -------
+# -- a stage error, through the CLI: cause, traceback, error.txt in the run's directory -----------
 @pytest.mark.ray
-def test_a_stage_error_shows_where_and_its_traceback_and_the_run_is_not_overwritten(tmp_path):
+def test_a_stage_error_shows_where_and_its_traceback_and_leaves_its_record(tmp_path):
     """A bug in the user's model code on stage 1 (IndexError in block2's apply)."""
     job = _own_model_job(tmp_path, "mymodel:broken", steps=3, name="fails")
     out = cli("run", str(job), cwd=tmp_path, timeout=300)
@@ -286,16 +287,13 @@ def test_a_stage_error_shows_where_and_its_traceback_and_the_run_is_not_overwrit
     assert "stage traceback" in err and 'mymodel.py", line' in err and "x.shape[5]" in err  # the actor's frames
     assert "Traceback (most recent call last)" not in err                       # no driver traceback
     assert len(err.splitlines()) <= 40, err                                     # one screen
-    run_dir = tmp_path / "runs" / "fails"
+    run_dir = records.run_dir(tmp_path / "runs", "fails")
     full = (run_dir / "error.txt").read_text()
     assert "IndexError: tuple index out of range" in full and 'mymodel.py", line' in full
     assert len(full.splitlines()) > len(err.splitlines()) - 10                  # the whole traceback
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "failed" and summary["steps_done"] == 0 and "IndexError" in summary["error"]
-    again = cli("run", str(job), cwd=tmp_path)                                  # refused before Ray starts
-    assert again.returncode == 2, again.stdout + again.stderr
-    assert "run.name = 'fails'" in again.stderr and "--overwrite" in again.stderr
-    assert json.loads((run_dir / "summary.json").read_text()) == summary         # untouched
+    assert f"run directory {run_dir}" in out.stdout                             # said before it started
 
 
 @pytest.mark.ray
@@ -303,7 +301,7 @@ def test_a_factory_beside_the_job_file_trains_on_the_actors_without_pythonpath(t
     job = _own_model_job(tmp_path, steps=1)
     out = cli("run", str(job), cwd=tmp_path, timeout=300)      # PYTHONPATH holds only the repository
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
-    summary = json.loads((tmp_path / "runs" / "mine" / "summary.json").read_text())
+    summary = records.summary(tmp_path / "runs", "mine")
     assert summary["status"] == "completed" and len(summary["losses"]) == 1
 
 
@@ -361,9 +359,9 @@ def test_a_signal_stops_the_run_within_seconds_with_its_record(tmp_path, sig, ex
     assert proc.returncode == 130, err[-3000:]
     assert took < 30, took
     what = "Ctrl-C (SIGINT)" if sig == signal.SIGINT else "SIGTERM"
-    record = tmp_path / "stopped" / "summary.json"
     m = re.search(rf"meshpipe: stopped by {re.escape(what)} after (\d+) of 100000 steps; record: (\S+)", err)
     assert m, err[-3000:]
+    record = records.run_dir(tmp_path, "stopped") / "summary.json"
     assert m.group(2) == str(record)
     summary = json.loads(record.read_text())
     assert summary["status"] == "interrupted" and summary["steps_done"] == int(m.group(1)) >= 1
@@ -449,39 +447,21 @@ def test_a_compiled_graph_teardown_error_about_a_dead_actor_is_dropped_when_quie
         ("Error cancelling worker task", ValueError), ("Tearing down compiled DAG", None)]
 
 
-def test_existing_record_is_what_a_second_run_would_replace(tmp_path):
-    from orchestrator.driver.runner import existing_record
-
-    job = load_job(str(ROOT / "examples/mlp.yaml"), [f"run.output_dir={tmp_path}"])
-    checked = check_job(job, load_cluster(LOCAL))
-    assert existing_record(checked) is None
-    (tmp_path / "mlp-tiny").mkdir()
-    (tmp_path / "mlp-tiny" / "summary.reference.json").write_text("{}")
-    assert existing_record(checked) is None                      # a reference run beside it is fine
-    assert existing_record(checked, reference=True) == tmp_path / "mlp-tiny" / "summary.reference.json"
-    (tmp_path / "mlp-tiny" / "error.txt").write_text("x")        # a failed run is a record too
-    assert existing_record(checked) == tmp_path / "mlp-tiny" / "error.txt"
-
-
-@pytest.mark.needs_checkpoint
-def test_a_resumed_run_continues_its_own_record_without_overwrite(tmp_path):
-    """--resume is not refused as an overwrite of the run's own record: it gets past that check to
-    the checkpoint's (here: nothing committed yet, exit 2 naming checkpoint.dir); without --resume
-    the same run directory is refused. Both before Ray starts."""
+def test_a_refused_resume_makes_and_moves_nothing(tmp_path):
+    """--resume with nothing committed: exit 2 naming checkpoint.dir before Ray starts, and the
+    latest run directory is neither changed nor its record set aside (the checks come first)."""
     from tests.test_checkpoint import gpt_job
 
     path = tmp_path / "job.json"      # JSON is YAML
     path.write_text(json.dumps(gpt_job(tmp_path, "again", tmp_path / "ck")))
-    run_dir = tmp_path / "runs" / "again"
+    run_dir = tmp_path / "runs" / "again" / "20261206-121503"
     run_dir.mkdir(parents=True)
     (run_dir / "summary.json").write_text('{"status": "interrupted"}')
-    fresh = cli("run", str(path))
-    assert fresh.returncode == 2 and "--overwrite" in fresh.stderr, fresh.stderr
     resumed = cli("run", str(path), "--resume")
     assert resumed.returncode == 2, resumed.stderr
     assert "no committed checkpoint" in resumed.stderr and str(tmp_path / "ck") in resumed.stderr, resumed.stderr
-    assert "--overwrite" not in resumed.stderr
     assert (run_dir / "summary.json").read_text() == '{"status": "interrupted"}'    # untouched
+    assert sorted(p.name for p in (tmp_path / "runs" / "again").iterdir()) == ["20261206-121503"]
 
 
 def test_quick_option_leaves_out_every_test_that_starts_ray():

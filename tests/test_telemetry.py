@@ -244,13 +244,13 @@ def test_package_ships_the_job_directory_and_connects_to_the_running_cluster(mon
 
 def test_package_of_a_resumable_job_resumes_auto_with_an_absolute_checkpoint_dir(monkeypatch):
     """A job with `checkpoint:` runs as `--resume auto` (the same submission again continues it, where
-    plain `run` would exit 2 on its record and `--overwrite` on its commits); a relative
+    plain `run` would exit 2 on its commits); a relative
     checkpoint.dir is made absolute like run.output_dir (a warning on a remote cluster)."""
     monkeypatch.chdir(ROOT)
     sets = ("checkpoint.dir=ckpt/mlp", "checkpoint.every_steps=2")
     checked = _checked(*sets)
-    p = jobs.package(checked, "examples/mlp.yaml", None, sets, "http://127.0.0.1:8265", overwrite=True)
-    assert p.entrypoint.startswith("meshpipe run mlp.yaml --address auto --overwrite --resume auto --set "), p.entrypoint
+    p = jobs.package(checked, "examples/mlp.yaml", None, sets, "http://127.0.0.1:8265")
+    assert p.entrypoint.startswith("meshpipe run mlp.yaml --address auto --resume auto --set "), p.entrypoint
     assert f"--set checkpoint.dir={ROOT / 'ckpt/mlp'}" in p.entrypoint and not p.warnings
     assert p.entrypoint.index("checkpoint.dir=ckpt/mlp") < p.entrypoint.index(f"checkpoint.dir={ROOT}")  # last wins
     absolute = _checked("checkpoint.dir=/srv/ck", "checkpoint.every_steps=2")

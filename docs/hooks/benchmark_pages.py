@@ -45,6 +45,8 @@ COMMANDS = {
                                         "--matmul-precision highest",
     "meshtf_fc": "python -m benchmarks.meshtf_fc",
     "tls_overhead": "python -m benchmarks.tls_overhead",
+    "transport": "python -m benchmarks.transport",
+    "transport.quick": "python -m benchmarks.transport --quick",
     "tls_overhead.first": "python -m benchmarks.tls_overhead",
     "wake_latency": "python -m benchmarks.wake_latency",
     "zb_check": "python -m benchmarks.zb_check",

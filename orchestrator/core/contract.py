@@ -15,10 +15,12 @@ travels with the actor's creation (Ray pickles it) and the actor never asks for 
       geoms: (StageGeom, ...)      every stage's mesh, hosts and layout (the peers' edges)
       tie_stages: ((int, int), ...)                  per tied array: the stages of its two sides
       timeouts: Timeouts
-      transport: TransportSpec     how activations move: "ray" or "socket" (token, TLS files)
+      transport: TransportSpec     how activations move: "ray", "socket" (token, TLS files) or "xla"
+                                   (one JAX world: the transfer order of each program)
       checkpoint: CheckpointSpec | None              where and how often to save, and what to restore
         restore: RestorePlan | None                  the commit to restore, by array name
       compile_cache, pin_cpus, hooks
+      on_nonfinite: "stop" | "skip" | "rollback"   `failure.on_nonfinite` ("skip": decided on the stages)
 
 Actor → driver. A failed step raises its own error with a `StepFailure` on it (`FAILURE_ATTR`),
 and the actors it aborts get the same record (`stages.worker.StageWorker.abort_step`): the driver
@@ -34,16 +36,17 @@ Invariants:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Protocol, Union
+from typing import Any, Literal, Mapping, Optional, Protocol, Union
 
 from orchestrator.core.data.plan import DataPlan
 from orchestrator.core.edges import StageGeom
 from orchestrator.core.model.policy import DynamicLossScale
 from orchestrator.core.model.spec import ModelSpec
+from orchestrator.core.schedule.transfers import Transfer
 
 __all__ = ["ActorId", "CheckpointSpec", "FAILURE_ATTR", "Hook", "LoaderPosition", "OptimizerEntry",
            "OptimizerSpec", "RestorePlan", "SavedArray", "SavedStage", "StageSpec", "StepFailure", "Timeouts",
-           "TlsFiles", "TransportSpec", "WorkerConfig", "failure_of"]
+           "TlsFiles", "TransferOrder", "TransportSpec", "WorkerConfig", "failure_of"]
 
 
 class ActorId(str):
@@ -94,20 +97,43 @@ class TlsFiles:
 
 
 @dataclass(frozen=True)
-class TransportSpec:
-    """How a stage's activations and gradients reach its neighbours (`cluster.transport`).
+class TransferOrder:
+    """`transport: xla`: the order in which every process of the one JAX world issues a program's
+    stage-to-stage transfers (`orchestrator.core.schedule.transfers.world_order`).
 
     Attributes:
-      kind: "ray" (actor calls, `stages.transport`) or "socket" (`stages.socket_transport`).
+      program: "F" (a training step) or "E" (an eval batch).
+      transfers: every transfer of the program, in the world's order.
+    """
+
+    program: str
+    transfers: tuple[Transfer, ...]
+
+
+@dataclass(frozen=True)
+class TransportSpec:
+    """How a stage's activations and gradients reach its neighbours (`cluster.transport`, "auto"
+    resolved for the platform by the driver).
+
+    Attributes:
+      kind: "ray" (actor calls, `stages.transport`), "socket" (`stages.socket_transport`) or "xla"
+        (XLA's own transfers in one JAX world of every host of the job, `stages.xla_transport`:
+        process index = `WorkerConfig.cluster_host`, world size = the hosts of `WorkerConfig.geoms`).
       token: the run's secret a socket peer must present (a fresh one per attempt).
       same_machine: "socket": same-machine peers over "unix" (+ shared memory) or "tcp".
       tls: "socket": mutual TLS on TCP links, or None.
+      transfers: "xla": the world's transfer order per program (every stage gets the same); else ().
     """
 
     kind: str = "ray"
     token: Optional[bytes] = field(default=None, repr=False)
     same_machine: str = "unix"
     tls: Optional[TlsFiles] = None
+    transfers: tuple[TransferOrder, ...] = ()
+
+    def orders(self) -> dict[str, tuple[Transfer, ...]]:
+        """program -> its transfers, in the world's order."""
+        return {o.program: o.transfers for o in self.transfers}
 
 
 @dataclass(frozen=True)
@@ -187,12 +213,15 @@ class RestorePlan:
       step: the committed step (steps done).
       position: the loaders' position the marker recorded, None when no host loaded data.
       stages: the step's stage directories; an array is read from the first that holds it.
+      skip_batches: a training-health rollback (`orchestrator.core.health.skip_data`): batches the
+        restored run skips, from the commit's data position through the bad step (0: none).
     """
 
     root: str
     step: int
     position: Optional[LoaderPosition]
     stages: tuple[SavedStage, ...]
+    skip_batches: int = 0
 
     def locate(self, name: str) -> Optional[tuple[int, SavedArray]]:
         """(index into `stages`, the saved array) of array `name`, or None when no stage saved it."""
@@ -312,6 +341,9 @@ class WorkerConfig:
     compile_cache: Optional[str] = None    # JAX persistent compilation cache directory, or None
     pin_cpus: bool = False     # pin this process to core (cluster_host mod cores) before jax loads
     hooks: tuple[Hook, ...] = ()
+    # failure.on_nonfinite (orchestrator.core.health): under "skip" every stage drops a step's update
+    # when the global squared gradient norm (or the loss) is non-finite, decided before any update
+    on_nonfinite: Literal["stop", "skip", "rollback"] = "stop"
 
     @property
     def layer_chunks(self) -> tuple[tuple[int, int], ...]:
@@ -324,6 +356,11 @@ class WorkerConfig:
     @property
     def actor(self) -> ActorId:
         return ActorId(self.stage, self.host)
+
+    @property
+    def world_size(self) -> int:
+        """The processes of the job's one JAX world under `transport: xla` (every host of every stage)."""
+        return sum(len(g.hosts) for g in self.geoms)
 
     @property
     def who(self) -> str:
@@ -342,8 +379,10 @@ class StepFailure:
       stage, host: the actor whose step failed by itself.
       step: the step it failed in.
       error: the error, one line (`<type>: <message>`), for people.
-      kind: what it was, for the driver's policy: "error" (raised in the step) or "disk_full"
-        (a checkpoint save found no space).
+      kind: what it was, for the driver's policy: "error" (raised in the step) or "storage"
+        (a checkpoint save that `checkpoint.dir` refused: full, read-only, not permitted —
+        `orchestrator.core.recovery.STORAGE_ERRNOS`).
+      errno, path: "storage": the refused write's errno and path (None when not known).
     """
 
     stage: int
@@ -351,6 +390,8 @@ class StepFailure:
     step: int
     error: str
     kind: str = "error"
+    errno: Optional[int] = None
+    path: Optional[str] = None
 
     @property
     def actor(self) -> ActorId:

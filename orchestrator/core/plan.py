@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from orchestrator.core.config.limits import stage_memory
+from orchestrator.core.dataplane import listeners
 from orchestrator.core.edges import edges_json
 from orchestrator.core.hosts import describe
 from orchestrator.core.redact import redact
@@ -132,6 +133,8 @@ def plan_json(plan: Plan) -> dict:
             "grid": plan.schedule.grid(),
         },
         "edges": edges_json(checked),
+        "data_plane": {"transport": checked.cluster.transport, "resolved": checked.cluster.data_plane,
+                       "listeners": listeners(checked)},
         "placement": redact(describe(checked)),
         "simulated": {
             "costs": plan.costs,
@@ -201,6 +204,11 @@ def plan_text(plan: Plan) -> str:
                      f"{e['src_spec']} → {e['dst_spec']}: "
                      f"forward {f['cross_host_bytes']:,} B / {f['lower_bound_bytes']:,} B in {f['tiles']} tiles, "
                      f"backward {b['cross_host_bytes']:,} B / {b['lower_bound_bytes']:,} B")
+    cl = checked.cluster
+    plane = cl.data_plane if cl.transport == cl.data_plane else f"{cl.transport} → {cl.data_plane} on {cl.platform}"
+    lines += ["", f"data plane: transport {plane}; listeners (each bound to its node's address):"]
+    lines += [f"  {r['listener']}: {r['who']}, {r['binds']}; authentication {r['authentication']}"
+              for r in listeners(checked)] or ["  none beyond Ray's own (tensors travel as Ray calls)"]
     lines += ["", f"schedule {job.pipeline.schedule} (lowered):", render_grid(plan.schedule), "",
               f"simulated (costs ∝ parameters per chunk): bubble {plan.sim.bubble_fraction:.3f}; per stage "
               + ", ".join(f"{b:.3f}" for b in plan.sim.bubble_per_stage),

@@ -24,6 +24,7 @@ these questions; the answers depend only on the values passed in, so they test i
 """
 from __future__ import annotations
 
+import errno
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
@@ -32,6 +33,15 @@ from typing import Optional
 from orchestrator.core.contract import ActorId
 
 DIED, NODE_LOST, HANG, ERROR = "actor died", "node lost", "hang", "error"
+STORAGE = "checkpoint storage"      # checkpoint.dir refused a write: full, read-only, not permitted
+
+# The errnos of a checkpoint write that a restart cannot help: the same directory is written
+# again and refuses again (a full disk stays full; permissions and read-only mounts do not change
+# by themselves; a file standing where a directory must go stays there).
+STORAGE_ERRNOS = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "disk quota exceeded",
+                  errno.EACCES: "permission denied", errno.EPERM: "operation not permitted",
+                  errno.EROFS: "read-only file system", errno.ENOTDIR: "a file stands where a directory must go"}
+ROLLBACK = "training health"      # a health event whose action is rollback (orchestrator.core.health)
 
 
 @dataclass(frozen=True)
@@ -40,12 +50,16 @@ class Failure:
 
     Attributes:
       cause: DIED (the actor's process is gone), NODE_LOST (a node that held actors of the run is
-        gone), HANG (no progress within the deadline) or ERROR.
+        gone), HANG (no progress within the deadline), STORAGE (`checkpoint.dir` refused a write
+        with one of `STORAGE_ERRNOS`), ERROR, or ROLLBACK (a training-health event asked for one:
+        `orchestrator.core.health.HealthRollback`; its step is the bad step).
       stage, host: the failed actor (None when unknown).
       step: the step it failed in (the first step the driver had no result for, unless the
         actor said which).
       text: the error, one line.
       node: the Ray node id of the failed actor (of the lost node for NODE_LOST), when known.
+      errno, path: STORAGE: the write's errno and the path it refused.
+      consequence: NODE_LOST: the failure first seen, which the loss caused (`node_loss`).
     """
 
     cause: str
@@ -54,16 +68,28 @@ class Failure:
     step: int
     text: str
     node: Optional[str] = None
+    errno: Optional[int] = None
+    path: Optional[str] = None
+    consequence: str = ""
+
+    def fields(self) -> dict:
+        """The typed fields, for summary.json's `failure` (None where not known)."""
+        return {"cause": self.cause, "stage": self.stage, "host": self.host, "node": self.node, "step": self.step,
+                "errno": errno.errorcode.get(self.errno) if self.errno is not None else None, "path": self.path,
+                "consequence": self.consequence or None, "text": self.text}
 
     @property
     def who(self) -> str:
-        return "an unknown actor" if self.stage is None else f"stage {self.stage} host {self.host}"
+        if self.stage is None:
+            return "the driver" if self.cause == STORAGE else "an unknown actor"     # (its commit marker)
+        return f"stage {self.stage} host {self.host}"
 
     def key(self) -> Optional[tuple]:
         """What makes two failures "the same": cause, actor, step, and for errors their text. A death
         has no key: a killed process or a lost node says nothing about the next attempt (a death
-        that repeats counts against `max_restarts` only)."""
-        if self.cause in (DIED, NODE_LOST):
+        that repeats counts against `max_restarts` only). Nor has a rollback: it skips the bad
+        step's data, so the step that follows is another."""
+        if self.cause in (DIED, NODE_LOST, ROLLBACK):
             return None
         return (self.cause, self.stage, self.host, self.step, self.text if self.cause == ERROR else "")
 
@@ -78,7 +104,9 @@ def node_loss(failure: Failure, lost: dict) -> Failure:
     """`failure` as the loss of a node: `lost` maps each gone node's id to {"labels": the run's
     actors it held ("stage 0 host 1"), "why": how the driver knows, "address": its IP}. The
     failure then names the first actor of the first lost node (the record's node is that one's);
-    the error first seen stays in the text.
+    the error first seen (a survivor's reset connection, its peer's death: what the loss caused)
+    is kept as the `consequence` and in the text. The loss outranks whatever was seen first:
+    the decision and the report are the loss's.
 
     >>> f = node_loss(Failure(ERROR, 0, 0, 5, "Gloo: Connection reset by peer"),
     ...               {"3f2a": {"labels": [ActorId(0, 1)], "why": "its raylet refuses connections",
@@ -86,7 +114,7 @@ def node_loss(failure: Failure, lost: dict) -> Failure:
     >>> (f.cause, f.stage, f.host, f.step, f.node)
     ('node lost', 0, 1, 5, '3f2a')
     >>> f.text
-    'node 3f2a (10.0.0.2) is gone (its raylet refuses connections), with stage 0 host 1; first error seen: error: stage 0 host 0: Gloo: Connection reset by peer'
+    'node 3f2a (10.0.0.2) is gone (its raylet refuses connections), with stage 0 host 1; a consequence, seen first: error: stage 0 host 0: Gloo: Connection reset by peer'
     """
     if not lost:
         return failure
@@ -96,8 +124,86 @@ def node_loss(failure: Failure, lost: dict) -> Failure:
         parts.append(f"node {node_id[:12]}{at} is gone ({n['why']}), with {', '.join(n['labels'])}")
     node, gone = next(iter(lost.items()))
     stage, host = actor_of(gone["labels"][0] if gone["labels"] else None)
-    seen = f"; first error seen: {failure.cause}: {failure.who}: {failure.text}" if failure.text else ""
-    return Failure(NODE_LOST, stage, host, failure.step, "; ".join(parts) + seen, node=node)
+    seen = f"{failure.cause}: {failure.who}: {failure.text}" if failure.text else ""
+    text = "; ".join(parts) + (f"; a consequence, seen first: {seen}" if seen else "")
+    return Failure(NODE_LOST, stage, host, failure.step, text, node=node, consequence=seen)
+
+
+def storage_words(code: Optional[int]) -> str:
+    """`ENOSPC: no space left on the device` for an errno of `STORAGE_ERRNOS`.
+
+    >>> storage_words(errno.EROFS)
+    'EROFS: read-only file system'
+    """
+    if code is None:
+        return "errno unknown"
+    return f"{errno.errorcode.get(code, code)}: {STORAGE_ERRNOS.get(code, 'errno ' + str(code))}"
+
+
+def storage_error(e: Optional[BaseException]) -> Optional[tuple[int, Optional[str]]]:
+    """(errno, path) of the first `OSError` with an errno of `STORAGE_ERRNOS` in `e`'s chain of
+    explicit causes (`raise ... from`; an error merely raised while handling another is not
+    caused by it), else None. The errno is the error's field; the one
+    exception is tensorstore (orbax writes through it), whose errors are `ValueError`s that carry
+    the errno only as `[os_error_code='28']`: that token is read as the field it stands for.
+
+    >>> storage_error(RuntimeError("save failed")) is None
+    True
+    >>> try:
+    ...     try:
+    ...         raise PermissionError(errno.EACCES, "Permission denied", "/ck/step_00000004")
+    ...     except OSError as inner:
+    ...         raise RuntimeError("checkpoint save of step 4 failed") from inner
+    ... except RuntimeError as outer:
+    ...     storage_error(outer)
+    (13, '/ck/step_00000004')
+    >>> storage_error(ValueError("RESOURCE_EXHAUSTED: writing x [os_error_code='28']"))
+    (28, None)
+    """
+    import re
+
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        code = getattr(e, "errno", None) if isinstance(e, OSError) else None
+        if code is None and isinstance(e, ValueError):
+            m = re.search(r"\[os_error_code='(\d+)'\]", str(e))
+            code = int(m.group(1)) if m else None
+        if code in STORAGE_ERRNOS:
+            name = getattr(e, "filename", None)
+            return code, (str(name) if name is not None else None)
+        e = e.__cause__
+    return None
+
+
+def storage_stop(f: Failure, directory: str) -> str:
+    """What a STORAGE failure's stop says first: the directory, the step, the errno, the path.
+
+    >>> print(storage_stop(Failure(STORAGE, 0, 1, 4, "OSError: ...", errno=errno.ENOSPC,
+    ...                            path="/ck/step_00000004/stage_0"), "/ck"))
+    checkpoint.dir = /ck refused a checkpoint write in step 4: ENOSPC: no space left on the device (writing /ck/step_00000004/stage_0, stage 0 host 1)
+    """
+    at = ", ".join(x for x in (f"writing {f.path}" if f.path else "", f.who if f.stage is not None else "") if x)
+    return (f"checkpoint.dir = {directory} refused a checkpoint write in step {f.step}: {storage_words(f.errno)}"
+            + (f" ({at})" if at else ""))
+
+
+def compiled_graph_restarts(executor: str, max_restarts: int, nodes: int) -> Optional[str]:
+    """Why `cluster.executor: compiled_graph` with restarts is refused on a cluster of `nodes` alive
+    nodes (None: allowed). A node lost under a Ray Compiled Graph crashed the head's raylet on a
+    Ray-internal check while the driver tore the graph down (2 of 2 tries, `docs/guides/recovery.md`):
+    a restart cannot be offered there. One node: a lost actor is a process, which recovers.
+
+    >>> compiled_graph_restarts("step_calls", 3, 4) is None, compiled_graph_restarts("compiled_graph", 3, 1) is None
+    (True, True)
+    >>> print(compiled_graph_restarts("compiled_graph", 3, 2))
+    cluster.executor = 'compiled_graph' with failure.max_restarts = 3 on a cluster of 2 nodes: refused — a node lost under a Ray Compiled Graph crashes the head's raylet, so no restart could recover it; use executor step_calls (recovers from node loss) or failure.max_restarts: 0
+    """
+    if executor != "compiled_graph" or max_restarts == 0 or nodes <= 1:
+        return None
+    return (f"cluster.executor = 'compiled_graph' with failure.max_restarts = {max_restarts} on a cluster of {nodes} "
+            "nodes: refused — a node lost under a Ray Compiled Graph crashes the head's raylet, so no restart "
+            "could recover it; use executor step_calls (recovers from node loss) or failure.max_restarts: 0")
 
 
 def failed_step(step: int, done: dict) -> int:
@@ -143,6 +249,9 @@ class Decision:
 class RestartPolicy:
     """`failure.max_restarts`, the failures seen so far and the restarts granted.
 
+    A STORAGE failure is never restarted, whatever is left: the next attempt writes the same
+    directory (and would spend every restart the same way).
+
     >>> p = RestartPolicy(3)
     >>> p.decide(Failure(ERROR, 1, 0, 3, "NaN loss"), committed=2).restart
     True
@@ -158,6 +267,9 @@ class RestartPolicy:
         """Restart after `failure`? `committed`: the newest committed checkpoint step (None: none)."""
         repeat = failure.key() is not None and any(f.key() == failure.key() for f in self.seen)
         self.seen.append(failure)
+        if failure.cause == STORAGE:
+            return Decision(False, f"checkpoint.dir refused the write ({storage_words(failure.errno)}): "
+                                   "a restart would write the same directory and fail the same way")
         if self.max_restarts == 0:
             return Decision(False, "failure.max_restarts is 0")
         if repeat:
@@ -257,5 +369,6 @@ def stalled(beats: dict, silent_s: dict, deadline_s: float, slow_s: float = 5.0)
     return sorted(busy), f"every busy actor waits in a RECV, the longest for {longest:.0f} s (deadline {deadline_s:g} s)"
 
 
-__all__ = ["DIED", "ERROR", "HANG", "NODE_LOST", "Decision", "Failure", "ProgressDeadline", "RestartPolicy",
-           "actor_of", "compile_cache_dir", "failed_step", "node_loss", "stalled"]
+__all__ = ["DIED", "ERROR", "HANG", "NODE_LOST", "ROLLBACK", "STORAGE", "STORAGE_ERRNOS", "storage_error",
+           "storage_stop", "storage_words", "Decision", "Failure", "ProgressDeadline", "RestartPolicy",
+           "actor_of", "compile_cache_dir", "compiled_graph_restarts", "failed_step", "node_loss", "stalled"]

@@ -2,9 +2,13 @@
 
 Basic flow (`orchestrator.driver.runner._run_pipeline`):
   `Session` — for the whole run: the run's telemetry and Ray metrics, the checkpoint
-  committer, the progress deadline the attempts share, the nodes lost so far and the
-  recoveries; `take(r)` feeds one step result to all of them and to the record
-  (`orchestrator.driver.record.RunRecord`).
+  committer, the progress deadline the attempts share, the nodes lost so far, the
+  recoveries and the training-health monitor; `take(r)` feeds one step result to all of
+  them and to the record (`orchestrator.driver.record.RunRecord`). A health event
+  (`orchestrator.core.health`) is recorded with its step; then only the saves from before
+  the bad step commit, and its action follows: stop (`HealthStop` ends the run) or roll back
+  (`HealthRollback`: the attempt fails as a typed ROLLBACK at the bad step, and the restart
+  skips the data from the commit through it).
   `Attempt` — one executor lifetime: reserve the placement, start the actors (restoring the
   checkpoint it is given), run the steps from `first`, flush the last saves. A failure
   leaves it as `AttemptFailed`: a typed `orchestrator.core.recovery.Failure` (cause, stage,
@@ -38,10 +42,17 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol
 
-from orchestrator.core.recovery import Decision, Failure, RestartPolicy
+from orchestrator.core.health import ROLLBACK as ROLLBACK_ACTION
+from orchestrator.core.health import SKIP, STOP, HealthRollback, HealthStop, skip_data
+from orchestrator.core.recovery import NODE_LOST, ROLLBACK, STORAGE, Decision, Failure, RestartPolicy
 from orchestrator.driver.elastic import GrowBack
 
 log = logging.getLogger("meshpipe")
+
+# Causes a run without restarts still reports as a stop (why, what is lost, the command that goes
+# on) rather than as the error first seen: a lost node (the survivors' reset connections are its
+# consequences) and a checkpoint.dir that refuses writes.
+REPORTED = (NODE_LOST, STORAGE)
 
 
 @dataclass(eq=False)       # an exception keeps its identity (hash, ==)
@@ -117,7 +128,7 @@ def run_attempts(start: Callable[[int, Optional[dict]], AttemptLike], first: int
         except AttemptFailed as failed:
             decision = policy.decide(failed.failure, recovery.committed())
             if not decision.restart:
-                if policy.max_restarts == 0:      # no `failure:` section: the error as it was
+                if policy.max_restarts == 0 and failed.failure.cause not in REPORTED:    # the error as it was
                     raise failed.error from failed.error.__cause__
                 raise recovery.stop(failed, decision) from failed.error
             first, recovering = recovery.restart(failed, attempt, policy.restarts)
@@ -136,6 +147,7 @@ class Session:
     """
 
     def __init__(self, checked, plan, record, ckpt, resume_command: str, echo: Callable[[str], None]):
+        from orchestrator.core.health import HealthMonitor, HealthRule
         from orchestrator.core.recovery import ProgressDeadline
         from orchestrator.driver.checkpoint import Committer
 
@@ -163,6 +175,10 @@ class Session:
         self.tel = self.metrics = None
         self.last_spans: list = []
         self.executor = None            # the newest attempt's executor (what summary.json describes)
+        self.monitor = HealthMonitor(HealthRule.from_job(job))     # training health (orchestrator.core.health)
+        divergence = job.failure.divergence
+        record.extra["health"] = {"on_nonfinite": job.failure.on_nonfinite, "skipped_steps": [], "events": [],
+                                  "divergence": None if divergence is None else divergence.model_dump()}
 
     def open(self) -> None:
         """The run's telemetry and Ray metrics (Ray is connected)."""
@@ -184,20 +200,43 @@ class Session:
                                            for s in r.stats if "affinity" in s]
         if self.metrics is not None:
             self.metrics.record(st, eval_loss=r.eval_loss)
+        event = self._health(r)
         self.record.step({"step": r.step, "loss": r.loss, "step_time_s": r.wall_s, "eval_loss": r.eval_loss,
-                          "span_s": st.span_s, "measured_bubble": st.measured_bubble, **scaling(r.step, r.stats)})
+                          "span_s": st.span_s, "measured_bubble": st.measured_bubble, **scaling(r.step, r.stats),
+                          **({"health": f"{event.action}: {event.kind}"} if event else {})})
         if self._pending is not None:      # the first step on a new plan: its times are known now
             self._replanned()
+        done: list[int] = []
         if self.committer is not None:     # after the record: the marker records the losses so far
-            done = self.committer.add(r.checkpoints)
+            before = event is None or event.action == SKIP      # else only the saves from before it commit
+            done = self.committer.add([c for c in r.checkpoints if before or c["step"] <= r.step])
             for step in done:
                 log.info("checkpoint step %d committed", step)
-            if done and self.elastic is not None and self.checked is not self.original:
-                from orchestrator.driver import elastic
+        if event is not None and event.action == STOP:
+            raise HealthStop(event)
+        if event is not None and event.action == ROLLBACK_ACTION:
+            raise HealthRollback(event)
+        if done and self.elastic is not None and self.checked is not self.original:
+            from orchestrator.driver import elastic
 
-                grow = elastic.grow(self.original, self.checked, self.gone, done[-1], self._profiler())
-                if grow is not None:
-                    raise grow          # ends the attempt here (`run_attempts` → `Session.grow`)
+            grow = elastic.grow(self.original, self.checked, self.gone, done[-1], self._profiler())
+            if grow is not None:
+                raise grow          # ends the attempt here (`run_attempts` → `Session.grow`)
+
+    def _health(self, r):
+        """Training health of step result `r` (`orchestrator.core.health`): its event or None; an
+        event goes into the record and onto the log."""
+        last = max(s["stage"] for s in r.stats)
+        by_stage = {s["stage"]: s["health"] for s in r.stats if s.get("health") is not None and s["host"] == 0}
+        grad_sq = [by_stage.get(i, (None, None))[0] for i in range(last + 1)]
+        params_bad = [by_stage.get(i, (None, None))[1] for i in range(last + 1)]
+        event = self.monitor.observe(r.step, r.loss, grad_sq, params_bad)
+        if event is not None:
+            self.record.health(event.as_record())
+            msg = f"training health: {event.why}: {event.action}"
+            log.warning("%s", msg)
+            self.echo(msg)
+        return event
 
     def describe(self, ex) -> None:
         """What the attempt's executor knows, into summary.json's fields."""
@@ -227,6 +266,11 @@ class Session:
         recovery.wait_released(self._actor_names(), f"meshpipe-{self.run_name}", checked.cluster.timeouts.shutdown_s)
         teardown_s = time.perf_counter() - t1
         self.ckpt = prepare(checked, "latest")    # as --resume: checks, removes uncommitted saves
+        if failed.failure.cause == ROLLBACK:     # training health: skip the data from the commit through the bad step
+            spec = self.ckpt.spec
+            self.ckpt.spec = dataclasses.replace(spec, restore=dataclasses.replace(
+                spec.restore, skip_batches=skip_data(self.ckpt.start, failed.failure.step)))
+        self.monitor.rollback(self.ckpt.start)       # the losses and skips from the commit on run again
         rec = recovery.record(failed.failure, failed.where, self.ckpt.start, failed.detected_at, failed.waited_s)
         rec.update(restart=restarts, teardown_s=teardown_s, teardown_graceful_s=torn["graceful_s"],
                    teardown_stuck=torn["stuck"],
@@ -242,7 +286,7 @@ class Session:
             self.metrics.restarts.set(restarts, tags={"run": self.run_name})
         msg = (f"restart {restarts} of {job.failure.max_restarts}: {recovery.describe(failed.failure, failed.where)}"
                f"; resuming from checkpoint step {self.ckpt.start} ({rec['steps_lost']} steps to run again)")
-        log.warning("%s", msg)
+        log.info("%s", msg)      # echo prints it; a warning would reach the terminal a second time
         self.echo(msg)
         self.record.rollback(self.ckpt.start, restarts)
         self.committer.pending.clear()       # saves of the failed attempt never commit
@@ -297,6 +341,7 @@ class Session:
         rec = {"detected_at": grow.at, "steps_lost": max(0, len(self.record.losses) - grow.step)}
         self._switch("grow", grow.decision.reason, grow.decision.replan, times, rec)
         self.record.rollback(self.ckpt.start, self.record.extra["restarts"], grow=True)
+        self.monitor.rollback(self.ckpt.start)       # the losses from the commit on run again
         self._placing_since = time.perf_counter()
         return self.ckpt.start, rec
 
@@ -366,9 +411,14 @@ class Session:
         """The error that ends the run after `failed`: why, what is lost, the command that continues."""
         from orchestrator.driver import recovery
 
-        return recovery.RecoveryStopped.after(recovery.stop_message(
-            failed.failure, failed.where, decision, self.committed(), failed.steps_done, self.resume_command),
-            failed.error)
+        from orchestrator.core.recovery import storage_stop
+
+        f = failed.failure
+        msg = recovery.stop_message(f, failed.where, decision, self.committed(), failed.steps_done, self.resume_command)
+        if f.cause == STORAGE:      # the directory, the step and the errno first; then what is lost, how to go on
+            msg = f"{storage_stop(f, self.checked.job.checkpoint.dir)}\n{msg}"
+        self.record.extra["failure"] = {**f.fields(), **failed.where}     # summary.json: the typed cause
+        return recovery.RecoveryStopped.after(msg, failed.error)
 
     # -- at the end ----------------------------------------------------------
     def close(self, out, ok: bool) -> None:
@@ -438,6 +488,7 @@ class Attempt:
           PlacementError: the placement could not be reserved.
         """
         from orchestrator.driver import recovery
+        from orchestrator.driver.checkpoint import CommitWriteError
 
         try:
             self._start()
@@ -452,16 +503,40 @@ class Attempt:
                 self.session.take(r)
         except recovery.RECOVERABLE as e:
             raise self._failed(e) from e
-        return self._finish()
+        except HealthRollback as e:      # typed: the bad step, its stage; the actors are all well
+            raise AttemptFailed(Failure(ROLLBACK, e.event.stage, 0, e.event.step, e.event.why),
+                                self.ex.node_of(e.event.stage, 0), e, steps_done=e.event.step + 1,
+                                detected_at=time.time()) from e
+        except CommitWriteError as e:
+            raise self._commit_failed(e) from e
+        try:
+            return self._finish()
+        except CommitWriteError as e:
+            raise self._commit_failed(e) from e
+
+    def _commit_failed(self, e: OSError) -> AttemptFailed:
+        """The driver's commit marker not written: a STORAGE failure (never restarted) when
+        checkpoint.dir refused it with one of `STORAGE_ERRNOS`, else an ERROR (the usual rules)."""
+        from orchestrator.core.recovery import ERROR, storage_error
+
+        found = storage_error(e)
+        step = len(self.session.record.losses)
+        text = f"committing a checkpoint: {type(e).__name__}: {e}"
+        failure = (Failure(STORAGE, None, None, step, text, errno=found[0], path=found[1]) if found
+                   else Failure(ERROR, None, None, step, text))
+        return AttemptFailed(failure, {}, e, steps_done=step, detected_at=time.time())
 
     def _start(self) -> None:
         from orchestrator.driver.checkpoint import remove_probe, write_probe
+        from orchestrator.driver.workers import write_workers
 
         s, t0 = self.session, time.perf_counter()
         if s.ckpt is not None:
             write_probe(s.ckpt)      # each stage host reads it back at set-up: checkpoint.dir is shared
         self.ex.start()
         remove_probe(s.ckpt)
+        restart = 0 if self.recovering is None else self.recovering["restart"]
+        write_workers(s.record.out, s.run_name, self.ex.info, restart, s.echo)    # which process is which
         s.record.extra.setdefault("startup_s", time.perf_counter() - t0)
         if self.recovering is not None:   # placement + actors + restore + setup (compiling is in step 1)
             self.recovering.update(start_s=time.perf_counter() - t0, placement_s=self.ex.placement_s,

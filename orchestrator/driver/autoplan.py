@@ -2,7 +2,13 @@
 
 Wires the pure planner (`orchestrator.core.planner`) to the profiling worker of the
 actor runtime (`stages.aot_profile`, run in a subprocess with simulated CPU devices)
-and the per-layer compile cache on disk. No Ray is started.
+and the per-layer compile cache on disk. No Ray is started here; the CLI first makes sure
+the cluster's figures are measured (`orchestrator.driver.autocal`, which may calibrate it)
+and passes what it found (`calibration`): predictions from nominal figures say so.
+
+The written job is the input job with the winner's pipeline and layout and its own
+`run.name`, `<name>-auto` (so `meshpipe run` of it never mixes with the hand plan's runs);
+it passes every check `meshpipe run` makes before it is reported.
 """
 from __future__ import annotations
 
@@ -27,10 +33,19 @@ WORKER = "stages.aot_profile"
 def auto_plan(job_path: str, cluster_path: str, overrides, *, out: Optional[str], explain_: bool, top: int,
               max_model: Optional[int], microbatches: Optional[tuple[int, ...]], target_step_ms: Optional[float],
               cache_dir: Optional[str], as_json: bool, echo: Callable[[str], None], measure: int = 0,
-              measure_steps: int = 8) -> dict:
-    """Plan JOB on CLUSTER; returns the JSON report. Raises ConfigError / PlanningError / ProfileError."""
+              measure_steps: int = 8, calibration=None) -> dict:
+    """Plan JOB on CLUSTER; returns the JSON report. Raises ConfigError / PlanningError / ProfileError.
+
+    `calibration`: `autocal.Calibration`, what the figures come from (its `cluster` is planned with
+    instead of CLUSTER); None: CLUSTER's own, nominal where it gives none (`autocal.nominal`)."""
+    from orchestrator.driver.autocal import Calibration, nominal
+
     job = load_job(job_path, overrides=list(overrides))
-    cluster = load_cluster(cluster_path)
+    if calibration is None:
+        given = load_cluster(cluster_path)
+        missing = nominal(given)
+        calibration = Calibration("nominal" if missing else "given", cluster_path, missing)
+    cluster = load_cluster(calibration.cluster)
     try:
         model = from_job(job)
     except (KeyError, ValueError, TypeError, ImportError, AttributeError) as e:
@@ -45,10 +60,13 @@ def auto_plan(job_path: str, cluster_path: str, overrides, *, out: Optional[str]
                     options=opts, extra_rules=job.layout)
     raw = apply_overrides(load_raw(job_path), list(overrides), JobConfig)
     written = job_dict(raw, result.best)
+    written["run"] = {**written["run"], "name": auto_name(written["run"]["name"])}
     dest = Path(out) if out else Path(job_path).with_name(Path(job_path).stem + ".auto.yaml")
     head = (f"# written by `meshpipe plan --auto` from {job_path} for {cluster_path}\n"
-            f"# predicted: {result.best.step_s * 1e3:.3f} ms per step, "
-            f"{result.best.memory_bytes / 2**20:.2f} MiB per device, bubble {result.best.bubble:.3f}\n")
+            f"# predicted{' from NOMINAL figures (the cluster was not calibrated)' if calibration.is_nominal else ''}: "
+            f"{result.best.step_s * 1e3:.3f} ms per step, "
+            f"{result.best.memory_bytes / 2**20:.2f} MiB per device, bubble {result.best.bubble:.3f}\n"
+            f"# figures: {figures_line(calibration)}\n")
     dest.write_text(head + yaml.safe_dump(written, sort_keys=False))
     check_job(load_job(dest), cluster)       # the written plan passes every check meshpipe run makes
     st = profiler.stats
@@ -56,7 +74,7 @@ def auto_plan(job_path: str, cluster_path: str, overrides, *, out: Optional[str]
               "timings": result.timings, "written": str(dest),
               "profiles": {"requested": st.requested, "cache_hits": st.cache_hits, "compiled": st.compiled,
                            "compile_s": st.compile_s, "worker_s": st.worker_s},
-              "topology_notes": list(topo.notes)}
+              "topology_notes": list(topo.notes), "calibration": calibration.to_json()}
     if measure:
         report["measured"] = measure_candidates(raw, result.candidates[:measure], cluster, dest, measure_steps,
                                                 echo=(lambda s: None) if as_json else echo)
@@ -66,6 +84,7 @@ def auto_plan(job_path: str, cluster_path: str, overrides, *, out: Optional[str]
         return report
     echo(f"model {model.name}: {model.num_layers} layers; cluster {topo.hosts} hosts × {topo.devices_per_host} "
          f"devices ({topo.platform}), {topo.memory_bytes / 1e9:.3g} GB per device")
+    echo(f"figures: {figures_line(calibration)}")
     echo(f"search: {result.space['plans_evaluated']} plans simulated out of {result.space['stage_options']:,} "
          f"stage options; {st.requested} layer profiles ({st.cache_hits} cached, {st.compiled} compiled)")
     tm = result.timings
@@ -79,8 +98,31 @@ def auto_plan(job_path: str, cluster_path: str, overrides, *, out: Optional[str]
         echo("")
         echo(measured_table(report["measured"]))
     echo("")
-    echo(f"wrote the winning plan to {dest} (meshpipe plan {dest} / meshpipe run {dest})")
+    if calibration.is_nominal:
+        echo(f"WARNING: the step times above are NOMINAL (from platform defaults, not this cluster): "
+             f"`meshpipe calibrate --cluster {cluster_path}` measures it, or drop --no-calibrate")
+    echo(f"wrote the winning plan to {dest} as run.name {written['run']['name']!r} "
+         f"(meshpipe plan {dest} / meshpipe run {dest})")
     return report
+
+
+def auto_name(name: str, suffix: str = "") -> str:
+    """The written plan's `run.name`: the job's with `-auto` (and `suffix`), cut to fit run.name's
+    64 characters.
+
+    >>> auto_name("gpt-tiny"), auto_name("gpt-tiny", "-measure0"), len(auto_name("x" * 64, "-measure9"))
+    ('gpt-tiny-auto', 'gpt-tiny-auto-measure0', 64)
+    """
+    return f"{name[:64 - len('-auto') - len(suffix)]}-auto{suffix}"
+
+
+def figures_line(calibration) -> str:
+    """Where the cost model's figures came from, in one line."""
+    if calibration.source == "given":
+        return f"the cluster file's own ({calibration.cluster})"
+    if calibration.source == "nominal":
+        return f"NOMINAL platform defaults for {', '.join(calibration.missing)} (not calibrated: --no-calibrate)"
+    return f"measured by meshpipe calibrate {calibration.measured_at} ({calibration.cluster})"
 
 
 def measure_candidates(raw: dict, candidates, cluster, dest: Path, steps: int, echo) -> list[dict]:
@@ -95,7 +137,7 @@ def measure_candidates(raw: dict, candidates, cluster, dest: Path, steps: int, e
     rows = []
     for i, c in enumerate(candidates):
         job = job_dict(raw, c)
-        job["run"] = {**job.get("run", {}), "name": f"{job['run']['name']}-auto{i}", "steps": steps}
+        job["run"] = {**job.get("run", {}), "name": auto_name(job['run']['name'], f"-measure{i}"), "steps": steps}
         path = dest.with_name(f"{dest.stem}.measure{i}.yaml")
         path.write_text(yaml.safe_dump(job, sort_keys=False))
         checked = check_job(load_job(path), cluster)
@@ -130,4 +172,5 @@ def measured_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["auto_plan", "measure_candidates", "measured_table", "median_abs_error", "PlanningError", "ProfileError"]
+__all__ = ["auto_plan", "auto_name", "figures_line", "measure_candidates", "measured_table", "median_abs_error",
+           "PlanningError", "ProfileError"]

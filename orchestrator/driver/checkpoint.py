@@ -41,8 +41,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from orchestrator.core.checkpoint import (FORMAT, PROBE, CheckpointError, check_model, committed, gc_dirs,
-                                          layout_of, newest_intact, scan, select, set_aside, stale_dirs,
+from orchestrator.core.checkpoint import (FORMAT, MARKER, PROBE, CheckpointError, check_model, committed, gc_dirs,
+                                          layout_of, newest_intact, scan, select, set_aside, stale_dirs, step_dir,
                                           verify_files, write_marker)
 from orchestrator.core.contract import CheckpointSpec, RestorePlan
 from orchestrator.core.model.spec import param_name
@@ -157,6 +157,10 @@ def _remove(paths) -> None:
         shutil.rmtree(p, ignore_errors=True)
 
 
+class CommitWriteError(OSError):
+    """The driver could not write a commit marker into checkpoint.dir (errno, message, the marker's path)."""
+
+
 class Committer:
     """Collects the hosts' save reports and commits each step once all `expected` hosts reported.
 
@@ -205,7 +209,11 @@ class Committer:
         marker = {**self.base, "step": step, "time": time.time(), "stages": stages, "arrays": arrays,
                   "losses": [float(x) for x in self.losses[:step]], "data": _data_state(step, recs),
                   "bytes": int(size), "array_bytes": int(sum(r["bytes"] for r in primaries))}
-        write_marker(self.root, marker)
+        try:
+            write_marker(self.root, marker)
+        except OSError as e:         # checkpoint.dir refused the marker: the run's STORAGE failure
+            raise CommitWriteError(e.errno, f"writing the commit marker of step {step}: {e}",
+                                   str(step_dir(self.root, step) / MARKER)) from e
         flying = list(self.pending)
         _remove(gc_dirs(self.root, self.keep, flying))
         self.commits.append({"step": step, "bytes": int(size), "array_bytes": marker["array_bytes"],
@@ -256,7 +264,12 @@ def export(ckpt: Path | str, to: Path | str) -> dict:
     to `<to>/meshpipe.json`.
     """
     import numpy as np
-    import orbax.checkpoint as ocp
+    from orchestrator.core.extras import MissingExtra, require
+
+    try:
+        ocp = require("orbax.checkpoint", "meshpipe export")
+    except MissingExtra as e:
+        raise CheckpointError(str(e)) from None
 
     from orchestrator.core.checkpoint import MARKER, is_param_name, read_marker
     from orchestrator.core.private_fs import private_dir, write_private

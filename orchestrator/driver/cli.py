@@ -2,17 +2,19 @@
 
     meshpipe [--version] [-v] COMMAND ...
     meshpipe run JOB.yaml [--cluster CLUSTER.yaml] [--address ADDR] [--set key.path=value ...]
-                          [--reference] [--overwrite] [--resume [STEP|auto]]
+                          [--reference] [--resume [STEP|auto] [--run-id ID]]
     meshpipe checkpoints JOB.yaml [--set ...]
     meshpipe export CKPT --to DIR
     meshpipe plan JOB.yaml [--cluster CLUSTER.yaml] [--set ...] [--json] [--png PATH] [--allow-code]
     meshpipe plan JOB.yaml --auto [--cluster C.yaml] [--out PATH] [--explain] [--top K] [--max-model M] [--measure K]
+                                  [--no-calibrate | --recalibrate]
     meshpipe calibrate --cluster CLUSTER.yaml [--out PATH] [--force] [--json]
-    meshpipe submit JOB.yaml [--cluster CLUSTER.yaml] --address http://HOST:8265 [--set ...]
-                             [--working-dir DIR] [--follow/--no-follow] [--no-wait] [--timeout S]
-    meshpipe jobs --address http://HOST:8265
-    meshpipe status SUBMISSION_ID --address http://HOST:8265
-    meshpipe logs SUBMISSION_ID --address http://HOST:8265 [--follow]
+    meshpipe submit JOB.yaml [--cluster CLUSTER.yaml] [--address http://HOST:8265] [--set ...]
+                             [--working-dir DIR] [--include PATH ...] [--max-upload-mb N]
+                             [--follow/--no-follow] [--no-wait] [--timeout S]
+    meshpipe jobs [--address http://HOST:8265]
+    meshpipe status SUBMISSION_ID [--address http://HOST:8265]
+    meshpipe logs SUBMISSION_ID [--address http://HOST:8265] [--follow]
     meshpipe prepare INPUTS... --out DIR (--tokenizer FILE | --train-tokenizer VOCAB) [--shard-tokens N]
 
 `--set` takes job keys (`run.steps=3`) and, with a `cluster.` prefix, cluster
@@ -22,8 +24,10 @@ a `module:factory` model beside the job, or `examples.llama_model:pipeline` from
 the repo root, imports without PYTHONPATH.
 
 Config errors print one line per problem (key, value, rule) and exit with 2
-before anything starts; so does a run whose record already exists (without
-`--overwrite`; `--resume` continues its own record). `run` exits 1 when a stage fails (the cause and the stage's
+before anything starts. Every `run` writes its record into a directory of its own,
+`<run.output_dir>/<run.name>/<run id>/` (`latest` names the newest; `--resume` continues it;
+`orchestrator.driver.rundir`), so running a job again never replaces an earlier record
+(`--overwrite` is no longer needed and only says so). `run` exits 1 when a stage fails (the cause and the stage's
 traceback on stderr, the full one in `<run dir>/error.txt`) and 130 on Ctrl-C or
 SIGTERM. submit/status exit with the job's outcome: 0 SUCCEEDED, 1 FAILED,
 3 STOPPED; 4 cannot reach or authenticate to the cluster, 5 --timeout, 6 no
@@ -58,9 +62,11 @@ EXITS = (
     ("orchestrator.core.planner.search", "PlanningError", 2, "no plan: "),
     ("orchestrator.core.planner.calibrate", "CalibrationError", 2, "calibrate: "),
     ("orchestrator.core.planner.profile", "ProfileError", 1, "profiling failed: "),
+    ("orchestrator.driver.rundir", "RunDirError", 2, ""),
     ("orchestrator.core.backends.base", "PlacementError", 1, "{failed}: "),
     ("orchestrator.driver.waiting", "StageFailure", 1, "{failed}: "),
     ("orchestrator.core.private_fs", "DiskFullError", 1, "{failed}: "),
+    ("orchestrator.core.health", "HealthStop", 1, "{failed}: "),
     ("builtins", "TimeoutError", 1, "{failed}: "),
 )
 RUNTIME = (("builtins", "RuntimeError", 1, "{failed}: "),)   # for the commands whose runs report them
@@ -79,9 +85,10 @@ def exit_of(e: BaseException, table=EXITS) -> tuple[int, str] | None:
 
 
 @contextlib.contextmanager
-def reporting(failed: str = "run failed", table=EXITS):
+def reporting(failed: str = "run failed", table=EXITS, after: str = ""):
     """Run the block; an error `table` knows ends the process with its code and a one-line message
-    on stderr (`meshpipe: <prefix><error>`), without a driver traceback; any other propagates."""
+    on stderr (`meshpipe: <prefix><error>`, then `after` where the prefix is the command's
+    `{failed}`), without a driver traceback; any other propagates."""
     try:
         yield
     except Exception as e:
@@ -89,7 +96,8 @@ def reporting(failed: str = "run failed", table=EXITS):
         if found is None:
             raise
         code, prefix = found
-        click.echo(f"meshpipe: {prefix.format(failed=failed)}{e}", err=True)
+        tail = after if "{failed}" in prefix else ""
+        click.echo(f"meshpipe: {prefix.format(failed=failed)}{e}{tail}", err=True)
         sys.exit(code)
 
 
@@ -236,22 +244,33 @@ def resume_command(job: str, cluster: str | None, overrides: tuple[str, ...], ad
 @click.option("--address", default=None, metavar="ADDR",
               help="connect to this running Ray ('auto', host:port) instead of the cluster file's address "
                    "(what `meshpipe submit` uses inside the job)")
-@click.option("--overwrite", is_flag=True, help="replace the record of an earlier run with the same run.name")
+@click.option("--overwrite", is_flag=True, hidden=True,
+              help="no longer needed: every run gets its own directory (accepted, and says so)")
 @click.option("--resume", default=None, is_flag=False, flag_value="latest", metavar="[STEP|auto]",
               help="continue from the newest committed checkpoint in checkpoint.dir, or from STEP; "
                    "'auto': from the newest one if any is committed, else start at step 0 (what "
-                   "`meshpipe submit` runs, so the same submission again continues). The run "
-                   "continues its own record: no --overwrite needed")
-def run(job, cluster, overrides, reference, address, overwrite, resume):
-    """Train JOB on the cluster (or, with --reference, in this process)."""
+                   "`meshpipe submit` runs, so the same submission again continues). The record "
+                   "goes on in the latest run directory (or --run-id's)")
+@click.option("--run-id", default=None, metavar="ID",
+              help="with --resume: the run directory to continue, <run.output_dir>/<run.name>/ID "
+                   "(default: the one `latest` names)")
+def run(job, cluster, overrides, reference, address, overwrite, resume, run_id):
+    """Train JOB on the cluster (or, with --reference, in this process).
+
+    Each run writes its record (summary.json, metrics.jsonl, workers.json, trace.json,
+    timeline.png) into a new directory <run.output_dir>/<run.name>/<UTC start time>/;
+    `latest` there names the newest."""
     from orchestrator.core.config import check_checkpoint_dir, checkpoint_bytes
     from orchestrator.core.tls import check_transport_tls
-    from orchestrator.driver.runner import existing_record, run_job
+    from orchestrator.driver.runner import run_job
 
     if resume is not None and resume not in ("latest", "auto") and not (resume.isdigit() and int(resume) > 0):
         click.echo(f"meshpipe: --resume {resume!r}: must be a step number (a positive integer), 'auto' (the "
                    "newest committed step if there is one, else step 0) or absent (the newest committed step)",
                    err=True)
+        sys.exit(2)
+    if run_id is not None and resume is None:
+        click.echo(f"meshpipe: --run-id {run_id}: only with --resume (a new run gets a new directory)", err=True)
         sys.exit(2)
     checked, check_output_dir = _checked(job, cluster, overrides, address)
     with reporting():
@@ -259,20 +278,17 @@ def run(job, cluster, overrides, reference, address, overwrite, resume):
         check_checkpoint_dir(checked.job, 0 if reference else checkpoint_bytes(checked))   # --reference saves none
         if not reference:
             check_transport_tls(checked.cluster)
-    found = existing_record(checked, reference)
-    if found and not overwrite and resume is None:   # a resumed run continues its own record
-        r = checked.job.run
-        click.echo(f"meshpipe: run.name = {r.name!r} (run.output_dir = {r.output_dir!r}): {found} exists "
-                   f"from an earlier run; pass --overwrite to replace it, or choose another name "
-                   f"(--set run.name=...)", err=True)
-        sys.exit(2)
+    if overwrite:
+        click.echo("meshpipe: --overwrite is no longer needed: every run writes into a new directory under "
+                   f"{Path(checked.job.run.output_dir) / checked.job.run.name}/ and nothing is replaced", err=True)
     from orchestrator.driver.interrupt import stop_on_signals, stopped_message
 
     with stop_on_signals() as stop:
         try:   # the run was torn down already when an error arrives here (runner's finally)
             with reporting("run failed"):
                 run_job(checked, reference=reference, echo=lambda s: click.echo(s), tty=sys.stdout.isatty(),
-                        resume=resume, resume_command=resume_command(job, cluster, overrides, address))
+                        resume=resume, resume_command=resume_command(job, cluster, overrides, address),
+                        run_id=run_id)
         except KeyboardInterrupt as e:   # Ctrl-C or SIGTERM (interrupt.stop_on_signals); all torn down
             click.echo(f"\nmeshpipe: {stopped_message(stop, e)}", err=True)
             sys.exit(130)
@@ -302,9 +318,20 @@ def run(job, cluster, overrides, reference, address, overwrite, resume):
                    "predicted vs measured")
 @click.option("--allow-code", is_flag=True,
               help="allow a job that names code (model.factory, data.factory): plan imports and calls it")
+@click.option("--no-calibrate", is_flag=True,
+              help="--auto: plan an uncalibrated cluster from nominal figures (marked so) instead of "
+                   "calibrating it first")
+@click.option("--recalibrate", is_flag=True,
+              help="--auto: measure the cluster again even if a cached calibration of it exists")
 def plan(job, cluster, overrides, as_json, png, auto, out, explain_, top, max_model, microbatches,
-         target_step_ms, cache_dir, measure, allow_code):
+         target_step_ms, cache_dir, measure, allow_code, no_calibrate, recalibrate):
     """Show placement, schedule and simulated bubble without starting Ray (--auto: plan it for you).
+
+    --auto prices plans with the cluster's measured figures: a cluster file without them is
+    calibrated first (`meshpipe calibrate`, a few minutes, starts Ray), once — the result is
+    cached per cluster file and machine in ~/.cache/meshpipe/calibrated/ — unless
+    --no-calibrate, which plans from nominal figures and says so. The winning job is written
+    with run.name <name>-auto.
 
     A job that names code (`model.factory`, a `package.module:function` model name, `data.factory`)
     is refused unless --allow-code is given: describing its model means importing and calling
@@ -318,7 +345,7 @@ def plan(job, cluster, overrides, as_json, png, auto, out, explain_, top, max_mo
             _refuse_code(load_job(job, overrides=split_overrides(overrides)[0]), "plan")
     if auto:
         _auto(job, cluster, overrides, out, explain_, top, max_model, microbatches, target_step_ms, cache_dir, as_json,
-              measure)
+              measure, not no_calibrate, recalibrate)
         return
     checked, _ = _checked(job, cluster, overrides, allow_code=allow_code, command="plan")
     p = make_plan(checked)
@@ -364,7 +391,8 @@ def export(ckpt, to):
 
 
 def _auto(job, cluster, overrides, out, explain_, top, max_model, microbatches, target_step_ms, cache_dir, as_json,
-          measure):
+          measure, calibrate: bool = True, recalibrate: bool = False):
+    from orchestrator.driver import autocal
     from orchestrator.driver.autoplan import auto_plan
 
     job_import_dir(job)
@@ -381,12 +409,17 @@ def _auto(job, cluster, overrides, out, explain_, top, max_model, microbatches, 
         click.echo(f"meshpipe: --microbatches = {microbatches!r}: must be positive integers separated by commas, "
                    "e.g. 4,8", err=True)
         sys.exit(2)
-    # --measure: a candidate's run that failed (torn down already) is "measuring failed"
-    with reporting("measuring failed", EXITS + RUNTIME), json_stdout(as_json) as echo:
-        # --measure starts Ray: its forwarded actor lines go to stderr
-        auto_plan(job, cluster or str(DEFAULT_CLUSTER), overrides, out=out, explain_=explain_, top=top,
-                  max_model=max_model, microbatches=ms, target_step_ms=target_step_ms, cache_dir=cache_dir,
-                  as_json=as_json, echo=echo, measure=measure)
+    cluster = cluster or str(DEFAULT_CLUSTER)
+    with json_stdout(as_json) as echo:   # calibrating and --measure start Ray: its lines go to stderr
+        say = (lambda s: click.echo(s, err=True)) if as_json else echo
+        with reporting("calibrating the cluster failed", EXITS + RUNTIME,
+                       after=" (--no-calibrate plans from nominal figures instead)"):
+            calibration = autocal.resolve(cluster, calibrate=calibrate, recalibrate=recalibrate, echo=say)
+        # --measure: a candidate's run that failed (torn down already) is "measuring failed"
+        with reporting("measuring failed", EXITS + RUNTIME):
+            auto_plan(job, cluster, overrides, out=out, explain_=explain_, top=top,
+                      max_model=max_model, microbatches=ms, target_step_ms=target_step_ms, cache_dir=cache_dir,
+                      as_json=as_json, echo=echo, measure=measure, calibration=calibration)
 
 
 @main.command()
@@ -427,13 +460,28 @@ def json_stdout(as_json: bool):
         yield echo
 
 
-address_opt = click.option("--address", envvar="RAY_API_SERVER_ADDRESS", default="http://127.0.0.1:8265",
-                           show_default=True, help="the Ray dashboard (Jobs API) address; env RAY_API_SERVER_ADDRESS")
+address_opt = click.option("--address", envvar="RAY_API_SERVER_ADDRESS", default=None,
+                           help="the Ray dashboard (Jobs API) address, e.g. http://HEAD:8265; env "
+                                "RAY_API_SERVER_ADDRESS. Default: the cluster RAY_ADDRESS names, else the one "
+                                "`ray start` last started on this machine, asked for its dashboard")
 
 
 def _fail(e) -> None:
     click.echo(f"meshpipe: {e}", err=True)
     sys.exit(e.code)
+
+
+def _dashboard(address: str | None) -> str:
+    """--address, or the cluster's dashboard found (`jobs.find_dashboard`, said on stderr); exit 4 if none."""
+    from orchestrator.driver import jobs
+
+    try:
+        url, how = jobs.find_dashboard(address)
+    except jobs.JobsError as e:
+        _fail(e)
+    if not address:
+        click.echo(f"meshpipe: Ray dashboard {url} (from {how})", err=True)
+    return url
 
 
 @main.command()
@@ -442,34 +490,59 @@ def _fail(e) -> None:
 @set_opt
 @address_opt
 @click.option("--working-dir", type=click.Path(exists=True, file_okay=False), default=None,
-              help="directory shipped to the cluster as the job's working dir (default: the job file's)")
+              help="the directory the job's files are shipped relative to; the run starts there on the "
+                   "cluster (default: the job file's)")
 @click.option("--follow/--no-follow", default=True, show_default=True, help="stream the job's logs until it ends")
 @click.option("--no-wait", is_flag=True, help="return right after submitting (exit 0)")
 @click.option("--timeout", type=float, default=None, help="stop waiting after this many seconds (exit 5)")
-@click.option("--overwrite", is_flag=True, help="the run may replace an earlier run's record (`run --overwrite`)")
-def submit(job, cluster, overrides, address, working_dir, follow, no_wait, timeout, overwrite):
-    """Submit JOB to a running Ray cluster as a Ray Job; exit with its outcome."""
-    from orchestrator.driver import jobs
+@click.option("--overwrite", is_flag=True, hidden=True,
+              help="no longer needed: every run gets its own directory (accepted, and says so)")
+@click.option("--include", "include", multiple=True, type=click.Path(exists=True), metavar="PATH",
+              help="ship this file or directory too (one the job's code opens itself; repeatable)")
+@click.option("--max-upload-mb", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="refuse to upload more than this (default 100 MiB)")
+def submit(job, cluster, overrides, address, working_dir, follow, no_wait, timeout, overwrite, include,
+           max_upload_mb):
+    """Submit JOB to a running Ray cluster as a Ray Job; exit with its outcome.
+
+    Ships only what the job needs: the job and cluster files, the code it names and the local
+    modules that code imports, its data files (and --include paths), at their places under the
+    working dir — never earlier runs, checkpoints, caches or a virtualenv beside them."""
+    import shutil
+
+    from orchestrator.driver import jobs, shipping
 
     checked, _ = _checked(job, cluster, overrides, address="auto")
+    if overwrite:
+        click.echo("meshpipe: --overwrite is no longer needed: every run writes into a new directory under "
+                   "<run.output_dir>/<run.name>/ and nothing is replaced", err=True)
+    address = _dashboard(address)
     try:
-        pkg = jobs.package(checked, job, cluster, overrides, address, working_dir, overwrite=overwrite)
+        pkg = jobs.package(checked, job, cluster, overrides, address, working_dir, include=include,
+                           limit_bytes=None if max_upload_mb is None else int(max_upload_mb * 2**20))
     except jobs.JobsError as e:
         _fail(e)
     for w in pkg.warnings:
         click.echo(f"meshpipe: warning: {w}", err=True)
+    ship = pkg.shipment
+    click.echo(f"meshpipe: shipping {len(ship.files)} file(s), {shipping.size_text(ship.nbytes)}, from "
+               f"{pkg.working_dir}: {ship.listing()}", err=True)
     headers, where = jobs.auth_headers()
     click.echo(f"meshpipe: {where}", err=True)
+    staged = shipping.stage(ship)
     try:
         c = jobs.client(address)
-        sid = jobs.bounded(lambda: c.submit_job(entrypoint=pkg.entrypoint, runtime_env=pkg.runtime_env,
+        sid = jobs.bounded(lambda: c.submit_job(entrypoint=pkg.entrypoint,
+                                                runtime_env={**pkg.runtime_env, "working_dir": str(staged)},
                                                 submission_id=pkg.submission_id,
                                                 metadata={"meshpipe_run": pkg.run}),
-                           timeout=120, what="submitting (uploading the working dir)")
+                           timeout=120, what="submitting (uploading the job's files)")
     except jobs.JobsError as e:
         _fail(e)
     except Exception as e:  # noqa: BLE001 - Ray raises several types; say which and why
         _fail(jobs.JobsError(jobs.explain(e, address)))
+    finally:
+        shutil.rmtree(staged, ignore_errors=True)
     from orchestrator.core.redact import redact_text
 
     click.echo(f"submitted {sid}  (run {pkg.run}, working dir {pkg.working_dir})")
@@ -509,6 +582,7 @@ def status(submission_id, address):
     """Print a submitted job's status (exit 1 FAILED, 3 STOPPED, else 0)."""
     from orchestrator.driver import jobs
 
+    address = _dashboard(address)
     try:
         c = jobs.client(address)
         info = jobs.bounded(c.get_job_info, submission_id, what="job info")
@@ -530,6 +604,7 @@ def logs(submission_id, address, follow):
     """Print a submitted job's logs."""
     from orchestrator.driver import jobs
 
+    address = _dashboard(address)
     try:
         c = jobs.client(address)
         if not follow:
@@ -573,6 +648,7 @@ def list_jobs(address):
     """List the meshpipe runs submitted to the cluster (newest last)."""
     from orchestrator.driver import jobs
 
+    address = _dashboard(address)
     try:
         c = jobs.client(address)
         rows = jobs.bounded(c.list_jobs, what="job list")

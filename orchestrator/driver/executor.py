@@ -41,12 +41,12 @@ from collections.abc import Sequence
 
 from orchestrator.driver import placement
 from orchestrator.core.edges import stage_geoms
-from orchestrator.driver.waiting import wait_all
+from orchestrator.driver.waiting import StageFailure, stage_failure, wait_all
 from stages.hooks import WorkerHook
 from stages.ties import tie_stages
 from stages.worker import StageWorker
 from orchestrator.core.contract import (ActorId, CheckpointSpec, OptimizerSpec, StageSpec, Timeouts, TlsFiles,
-                                        TransportSpec, WorkerConfig)
+                                        TransferOrder, TransportSpec, WorkerConfig)
 
 RECV_FACTOR = 2.0    # an actor's RECV deadline: this × the driver's progress deadline for a call
 # After a failure: the seconds the survivors (told to abort) get to end their step and close before they
@@ -54,6 +54,7 @@ RECV_FACTOR = 2.0    # an actor's RECV deadline: this × the driver's progress d
 # wait for after that (jax.distributed's shutdown barrier, with a dead peer) can hold the whole
 # timeouts.shutdown_s and is not waited for (the measurement: docs/decisions.md, "Abort grace").
 ABORT_GRACE_S = 5.0
+CAUSE_GRACE_S = 3.0      # transport xla: how long a death's report waits to see the world's coordinator die too
 
 
 @dataclass
@@ -90,7 +91,8 @@ class PipelineExecutor:
         self.labels: list[list[str]] = []
         self.info: list[dict] = []
         # transport "socket": a fresh secret per run; peers' connections must present it
-        self.token = secrets.token_bytes(32) if checked.cluster.transport == "socket" else None
+        self.plane = checked.cluster.data_plane      # "auto" resolved for the platform
+        self.token = secrets.token_bytes(32) if self.plane == "socket" else None
         self.kind = checked.cluster.executor
         self.dispatcher = None      # made by the first steps() call
         self.beats = None           # recovery.HeartbeatWatch while steps run (runs with restarts)
@@ -120,11 +122,35 @@ class PipelineExecutor:
             geoms=tuple(stage_geoms(checked)),
             tie_stages=tie_stages(checked.model.ties, [s.chunks for s in checked.stages]),
             timeouts=self.timeouts,
-            transport=TransportSpec(kind=cluster.transport, token=self.token,
-                                    same_machine=cluster.transport_same_machine,
-                                    tls=None if tls is None else TlsFiles(tls.cert_file, tls.key_file, tls.ca_file)),
+            transport=TransportSpec(kind=self.plane, token=self.token, same_machine=cluster.transport_same_machine,
+                                    tls=None if tls is None else TlsFiles(tls.cert_file, tls.key_file, tls.ca_file),
+                                    transfers=self._transfers() if self.plane == "xla" else ()),
             loss_scale=job.precision.scaling(), checkpoint=self.checkpoint,
-            compile_cache=compile_cache_dir(job), pin_cpus=cluster.pin_cpus, hooks=self.hooks)
+            compile_cache=compile_cache_dir(job), pin_cpus=cluster.pin_cpus, hooks=self.hooks,
+            on_nonfinite=job.failure.on_nonfinite)
+
+    def _transfers(self) -> tuple[TransferOrder, ...]:
+        """The world's transfer order of a training step and of an eval batch (`transport: xla`)."""
+        from orchestrator.core.schedule.transfers import world_order
+
+        chunks = [tuple(s.chunks) or (tuple(s.layers),) for s in self.checked.stages]
+        orders = [TransferOrder("F", world_order(self.lowered, chunks))]
+        if self.eval_schedule is not None:
+            orders.append(TransferOrder("E", world_order(self.eval_schedule, chunks)))
+        return tuple(orders)
+
+    def _coordinators(self) -> list:
+        """Per stage, the coordinator address its setup gets: a multi-host stage's own (its host 0
+        picks it), or under `transport: xla` the one world's (cluster host 0's actor picks it)."""
+        def pick(row, names, what):
+            return wait_all([row[0].coordinator_address.remote()], self.timeouts.init_s, what, names[:1])[0]
+
+        if self.plane == "xla":       # process 0 of the world: the actor of cluster host 0
+            s, h = next((s, st.hosts.index(0)) for s, st in enumerate(self.checked.stages) if 0 in st.hosts)
+            world = pick(self.actors[s][h:], self.labels[s][h:], "picking the world's coordinator")
+            return [world] * len(self.actors)
+        return [pick(row, names, "picking the stage coordinator") if len(row) > 1 else None
+                for row, names in zip(self.actors, self.labels)]
 
     def start(self) -> None:
         import ray
@@ -147,18 +173,15 @@ class PipelineExecutor:
                 names.append(ActorId(stage.index, host))
             self.actors.append(row)
             self.labels.append(names)
-        coords = []
-        for row, names in zip(self.actors, self.labels):
-            if len(row) > 1:
-                coords.append(wait_all([row[0].coordinator_address.remote()], self.timeouts.init_s,
-                                       "picking the stage coordinator", names[:1])[0])
-            else:
-                coords.append(None)
+        coords = self._coordinators()
         refs, labels = [], []
         for row, names, coord in zip(self.actors, self.labels, coords):
             refs += [a.setup.remote(coord) for a in row]
             labels += names
-        self.info = wait_all(refs, self.timeouts.init_s, "stage setup", labels)
+        try:
+            self.info = wait_all(refs, self.timeouts.init_s, "stage setup", labels)
+        except StageFailure as e:
+            raise self.first_cause(e) from e
         for rec in self.info:
             bundle = self.checked.stages[rec["stage"]].hosts[rec["host"]]
             rec["bundle"], rec["bundle_node_id"] = bundle, bundle_nodes.get(bundle)
@@ -288,7 +311,7 @@ class PipelineExecutor:
         measured = False
         self.dispatch_info = {"dispatcher": type(self.dispatcher).__name__,
                               "steps_per_call": getattr(self.dispatcher, "per_call", 1)}
-        for i, outs, wall in self.dispatcher.steps(count, start):
+        for i, outs, wall in self._steps_of(count, start):
             losses = next(o["losses"] for o in outs if "losses" in o)
             spans = [(o["stage"], o["host"], *span) for o in outs for span in o["spans"]]
             stats = [{"stage": o["stage"], "host": o["host"], **o.get("stats", {})} for o in outs]
@@ -306,6 +329,44 @@ class PipelineExecutor:
             measured = True
             yield StepResult(step=i, loss=sum(losses) / len(losses), wall_s=wall, spans=spans, stats=stats,
                              eval_loss=None if ev is None else sum(ev) / len(ev), checkpoints=saved)
+
+    def _steps_of(self, count: int, start: int):
+        """The dispatcher's steps, a death reported as its first cause (`first_cause`)."""
+        try:
+            yield from self.dispatcher.steps(count, start)
+        except StageFailure as e:
+            cause = self.first_cause(e)
+            if cause is e:
+                raise
+            raise cause from e
+
+    def first_cause(self, e: StageFailure) -> StageFailure:
+        """Under `transport: xla` the world's coordinator runs in cluster host 0's actor: when it dies,
+        JAX's coordination service aborts every other process of the world within a second, and
+        whichever death Ray reports first may be one of those aborts. So a death of another actor
+        is checked against the coordinator's (a heartbeat, `CAUSE_GRACE_S`): if that actor is dead
+        too, its death is the cause. (Any other process's death takes the world down only after
+        JAX's heartbeat timeout, set far above the driver's own detection: `stages.jaxinit`.)"""
+        if self.plane != "xla" or not e.died or not self.actors:
+            return e
+        s, h = next((s, st.hosts.index(0)) for s, st in enumerate(self.checked.stages) if 0 in st.hosts)
+        root = self.labels[s][h]
+        if e.label == root:
+            return e
+        import ray
+        from ray.exceptions import ActorUnavailableError, RayActorError
+
+        ref = self.actors[s][h].heartbeat.options(concurrency_group="io").remote()
+        try:
+            ray.get(ref, timeout=CAUSE_GRACE_S)
+        except RayActorError as dead:
+            if not isinstance(dead, ActorUnavailableError):
+                cause = stage_failure("the world's coordinator (heartbeat)", root, dead)
+                cause.message += f" (then {e.label} died with it: JAX's coordination service aborted it)"
+                return cause
+        except Exception:  # noqa: BLE001 - alive but slow, or unknown: the death seen stays the cause
+            pass
+        return e
 
     def _follow_deadline(self, flat: list) -> None:
         """Set every actor's RECV deadline to RECV_FACTOR × the progress deadline of a call (fire and

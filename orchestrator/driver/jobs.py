@@ -3,8 +3,12 @@
 Basic flow of `submit`:
   1. The job and cluster files are loaded and checked here, as `meshpipe run`
      would (errors exit 2 before anything is sent).
-  2. `package(...)` (pure) decides what travels: runtime_env `working_dir` = the
-     directory holding the job YAML (or `--working-dir`); the entrypoint is
+  2. `package(...)` decides what travels: the files the job needs
+     (`orchestrator.driver.shipping`: the job and cluster files, the code the job names
+     and the local modules it imports, the data), relative to the working dir = the
+     directory holding the job YAML (or `--working-dir`), copied into a fresh directory
+     that is the runtime_env `working_dir` (never earlier runs, checkpoints, caches or a
+     venv beside the job); their size is printed and bounded; the entrypoint is
      `meshpipe run <job, relative to it> [--cluster <cluster, relative>]
      --address auto --set ...`: inside the job the driver connects to the
      cluster it runs on (Ray Jobs sets RAY_ADDRESS) instead of starting Ray.
@@ -17,11 +21,16 @@ Basic flow of `submit`:
      `meshpipe run ... --resume auto`: Ray Jobs does not retry a failed job
      itself (retrying is the submitter's: submit the same job again), and the
      same entrypoint run again continues from the newest committed step (or
-     starts at step 0 when none was committed) instead of refusing its record.
-  3. `client()` connects with Ray's token (see `auth_headers`), submits, prints
+     starts at step 0 when none was committed), in the latest run directory.
+  3. `find_dashboard` finds the cluster's dashboard (Jobs API) when no --address is given:
+     RAY_API_SERVER_ADDRESS, RAY_ADDRESS (a dashboard URL, or the GCS address whose cluster
+     is asked for its dashboard), else the cluster `ray start` last started on this machine
+     (Ray's own record) — never a guessed port, which an embedded Ray of a `meshpipe run`
+     may hold instead of the cluster meant.
+  4. `client()` connects with Ray's token (see `auth_headers`), submits, prints
      the submission id and the `ray job status/logs` commands, then follows the
      logs (`--follow`, default), waits (`--no-follow`) or returns (`--no-wait`).
-  4. The exit code is the job's outcome (`EXIT_CODES`).
+  5. The exit code is the job's outcome (`EXIT_CODES`).
 
 Code on the cluster: the entrypoint runs the `meshpipe` command, so the meshpipe
 package (and jax, optax) must be installed in the Python environment the Ray
@@ -42,6 +51,7 @@ is bounded and Ctrl-C stops only the waiting, not the job.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import queue
@@ -71,21 +81,12 @@ class JobsError(RuntimeError):
 
 
 # -- the token ---------------------------------------------------------------
-def token_source() -> str | None:
-    """Where Ray would read the token from (no value), in Ray's order; None if nowhere."""
-    if os.environ.get("RAY_AUTH_TOKEN", "").strip():
-        return "RAY_AUTH_TOKEN"
-    path = os.environ.get("RAY_AUTH_TOKEN_PATH")
-    if path:
-        return f"RAY_AUTH_TOKEN_PATH ({path})"
-    default = Path.home() / ".ray" / "auth_token"
-    return str(default) if default.is_file() else None
-
-
 def auth_headers() -> tuple[dict[str, str], str]:
     """({"authorization": "Bearer …"} or {}, a sentence saying where it came from — never the token)."""
     if os.environ.get("RAY_AUTH_MODE", "").strip().lower() == "disabled":
         return {}, "RAY_AUTH_MODE=disabled is set: no Ray auth token sent"
+    from orchestrator.driver.ray_internals import token_source
+
     source = token_source()
     headers: dict[str, str] = {}
     from orchestrator.driver.ray_internals import auth_headers_from_ray
@@ -118,18 +119,23 @@ class Package:
     run: str
     working_dir: str
     entrypoint: str
-    runtime_env: dict
+    runtime_env: dict           # its working_dir: the user's; `submit` uploads a staged copy of `shipment`
     submission_id: str
     warnings: tuple[str, ...] = field(default_factory=tuple)
+    shipment: Any = None        # shipping.Shipment: the files that travel
 
 
 def package(checked, job_path: str, cluster_path: str | None, overrides: tuple[str, ...],
             address: str, working_dir: str | None = None, submission_id: str | None = None,
-            overwrite: bool = False) -> Package:
-    """Decide the working dir, entrypoint and runtime_env of a submission (pure, apart from path checks).
+            include: tuple[str, ...] = (), limit_bytes: int | None = None) -> Package:
+    """Decide the files, entrypoint and runtime_env of a submission (reads the file system, sends nothing).
+
+    `include`: more paths to ship (files the job's code opens itself); `limit_bytes`: the most
+    the files may come to (default `shipping.LIMIT_BYTES`).
 
     Raises:
-      JobsError(code=2): a file the job needs lies outside the working dir.
+      JobsError(code=2): a file the job needs lies outside the working dir or is missing, or the
+        files come to more than the limit.
 
     Example:
       >>> from orchestrator.core.config import check_job, load_cluster, load_job
@@ -141,10 +147,16 @@ def package(checked, job_path: str, cluster_path: str | None, overrides: tuple[s
       >>> Path(p.runtime_env["working_dir"]).name
       'examples'
     """
+    from orchestrator.driver import shipping
+
     job = checked.job
     wd = Path(working_dir or Path(job_path).resolve().parent).resolve()
     sets = list(overrides)
-    warnings: list[str] = []
+    try:
+        shipment = shipping.needed_files(checked, job_path, cluster_path, wd, include)
+        warnings: list[str] = shipping.check_size(shipment, limit_bytes or shipping.LIMIT_BYTES)
+    except shipping.ShippingError as e:
+        raise JobsError(str(e), code=EXIT_CONFIG) from None
 
     def inside(path: Path, what: str, key: str) -> str:
         try:
@@ -157,12 +169,19 @@ def package(checked, job_path: str, cluster_path: str | None, overrides: tuple[s
     args = ["meshpipe", "run", inside(Path(job_path), "the job file", "JOB")]
     if cluster_path:
         args += ["--cluster", inside(Path(cluster_path), "the cluster file", "--cluster")]
-    args += ["--address", "auto"] + (["--overwrite"] if overwrite else [])
+    args += ["--address", "auto"]
     if job.checkpoint is not None:      # a retry (the same submission again) continues the run
         args += ["--resume", "auto"]
     if isinstance(job.data.path, str):      # (only the sources that read files take a path)
         src = Path(checked.data_path or job.data.path)
         sets.append(f"data.path={inside(src, 'the data file', 'data.path')}")
+    elif job.data.path is not None:         # several files: the list, each relative to the working dir
+        sets.append("data.path=" + json.dumps([inside(Path(p), "the data file", "data.path") for p in job.data.path]))
+    if job.data.eval is not None and job.data.eval.path is not None:
+        ev = job.data.eval.path
+        sets.append("data.eval.path=" + (inside(Path(ev), "the eval file", "data.eval.path") if isinstance(ev, str)
+                                         else json.dumps([inside(Path(p), "the eval file", "data.eval.path")
+                                                          for p in ev])))
     if job.data.tokenizer:
         sets.append(f"data.tokenizer={inside(Path(job.data.tokenizer), 'the tokenizer file', 'data.tokenizer')}")
     dirs = [("run.output_dir", job.run.output_dir, "keep the results")]
@@ -182,12 +201,42 @@ def package(checked, job_path: str, cluster_path: str | None, overrides: tuple[s
     sid = submission_id or f"meshpipe-{job.run.name}-{secrets.token_hex(4)}"
     runtime_env = {"working_dir": str(wd), "env_vars": {"PYTHONUNBUFFERED": "1"}}
     return Package(run=job.run.name, working_dir=str(wd), entrypoint=shlex.join(args),
-                   runtime_env=runtime_env, submission_id=sid, warnings=tuple(warnings))
+                   runtime_env=runtime_env, submission_id=sid, warnings=tuple(warnings), shipment=shipment)
 
 
 def _is_loopback(address: str) -> bool:
     host = urlparse(address if "://" in address else f"http://{address}").hostname or ""
     return host in LOOPBACK or host.startswith("127.")
+
+
+# -- finding the cluster ---------------------------------------------------------
+def find_dashboard(address: str | None) -> tuple[str, str]:
+    """(the Ray dashboard URL to talk to, where it came from); module docstring, step 3.
+
+    Raises:
+      JobsError(code=4): no address given and no cluster found, or the one found did not say
+        where its dashboard is.
+    """
+    from orchestrator.driver.ray_internals import current_cluster, dashboard_of_gcs
+
+    if address:
+        return (address if "://" in address else f"http://{address}"), "--address / RAY_API_SERVER_ADDRESS"
+    hint = "pass --address http://HEAD:8265 (the head's dashboard) or set RAY_API_SERVER_ADDRESS"
+    env = os.environ.get("RAY_ADDRESS", "").strip()
+    if env.startswith(("http://", "https://")):
+        return env, "RAY_ADDRESS"
+    if env.startswith("ray://"):
+        raise JobsError(f"RAY_ADDRESS = {env!r} is a Ray Client address; submitting needs the dashboard: {hint}")
+    if env and env != "auto":
+        gcs, via = env, "RAY_ADDRESS"
+    else:
+        gcs, via = current_cluster(), "the cluster `ray start` last started on this machine"
+    if not gcs:
+        raise JobsError(f"no Ray cluster given or found: {hint} (on the head, `ray start --head` prints it)")
+    url, why = dashboard_of_gcs(gcs)
+    if url is None:
+        raise JobsError(f"{via}, GCS {gcs}, did not say where its dashboard is ({why}): {hint}")
+    return url, f"{via} (GCS {gcs})"
 
 
 # -- talking to the cluster ----------------------------------------------------
@@ -219,8 +268,24 @@ def client(address: str):
     warning = cleartext_token_warning(address, bool(headers))
     if warning:
         logging.getLogger("meshpipe").warning(warning)
+
+    def make():
+        # Ray's client takes RAY_API_SERVER_ADDRESS, then RAY_ADDRESS, over the address it is given
+        # (`get_address_for_submission_client`); a GCS address in RAY_ADDRESS would send it through
+        # Ray's own lookup, which rewrites a loopback head to the routable address and retries for
+        # minutes. The address is already resolved (`find_dashboard`): make it the one Ray reads.
+        before = os.environ.get("RAY_API_SERVER_ADDRESS")
+        os.environ["RAY_API_SERVER_ADDRESS"] = address
+        try:
+            return JobSubmissionClient(address, headers=headers)
+        finally:
+            if before is None:
+                os.environ.pop("RAY_API_SERVER_ADDRESS", None)
+            else:
+                os.environ["RAY_API_SERVER_ADDRESS"] = before
+
     try:
-        return bounded(lambda: JobSubmissionClient(address, headers=headers), what=f"connecting to {address}")
+        return bounded(make, what=f"connecting to {address}")
     except JobsError:
         raise
     except Exception as e:  # noqa: BLE001 - Ray raises several types; name the cause

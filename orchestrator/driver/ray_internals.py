@@ -14,9 +14,17 @@ meshpipe needs these things Ray has no public API for:
     `handlers`), wrapped so known noise is dropped (`orchestrator.driver.quiet`).
   - `available_resources()`: `ray._private.state.available_resources_per_node`.
   - `dashboard_url()`: `ray._private.worker.get_dashboard_url`.
+  - `current_cluster()`: `ray._private.utils.read_ray_address`, the GCS address of the cluster
+    `ray start` last started on this machine; `dashboard_of_gcs(address)`: that cluster's
+    dashboard URL, which its GCS keeps (`ray._raylet.GcsClient`, key `webui:url` of the
+    `dashboard` namespace), asked in a subprocess with a deadline (`meshpipe submit` without
+    --address).
   - `bootstrap_address(address)`: `ray._private.services.canonicalize_bootstrap_address`, the
     address `ray.init` really dials ("auto" resolved, a loopback host rewritten), so that
     `orchestrator.driver.connect` can probe it within a deadline and name it.
+  - `embedded_session()`: `ray._private.worker._global_node`'s session directory and raylet
+    pid, for the reaper that cleans up after a driver killed with its embedded cluster
+    (`orchestrator.driver.reaper`).
   - `compiled_graph_proxy(graph)`: a Compiled Graph's `_proxy_actor`, a helper actor Ray
     starts on the driver's node and frees only when the graph object is garbage collected —
     which the refs a failed step leaves in a traceback can delay by a minute.
@@ -41,6 +49,7 @@ import ipaddress
 import itertools
 import logging
 import os
+from pathlib import Path
 
 from orchestrator.core.backends import PlacementError   # pure: no ray, no jax
 
@@ -58,6 +67,8 @@ INTERNALS = {   # what this module reaches into: (module, attribute) -> what for
         "whether to print the token hint at start",
     ("ray._private.ray_logging", "global_worker_stdstream_dispatcher"):
         "dropping known noise from the actor output forwarded to the driver",
+    ("ray._private.utils", "read_ray_address"): "the cluster `ray start` last started here (submit without --address)",
+    ("ray._raylet", "GcsClient"): "the dashboard address a cluster's GCS keeps (submit without --address)",
     ("ray._private.services", "canonicalize_bootstrap_address"):
         "the address `ray.init` really dials, probed and named within cluster.timeouts.connect_s",
 }
@@ -269,6 +280,55 @@ def dashboard_url() -> str | None:
         return None
 
 
+def current_cluster() -> str | None:
+    """The GCS address (host:port) of the cluster `ray start` last started on this machine, as Ray
+    records it for `ray.init(address="auto")`; None when there is none (or this Ray keeps it elsewhere)."""
+    fn = _internal("ray._private.utils", "read_ray_address")
+    try:
+        return (fn() or None) if fn is not None else None
+    except Exception:  # noqa: BLE001 - an unreadable record is no record
+        return None
+
+
+GCS_DASHBOARD_QUERY = ("import sys\nfrom ray._raylet import GcsClient\n"
+                       "url = GcsClient(address=sys.argv[1]).internal_kv_get(b'webui:url', b'dashboard', "
+                       "timeout=float(sys.argv[2]))\n"
+                       "print((url or b'').decode())\n")
+
+
+def token_source() -> str | None:
+    """Where Ray would read the token from (no value), in Ray's order; None if nowhere."""
+    if os.environ.get("RAY_AUTH_TOKEN", "").strip():
+        return "RAY_AUTH_TOKEN"
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH")
+    if path:
+        return f"RAY_AUTH_TOKEN_PATH ({path})"
+    default = Path.home() / ".ray" / "auth_token"
+    return str(default) if default.is_file() else None
+
+
+def dashboard_of_gcs(gcs_address: str, timeout: float = 20.0) -> tuple[str | None, str]:
+    """(the dashboard URL the cluster at `gcs_address` advertises, or None; why not). Asked in a
+    subprocess (a GCS client of Ray's own, bounded by `timeout`), with `RAY_AUTH_MODE=token` when
+    a token is at hand and the user did not choose a mode: Ray's client needs it to send one."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ)
+    if not env.get("RAY_AUTH_MODE") and token_source():
+        env["RAY_AUTH_MODE"] = "token"
+    try:
+        r = subprocess.run([sys.executable, "-c", GCS_DASHBOARD_QUERY, gcs_address, str(timeout / 2)],
+                           capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return None, f"no answer within {timeout:g} s"
+    url = r.stdout.strip().splitlines()[-1].strip() if r.returncode == 0 and r.stdout.strip() else ""
+    if not url:
+        last = next((ln for ln in reversed(r.stderr.strip().splitlines()) if ln.strip()), f"exit {r.returncode}")
+        return None, last[-300:]
+    return (url if "://" in url else f"http://{url}"), ""
+
+
 def bootstrap_address(address: str) -> str | None:
     """The 'host:port' `ray.init(address=address)` dials, or None when Ray would not dial one
     ("auto" with no cluster to find, "local") or this Ray cannot say."""
@@ -288,6 +348,31 @@ def compiled_graph_proxy(graph):
     if proxy is None:
         log.debug("this Ray's CompiledDAG has no _proxy_actor; leaving its cleanup to Ray")
     return proxy
+
+
+def embedded_session() -> tuple[str, int | None] | None:
+    """(session directory, raylet pid) of the cluster this process started (`ray.init` without an
+    address): `ray._private.worker._global_node`'s `get_session_dir_path()` and its raylet's
+    process record; None when this Ray has neither (then no reaper watches the cluster:
+    `orchestrator.driver.reaper`)."""
+    node = getattr(_internal_module("ray._private.worker"), "_global_node", None)
+    try:
+        session = node.get_session_dir_path()
+        procs = node.all_processes.get("raylet") or []
+        raylet = procs[0].process.pid if procs and getattr(procs[0], "process", None) is not None else None
+        return str(session), raylet
+    except Exception as e:  # noqa: BLE001 - an aid: the next run's sweep still cleans the semaphores
+        log.debug("this Ray does not say its session directory or raylet pid: %s", e)
+        return None
+
+
+def _internal_module(module: str):
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        return None
 
 
 # -- what actually listens -------------------------------------------------------

@@ -1,57 +1,45 @@
 """A run's record in its run directory: what `meshpipe run` leaves behind, whatever happens.
 
-    <run.output_dir>/<run.name>/
+    <run.output_dir>/<run.name>/<run id>/      (`orchestrator.driver.rundir`: one per run)
       metrics.jsonl      a line per step as it completes; a `restart` line at each restart; a
-                         `resume` line where a resumed run (`--resume`) starts appending
+                         `resume` line where a resumed invocation (`--resume`) starts appending
       summary.json       written on every exit: status completed | failed | interrupted, the
                          losses, step times and evals so far, restarts and recoveries, ...
       error.txt          a failure's full (redacted) stage traceback; the next ones error.1.txt,
                          error.2.txt, ... (every attempt's, recovered or not: `error_files`)
-      summary.1.json ... what an earlier run in this directory wrote, kept when a resumed run
-                         starts (`earlier_summaries`; so are its trace.json / timeline.png)
+      workers.json, trace.json, timeline.png
+      previous/<k>/      what the k-th earlier invocation of this run wrote besides metrics.jsonl
+                         (its summary, error files, pictures), set aside by `rundir.open_run`
+                         when `--resume` continued the run (`previous` in the summary)
 
-Basic flow (`orchestrator.driver.runner.run_job`): `RunRecord(...)` opens the record — a fresh
-run removes an earlier run's files (the CLI refuses that without `--overwrite`), a resumed run
-keeps them: its metrics.jsonl is appended to (after a `resume` line, when there was a record
-to continue) and the earlier summary and pictures are renamed with the next free number — then `step(rec)` per step result, `rollback(step, restart)` when a
-restart drops the steps after the commit it resumes from, `error_file(e)` for each failure's
-traceback, and `completed(norms)` or `stopped(e)` at the end. `close()` in every case.
+Basic flow (`orchestrator.driver.runner.run_job`): `rundir.open_run` gives the directory (a new
+one, or with `--resume` the one continued, its earlier documents set aside), then
+`RunRecord(...)` opens the record: metrics.jsonl is always appended to, after a `resume` line
+when there was a record to continue. Then `step(rec)` per step result, `health(event)` per
+training-health event (`orchestrator.core.health`), `rollback(step, restart)` when a restart drops
+the steps after the commit it resumes from, `error_file(e)` for each failure's traceback, and
+`completed(norms)` or `stopped(e)` at the end. `close()` in every case.
 
 Invariants:
-  - No record is erased: only a fresh run (after `--overwrite`) removes files, and a resumed
-    run renames what it would replace. The losses, step times and evals of summary.json are
-    this run's view (a resumed run's losses start with the committed steps'), metrics.jsonl
-    is everything that happened.
+  - No record is erased or replaced: a run's directory is its own, a resumed invocation appends
+    to the run's metrics.jsonl and finds the earlier documents under previous/<k>/. The losses,
+    step times and evals of summary.json are this invocation's view (a resumed run's losses
+    start with the committed steps'); metrics.jsonl is everything that happened.
   - Each file is written owner-only; summary.json atomically (`private_fs.write_private`).
 """
 from __future__ import annotations
 
 import json
 import logging
-import re
 import time
 from pathlib import Path
 from typing import Callable
 
 from orchestrator.core.private_fs import write_private
 from orchestrator.core.redact import redact, redact_text
+from orchestrator.driver.rundir import previous_of
 
 log = logging.getLogger("meshpipe")
-
-RECORD_FILES = ("summary.json", "metrics.jsonl", "trace.json", "timeline.png", "error.txt")
-REFERENCE_RECORD_FILES = ("summary.reference.json", "metrics.reference.jsonl")
-KEPT_ON_RESUME = ("summary.json", "trace.json", "timeline.png")     # renamed with a number, not replaced
-_NUMBERED = re.compile(r"^(summary|trace|timeline|error)\.\d+\.(json|png|txt)$")
-
-
-def record_files(run_dir: Path, reference: bool = False) -> list[Path]:
-    """The record files in `run_dir`: those of `RECORD_FILES` in its order, then the numbered ones."""
-    if reference:
-        return [run_dir / n for n in REFERENCE_RECORD_FILES if (run_dir / n).exists()]
-    found = [run_dir / n for n in RECORD_FILES if (run_dir / n).exists()]
-    if run_dir.is_dir():
-        found += sorted(p for p in run_dir.iterdir() if _NUMBERED.match(p.name))
-    return found
 
 
 def numbered(path: Path) -> Path:
@@ -69,10 +57,10 @@ class RunRecord:
 
     Args:
       checked: the job.
-      out: the run directory (exists, owner-only).
+      out: the run directory (`rundir.open_run`: exists, owner-only).
       plan_json: the plan as summary.json records it.
       reference: the single-process reference run (`summary.reference.json`, `metrics.reference.jsonl`).
-      resume: a resumed run (`--resume`): keep and continue the earlier record.
+      resume: a resumed invocation (`--resume`): continue the run's metrics.jsonl.
       losses: the committed steps' losses a resumed run starts from.
       progress: what shows each step (`telemetry.Progress`), or None.
     """
@@ -85,33 +73,19 @@ class RunRecord:
         suffix = ".reference" if reference else ""
         self.summary_path = self.out / f"summary{suffix}.json"
         self.resumed_from = len(losses) if resume else None
-        continued = resume and bool(record_files(self.out, reference))     # an earlier record to continue
-        self.earlier = self._keep_earlier() if continued and not reference else []
-        if not resume:      # a fresh run's record is this run's alone (after --overwrite: never two runs mixed)
-            for stale in record_files(self.out, reference):
-                stale.unlink(missing_ok=True)
-        self.metrics = StepLog(self.out / f"metrics{suffix}.jsonl", fresh=not resume)
+        log_path = self.out / f"metrics{suffix}.jsonl"
+        continued = resume and log_path.exists()          # an earlier invocation's lines to continue
+        self.previous = previous_of(self.out)             # the earlier invocations' documents, oldest first
+        self.metrics = StepLog(log_path)                  # appended to, never truncated
         self.progress = progress
         self.samples = checked.job.data.global_batch
         self.losses: list[float] = list(losses)
         self.times: list[float] = []
         self.evals: list[list] = []          # [step, mean eval loss] (data.eval)
-        self.errors: list[str] = []          # this run's error files, in order
-        self.extra: dict = {"mode": "reference" if reference else "pipeline"}
+        self.errors: list[str] = []          # this invocation's error files, in order
+        self.extra: dict = {"mode": "reference" if reference else "pipeline", "run_dir": str(self.out)}
         if continued:
-            self.metrics.append({"resume": self.resumed_from, "earlier_summaries": self.earlier, "time": time.time()})
-
-    def _keep_earlier(self) -> list[str]:
-        """An earlier run's summary and pictures, renamed with the next free number; their new names."""
-        kept = []
-        for name in KEPT_ON_RESUME:
-            path = self.out / name
-            if path.exists():
-                to = numbered(path)
-                path.rename(to)
-                if name == "summary.json":
-                    kept.append(to.name)
-        return kept
+            self.metrics.append({"resume": self.resumed_from, "previous": self.previous, "time": time.time()})
 
     # -- as the run goes ---------------------------------------------------
     def step(self, rec: dict) -> None:
@@ -130,6 +104,14 @@ class RunRecord:
         if self.progress is not None:
             self.progress.update(rec)
 
+    def health(self, event: dict) -> None:
+        """A training-health event (`orchestrator.core.health.Event.as_record`) into summary.json's
+        `health` (opened by the run: `Session`): every event is kept, a skip's step is listed."""
+        health = self.extra["health"]
+        health["events"].append(event)
+        if event["action"] == "skip":
+            health["skipped_steps"].append(event["step"])
+
     def rollback(self, step: int, restart: int, grow: bool = False) -> None:
         """A restart from checkpoint `step` (`grow`: an elastic grow-back, no failure): the later steps
         leave summary.json's lists (they run again); metrics.jsonl keeps them and gets a `restart`
@@ -143,6 +125,8 @@ class RunRecord:
                 del scaled["scales"][max(0, len(scaled["scales"]) - lost):]
                 scaled["skipped_steps"] = [s for s in scaled["skipped_steps"] if s < step]
         self.evals[:] = [e for e in self.evals if e[0] < step]
+        if "health" in self.extra:          # the skips from the commit on run again (the events stay)
+            self.extra["health"]["skipped_steps"] = [s for s in self.extra["health"]["skipped_steps"] if s < step]
         what = {"grow": True} if grow else {"restart": restart}
         self.metrics.append({**what, "resumed_from": step, "time": time.time()})
 
@@ -167,7 +151,7 @@ class RunRecord:
             "plan": self.plan_json,
             "config": json.dumps(redact(self.checked.to_dict()), indent=2),  # secrets never reach disk
             **({"error_files": list(self.errors)} if self.errors else {}),
-            **({"earlier_summaries": list(self.earlier)} if self.earlier else {}),
+            **({"previous": list(self.previous)} if self.previous else {}),
             **self.extra,
         }
 

@@ -36,7 +36,7 @@ import time
 from typing import Optional
 
 from orchestrator.core.contract import ActorId, failure_of
-from orchestrator.core.recovery import DIED, ERROR, HANG, Decision, Failure, actor_of
+from orchestrator.core.recovery import DIED, ERROR, HANG, STORAGE, Decision, Failure, actor_of
 from orchestrator.driver.waiting import ProgressTimeout, StageFailure, stage_failure
 
 log = logging.getLogger("meshpipe")
@@ -75,6 +75,8 @@ def classify(e: BaseException, next_step: int, hung: Optional[list[str]] = None)
         stage, host = actor_of(e.label)
         return Failure(DIED, stage, host, next_step, short)
     found = getattr(e, "origin", None) or failure_of(e)
+    if found is not None and found.kind == "storage":     # checkpoint.dir refused the write
+        return Failure(STORAGE, found.stage, found.host, found.step, found.error, errno=found.errno, path=found.path)
     if found is not None:     # where the step failed first (a survivor told to abort: its peer)
         return Failure(ERROR, found.stage, found.host, found.step, found.error)
     stage, host = actor_of(getattr(e, "label", None))
@@ -297,19 +299,18 @@ def stop_message(f: Failure, where: dict, decision: Decision, committed: Optiona
                  resume_command: str) -> str:
     """Why the run stops, what is lost and the command that continues it (`resume_command`, this
     run's own command with `--resume`). With nothing committed the command starts again: it is
-    this run's command with `--overwrite` in place of `--resume` (the failed run's record exists,
-    and a plain `meshpipe run` would refuse to replace it).
+    this run's command without `--resume` (a new run directory; the failed run's record stays).
 
     >>> from orchestrator.core.recovery import DIED
     >>> print(stop_message(Failure(DIED, 1, 0, 1, "killed"), {}, Decision(False, "no checkpoint is committed yet"),
     ...                    None, 1, "meshpipe run j.yaml --set run.steps=8 --resume"))
     actor died: stage 1 host 0 in step 1: killed
     not restarting: no checkpoint is committed yet.
-    lost: all 1 steps done (no checkpoint was committed). Start again with: meshpipe run j.yaml --set run.steps=8 --overwrite
+    lost: all 1 steps done (no checkpoint was committed). Start again with: meshpipe run j.yaml --set run.steps=8
     """
     head = f"{describe(f, where)}\nnot restarting: {decision.reason}."
     if committed is None:
-        again = resume_command.removesuffix(" --resume") + " --overwrite"
+        again = resume_command.removesuffix(" --resume")
         return f"{head}\nlost: all {steps_done} steps done (no checkpoint was committed). Start again with: {again}"
     lost = steps_done - committed
     what = (f"the {lost} steps after it ({committed}..{steps_done - 1}) are lost" if lost > 0

@@ -11,10 +11,11 @@ Basic flow of `run_job`:
 Records survive a failure and are never erased: each completed step is appended to
 `metrics.jsonl` as it arrives, and `summary.json` is written on every exit — status completed,
 failed or interrupted, with the error, the steps done and the losses so far; a stage's full
-(redacted) traceback goes to `error.txt` (the next ones `error.1.txt`, ...). A resumed run
-(`--resume`) appends to the record it continues (`RunRecord`); `existing_record` is what
-`meshpipe run` checks so that a second run of the same job never replaces the first one's
-record silently (`--overwrite`). With batched dispatch (`cluster.steps_per_call` k) the driver
+(redacted) traceback goes to `error.txt` (the next ones `error.1.txt`, ...). Every run writes into
+a directory of its own under the run's name (`orchestrator.driver.rundir`), `--resume` into the
+one it continues, appending to its `metrics.jsonl` after the earlier invocation's summary and
+pictures were set aside in `previous/<k>/` (`orchestrator.driver.record.RunRecord`): no run
+replaces another's record. With batched dispatch (`cluster.steps_per_call` k) the driver
 learns steps k at a time, so the steps completed inside a call that fails are not recorded. The
 driver keeps a bounded amount per step: the loss and the step time (summary.json's lists) and the
 step's scalar telemetry; spans only for the steps trace.json shows.
@@ -42,22 +43,10 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from orchestrator.core.plan import make_plan, plan_json
-from orchestrator.core.private_fs import private_dir
-from orchestrator.driver.record import REFERENCE_RECORD_FILES, RECORD_FILES, RunRecord, record_files  # noqa: F401
+from orchestrator.driver.record import RunRecord
+from orchestrator.driver.rundir import open_run
 
 log = logging.getLogger("meshpipe")
-
-
-def output_dir(checked) -> Path:
-    """The run directory, created owner-only (0o700 whatever the umask; see private_fs)."""
-    job = checked.job
-    return private_dir(Path(job.run.output_dir) / job.run.name)
-
-
-def existing_record(checked, reference: bool = False) -> Path | None:
-    """The file of an earlier run that this run would replace (in its run directory), if any."""
-    found = record_files(Path(checked.job.run.output_dir) / checked.job.run.name, reference)
-    return found[0] if found else None
 
 
 def step_line(rec: dict, samples: int) -> str:
@@ -65,12 +54,14 @@ def step_line(rec: dict, samples: int) -> str:
             f"{samples / rec['step_time_s']:9.1f} samples/s")
     if rec.get("eval_loss") is not None:
         line += f"  eval loss {rec['eval_loss']:.5f}"
+    if rec.get("health"):      # a training-health event (orchestrator.core.health): its action and kind
+        line += f"  [{rec['health']}]"
     return line
 
 
 def run_job(checked, *, reference: bool = False, echo: Callable[[str], None] = print,
             tty: bool = False, hooks: Sequence = (), keep_params: bool = False, resume=None,
-            resume_command: str | None = None) -> dict:
+            resume_command: str | None = None, run_id: str | None = None) -> dict:
     """Train the checked job; `tty`: draw a progress bar on stdout instead of one line per step;
     `hooks`: `stages.hooks.WorkerHook` objects every stage worker calls (pipeline runs only);
     `keep_params`: the returned summary also holds "params" (name -> final numpy array; not written);
@@ -78,20 +69,23 @@ def run_job(checked, *, reference: bool = False, echo: Callable[[str], None] = p
     continue from that committed checkpoint (`orchestrator.driver.checkpoint`; its checks raise
     CheckpointError before anything starts) and append to the run's record;
     `resume_command`: the command line that continues this run, for the message of a failure
-    not recovered from (`meshpipe run` passes its own; default `meshpipe run <job.yaml> --resume`).
+    not recovered from (`meshpipe run` passes its own; default `meshpipe run <job.yaml> --resume`);
+    `run_id`: with `resume`, the run directory to continue (default: the latest; `rundir.open_run`).
 
     Writes `metrics.jsonl` (one record per step, as it completes) and `summary.json` into the
-    run directory (`metrics.reference.jsonl` / `summary.reference.json` with `reference`;
-    `orchestrator.driver.record`). The summary is written also when the run fails or is
-    interrupted — `status` "failed" or "interrupted", `error`, `steps_done` and the losses so
-    far — and the error is re-raised.
+    run directory (`metrics.reference.jsonl` / `summary.reference.json` with `reference`), a new
+    one under `<run.output_dir>/<run.name>/` or the one `--resume` continues
+    (`orchestrator.driver.rundir`; the summary's `run_dir`; `orchestrator.driver.record`). The
+    summary is written also when the run fails or is interrupted — `status` "failed" or
+    "interrupted", `error`, `steps_done` and the losses so far — and the error is re-raised.
     """
     from orchestrator.driver.telemetry import Progress, summary_block
 
     job = checked.job
     ckpt = _prepare(checked, reference, resume, echo)
     plan = make_plan(checked)
-    out = output_dir(checked)
+    out = open_run(job, resume=resume is not None, run_id=run_id)
+    echo(f"run directory {out}")
     progress = Progress(job.run.steps, tty=tty, echo=echo, line=lambda rec: step_line(rec, job.data.global_batch))
     record = RunRecord(checked, out, plan_json(plan), reference=reference, resume=resume is not None,
                        losses=ckpt.losses if ckpt else (), progress=progress)
@@ -160,7 +154,18 @@ def _run_pipeline(checked, plan, record: RunRecord, out: Path, echo, hooks: Sequ
     from orchestrator.driver.quiet import filter_worker_logs
 
     job = checked.job
+    _sweep(echo)
     started = placement.connect(checked.cluster, namespace=f"meshpipe-{job.run.name}")
+    reaper = None
+    try:
+        _refuse_compiled_graph_restarts(checked)
+        reaper = _reaper(out) if started else None      # cleans up after this driver, however it ends
+    except BaseException:
+        if started:
+            import ray
+
+            ray.shutdown()
+        raise
     reinstall()            # ray.init put absl's signal handler in place of ours (stack dump, abort)
     filter_worker_logs()
     session = Session(checked, plan, record, ckpt, resume_command, echo)
@@ -191,6 +196,51 @@ def _run_pipeline(checked, plan, record: RunRecord, out: Path, echo, hooks: Sequ
             import ray
 
             ray.shutdown()
+        if reaper is not None:
+            reaper.close()
+
+
+def _sweep(echo) -> None:
+    """Remove the Compiled Graph channel semaphores earlier drivers' dead clusters left in /dev/shm
+    (`orchestrator.driver.reaper.sweep_semaphores`), saying so."""
+    from orchestrator.driver.reaper import SHM, semaphore_owner, sweep_semaphores
+
+    try:
+        removed = sweep_semaphores()
+    except Exception as e:  # noqa: BLE001 - a cleanup of others' leftovers never stops a run
+        log.debug("sweeping %s: %s", SHM, e)
+        return
+    if removed:
+        owners = ", ".join(str(p) for p in sorted({semaphore_owner(n) for n in removed}))
+        echo(f"removed {len(removed)} Ray Compiled Graph channel semaphores from {SHM}, left by raylets that are "
+             f"gone (pids {owners}) and mapped by no process")
+
+
+def _reaper(out):
+    """A `orchestrator.driver.reaper.Reaper` for the Ray this driver started (None when it cannot)."""
+    from orchestrator.driver.reaper import Reaper
+
+    try:
+        return Reaper.start(str(out / "leftovers.txt"))
+    except Exception as e:  # noqa: BLE001 - an aid: the next run's sweep still finds the semaphores
+        log.warning("no reaper for the embedded Ray (what it leaves if this driver is killed stays): %s", e)
+        return None
+
+
+def _refuse_compiled_graph_restarts(checked) -> None:
+    """`compiled_graph` with restarts on a multi-node cluster: a ConfigError before anything starts
+    (`orchestrator.core.recovery.compiled_graph_restarts` says why)."""
+    import ray
+
+    from orchestrator.core.config.errors import ConfigError
+    from orchestrator.core.recovery import compiled_graph_restarts
+
+    if checked.cluster.executor != "compiled_graph" or checked.job.failure.max_restarts == 0:
+        return
+    why = compiled_graph_restarts(checked.cluster.executor, checked.job.failure.max_restarts,
+                                  sum(1 for n in ray.nodes() if n.get("Alive")))
+    if why is not None:
+        raise ConfigError(why)
 
 
 def _ray_info(run: str, echo) -> dict:
@@ -210,6 +260,10 @@ def _ray_info(run: str, echo) -> dict:
         echo(f"Ray dashboard {info['dashboard_url']}  (namespace {info['namespace']}, actors {info['actors']})")
         for line in auth_hint(info["dashboard_url"], _gcs_address()):
             echo(f"  {line}")
+    if info.get("metrics_endpoints"):
+        from orchestrator.driver.workers import metrics_line
+
+        echo(metrics_line(info["metrics_endpoints"]))
     return info
 
 
@@ -229,9 +283,7 @@ def auth_hint(dashboard_url: str, gcs_address: str | None) -> list[str]:
     `/api/authenticate` (Authorization: Bearer), which sets the `ray-authentication-token`
     cookie. Ray's CLI needs `RAY_AUTH_MODE=token` and finds the token itself.
     """
-    from orchestrator.driver.jobs import token_source
-
-    from orchestrator.driver.ray_internals import token_auth_enabled
+    from orchestrator.driver.ray_internals import token_auth_enabled, token_source
 
     if not token_auth_enabled():
         return []

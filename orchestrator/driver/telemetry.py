@@ -269,8 +269,8 @@ class StepLog:
     """Per-step records appended to a JSON-lines file (`metrics.jsonl`) as the steps complete.
 
     One JSON object per line (step, loss, step_time_s, samples_per_s, time, …). The file is
-    created owner-only (0o600) and truncated when the run starts (`fresh`; a resumed run appends
-    to it, `orchestrator.driver.record`). Each record is written
+    created owner-only (0o600) and only ever appended to (a resumed invocation continues the
+    run's file, `orchestrator.driver.record`; nothing truncates it). Each record is written
     whole by `os.write` on an O_APPEND descriptor (looping only on a short write;
     `private_fs.append_fd`), so a run that dies keeps every record written before it; nothing
     is buffered in the process. A full disk raises `DiskFullError` (the run stops with a clear
@@ -285,9 +285,9 @@ class StepLog:
       [1.5, 1.25]
     """
 
-    def __init__(self, path: str | os.PathLike, fresh: bool = True):
+    def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
-        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | getattr(os, "O_NOFOLLOW", 0) | (os.O_TRUNC if fresh else 0)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | getattr(os, "O_NOFOLLOW", 0)
         self._fd = os.open(self.path, flags, FILE_MODE)
         os.fchmod(self._fd, FILE_MODE)   # the mode given to open() is masked by the umask
         self.count = 0

@@ -12,7 +12,8 @@ Basic flow (one `HostLoader` per split on a stage host that needs data):
   - Asking for a step other than the next one (a resume, a restore) restarts the
     thread there. `state()` / `load_state()` is the loader's whole position — a
     small dict a checkpoint saves — since the batch of step n depends only on
-    (seed, n) and the data set.
+    (seed, n) and the data set. `offset` (the stage's `StageState.data_offset`: a
+    training-health rollback's skipped batches): step n reads batch n + offset.
   - `close()` stops the thread (bounded join). Every wait has a deadline.
 """
 from __future__ import annotations
@@ -52,6 +53,7 @@ class HostLoader:
         self._reader = None
         self.wait_s = 0.0
         self._next = 0                 # the step get() expects next
+        self.offset = 0                # batches skipped ahead of the step number (a health rollback)
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._q: queue.Queue | None = None
@@ -77,7 +79,7 @@ class HostLoader:
         """Read step `step`'s rows now, on the calling thread."""
         if not len(self.rows):
             return HostBatch(step, None, None)
-        x, y = self.reader.read(step, self._global)
+        x, y = self.reader.read(step + self.offset, self._global)
         n = len(self.rows)
         x = x.reshape(self.m, n, *x.shape[1:])
         y = y.reshape(self.m, n, *y.shape[1:])
@@ -136,7 +138,8 @@ class HostLoader:
             step += 1
 
     def state(self) -> dict:
-        """The loader's position: all a checkpoint needs to resume the data exactly."""
+        """The loader's position: all a checkpoint needs to resume the data exactly (with the
+        stage's `data_offset`, which the checkpoint saves in the stage's state)."""
         return {"source": self.plan.source, "seed": self.plan.seed, "next_step": self._next,
                 "samples": self._next * self.plan.global_batch}
 

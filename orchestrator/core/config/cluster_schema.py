@@ -188,6 +188,24 @@ class TransportTlsConfig(Frozen):
         return v
 
 
+# `transport: auto` on CPU: the transport benchmarks/transport.py measured faster per edge between two
+# processes of one CPU machine (docs/guides/transports.md, "Why `auto` is `socket` on CPU", gives the figures)
+AUTO_CPU = "socket"
+
+
+def resolve_transport(transport: str, platform: str) -> str:
+    """The concrete transport for cluster `transport` on `platform`: "auto" is XLA's device-to-device
+    transfers on accelerators and `AUTO_CPU` on CPU.
+
+    Example:
+        >>> resolve_transport("auto", "gpu"), resolve_transport("auto", "cpu"), resolve_transport("ray", "tpu")
+        ('xla', 'socket', 'ray')
+    """
+    if transport != "auto":
+        return transport
+    return AUTO_CPU if platform == "cpu" else "xla"
+
+
 class ClusterConfig(Frozen):
     """A cluster (`cluster.yaml`): which Ray, what platform, how many hosts of how many devices."""
 
@@ -216,10 +234,11 @@ class ClusterConfig(Frozen):
         "PACK", description="Ray's placement-group strategy for the host bundles.")
     pin_cpus: bool = Field(False, description="Pin each host actor to one core of its node (host index mod "
                                               "cores).")
-    transport: Literal["ray", "socket"] = Field(
-        "socket", description="Stage-to-stage tensors: `socket` (token-authenticated framed TCP, Unix socket + "
-                              "shared memory on one machine) or `ray` (Ray actor-call arguments; the simple "
-                              "reference).")
+    transport: Literal["auto", "xla", "socket", "ray"] = Field(
+        "auto", description="Stage-to-stage tensors: `auto` (`xla` on GPU/TPU, `socket` on CPU), `xla` (one JAX "
+                            "world per job, edges moved device to device by XLA's cross-host transfers), "
+                            "`socket` (token-authenticated framed TCP, Unix socket + shared memory on one "
+                            "machine) or `ray` (Ray actor-call arguments; the simple reference).")
     transport_same_machine: Literal["unix", "tcp"] = Field(
         "unix", description="Socket transport, peers on one machine: `unix` (abstract Unix socket + shared "
                             "memory) or `tcp` (the same TCP links as between machines, and so TLS when "
@@ -314,12 +333,19 @@ class ClusterConfig(Frozen):
                           "group would wait forever", ("num_cpus",), self.num_cpus)
         return self
 
+    @property
+    def data_plane(self) -> str:
+        """The transport stage edges use: `transport`, with "auto" resolved (`resolve_transport`)."""
+        return resolve_transport(self.transport, self.platform)
+
     @model_validator(mode="after")
     def _transport_options(self) -> ClusterConfig:
+        plane = self.data_plane
+        shown = self.transport if plane == self.transport else f"{self.transport} ({plane} on {self.platform})"
         for key, value, default in (("transport_same_machine", self.transport_same_machine, "unix"),
                                     ("transport_tls", self.transport_tls, None)):
-            if self.transport != "socket" and value != default:
-                raise Problem(f"only for transport: socket (this cluster is transport: {self.transport}); "
+            if plane != "socket" and value != default:
+                raise Problem(f"only for transport: socket (this cluster is transport: {shown}); "
                               "remove it", (key,), value if not hasattr(value, "model_dump") else value.model_dump())
         return self
 

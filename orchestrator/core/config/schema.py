@@ -28,7 +28,7 @@ from orchestrator.core.model.registry import BUILTIN
 
 __all__ = [
     "RunConfig", "ModelConfig", "DataConfig", "EvalConfig", "OptimizerConfig", "StageConfig", "PipelineConfig",
-    "PrecisionConfig", "ChainEntry", "FailureConfig",
+    "PrecisionConfig", "ChainEntry", "FailureConfig", "DivergenceConfig",
     "JobConfig", "TimeoutsConfig", "ClusterConfig", "GpuConfig", "TpuConfig", "LinkClassConfig",
     "LinksConfig", "DeviceConfig", "parse_job", "parse_cluster", "field_kind",
     "NAME_RE", "Rule", "key_homes", "unknown_key_hint",
@@ -544,6 +544,26 @@ class ElasticConfig(Frozen):
         return 0.1 if self.min_gain is None else self.min_gain
 
 
+class DivergenceConfig(Frozen):
+    """`failure.divergence:` — a loss far above its running median is a training-health event
+    (`orchestrator.core.health`): a step whose mean loss exceeds `factor` × the median of the last
+    `window` healthy steps' losses (checked from the second step on; a median ≤ 0 checks nothing)
+    gets `action`. Null turns the test off."""
+
+    factor: Annotated[float, Field(gt=1, allow_inf_nan=False)] = Field(
+        100.0, description="A step diverged when its loss exceeds this many times the running median.")
+    window: Annotated[int, Field(ge=1, le=100_000)] = Field(
+        50, description="How many of the latest healthy steps' losses the running median is over.")
+    action: Literal["stop", "rollback"] = Field(
+        "stop", description="`stop` (the run fails, naming the step) or `rollback` (restore the last commit and "
+                            "skip the data from there through the diverged step; needs `failure.max_restarts` > 0).")
+
+    @field_validator("factor", mode="before")
+    @classmethod
+    def _number(cls, v: Any) -> Any:
+        return float(v) if isinstance(v, int) and not isinstance(v, bool) else v
+
+
 class FailureConfig(Frozen):
     """`failure:` — automatic recovery (Ray Train's `FailureConfig` vocabulary): on an actor death, a
     stage error or a hang, tear the job down, re-place it and continue from the last committed
@@ -551,7 +571,14 @@ class FailureConfig(Frozen):
     Needs `checkpoint:` when `max_restarts` > 0 (`orchestrator.driver.recovery`). A restart after a
     node loss waits up to `placement_timeout_s` for the placement to fit again; `compile_cache`
     (JAX's persistent compilation cache) spares a restarted stage most of its compilation;
-    `elastic` (`ElasticConfig`): past that wait, train on the hosts that are left."""
+    `elastic` (`ElasticConfig`): past that wait, train on the hosts that are left.
+
+    Training health (`orchestrator.core.health`): a non-finite loss, gradient norm or parameter gets
+    `on_nonfinite` — `stop` (the run fails naming the step, the stage and which went non-finite
+    first), `skip` (every stage drops the step's update; more than `max_skips` in a row stop the run)
+    or `rollback` (restore the last commit, skip the data up to and including the bad step; each
+    rollback is one of `max_restarts`). `divergence` (`DivergenceConfig`): a loss far above its
+    running median."""
 
     max_restarts: Annotated[int, Field(ge=0, le=MAX_RESTARTS)] = Field(
         0, description="Failures the run recovers from (0: any failure ends the run); > 0 needs `checkpoint:`.")
@@ -565,6 +592,15 @@ class FailureConfig(Frozen):
     elastic: Optional[ElasticConfig] = Field(
         None, description="Re-plan onto the hosts that are left when a restart cannot have its placement again "
                           "within `placement_timeout_s` (null: stop with the resume command, as before).")
+    on_nonfinite: Literal["stop", "skip", "rollback"] = Field(
+        "stop", description="A non-finite loss, gradient norm or parameter: `stop` (the run fails, naming the step, "
+                            "the stage and which went non-finite first), `skip` (every stage drops that step's "
+                            "update) or `rollback` (restore the last commit and skip the data through that step; "
+                            "needs `max_restarts` > 0).")
+    max_skips: Annotated[int, Field(ge=1, le=MAX_STEPS)] = Field(
+        3, description="With `on_nonfinite: skip`: this many skipped steps in a row stop the run at the next one.")
+    divergence: Optional[DivergenceConfig] = Field(
+        default_factory=DivergenceConfig, description="A loss far above its running median (null: not checked).")
 
     @field_validator("compile_cache")
     @classmethod
@@ -579,6 +615,16 @@ class FailureConfig(Frozen):
             raise Problem("a re-plan continues a run after a failure, which needs restarts: set "
                           "failure.max_restarts > 0 (and a `checkpoint:` section), or remove failure.elastic",
                           ("elastic",), self.elastic.model_dump(mode="json", exclude_defaults=True))
+        return self
+
+    @model_validator(mode="after")
+    def _rollback_needs_restarts(self) -> "FailureConfig":
+        for key, value in ((("on_nonfinite",), self.on_nonfinite),
+                           (("divergence", "action"), self.divergence and self.divergence.action)):
+            if value == "rollback" and self.max_restarts == 0:
+                raise Problem("a rollback restores the last commit the way a restart does, which needs "
+                              "restarts: set failure.max_restarts > 0 (and a `checkpoint:` section), or choose "
+                              "stop" + (" or skip" if key == ("on_nonfinite",) else ""), key, value)
         return self
 
 

@@ -104,8 +104,11 @@ def load_factory(path: str):
     """The callable named by 'package.module:function'."""
     import importlib
 
+    from orchestrator.core.extras import hinting
+
     mod, _, fn = path.partition(":")
-    return getattr(importlib.import_module(mod), fn)
+    with hinting():        # the user's module may import grain/datasets/... at its top: name the extra
+        return getattr(importlib.import_module(mod), fn)
 
 
 def plan_data(d, model, seed: int) -> DataPlan:

@@ -8,23 +8,35 @@ else from path patterns (`by_path`).
   plain(init, parts, ...)       plain JAX: `init(key) -> {part name: params}` and one
                                 `apply(params, x)` per part; axes by path pattern.
   nnx_model(make, parts, ...)   flax.nnx: `make(rngs) -> nnx.Module`; parts name
-                                submodules by attribute path ("embed", "blocks.0", or
-                                ("head", ("norm", "lm_head"), call)); axes from each
-                                nnx.Param's partitioning metadata.
-  linen_model(module, parts)    flax.linen: parts own top-level `params` entries and call
-                                a method; axes from `nn.with_logical_partitioning`.
+                                submodules or parameters by attribute path ("embed",
+                                "blocks.0", or ("head", ("norm", "unembed"), call)); axes
+                                from each nnx.Param's partitioning metadata.
+  linen_model(module, parts)    flax.linen: parts own top-level `params` entries (a
+                                submodule's or a parameter's) and call a method; axes from
+                                `nn.with_logical_partitioning`.
   eqx_model(make, parts, ...)   equinox: `make(key) -> eqx.Module` (or make_with_state's
-                                (model, state)); parts by attribute path (applied per
-                                example, vmapped); axes by path pattern.
+                                (model, state)); parts by attribute path, submodules (applied
+                                per example, vmapped) or array fields; axes by path pattern.
 
-Parts are initialised from one model key, so the pipelined parameters are those
-of the whole model's own init (`make(nnx.Rngs(key))`, `init(key)`). jax and flax
-are imported inside functions only.
+Split rule, the same in the three: a part is a list of attribute paths and a call. A
+path names a submodule OR a parameter (an `nnx.Param` attribute such as a Llama's
+top-level `unembed`, a linen `self.param(...)` entry, an equinox array field); the
+call receives them in order, as the model's own forward would use them (a submodule as
+a module, an nnx parameter as its `nnx.Param`, a linen/equinox parameter as its array),
+e.g. ``("head", ("norm", "unembed"), lambda norm, w, x: norm(x) @ w)``. A path alone
+(no call) must name a submodule: it is called on x; a parameter has no call of its own.
+
+Parts are initialised from one model key, `jax.random.key(run.seed)`, so the pipelined
+parameters are those of the whole model's own init (`make(nnx.Rngs(key))`, `init(key)`):
+a single-process training of the model from that key is the numerical reference. jax and flax
+are imported inside functions only; flax and equinox come with meshpipe's `models`
+extra (`orchestrator.core.extras.require`: the error says so when they are missing).
 """
 from __future__ import annotations
 
 from typing import Any, Callable, Mapping, Sequence, Union
 
+from orchestrator.core.extras import require
 from orchestrator.core.model.pipeline import (ArraySpec, AxesFn, ModelError, Part, PipelineModel, batch_first,
                                               by_path, key_path, picked, replicated)
 
@@ -152,16 +164,39 @@ def _nnx_axes(state) -> dict[str, tuple]:
 
 def nnx_model(make: Callable, parts: Sequence[Union[str, tuple]], *, loss: Callable, input, label,
               out_axes=None, vocab: int = 0) -> PipelineModel:
-    """A flax.nnx model, unchanged, split at submodules named by attribute path.
+    """A flax.nnx model, unchanged, split at submodules or parameters named by attribute path.
 
     Args:
       make: rngs -> the whole nnx.Module (e.g. ``lambda rngs: Llama(cfg, rngs=rngs)``).
       parts: in pipeline order; each a path ("embed", "blocks.3": the submodule is called
-        on x) or (name, paths, call) with call(*submodules, x) -> y, e.g.
-        ``("head", ("norm", "lm_head"), lambda norm, head, x: head(norm(x)))``.
+        on x) or (name, paths, call) with call(*held, x) -> y, e.g.
+        ``("head", ("norm", "lm_head"), lambda norm, head, x: head(norm(x)))``. A path may
+        also name an `nnx.Param` attribute (a top-level ``self.unembed = nnx.Param(...)``):
+        the call gets that `nnx.Param`, as the model's own forward does, e.g.
+        ``("head", ("norm", "unembed"), lambda norm, w, x: norm(x) @ w)`` or an embedding
+        table ``("embed", "embed", lambda table, x: table[...][x])``. Such a path needs a call.
       loss, input, label, out_axes, vocab: as for `plain`.
 
-    Parameters are the `nnx.Param` variables, named "<part>/<attribute path>/<leaf path>";
+    Examples:
+        A top-level embedding and unembedding, each an `nnx.Param`:
+
+        >>> import jax, jax.numpy as jnp
+        >>> from flax import nnx
+        >>> class Tiny(nnx.Module):
+        ...     def __init__(self, rngs):
+        ...         self.embed = nnx.Param(jax.random.normal(rngs.params(), (16, 8)), out_sharding=("vocab", "embed"))
+        ...         self.mix = nnx.Linear(8, 8, rngs=rngs)
+        ...         self.unembed = nnx.Param(jax.random.normal(rngs.params(), (8, 16)))
+        ...     def __call__(self, t):
+        ...         return self.mix(self.embed[...][t]) @ self.unembed
+        >>> m = nnx_model(Tiny, [("embed", "embed", lambda e, t: e[...][t]), "mix",
+        ...                      ("head", "unembed", lambda w, x: x @ w)],
+        ...               loss=lambda y, t: jnp.mean((y - t) ** 2), input=((), "int32"), label=((16,), "float32"))
+        >>> [p.name for p in m.parts], m.parts[0].axes("embed", (16, 8))
+        (['embed', 'mix', 'head'], ('vocab', 'embed'))
+
+    Parameters are the `nnx.Param` variables, named "<part>/<attribute path>/<leaf path>"
+    ("<part>/<attribute path>" for a path naming a Param itself);
     their logical axes are the names given to `nnx.with_partitioning` (unannotated leaves are
     replicated). RNG state (`nnx.Dropout(..., rngs=rngs)`'s stream) is not trained or carried:
     on every call each stream a part holds is reseeded (`nnx.reseed`) with fold_in(rng, j), j
@@ -179,7 +214,8 @@ def nnx_model(make: Callable, parts: Sequence[Union[str, tuple]], *, loss: Calla
     gradients are summed at the step's end and the copies stay identical.
     """
     import jax
-    from flax import nnx
+
+    nnx = require("flax.nnx", "nnx_model")
 
     def kinds_of(tree):
         return sorted({type(v).__name__ for v in jax.tree.leaves(tree, is_leaf=lambda v: isinstance(v, nnx.Variable))})
@@ -202,8 +238,16 @@ def nnx_model(make: Callable, parts: Sequence[Union[str, tuple]], *, loss: Calla
         stateful = []
         for path in paths:
             sub = _walk(abstract, path, type(abstract).__name__)
+            if isinstance(sub, nnx.Variable):        # a parameter itself (a Llama's top-level `unembed`)
+                _param_part_ok(isinstance(sub, nnx.Param), type(sub).__name__, path, name, call)
+                subs[path] = (None, jax.tree.structure(sub), None, None, ())
+                axes[path] = _nnx_axes(sub).get("")
+                holders.setdefault(path, []).append(name)
+                leaves[path] = [""]
+                continue
             if not isinstance(sub, nnx.Module):
-                raise ModelError(f"split point {path!r} is a {type(sub).__name__}, not an nnx.Module")
+                raise ModelError(f"split point {path!r} is a {type(sub).__name__}, not an nnx.Module or an "
+                                 "nnx.Param")
             graph, state, stats, rngs, rest = nnx.split(sub, nnx.Param, nnx.BatchStat, nnx.RngState, ...)
             if jax.tree.leaves(rest):
                 raise ModelError(f"split point {path!r} holds nnx variables {kinds_of(rest)}: only nnx.Param "
@@ -220,7 +264,7 @@ def nnx_model(make: Callable, parts: Sequence[Union[str, tuple]], *, loss: Calla
             leaves[path] = list(_nnx_axes(state))
 
         def pick(whole, paths=paths):
-            return {p: nnx.to_pure_dict(nnx.state(_walk(whole, p, "model"), nnx.Param)) for p in paths}
+            return {p: _nnx_params(_walk(whole, p, "model")) for p in paths}
 
         def pick_state(whole, stateful=tuple(stateful)):
             return {p: nnx.to_pure_dict(nnx.state(_walk(whole, p, "model"), nnx.BatchStat)) for p in stateful}
@@ -230,6 +274,9 @@ def nnx_model(make: Callable, parts: Sequence[Union[str, tuple]], *, loss: Calla
             mods = []
             for p in paths:
                 graph, treedef, stats_def, rngs, streams = subs[p]
+                if graph is None:           # a parameter: the call gets an nnx.Param, with its metadata
+                    mods.append(jax.tree.unflatten(treedef, [params[p]]))
+                    continue
                 pieces = [jax.tree.unflatten(treedef, jax.tree.leaves(params[p]))]
                 if stats_def is not None:
                     pieces.append(jax.tree.unflatten(stats_def, jax.tree.leaves(state[p])))
@@ -252,9 +299,34 @@ def nnx_model(make: Callable, parts: Sequence[Union[str, tuple]], *, loss: Calla
                           out_axes=lambda path, shape, name=name: outs(f"{name}/{path}", shape), paths=paths,
                           state_init=picked(whole_init, pick_state) if stateful else None,
                           whole=(whole_init, pick, pick_state if stateful else None)))
-    ties = tuple((f"{names[0]}/{path}/{leaf}", f"{other}/{path}/{leaf}")
+    def leaf_name(part, path, leaf):
+        return f"{part}/{path}/{leaf}" if leaf else f"{part}/{path}"
+
+    ties = tuple((leaf_name(names[0], path, leaf), leaf_name(other, path, leaf))
                  for path, names in holders.items() for other in names[1:] for leaf in leaves[path])
     return PipelineModel(tuple(built), loss, as_spec(input), as_spec(label), vocab, ties=ties)
+
+
+def _nnx_params(node):
+    """The trained values at an attribute path: a pure dict of a submodule's nnx.Params, or the
+    array of an nnx.Param the path names itself."""
+    from flax import nnx
+
+    if isinstance(node, nnx.Variable):
+        return node[...]
+    return nnx.to_pure_dict(nnx.state(node, nnx.Param))
+
+
+def _param_part_ok(trained: bool, what: str, path: str, part: str, call) -> None:
+    """A path naming a parameter (`what`, e.g. "Param"): it must be a trained one and its part must
+    have a call (a parameter has no call of its own)."""
+    if not trained:
+        raise ModelError(f"split point {path!r} is a {what} variable: a path names a submodule or a trained "
+                         "parameter (nnx.Param)")
+    if call is None:
+        raise ModelError(f"split point {path!r} is a parameter ({what}), not a submodule: it has no call of its "
+                         f"own; name it in a (name, paths, call) part, e.g. ({part!r}, ({path!r},), "
+                         "lambda w, x: x @ w)")
 
 
 def _keywords(fn) -> set:
@@ -295,7 +367,11 @@ def linen_model(module, parts: Sequence[tuple], *, loss: Callable, input, label,
       parts: in pipeline order, each (name, keys, method): `keys` the top-level entries of
         `params` this part owns (e.g. ("blocks_0",)), `method(module, x)` what it computes,
         e.g. ``("block0", ("blocks_0",), lambda m, x: m.blocks[0](x))`` (submodules defined in
-        `setup`, so the method can call one alone).
+        `setup`, so the method can call one alone). A key may name a top-level parameter
+        (``self.w_out = self.param("w_out", ...)`` in setup): ``("out", ("w_out",), lambda m, x:
+        x @ m.w_out)``. Setup reads every top-level parameter on any call, so the parts that do
+        not own one get zeros in its place; a method that computes with a parameter its part
+        does not own is refused when the model is described.
       loss, input, label, out_axes, vocab: as for `plain`.
       rngs: the RNG collections the model draws from (e.g. ("dropout",)): on each call collection
         j gets fold_in(rng, j), rng meshpipe's key for (seed, step, microbatch, part); a method
@@ -311,9 +387,9 @@ def linen_model(module, parts: Sequence[tuple], *, loss: Callable, input, label,
     collection is refused at plan time.
     """
     import jax
-    import flax.linen as nn
     import numpy as np
 
+    nn = require("flax.linen", "linen_model")
     spec_in = as_spec(input)
     example = jax.ShapeDtypeStruct((2, *spec_in.shape), np.dtype(spec_in.dtype))
     abstract = jax.eval_shape(lambda x: module.init(jax.random.key(0), x), example)
@@ -323,6 +399,10 @@ def linen_model(module, parts: Sequence[tuple], *, loss: Callable, input, label,
                          "'batch_stats' (mutable state, carried per stage)")
     names = nn.get_partition_spec(abstract)["params"]
     have = sorted(abstract["params"])
+    # top-level parameters (`self.param(...)` in the model's setup, not a submodule's): setup reads
+    # every one of them on any method call, so a part that does not own one gets a placeholder
+    # (`_linen_placeholders`), which its method must not use
+    top = {k: v for k, v in nn.unbox(abstract)["params"].items() if not isinstance(v, Mapping)}
     stats = abstract.get("batch_stats", {})
     owned = {k for _, keys, _ in parts for k in ((keys,) if isinstance(keys, str) else keys)}
     orphan = sorted(set(stats) - owned)
@@ -344,8 +424,9 @@ def linen_model(module, parts: Sequence[tuple], *, loss: Callable, input, label,
         for k in keys:
             flat = jax.tree_util.tree_flatten_with_path(names[k], is_leaf=lambda v: isinstance(
                 v, jax.sharding.PartitionSpec))[0]
-            axes.update({f"{k}/{key_path(p)}": tuple(v) for p, v in flat})
+            axes.update({"/".join(filter(None, (k, key_path(p)))): tuple(v) for p, v in flat})
         stateful = tuple(k for k in keys if k in stats)
+        others = {k: v for k, v in top.items() if k not in keys}
 
         def pick(whole, keys=keys):
             return {k: whole["params"][k] for k in keys}
@@ -356,17 +437,22 @@ def linen_model(module, parts: Sequence[tuple], *, loss: Callable, input, label,
         takes_train = "train" in _keywords(method)
 
         def apply(params, x, *, rng=None, train=True, state=None, method=method, takes_train=takes_train,
-                  stateful=stateful):
+                  stateful=stateful, others=others, name=name):
             keys = None if rng is None or not rngs else {c: jax.random.fold_in(rng, j) for j, c in enumerate(rngs)}
             kw = {"train": train} if takes_train else {}
-            if not stateful:
-                return module.apply({"params": dict(params)}, x, method=method, rngs=keys, **kw)
-            variables = {"params": dict(params), "batch_stats": dict(state)}
-            if not train:
-                return module.apply(variables, x, method=method, rngs=keys, **kw), state
-            y, upd = module.apply(variables, x, method=method, rngs=keys, mutable=["batch_stats"], **kw)
-            got = upd.get("batch_stats", {})
-            return y, {k: got.get(k, state[k]) for k in stateful}
+
+            def run(placeholders):
+                full = {**placeholders, **params}
+                if not stateful:
+                    return module.apply({"params": full}, x, method=method, rngs=keys, **kw)
+                variables = {"params": full, "batch_stats": dict(state)}
+                if not train:
+                    return module.apply(variables, x, method=method, rngs=keys, **kw), state
+                y, upd = module.apply(variables, x, method=method, rngs=keys, mutable=["batch_stats"], **kw)
+                got = upd.get("batch_stats", {})
+                return y, {k: got.get(k, state[k]) for k in stateful}
+
+            return run(_linen_placeholders(run, others, name))
 
         built.append(Part(name, picked(whole_init, pick), apply,
                           axes=lambda path, shape, axes=axes: _padded(axes.get(path), shape),
@@ -374,6 +460,29 @@ def linen_model(module, parts: Sequence[tuple], *, loss: Callable, input, label,
                           state_init=picked(whole_init, pick_state) if stateful else None,
                           whole=(whole_init, pick, pick_state if stateful else None)))
     return PipelineModel(tuple(built), loss, spec_in, as_spec(label), vocab)
+
+
+def _linen_placeholders(run: Callable, others: Mapping[str, Any], part: str) -> dict:
+    """Zeros for the top-level parameters a linen part does not own (its method runs the model's
+    setup, which reads them all), after checking from `run`'s jaxpr that the method does not use
+    them: a part that computes with a parameter must own it. ModelError naming them otherwise."""
+    import jax
+    import jax.numpy as jnp
+
+    if not others:
+        return {}
+    zeros = {k: jnp.zeros(v.shape, v.dtype) for k, v in others.items()}
+    closed = jax.make_jaxpr(run)(zeros)
+    inner = closed.jaxpr
+    names = jax.tree_util.tree_flatten_with_path(zeros)[0]
+    by_var = {id(v): key_path(p) for (p, _), v in zip(names, inner.invars)}
+    used = {by_var[id(v)] for e in inner.eqns for v in e.invars if id(v) in by_var}
+    used |= {by_var[id(v)] for v in inner.outvars if id(v) in by_var}
+    if used:
+        raise ModelError(f"part {part!r} uses the top-level parameter(s) {sorted(used)} without owning them: add "
+                         f"them to the part's keys (a parameter belongs to the one part that computes with it; "
+                         f"two parts sharing one array is a tie, which linen_model does not support)")
+    return zeros
 
 
 # ----------------------------------------------------------------------------- equinox
@@ -412,7 +521,7 @@ def _eqx_made(make: Callable) -> Callable:
 
 def eqx_model(make: Callable, parts: Sequence[str | tuple], *, loss: Callable, input, label,
               axes=None, out_axes=None, vocab: int = 0, axis_name: str = "batch") -> PipelineModel:
-    """An equinox model, unchanged, split at submodules named by attribute path.
+    """An equinox model, unchanged, split at submodules or array fields named by attribute path.
 
     Args:
       make: key -> the whole eqx.Module, or (model, state) for a model with state
@@ -421,7 +530,9 @@ def eqx_model(make: Callable, parts: Sequence[str | tuple], *, loss: Callable, i
         per example, `jax.vmap(sub, axis_name=axis_name)(x)`, equinox's convention; a
         submodule with state as ``jax.vmap(sub, axis_name=axis_name, in_axes=(0, None),
         out_axes=(0, None))(x, state)``) or (name, paths, call) with call(*submodules, x) -> y
-        over the batch, or call(*submodules, x, state) -> (y, state) for a part with state.
+        over the batch, or call(*submodules, x, state) -> (y, state) for a part with state. A
+        path may name an array field of the model (``w_out: jax.Array``): the call gets the
+        array, e.g. ``("out", "w_out", lambda w, x: x @ w)``; such a path needs a call.
       axes: path rules (`by_path`) matched against "<attribute path>/<leaf path>", e.g.
         ``("blocks.*/weight", ("mlp", "embed"))``; unmatched leaves are replicated.
       loss, input, label, out_axes, vocab: as for `plain`.
@@ -435,8 +546,9 @@ def eqx_model(make: Callable, parts: Sequence[str | tuple], *, loss: Callable, i
     read back after it. Eval calls the submodules under `eqx.nn.inference_mode` (BatchNorm uses
     its running statistics and leaves them unchanged); training calls them as `make` built them.
     """
-    import equinox as eqx
     import jax
+
+    eqx = require("equinox", "eqx_model")
 
     def is_param(v):
         return eqx.is_array(v) or isinstance(v, jax.ShapeDtypeStruct)
@@ -452,6 +564,8 @@ def eqx_model(make: Callable, parts: Sequence[str | tuple], *, loss: Callable, i
         statics, index = {}, {}
         for path in paths:
             sub = _walk(abstract, path, type(abstract).__name__)
+            if is_param(sub):         # an array field of the model (a top-level `w_out: jax.Array`)
+                _param_part_ok(True, "array", path, name, call)
             statics[path] = eqx.partition(sub, is_param)[1]
             if _eqx_indices(sub):
                 index[path] = _eqx_indices(sub)

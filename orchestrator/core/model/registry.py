@@ -16,6 +16,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping, Optional
 
+from orchestrator.core.extras import hinting
 from orchestrator.core.model import gpt, mlp
 from orchestrator.core.model.pipeline import ModelError, describe
 from orchestrator.core.model.spec import ModelSpec
@@ -73,7 +74,8 @@ def resolve(path: str):
     module, _, attr = path.partition(":")
     if not module or not attr:
         raise ValueError(f"import path {path!r} must look like 'package.module:function'")
-    return getattr(importlib.import_module(module), attr)
+    with hinting():        # the user's module may import flax/equinox/... at its top: name the extra
+        return getattr(importlib.import_module(module), attr)
 
 
 def factory_args(fn, args: Mapping[str, Any], seq_len: Optional[int]) -> dict[str, Any]:
@@ -90,14 +92,16 @@ def factory_args(fn, args: Mapping[str, Any], seq_len: Optional[int]) -> dict[st
 
 def build_model(factory: str, args: Mapping[str, Any]):
     """Call the factory (an import path) with keyword `args`; returns what it returns."""
-    return resolve(factory)(**dict(args))
+    fn = resolve(factory)
+    with hinting():
+        return fn(**dict(args))
 
 
 def build_spec(name: str, args: Mapping[str, Any], seq_len: Optional[int] = None) -> ModelSpec:
     """The ModelSpec of a built-in model name or a `package.module:factory` path.
 
     Raises KeyError (unknown built-in or argument), ImportError/AttributeError (the factory
-    cannot be imported), ModelError (the factory's result cannot be pipelined) or whatever
+    cannot be imported; a missing optional package as `extras.MissingExtra`, naming the extra), ModelError (the factory's result cannot be pipelined) or whatever
     the factory raised.
 
     Example:
@@ -116,7 +120,8 @@ def build_spec(name: str, args: Mapping[str, Any], seq_len: Optional[int] = None
         raise KeyError(name)
     fn = resolve(factory)
     kwargs = factory_args(fn, args, seq_len)
-    model = fn(**kwargs)
+    with hinting():
+        model = fn(**kwargs)
     return describe(model, name=name, factory=factory, args=kwargs)
 
 
