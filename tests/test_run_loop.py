@@ -78,7 +78,7 @@ class ElasticRun(FakeRun):
         attempt.close(after_failure=False)
         self.plans.append(3)
         self.grows.append(grow.step)
-        return grow.step, {"detected_at": 0.0, "steps_lost": 0}
+        return grow.step, {"detected_at": 0.0, "steps_lost": 0, "restart": 1}
 
 
 def loop(outcomes, max_restarts=2, committed=4, run=None):

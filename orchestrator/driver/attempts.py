@@ -338,7 +338,8 @@ class Session:
         recovery.wait_released(self._actor_names(), f"meshpipe-{self.run_name}",
                                self.checked.cluster.timeouts.shutdown_s)
         times = Timings(teardown_s=time.perf_counter() - t1, planning_s=grow.planning_s)
-        rec = {"detected_at": grow.at, "steps_lost": max(0, len(self.record.losses) - grow.step)}
+        rec = {"detected_at": grow.at, "steps_lost": max(0, len(self.record.losses) - grow.step),
+               "restart": self.record.extra["restarts"]}     # (the attempt's workers file is numbered by it)
         self._switch("grow", grow.decision.reason, grow.decision.replan, times, rec)
         self.record.rollback(self.ckpt.start, self.record.extra["restarts"], grow=True)
         self.monitor.rollback(self.ckpt.start)       # the losses from the commit on run again
