@@ -122,26 +122,45 @@ def test_elastic_needs_restarts_and_restarts_need_checkpoints():
 
 
 def test_check_elastic_cross_checks(readme, local):
+    from orchestrator.core.config import check_plan
+
     assert check_elastic(check_job(load_job(GPT), local)) == []          # no section: nothing to check
     assert check_elastic(readme) == []                                   # min_hosts null: the smallest legal plan
     ok = check_job(elastic_job("{min_hosts: 1}"), local)
     assert check_elastic(ok) == [] and check_elastic(check_job(elastic_job("{min_hosts: 2}"), local)) == []
-    has_all(" ".join(check_elastic(check_job(elastic_job("{min_hosts: 3}"), local))),
+    has_all(" ".join(check_elastic(check_plan(elastic_job("{min_hosts: 3}"), local))),
             "failure.elastic.min_hosts = 3", "more than the 2 hosts the job's plan uses")
     # the whole model on one host's 2 devices needs more than device.memory_gb: 2 hosts are the smallest plan
     one = plan_by_rule(ok, 1)[0].stages[0]
     need = stage_memory(ok.model, one.chunks, one.mesh, one.layout, 1)["per_device"]   # m = 16: the least it needs
     tight = parse_cluster({**load_raw(LOCAL), "device": {"memory_gb": need * 0.99 / 1e9}})
-    has_all(" ".join(check_elastic(check_job(elastic_job("{min_hosts: 1}"), tight))),
+    has_all(" ".join(check_elastic(check_plan(elastic_job("{min_hosts: 1}"), tight))),
             "failure.elastic.min_hosts = 1", "no legal plan of this job fits on 1 host(s)", "min_hosts >= 2")
 
 
+def test_check_job_refuses_a_bad_elastic_section_before_anything_starts(local):
+    """`check_job` (what `meshpipe run` and `check` call) reports `check_elastic`'s problems as a
+    ConfigError, as every other cross-check (the plan's own checks pass: `check_plan`)."""
+    from orchestrator.core.config import check_plan
+
+    job = elastic_job("{min_hosts: 3}")
+    assert check_plan(job, local).job == job
+    with pytest.raises(ConfigError) as ei:
+        check_job(job, local)
+    assert list(ei.value.problems) == check_elastic(check_plan(job, local))
+    has_all(str(ei.value), "failure.elastic.min_hosts = 3", "more than the 2 hosts the job's plan uses")
+
+
 def test_check_elastic_refuses_tpu():
+    from orchestrator.core.config import check_plan
+
     cluster = parse_cluster({"platform": "tpu", "tpu": {"type": "v5litepod-16", "topology": "4x4"}, "hosts": 4,
                              "devices_per_host": 4, "cpus_per_host": 0.5, "placement_strategy": "SPREAD"})
     job = elastic_job(stages=[{"layers": [0, 4], "mesh": {"data": 16}, "hosts": 4}], layout={"batch": "data"},
                       microbatches=1)
-    has_all(" ".join(check_elastic(check_job(job, cluster))), "failure.elastic", "not supported on TPU")
+    has_all(" ".join(check_elastic(check_plan(job, cluster))), "failure.elastic", "not supported on TPU")
+    with pytest.raises(ConfigError, match="not supported on TPU"):
+        check_job(job, cluster)
 
 
 # ----------------------------------------------------------------------------- the rule

@@ -53,9 +53,36 @@ class FakeRun:
 
         return Decision(False, f"the placement could not be reserved again within 9 s: {e}")
 
+    def replan(self, failed, recovering):
+        return self.placement_lost(failed.error)
 
-def loop(outcomes, max_restarts=2, committed=4):
-    made, run = [], FakeRun(committed)
+
+class ElasticRun(FakeRun):
+    """failure.elastic: each failed placement re-plans onto `hosts.pop(0)` hosts while that is at least
+    `min_hosts` (fewer than the last plan), else stops; a grow switches back and counts nothing."""
+
+    def __init__(self, hosts, min_hosts=1, committed=4):
+        super().__init__(committed)
+        self.hosts, self.min_hosts, self.plans, self.grows = list(hosts), min_hosts, [3], []
+
+    def replan(self, failed, recovering):
+        from orchestrator.core.recovery import Decision
+
+        left = self.hosts.pop(0)
+        if left < self.min_hosts or left >= self.plans[-1]:
+            return Decision(False, f"{self.placement_lost(failed.error).reason}; failure.elastic: {left} host(s)")
+        self.plans.append(left)
+        return self.commit, recovering
+
+    def grow(self, grow, attempt):
+        attempt.close(after_failure=False)
+        self.plans.append(3)
+        self.grows.append(grow.step)
+        return grow.step, {"detected_at": 0.0, "steps_lost": 0, "restart": 1}
+
+
+def loop(outcomes, max_restarts=2, committed=4, run=None):
+    made, run = [], run or FakeRun(committed)
 
     def start(first, recovering):
         made.append((first, recovering, FakeAttempt(outcomes[len(made)])))
@@ -113,6 +140,38 @@ def test_a_placement_that_fails_after_a_restart_stops_but_the_first_is_raised_as
     with pytest.raises(RuntimeError, match="placement could not be reserved again within 9 s: no room"):
         go()
     assert run.restarts == [(DIED, 5, 1)]
+
+
+def test_elastic_a_failed_placement_replans_and_a_second_loss_replans_again_then_min_hosts_stops():
+    """A restart's placement fails → the run re-plans (3 → 2 hosts) and goes on without counting a
+    restart; that plan's placement fails too (a second loss while re-planning) → 1 host; with
+    min_hosts 2 the second re-plan stops with both reasons."""
+    from orchestrator.core.backends import PlacementError
+
+    run = ElasticRun([2, 1])
+    made, run, go = loop([failed(DIED, 5), PlacementError("no room"), PlacementError("lost again"),
+                          ("norms", None)], max_restarts=1, run=run)
+    assert go() == ("norms", None)
+    assert run.plans == [3, 2, 1] and run.restarts == [(DIED, 5, 1)] and run.stops == []
+    assert [first for first, _, _ in made] == [0, 4, 4, 4]
+    run = ElasticRun([2, 1], min_hosts=2)
+    made, run, go = loop([failed(DIED, 5), PlacementError("no room"), PlacementError("lost again")],
+                         max_restarts=1, run=run)
+    with pytest.raises(RuntimeError, match="within 9 s: lost again; failure.elastic: 1 host"):
+        go()
+    assert run.plans == [3, 2] and len(made) == 3
+
+
+def test_elastic_a_grow_back_starts_the_next_attempt_at_its_commit_and_counts_no_restart():
+    from orchestrator.core.backends import PlacementError
+    from orchestrator.driver.elastic import GrowBack
+
+    grow = GrowBack(type("G", (), {"reason": "3 hosts available"})(), step=8, at=0.0, planning_s=0.01)
+    made, run, go = loop([failed(DIED, 5), PlacementError("no room"), grow, ("norms", None)],
+                         max_restarts=1, run=ElasticRun([2]))
+    assert go() == ("norms", None)
+    assert run.plans == [3, 2, 3] and run.grows == [8] and len(run.restarts) == 1
+    assert [first for first, _, _ in made] == [0, 4, 4, 8] and made[2][2].closed is False
 
 
 # ----------------------------------------------------------------------------- the record (files)

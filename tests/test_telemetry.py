@@ -111,6 +111,19 @@ def test_progress_prints_lines_off_a_terminal_and_a_bar_on_one():
     assert lines == ["step 0"]                               # the bar never goes through echo
 
 
+def test_progress_shows_the_plan_in_use_of_an_elastic_run():
+    rec = {"step": 3, "loss": 0.5, "step_time_s": 0.25, "samples_per_s": 128.0}
+    lines, out = [], io.StringIO()
+    p = Progress(8, tty=False, echo=lines.append, line=lambda r: f"step {r['step']}")
+    p.tag = "plan: 2 stages on 2 of 3 hosts, m=2"
+    p.update(rec)
+    bar = Progress(8, tty=True, echo=lines.append, line=str, stream=out, columns=lambda: 200)
+    bar.tag = p.tag
+    bar.update(rec)
+    assert lines == ["step 3  [plan: 2 stages on 2 of 3 hosts, m=2]"]
+    assert out.getvalue().rstrip().endswith("plan: 2 stages on 2 of 3 hosts, m=2")
+
+
 class FakeMetric:
     made: dict = {}
 
@@ -149,7 +162,12 @@ def test_run_metrics_tags_and_counter_deltas(monkeypatch):
     made = FakeMetric.made
     assert set(made) == {f"meshpipe_{n}" for n in (
         "step_time_s", "samples_per_s", "bubble_measured", "bubble_simulated", "restarts", "steps_done",
-        "busy_fraction", "memory_bytes", "compile_time_s", "reshard_bytes", "eval_loss", "data_wait_s")}
+        "busy_fraction", "memory_bytes", "compile_time_s", "reshard_bytes", "eval_loss", "data_wait_s",
+        "hosts", "replans")}       # the last two: failure.elastic's (orchestrator.core.elastic.METRICS)
+    m.plan(2, 1, 0.4)              # an elastic re-plan onto 2 hosts
+    assert (made["meshpipe_hosts"].values, made["meshpipe_replans"].values) == ({(("run", "demo"),): 2},
+                                                                             {(("run", "demo"),): 1})
+    assert made["meshpipe_bubble_simulated"].values == {(("run", "demo"),): 0.4}
     assert made["meshpipe_eval_loss"].values == {(("run", "demo"),): 2.5}
     assert made["meshpipe_data_wait_s"].values == {(("host", "0"), ("run", "demo"), ("stage", "0")): 0.75}
     reshard = {dict(k)["edge"]: v for k, v in made["meshpipe_reshard_bytes"].values.items()}

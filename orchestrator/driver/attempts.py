@@ -19,6 +19,20 @@ Basic flow (`orchestrator.driver.runner._run_pipeline`):
   attempt down, prepare the newest commit as `--resume latest` would, roll the record back,
   start the next one) or stop (`RecoveryStopped`, saying why and how to continue). The loop
   knows attempts only through `run` and `close`, so a fake attempt tests it without Ray.
+
+Elastic recovery (`failure.elastic`, `orchestrator.driver.elastic`):
+  shrink — a restart's placement not had within `failure.placement_timeout_s`: `Session.replan`
+    plans the job for the hosts the live cluster holds; at least `min_hosts` and fewer hosts than
+    the plan that could not be placed, the session switches to it (`_switch`: plan, committer,
+    the newest commit prepared onto it, telemetry, metrics, progress deadline) and the loop starts
+    the next attempt on it; otherwise the run stops with the reason. A loss while re-planning is
+    the next placement failing: the same path plans again for what is left (hosts only go down
+    along it, so it ends).
+  grow — at each commit on a smaller plan `Session.take` asks whether to grow back; yes raises
+    `GrowBack` out of the step loop, and `Session.grow` ends the attempt at the commit and
+    switches onto the larger plan (no failure: no restart counted).
+  Every plan derives from the job's own (`Session.original`) and the host count; each re-plan is
+  an entry of summary.json's `replans`, its times filled in at its first step trained.
 """
 from __future__ import annotations
 
@@ -31,6 +45,7 @@ from typing import Any, Callable, Optional, Protocol
 from orchestrator.core.health import ROLLBACK as ROLLBACK_ACTION
 from orchestrator.core.health import SKIP, STOP, HealthRollback, HealthStop, skip_data
 from orchestrator.core.recovery import NODE_LOST, ROLLBACK, STORAGE, Decision, Failure, RestartPolicy
+from orchestrator.driver.elastic import GrowBack
 
 log = logging.getLogger("meshpipe")
 
@@ -70,7 +85,7 @@ class AttemptFailed(Exception):
 class AttemptLike(Protocol):
     def run(self) -> Any: ...
 
-    def close(self, after_failure: bool, hung=()) -> dict: ...
+    def close(self, after_failure: bool, hung=(), interrupted: bool = False) -> dict: ...
 
 
 class Recovery(Protocol):
@@ -82,7 +97,9 @@ class Recovery(Protocol):
 
     def stop(self, failed: AttemptFailed, decision: Decision) -> BaseException: ...
 
-    def placement_lost(self, e: BaseException) -> Decision: ...
+    def replan(self, failed: AttemptFailed, recovering: dict) -> "tuple[int, dict] | Decision": ...
+
+    def grow(self, grow: GrowBack, attempt: AttemptLike) -> tuple[int, dict]: ...
 
 
 def run_attempts(start: Callable[[int, Optional[dict]], AttemptLike], first: int, policy: RestartPolicy,
@@ -101,8 +118,13 @@ def run_attempts(start: Callable[[int, Optional[dict]], AttemptLike], first: int
             if last is None:
                 raise                       # the first placement: the error as it was
             steps_done = first + recovering.get("steps_lost", 0)     # the steps done before the failure
-            raise recovery.stop(dataclasses.replace(last, steps_done=steps_done, error=e),
-                                recovery.placement_lost(e)) from e
+            failed = dataclasses.replace(last, steps_done=steps_done, error=e)
+            got = recovery.replan(failed, recovering)      # failure.elastic: a plan on the hosts left
+            if isinstance(got, Decision):
+                raise recovery.stop(failed, got) from e
+            first, recovering = got
+        except GrowBack as grow:
+            first, recovering = recovery.grow(grow, attempt)
         except AttemptFailed as failed:
             decision = policy.decide(failed.failure, recovery.committed())
             if not decision.restart:
@@ -131,6 +153,8 @@ class Session:
 
         job = checked.job
         self.checked, self.plan, self.record, self.ckpt = checked, plan, record, ckpt
+        self.original = checked         # the job's own plan: every elastic plan derives from it
+        self.elastic = job.failure.elastic
         self.resume_command, self.echo = resume_command, echo
         self.run_name = job.run.name
         self.resumed_from = ckpt.start if ckpt else 0
@@ -140,6 +164,14 @@ class Session:
         self.gone: set[str] = set()     # ids of nodes lost during the run (a restart's placement avoids them)
         self.recoveries: list[dict] = []
         record.extra.update(restarts=0, recoveries=self.recoveries)
+        self.replans: list[dict] = []   # summary.json's `replans` (failure.elastic)
+        self._pending = None            # the newest re-plan until its first step: (record, entry, times, rec)
+        self._placing_since = 0.0       # when the newest restart began to wait for its placement
+        self._profile = None            # replan: auto's layer profiler, made at the first re-plan
+        if self.elastic is not None:
+            from orchestrator.core.elastic import describe_plan
+
+            record.extra.update(replans=self.replans, plan_in_use=describe_plan(checked))
         self.tel = self.metrics = None
         self.last_spans: list = []
         self.executor = None            # the newest attempt's executor (what summary.json describes)
@@ -156,6 +188,7 @@ class Session:
         self.tel = RunTelemetry(self.run_name, plan.schedule, plan.sim.bubble_fraction,
                                 self.checked.job.data.global_batch)
         self.metrics = _metrics(self.run_name, plan.sim.bubble_fraction)
+        self._show_plan()
 
     # -- a step ------------------------------------------------------------
     def take(self, r) -> None:
@@ -171,14 +204,24 @@ class Session:
         self.record.step({"step": r.step, "loss": r.loss, "step_time_s": r.wall_s, "eval_loss": r.eval_loss,
                           "span_s": st.span_s, "measured_bubble": st.measured_bubble, **scaling(r.step, r.stats),
                           **({"health": f"{event.action}: {event.kind}"} if event else {})})
+        if self._pending is not None:      # the first step on a new plan: its times are known now
+            self._replanned()
+        done: list[int] = []
         if self.committer is not None:     # after the record: the marker records the losses so far
             before = event is None or event.action == SKIP      # else only the saves from before it commit
-            for done in self.committer.add([c for c in r.checkpoints if before or c["step"] <= r.step]):
-                log.info("checkpoint step %d committed", done)
+            done = self.committer.add([c for c in r.checkpoints if before or c["step"] <= r.step])
+            for step in done:
+                log.info("checkpoint step %d committed", step)
         if event is not None and event.action == STOP:
             raise HealthStop(event)
         if event is not None and event.action == ROLLBACK_ACTION:
             raise HealthRollback(event)
+        if done and self.elastic is not None and self.checked is not self.original:
+            from orchestrator.driver import elastic
+
+            grow = elastic.grow(self.original, self.checked, self.gone, done[-1], self._profiler())
+            if grow is not None:
+                raise grow          # ends the attempt here (`run_attempts` → `Session.grow`)
 
     def _health(self, r):
         """Training health of step result `r` (`orchestrator.core.health`): its event or None; an
@@ -220,9 +263,7 @@ class Session:
         checked, job = self.checked, self.checked.job
         t1 = time.perf_counter()
         torn = attempt.close(after_failure=True, hung=failed.hung)
-        recovery.wait_released([f"{self.run_name}/stage{s.index}/host{h}" for s in checked.stages
-                                for h in range(len(s.hosts))], f"meshpipe-{self.run_name}",
-                               checked.cluster.timeouts.shutdown_s)
+        recovery.wait_released(self._actor_names(), f"meshpipe-{self.run_name}", checked.cluster.timeouts.shutdown_s)
         teardown_s = time.perf_counter() - t1
         self.ckpt = prepare(checked, "latest")    # as --resume: checks, removes uncommitted saves
         if failed.failure.cause == ROLLBACK:     # training health: skip the data from the commit through the bad step
@@ -249,6 +290,7 @@ class Session:
         self.echo(msg)
         self.record.rollback(self.ckpt.start, restarts)
         self.committer.pending.clear()       # saves of the failed attempt never commit
+        self._placing_since = time.perf_counter()
         return self.ckpt.start, rec
 
     def placement_lost(self, e: BaseException) -> Decision:
@@ -257,6 +299,114 @@ class Session:
         wait_s = self.checked.job.failure.placement_timeout_s or t.init_s
         return Decision(False, f"the placement could not be reserved again within {wait_s:g} s "
                                f"(failure.placement_timeout_s): {e}")
+
+    def replan(self, failed: AttemptFailed, recovering: dict) -> "tuple[int, dict] | Decision":
+        """After a restart's placement could not be had (`failed.error`): with `failure.elastic`, switch
+        to the plan for the hosts the live cluster holds and return (the step to start at, the
+        restart's record); otherwise, or with no legal plan on fewer hosts than the one that could
+        not be placed, the `Decision` to stop with."""
+        from orchestrator.core.elastic import Timings, plan_hosts
+        from orchestrator.driver import elastic
+
+        lost = self.placement_lost(failed.error)
+        if self.elastic is None:
+            return lost
+        wait_s = time.perf_counter() - self._placing_since
+        r, planning_s = elastic.shrink(self.original, self.gone, self._profiler())
+        if r.action == "stop":
+            return Decision(False, f"{lost.reason}; failure.elastic: {r.reason}")
+        if r.hosts >= plan_hosts(self.checked):
+            return Decision(False, f"{lost.reason}; failure.elastic: the live cluster holds {r.capacity} host "
+                                   f"bundle(s), and no legal plan is smaller than the {plan_hosts(self.checked)} "
+                                   f"host(s) that could not be placed ({r.reason})")
+        why = f"{failed.failure.cause}: {failed.failure.who}"
+        node = failed.where.get("node_id")
+        times = Timings(teardown_s=recovering.get("teardown_s"), wait_s=wait_s, planning_s=planning_s)
+        self._switch("shrink", why + (f" (node {node[:12]})" if node else ""), r, times, recovering)
+        recovering.update(replan=len(self.replans), resumed_from=self.ckpt.start)
+        self._placing_since = time.perf_counter()
+        return self.ckpt.start, recovering
+
+    def grow(self, grow: GrowBack, attempt) -> tuple[int, dict]:
+        """End `attempt` at the commit `grow` was raised at and switch onto the larger plan; returns
+        (the step to start at, the record the next attempt fills with its times)."""
+        from orchestrator.core.elastic import Timings
+        from orchestrator.driver import recovery
+
+        t1 = time.perf_counter()
+        attempt.close(after_failure=False, interrupted=True)     # the step in flight abandoned
+        recovery.wait_released(self._actor_names(), f"meshpipe-{self.run_name}",
+                               self.checked.cluster.timeouts.shutdown_s)
+        times = Timings(teardown_s=time.perf_counter() - t1, planning_s=grow.planning_s)
+        rec = {"detected_at": grow.at, "steps_lost": max(0, len(self.record.losses) - grow.step),
+               "restart": self.record.extra["restarts"]}     # (the attempt's workers file is numbered by it)
+        self._switch("grow", grow.decision.reason, grow.decision.replan, times, rec)
+        self.record.rollback(self.ckpt.start, self.record.extra["restarts"], grow=True)
+        self.monitor.rollback(self.ckpt.start)       # the losses from the commit on run again
+        self._placing_since = time.perf_counter()
+        return self.ckpt.start, rec
+
+    def _switch(self, kind: str, why: str, replan, times, rec: dict) -> None:
+        """Train on `replan.checked` from the newest commit: the plan, a committer for its hosts, the
+        commit prepared onto it (as --resume latest), a fresh progress deadline, telemetry, metrics
+        and the record of the re-plan (`times`: its parts known so far; `rec`: the dict the next
+        attempt fills with the rest — placement, restore, compile, recovery_s)."""
+        from orchestrator.core.elastic import ReplanRecord, plan_hosts
+        from orchestrator.core.plan import make_plan
+        from orchestrator.core.recovery import ProgressDeadline
+        from orchestrator.driver.checkpoint import Committer, prepare
+
+        before, checked = self.checked, replan.checked
+        self.checked, self.plan = checked, make_plan(checked)
+        self.ckpt = prepare(checked, "latest")
+        commits = self.committer.commits
+        self.committer = Committer(checked, checked.job.pipeline.schedule, plan_hosts(checked), self.record.losses)
+        self.committer.commits = commits
+        self.deadline = ProgressDeadline(checked.cluster.timeouts.step_s)   # step times of another plan
+        done = ReplanRecord.of(kind, self.ckpt.start, why, before, replan, _predicted(before), times)
+        entry = done.to_json()
+        self.replans.append(entry)
+        self._pending = (done, entry, rec)
+        self.record.extra["plan_in_use"] = done.plans[1]
+        if self.tel is not None:
+            self.tel.replan(self.plan.schedule, self.plan.sim.bubble_fraction)
+        self._show_plan()
+        msg = f"elastic {kind}: {done.plans[0]} → {done.plans[1]} ({why}); resuming from checkpoint step {self.ckpt.start}"
+        log.warning("%s", msg)
+        self.echo(msg)
+
+    def _replanned(self) -> None:
+        """The newest re-plan's first step trained: its times into its record, its log line."""
+        done, entry, rec = self._pending
+        self._pending = None
+        done = done.with_timings(dataclasses.replace(
+            done.timings, placement_s=rec.get("placement_s"), restore_s=rec.get("restore_s"),
+            compile_s=rec.get("compile_s"), total_s=rec.get("recovery_s")))
+        entry.clear()
+        entry.update(done.to_json())
+        log.warning("%s", done.message())
+        self.echo(done.message())
+
+    def _show_plan(self) -> None:
+        """The plan in use on the progress line and in the hosts metric (elastic runs)."""
+        from orchestrator.core.elastic import plan_hosts, plan_line
+
+        if self.elastic is None:
+            return
+        if self.record.progress is not None:
+            self.record.progress.tag = plan_line(self.checked, plan_hosts(self.original))
+        if self.metrics is not None:
+            self.metrics.plan(plan_hosts(self.checked), len(self.replans), self.plan.sim.bubble_fraction)
+
+    def _actor_names(self) -> list[str]:
+        return [f"{self.run_name}/stage{s.index}/host{h}" for s in self.checked.stages for h in range(len(s.hosts))]
+
+    def _profiler(self):
+        from orchestrator.driver import elastic
+
+        if self._profile is None and self.elastic is not None and self.elastic.replan == "auto":
+            self._profile = elastic.layer_profiler(self.original)
+        return self._profile
 
     def stop(self, failed: AttemptFailed, decision: Decision) -> BaseException:
         """The error that ends the run after `failed`: why, what is lost, the command that continues."""
@@ -283,6 +433,17 @@ class Session:
             self.record.extra.update(last_step_spans=[list(s) for s in self.last_spans], telemetry=self.tel.summary())
         if ok and self.metrics is not None and self.checked.cluster.address is not None:
             self.metrics.flush()   # a long-lived cluster: let the last values reach its metrics agent
+
+
+def _predicted(checked):
+    """`predict_step(checked)`, or None where it cannot be had (a record's estimate never stops a re-plan)."""
+    from orchestrator.core.elastic import predict_step
+
+    try:
+        return predict_step(checked)
+    except Exception as e:  # noqa: BLE001 - see the docstring
+        log.warning("no predicted step for plan %s: %s", checked.job.run.name, e)
+        return None
 
 
 def _metrics(run: str, simulated_bubble: float):

@@ -60,6 +60,9 @@ class RunMetrics:
         self.compile = g("compile_time_s", "Seconds a stage host spent tracing/lowering/compiling", HOST)
         self.eval_loss = g("eval_loss", "Mean loss on the data.eval batches at the last evaluation")
         self.data_wait = g("data_wait_s", "Time a stage host's last step waited for its data loader (s)", HOST)
+        from orchestrator.core.elastic import METRICS     # failure.elastic: hosts now, re-plans so far
+
+        self.elastic = {m.name: g(m.name, m.description, m.tags) for m in METRICS}
         self.reshard = Counter("meshpipe_reshard_bytes", "Bytes a stage host sent to a neighbour stage",
                                tag_keys=HOST + ("edge",))
         self._sent: dict[tuple[int, int, str], int] = {}
@@ -97,6 +100,13 @@ class RunMetrics:
                     self.reshard.inc(delta, tags={**tags, "edge": f"{stage}->{peer}"})
         self.done = st.step + 1
         self.steps_done.set(self.done, tags=run)
+
+    def plan(self, hosts: int, replans: int, simulated_bubble: float) -> None:
+        """The plan in use (`failure.elastic`): its hosts, its simulated bubble, the re-plans so far."""
+        self._simulated = float(simulated_bubble)
+        self.bubble_simulated.set(self._simulated, tags={"run": self.run})
+        self.elastic["hosts"].set(hosts, tags={"run": self.run})
+        self.elastic["replans"].set(replans, tags={"run": self.run})
 
     def flush(self, cap_s: float = 15.0) -> bool:
         """Poll this node's metrics endpoint until it shows the final steps_done (bounded); True if seen."""

@@ -112,9 +112,10 @@ class RunRecord:
         if event["action"] == "skip":
             health["skipped_steps"].append(event["step"])
 
-    def rollback(self, step: int, restart: int) -> None:
-        """A restart from checkpoint `step`: the later steps leave summary.json's lists (they run
-        again); metrics.jsonl keeps them and gets a `restart` line."""
+    def rollback(self, step: int, restart: int, grow: bool = False) -> None:
+        """A restart from checkpoint `step` (`grow`: an elastic grow-back, no failure): the later steps
+        leave summary.json's lists (they run again); metrics.jsonl keeps them and gets a `restart`
+        (or `grow`) line."""
         lost = len(self.losses) - step
         del self.losses[step:]
         if lost > 0:
@@ -126,7 +127,8 @@ class RunRecord:
         self.evals[:] = [e for e in self.evals if e[0] < step]
         if "health" in self.extra:          # the skips from the commit on run again (the events stay)
             self.extra["health"]["skipped_steps"] = [s for s in self.extra["health"]["skipped_steps"] if s < step]
-        self.metrics.append({"restart": restart, "resumed_from": step, "time": time.time()})
+        what = {"grow": True} if grow else {"restart": restart}
+        self.metrics.append({**what, "resumed_from": step, "time": time.time()})
 
     def error_file(self, message: str, where: str, detail: str) -> Path:
         """A failure's full traceback in the next free `error[.N].txt`; returns its path."""

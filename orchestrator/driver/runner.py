@@ -25,7 +25,10 @@ attempt (an actor's error or death, or no progress within the progress deadline)
 and, while restarts are left and a checkpoint is committed, a new attempt re-reserves the
 placement and restores the newest commit as `--resume` would; the steps after that commit are
 dropped from summary.json's lists (losses, step times, evals; metrics.jsonl gets a `restart`
-line) and run again. summary.json counts `restarts` and lists `recoveries`.
+line) and run again. summary.json counts `restarts` and lists `recoveries`. With
+`failure.elastic`, a restart whose placement cannot be had re-plans onto the hosts that are left,
+and a run on fewer hosts grows back at a commit (`orchestrator.driver.elastic`); summary.json lists
+them as `replans` and names the plan the run ended on (`plan_in_use`).
 
 Telemetry (`orchestrator.driver.telemetry`, `orchestrator.driver.metrics`): every step's
 spans and per-actor stats feed the progress display (a bar on a terminal, one

@@ -185,6 +185,13 @@ class RunTelemetry:
         self.steps: list[StepStats] = []
         self.paths: dict[str, str] = {}
 
+    def replan(self, schedule, simulated_bubble: float) -> None:
+        """The run goes on under another plan (`failure.elastic`): later steps are measured against
+        its schedule, and the pictures show its steps (the earlier plan's spans are dropped)."""
+        self.schedule, self.simulated_bubble = schedule, float(simulated_bubble)
+        self.first = None
+        self.recent.clear()
+
     def add(self, step: int, wall_s: float, loss: float, spans: list[Span],
             hosts: list[dict] | None = None) -> StepStats:
         spans = [tuple(s) for s in spans]
@@ -345,13 +352,14 @@ class Progress:
         self.done = 0
         self._drawn = False
         self.eval_loss = None        # the latest evaluation's loss, kept on the bar
+        self.tag: str | None = None  # what else each line shows (an elastic run's plan in use)
 
     def update(self, rec: dict) -> None:
         self.done = rec["step"] + 1
         if rec.get("eval_loss") is not None:
             self.eval_loss = rec["eval_loss"]
         if not self.tty:
-            self.echo(self.line(rec))
+            self.echo(self.line(rec) + (f"  [{self.tag}]" if self.tag else ""))
             return
         self.stream.write("\r" + self.text(rec, self.columns()))
         self.stream.flush()
@@ -373,6 +381,8 @@ class Progress:
         if self.eval_loss is not None:
             fields.append(f"eval {self.eval_loss:.4f}")
         fields += [f"{rec['step_time_s'] * 1e3:.0f} ms/step", f"eta {eta:.0f}s", f"{rec['samples_per_s']:.1f} samples/s"]
+        if self.tag:
+            fields.append(self.tag)
         frac = min(1.0, self.done / max(1, self.total))
         while True:
             tail = "  ".join(fields)

@@ -13,7 +13,8 @@ Every problem raises `ConfigError` (a ValueError) whose lines read
 Modules: `schema` (the job's pydantic models: per-value rules; re-exports the rest),
 `cluster_schema` (the cluster's), `fields` (shared base and value types), `walk` (schema walking,
 error conversion), `overrides` (`key.path=value`),
-`load` (files), `check` (cross-checks against the model and the cluster), `disk` (the
+`load` (files), `check` (cross-checks of the plan against the model and the cluster), `job_check`
+(`check_job`: those and the re-plan checks of `failure.elastic`), `disk` (the
 output and checkpoint directory checks, which touch the disk),
 `errors` (ConfigError and message helpers).
 
@@ -26,9 +27,10 @@ Decisions:
     ranges; chunk j of stage i is virtual stage j * num_stages + i.
   - Integers are strict: `"3"`, `3.0` and `true` are rejected where an int is due.
 """
-from orchestrator.core.config.check import Checked, StagePlan, check_job
+from orchestrator.core.config.check import Checked, StagePlan, check_plan
 from orchestrator.core.config.disk import check_checkpoint_dir, check_output_dir, checkpoint_bytes
 from orchestrator.core.config.errors import ConfigError
+from orchestrator.core.config.job_check import check_job
 from orchestrator.core.config.load import load_cluster, load_job, load_raw
 from orchestrator.core.config.overrides import apply_overrides, parse_key_path
 from orchestrator.core.config.schema import (ClusterConfig, DataConfig, JobConfig, ModelConfig,
@@ -37,7 +39,7 @@ from orchestrator.core.config.schema import (ClusterConfig, DataConfig, JobConfi
 
 __all__ = [
     "ConfigError", "JobConfig", "ClusterConfig", "load_job", "load_cluster", "load_raw",
-    "parse_job", "parse_cluster", "apply_overrides", "parse_key_path", "check_job",
+    "parse_job", "parse_cluster", "apply_overrides", "parse_key_path", "check_job", "check_plan",
     "check_output_dir", "check_checkpoint_dir", "checkpoint_bytes", "Checked", "StagePlan", "RunConfig", "ModelConfig",
     "DataConfig",
     "OptimizerConfig", "StageConfig", "PipelineConfig", "TimeoutsConfig",

@@ -1,4 +1,8 @@
-"""Cross-checks of a job against its model and cluster: `check_job(job, cluster) -> Checked`.
+"""Cross-checks of a job's plan against its model and cluster: `check_plan(job, cluster) -> Checked`.
+
+`check_job` (`orchestrator.core.config.job_check`, what callers use) is `check_plan` and the checks
+that re-plan the job (`failure.elastic`); the re-plan itself checks its candidates with
+`check_plan`, so the two never call each other.
 
 Basic flow: build the model's `ModelSpec` (the factory is called and the model
 described by `jax.eval_shape`: no devices, no arrays) → check data, optimizer
@@ -41,7 +45,7 @@ from orchestrator.core.model.spec import ModelSpec, param_name
 from orchestrator.core.model.split import SplitError, split_ranges
 from orchestrator.core.schedule import SCHEDULES, ScheduleError, check_params
 
-__all__ = ["Checked", "StagePlan", "check_code", "check_job", "job_code"]
+__all__ = ["Checked", "StagePlan", "check_code", "check_plan", "job_code"]
 
 
 @dataclass(frozen=True)
@@ -594,15 +598,16 @@ def _check_divisibility(job: JobConfig, model: ModelSpec, layouts: list, mb: int
 
 # ----------------------------------------------------------------------------- entry points
 
-def check_job(job: JobConfig, cluster: ClusterConfig) -> Checked:
-    """Cross-check a job against its model and a cluster.
+def check_plan(job: JobConfig, cluster: ClusterConfig) -> Checked:
+    """Cross-check a job's plan against its model and a cluster (all of `check_job` but `failure.elastic`'s
+    re-plan checks).
 
     Raises:
       ConfigError: every problem found, one line each `key.path = value: rule`.
 
     Example:
         >>> from orchestrator.core.config import load_job, load_cluster
-        >>> checked = check_job(load_job("examples/mlp.yaml"), load_cluster("cluster_configs/local.yaml"))
+        >>> checked = check_plan(load_job("examples/mlp.yaml"), load_cluster("cluster_configs/local.yaml"))
         >>> [s.hosts for s in checked.stages], checked.microbatch_size
         ([(0,), (1,), (2,)], 8)
     """

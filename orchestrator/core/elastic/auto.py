@@ -52,7 +52,7 @@ def plan_by_search(original, hosts: int, profile: Optional[Callable] = None, min
     The job keeps everything but `pipeline` and `layout` (and its `failure` section, `failure.elastic`
     included, on the returned `Checked.job`).
     """
-    from orchestrator.core.config.check import check_job
+    from orchestrator.core.config.check import check_plan
     from orchestrator.core.config.schema import parse_job
     from orchestrator.core.planner import PlanningError, ProfileError, SearchOptions, from_cluster, search
     from orchestrator.core.planner.adapter import from_job
@@ -82,7 +82,7 @@ def plan_by_search(original, hosts: int, profile: Optional[Callable] = None, min
         if not min_hosts <= sum(s.hosts[1] for s in c.stages) <= hosts:
             continue
         try:
-            checked = check_job(parse_job(job_dict(raw, c)), original.cluster)
+            checked = check_plan(parse_job(job_dict(raw, c)), original.cluster)
         except ConfigError as e:
             last = str(e)
             continue

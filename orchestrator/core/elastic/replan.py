@@ -199,14 +199,14 @@ def host_capacity(bundle: Mapping[str, float], strategy: str, nodes: Sequence[Ma
 
 def check_elastic(checked) -> list[str]:
     """Problems of `failure.elastic` that need the model and the cluster (one `key = value: rule`
-    line each); [] without the section. For `check_job` to add to its own (the rule's plans are
+    line each); [] without the section. `check_job` adds them to `check_plan`'s (the rule's plans are
     what `min_hosts` is checked against: `replan: auto` falls back to the rule).
 
     Example:
-        >>> from orchestrator.core.config import load_job, load_cluster, check_job
+        >>> from orchestrator.core.config import load_job, load_cluster, check_plan
         >>> job = load_job("examples/gpt.yaml", overrides=["checkpoint={dir: /tmp/c, every_steps: 2}",
         ...                                                "failure={max_restarts: 1, elastic: {min_hosts: 3}}"])
-        >>> [p.split(": ")[0] for p in check_elastic(check_job(job, load_cluster("cluster_configs/local.yaml")))]
+        >>> [p.split(": ")[0] for p in check_elastic(check_plan(job, load_cluster("cluster_configs/local.yaml")))]
         ['failure.elastic.min_hosts = 3']
     """
     from orchestrator.core.elastic.rule import plan_by_rule

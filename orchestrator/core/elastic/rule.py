@@ -184,7 +184,7 @@ def checked_plan(original, drafts: Sequence[Draft], schedule: str, v: int,
     """The first microbatch count (`microbatch_order`) for which the drafted pipeline passes
     `check_job` and fits the device memory, as a `Checked` whose job carries the original
     `failure` section; None (and the last reason appended to `why`) when none does."""
-    from orchestrator.core.config.check import check_job
+    from orchestrator.core.config.check import check_plan
     from orchestrator.core.schedule import ScheduleError, check_params
 
     job, p = original.job, len(drafts)
@@ -201,7 +201,7 @@ def checked_plan(original, drafts: Sequence[Draft], schedule: str, v: int,
             break
         tried += 1
         try:
-            checked = check_job(_job_with(original, drafts, m, schedule, v), original.cluster)
+            checked = check_plan(_job_with(original, drafts, m, schedule, v), original.cluster)
         except ConfigError as e:
             why.append(str(e))
             continue
