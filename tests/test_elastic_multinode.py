@@ -41,7 +41,7 @@ WORKERS = 3
 SMALL = "2 stages 1f1b m=2 on 2 hosts: [0,2) data=1,model=2 | [2,4) model=2"
 OWN = "2 stages 1f1b m=2 on 3 hosts: [0,2) data=2,model=2 x2h | [2,4) model=2"
 # the stated tolerance of an elastic run against an uninterrupted run of the job's own plan
-# (docs/drafts/elastic.md; measured in tests/test_elastic_numerics.py)
+# (docs/guides/elastic.md; measured in tests/test_elastic_numerics.py)
 LOSS_RTOL, ARRAY_REL_L2 = 1e-5, 1e-4
 
 

@@ -1,4 +1,4 @@
-"""What stays exact after a re-plan and what only close (`failure.elastic`, docs/drafts/elastic.md).
+"""What stays exact after a re-plan and what only close (`failure.elastic`, docs/guides/elastic.md).
 
 A re-plan keeps the data (each step's global batch, in order) and the update rule; it changes the
 microbatch count m and the data-parallel degree d, so only the order of floating-point sums. One
@@ -12,7 +12,7 @@ ones proposed for the elastic run against an uninterrupted run on the job's own 
                       gradient is zero up to round-off (|g| ≲ ε = 1e-8) moves by round-off ÷ ε, up to
                       lr a step, in any run; another summation order moves it differently.
 
-(With SGD at lr 0.1 the same cases differ by one float32 ulp at most, docs/drafts/elastic.md.)
+(With SGD at lr 0.1 the same cases differ by one float32 ulp at most, docs/guides/elastic.md.)
 """
 from __future__ import annotations
 

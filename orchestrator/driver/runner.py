@@ -159,7 +159,9 @@ def _run_pipeline(checked, plan, record: RunRecord, out: Path, echo, hooks: Sequ
     reaper = None
     try:
         _refuse_compiled_graph_restarts(checked)
-        reaper = _reaper(out) if started else None      # cleans up after this driver, however it ends
+        # cleans up after this driver however it ends -- only a Ray this driver started itself: connected to
+        # a running cluster (cluster.address, a Ray job), that cluster's session is not ours to reap
+        reaper = _reaper(out) if started and checked.cluster.address is None else None
     except BaseException:
         if started:
             import ray

@@ -5,7 +5,7 @@ The training stays the job's: the global batch and the data order (a function of
 step and the global batch: `orchestrator.core.data.sampler`) are kept, a plan on fewer hosts
 takes more microbatches or a smaller data-parallel degree, and the last commit is restored onto
 the new plan by name (parameters and optimizer state move together: `stages.checkpoint.restore`).
-What changes is the order floating-point sums are taken in (docs/drafts/elastic.md).
+What changes is the order floating-point sums are taken in (docs/guides/elastic.md).
 
 Modules:
   replan   host_capacity, plan_for (keep | replan | stop), grow_decision, check_elastic
