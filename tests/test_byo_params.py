@@ -185,6 +185,7 @@ def part_to_model_path(name: str) -> str:
 
 
 @pytest.mark.ray
+@pytest.mark.slow      # ~1 min: the slow CI step (the parts' split at top-level params stays tested fast)
 def test_nnx_llama_with_top_level_params_pipelined_matches_its_own_training(tmp_path, no_leaks):
     from orchestrator.driver.runner import run_job
 

@@ -60,6 +60,7 @@ def test_interleaved_wrap_around_edge_and_bf16(tmp_path, no_leaks):
     assert_bit_equal(xla, _run(job, "socket"))
 
 
+@pytest.mark.slow      # 2 min on 2 cores: the slow CI step; the 1F1B bit-equality case stays in the default suite
 def test_two_host_stage_to_one_host_and_four_devices_to_two_no_listener_on_all_interfaces(tmp_path, no_leaks):
     """Stage 0 spans 2 hosts ({data: 2, model: 2}: 4 devices, its collectives over the same world),
     stage 1 is one host of 2 devices ({model: 2}: 4 devices -> 2, a 2-host stage -> a 1-host stage),
