@@ -233,7 +233,8 @@ def test_a_disk_that_fills_up_during_a_checkpoint_save(tmp_path):
     assert out["code"] == 1, out
     failed = out["stderr"][out["stderr"].index("meshpipe: run failed:"):]
     assert "checkpoint save of step 4 failed on stage" in failed, failed[:3000]
-    assert f"no space left on the device of checkpoint.dir = {root}" in failed, failed[:3000]
+    assert f"checkpoint.dir = {root} refused a checkpoint write in step 3: ENOSPC" in failed, failed[:3000]
+    assert "not restarting: checkpoint.dir refused the write" in failed, failed[:3000]
     assert "No space left on device" in failed                    # the file system's own words, with the file
     assert [s for s, _ in out["losses"]] == [0, 1, 2]             # step 3 ended in step 4's save
     assert out["committed"] == [2]

@@ -23,6 +23,7 @@ import contextlib
 import io
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -42,8 +43,9 @@ def snippets() -> dict:
 
 @contextlib.contextmanager
 def scratch_dir(tmp_path: Path):
-    """A working directory where `examples/` is the repository's (pages use paths from the repo root)."""
-    (tmp_path / "examples").symlink_to(ROOT / "examples")
+    """A working directory with a copy of the repository's `examples/` (pages use paths from the repo
+    root; a copy, not a link: a data path through a directory link that leads out is refused)."""
+    shutil.copytree(ROOT / "examples", tmp_path / "examples", ignore=shutil.ignore_patterns("__pycache__"))
     old = os.getcwd()
     os.chdir(tmp_path)
     try:

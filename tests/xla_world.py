@@ -126,10 +126,18 @@ def main(name: str, process: int, world: int, port: int, out: str) -> None:
             "transfer_address": address, "transfer_listening": listening, "listeners": listeners,
             "seconds": time.time() - t0}
     tr.close()
-    with open(os.path.join(out, f"{process}.json"), "w") as f:
+    with open(os.path.join(out, f"{process}.json.part"), "w") as f:
         json.dump(info, f)
+    os.replace(os.path.join(out, f"{process}.json.part"), os.path.join(out, f"{process}.json"))
+    # Leave only when every process has written its report: a process that exits (the coordinator
+    # above all) while a peer's last transfer still reads from it ends that peer's run (CI saw
+    # "recv() failed ... Transport endpoint is not connected" then the coordination service's abort).
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not all(os.path.exists(os.path.join(out, f"{i}.json"))
+                                                  for i in range(world)):
+        time.sleep(0.05)
     sys.stdout.flush()
-    os._exit(0)      # no jax.distributed.shutdown barrier: the test reads the files
+    os._exit(0)      # no jax.distributed.shutdown: the reports are the result, the file barrier the end
 
 
 if __name__ == "__main__":
