@@ -68,6 +68,7 @@ def test_readme_checkpoint_example_relative_dir_resume_fallback_and_export(tmp_p
     assert json.loads((tmp_path / "exported" / "meshpipe.json").read_text())["step"] == 60
 
 
+@pytest.mark.needs_checkpoint          # `meshpipe export` asks for orbax before it reads its paths
 @pytest.mark.parametrize("case", ["not-a-checkpoint", "to-exists"])
 def test_export_with_relative_paths_refuses_in_one_line_naming_the_absolute_path(tmp_path, monkeypatch, case):
     """The trial's step: `meshpipe export` with relative paths. What it cannot do is one line on

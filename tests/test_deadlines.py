@@ -71,6 +71,7 @@ def test_a_grain_data_factory_that_blocks_is_refused_naming_data_factory(tmp_pat
         in msg, msg
 
 
+@pytest.mark.needs_models          # the Llama factory of examples/llama.yaml imports flax
 def test_the_childs_problems_are_the_config_errors_check_job_gives():
     msg, _ = _refused(load_job(LLAMA, ["model.args.nope=1"]), 120)
     assert "model.factory = 'examples.llama_model:pipeline': the model factory failed: TypeError" in msg, msg

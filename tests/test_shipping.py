@@ -108,6 +108,7 @@ def test_data_files_ship_and_a_big_upload_is_refused_before_anything_is_sent(tre
     assert e.value.code == jobs.EXIT_CONFIG
 
 
+@pytest.mark.needs_models          # the Llama factory imports flax before the import check is reached
 def test_a_factory_the_cluster_could_not_import_is_refused_naming_the_working_dir(monkeypatch):
     """examples/llama.yaml names `examples.llama_model:pipeline`: shipped from examples/ (the job's
     directory) the module would not import on the cluster; the refusal names --working-dir."""

@@ -447,6 +447,7 @@ def test_a_compiled_graph_teardown_error_about_a_dead_actor_is_dropped_when_quie
         ("Error cancelling worker task", ValueError), ("Tearing down compiled DAG", None)]
 
 
+@pytest.mark.needs_checkpoint      # the checkpoint step asks for orbax before it looks for commits
 def test_a_refused_resume_makes_and_moves_nothing(tmp_path):
     """--resume with nothing committed: exit 2 naming checkpoint.dir before Ray starts, and the
     latest run directory is neither changed nor its record set aside (the checks come first)."""
