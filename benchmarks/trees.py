@@ -66,13 +66,34 @@ def child(size_name: str, steps: int, warmup: int) -> dict:
             "affinity": affinity, "load_before": load0, "load_after": os.getloadavg()}
 
 
+def _settle(deadline_s: float = 60.0, quiet_s: float = 5.0) -> float:
+    """Wait until the previous child's Ray is gone (no raylet, GCS or worker process left, at most
+    `deadline_s`), then `quiet_s` more; returns the seconds waited. Without it the second run of
+    every pair was the slower one (tiny, 2026-12-06: before-first pairs 1.10-1.34, after-first
+    0.76-0.78): the first child's Ray was still tearing down on the same two cores."""
+    import psutil
+
+    t0 = time.monotonic()
+    names = ("raylet", "gcs_server", "ray::", "dashboard", "log_monitor")
+    while time.monotonic() - t0 < deadline_s:
+        left = [p for p in psutil.process_iter(["name", "cmdline"])
+                if any(n in (p.info["name"] or "") or n in " ".join(p.info["cmdline"] or [])[:200] for n in names)
+                and p.pid != os.getpid()]
+        if not left:
+            break
+        time.sleep(0.5)
+    time.sleep(quiet_s)
+    return time.monotonic() - t0
+
+
 def run_tree(tree: Path, python: str, size: str, steps: int, warmup: int, timeout: float) -> dict:
+    settle_s = _settle()
     env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{HERE}", "JAX_PLATFORMS": "cpu"}
     r = subprocess.run([python, str(Path(__file__).resolve()), "child", size, str(steps), str(warmup)],
                        cwd=tree, env=env, capture_output=True, text=True, timeout=timeout)
     if r.returncode != 0:
         raise RuntimeError(f"{tree} {size}: exit {r.returncode}\n{r.stderr[-3000:]}")
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    return {**json.loads(r.stdout.strip().splitlines()[-1]), "settle_s": settle_s}
 
 
 def compare(trees: dict, sizes: list[str], pairs: int, steps: int, warmup: int, timeout: float) -> dict:
@@ -91,11 +112,15 @@ def compare(trees: dict, sizes: list[str], pairs: int, steps: int, warmup: int, 
             print(f"{size} pair {i}: before {pair['before']['step_s'] * 1e3:.2f} ms, after "
                   f"{pair['after']['step_s'] * 1e3:.2f} ms, ratio {pair['ratio']:.3f}", file=sys.stderr, flush=True)
         ratios = [p["ratio"] for p in runs]
+        by_order = [[r for i, r in enumerate(ratios) if i % 2 == k] for k in (0, 1)]   # before first / after first
         out["sizes"][size] = {
             "ratio_median": statistics.median(ratios), "ratios": ratios,
             "ratio_spread": [min(ratios), max(ratios)], "interval": median_interval(ratios, 0.75),
             "before_ms": [p["before"]["step_s"] * 1e3 for p in runs],
             "after_ms": [p["after"]["step_s"] * 1e3 for p in runs],
+            "ratio_median_before_first": statistics.median(by_order[0]),
+            "ratio_median_after_first": statistics.median(by_order[1]) if by_order[1] else None,
+            "settle_s": [p[k]["settle_s"] for p in runs for k in ("before", "after")],
             "affinity": [p[k]["affinity"] for p in runs for k in ("before", "after")],
             "load": [[p[k]["load_before"][0], p[k]["load_after"][0]] for p in runs for k in ("before", "after")]}
     return out

@@ -381,6 +381,7 @@ def test_python_tag_in_job_file_never_runs(tmp_path):
     assert not sentinel.exists()
 
 
+@pytest.mark.slow         # the bad-input suite again in a child under -O (~35 s): the slow step
 @pytest.mark.skipif(sys.flags.optimize > 0, reason="already running under python -O")
 def test_bad_input_suite_under_python_O():
     r = subprocess.run([sys.executable, "-O", "-m", "pytest", "tests/test_config.py",

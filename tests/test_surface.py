@@ -257,6 +257,7 @@ def _screen_lines(text: str) -> list[str]:
 
 
 @pytest.mark.ray
+@pytest.mark.slow         # a whole CLI run (~23 s) for the line's width: the slow step
 def test_progress_bar_fits_an_80_column_terminal(tmp_path):
     rc, text = _in_pty(["run", "examples/mlp.yaml", "--set", "run.steps=3", "--set",
                         f"run.output_dir={tmp_path}"], 80, 300,
@@ -322,8 +323,11 @@ def _marked(mark: str) -> list[int]:
 
 
 @pytest.mark.ray
-@pytest.mark.parametrize("sig, executor", [(signal.SIGINT, "step_calls"), (signal.SIGTERM, "step_calls"),
-                                          (signal.SIGINT, "compiled_graph")])
+@pytest.mark.parametrize("sig, executor", [
+    (signal.SIGINT, "step_calls"),
+    # ~25 s each: in the slow step, so the default suite stays near 15 min on 2 cores
+    pytest.param(signal.SIGTERM, "step_calls", marks=pytest.mark.slow),
+    pytest.param(signal.SIGINT, "compiled_graph", marks=pytest.mark.slow)])
 def test_a_signal_stops_the_run_within_seconds_with_its_record(tmp_path, sig, executor):
     """Ctrl-C reaches the whole foreground process group (the driver and the Ray it started);
     SIGTERM is what `ray job stop` sends to the driver. Either: exit 130 within seconds, the step
