@@ -15,7 +15,10 @@ back, the load average before and after.
 The parent runs the two trees in pairs (before then after, then after then before, ...:
 `benchmarks.paired.block_order`), so a drift of the shared machine over a pair cancels in the
 pair's ratio after ÷ before; it reports per size the median ratio, its order-statistic
-interval (`benchmarks.paired.median_interval`) and the spread of the ratios. The child of the
+interval (`benchmarks.paired.median_interval`) and the spread of the ratios, each order's median
+apart, and the same for the step's non-compute share (`_busiest_compute_s`): on this VM the
+same XLA programs ran ~35 % faster or slower from one process to the next (2026-12-06), which
+moves the wall ratio by far more than a refactor's cost; the share moves much less. The child of the
 "before" tree runs this file from the "after" tree (it only needs the executor API both
 trees share), so the before tree needs no copy of it.
 """
@@ -50,12 +53,13 @@ def child(size_name: str, steps: int, warmup: int) -> dict:
     plan = make_plan(checked)
     placement.connect(checked.cluster, namespace=f"meshpipe-trees-{size_name}")
     ex = PipelineExecutor(checked, plan.schedule, checked.data, f"trees-{size_name}")
-    walls, affinity = [], {}
+    walls, affinity, shares = [], {}, []
     try:
         ex.start()
         for r in ex.steps(warmup + steps):
             if r.step >= warmup:
                 walls.append(r.wall_s)
+                shares.append(1.0 - _busiest_compute_s(r.spans) / r.wall_s)
                 for st in r.stats:
                     if "affinity" in st:
                         affinity[f"{st['stage']}/{st.get('host', 0)}"] = st["affinity"]
@@ -63,7 +67,22 @@ def child(size_name: str, steps: int, warmup: int) -> dict:
         ex.shutdown()
         ray.shutdown()
     return {"step_s": call_period_s(walls, warmup, checked.cluster.calls_of_steps), "walls_s": walls,
-            "affinity": affinity, "load_before": load0, "load_after": os.getloadavg()}
+            "noncompute_share": statistics.median(shares), "affinity": affinity, "load_before": load0, "load_after": os.getloadavg()}
+
+
+def _busiest_compute_s(spans) -> float:
+    """Of one step's spans (stage, host, action text, start, end): the compute (F, B, I, W) and
+    update (OPT) seconds of the busiest stage host. `1 - that / wall` is the step's non-compute share
+    (the bubble, transfers, the runtime's own time): a figure that holds still when the machine's
+    speed for the same XLA programs moves between runs, as the wall time does not."""
+    from orchestrator.core.schedule import Action, Kind
+
+    busy: dict = {}
+    kinds = {Kind.F, Kind.B, Kind.I, Kind.W, Kind.OPT}
+    for stage, host, text, t0, t1 in spans:
+        if Action.parse(text).kind in kinds:
+            busy[(stage, host)] = busy.get((stage, host), 0.0) + (t1 - t0)
+    return max(busy.values(), default=0.0)
 
 
 def _settle(deadline_s: float = 60.0, quiet_s: float = 5.0) -> float:
@@ -108,9 +127,11 @@ def compare(trees: dict, sizes: list[str], pairs: int, steps: int, warmup: int, 
                 tree, python = trees[name]
                 pair[name] = run_tree(tree, python, size, steps, warmup, timeout)
             pair["ratio"] = pair["after"]["step_s"] / pair["before"]["step_s"]
+            pair["share_ratio"] = pair["after"]["noncompute_share"] / pair["before"]["noncompute_share"]
             runs.append(pair)
             print(f"{size} pair {i}: before {pair['before']['step_s'] * 1e3:.2f} ms, after "
-                  f"{pair['after']['step_s'] * 1e3:.2f} ms, ratio {pair['ratio']:.3f}", file=sys.stderr, flush=True)
+                  f"{pair['after']['step_s'] * 1e3:.2f} ms, ratio {pair['ratio']:.3f}; non-compute share "
+                  f"{pair['before']['noncompute_share']:.3f} -> {pair['after']['noncompute_share']:.3f}", file=sys.stderr, flush=True)
         ratios = [p["ratio"] for p in runs]
         by_order = [[r for i, r in enumerate(ratios) if i % 2 == k] for k in (0, 1)]   # before first / after first
         out["sizes"][size] = {
@@ -119,6 +140,8 @@ def compare(trees: dict, sizes: list[str], pairs: int, steps: int, warmup: int, 
             "before_ms": [p["before"]["step_s"] * 1e3 for p in runs],
             "after_ms": [p["after"]["step_s"] * 1e3 for p in runs],
             "ratio_median_before_first": statistics.median(by_order[0]),
+            "noncompute_share_ratio_median": statistics.median(p["share_ratio"] for p in runs),
+            "noncompute_share_ratios": [p["share_ratio"] for p in runs],
             "ratio_median_after_first": statistics.median(by_order[1]) if by_order[1] else None,
             "settle_s": [p[k]["settle_s"] for p in runs for k in ("before", "after")],
             "affinity": [p[k]["affinity"] for p in runs for k in ("before", "after")],
