@@ -18,7 +18,8 @@ pair's ratio after ÷ before; it reports per size the median ratio, its order-st
 interval (`benchmarks.paired.median_interval`) and the spread of the ratios, each order's median
 apart, and the same for the step's non-compute share (`_busiest_compute_s`): on this VM the
 same XLA programs ran ~35 % faster or slower from one process to the next (2026-12-06), which
-moves the wall ratio by far more than a refactor's cost; the share moves much less. The child of the
+moves the wall ratio by far more than a refactor's cost; the share is normalised by the compute
+the run actually got (how much steadier it is has not been measured yet). The child of the
 "before" tree runs this file from the "after" tree (it only needs the executor API both
 trees share), so the before tree needs no copy of it.
 """
