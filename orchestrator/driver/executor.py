@@ -356,17 +356,22 @@ class PipelineExecutor:
         import ray
         from ray.exceptions import ActorUnavailableError, RayActorError
 
-        ref = self.actors[s][h].heartbeat.options(concurrency_group="io").remote()
-        try:
-            ray.get(ref, timeout=CAUSE_GRACE_S)
-        except RayActorError as dead:
-            if not isinstance(dead, ActorUnavailableError):
+        deadline = time.monotonic() + CAUSE_GRACE_S
+        while True:       # "unavailable" is Ray's word for a state it has not settled yet: ask again
+            ref = self.actors[s][h].heartbeat.options(concurrency_group="io").remote()
+            try:
+                ray.get(ref, timeout=max(0.1, deadline - time.monotonic()))
+                return e
+            except ActorUnavailableError:
+                if time.monotonic() >= deadline:
+                    return e
+                time.sleep(0.1)
+            except RayActorError as dead:
                 cause = stage_failure("the world's coordinator (heartbeat)", root, dead)
                 cause.message += f" (then {e.label} died with it: JAX's coordination service aborted it)"
                 return cause
-        except Exception:  # noqa: BLE001 - alive but slow, or unknown: the death seen stays the cause
-            pass
-        return e
+            except Exception:  # noqa: BLE001 - alive but slow, or unknown: the death seen stays the cause
+                return e
 
     def _follow_deadline(self, flat: list) -> None:
         """Set every actor's RECV deadline to RECV_FACTOR × the progress deadline of a call (fire and
