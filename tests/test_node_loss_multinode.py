@@ -15,13 +15,9 @@ import pytest
 
 from tests.clusters import simulated_cluster
 from tests.conftest import free_port, wait_until
-from tests.test_recovery_multinode import _lose_node, _nothing_left, node_job
+from tests.test_recovery_multinode import CLUSTER, _lose_node, _nothing_left, node_job
 
 pytestmark = pytest.mark.multinode
-
-CLUSTER = {"address": "auto", "platform": "cpu", "hosts": 3, "devices_per_host": 2, "cpus_per_host": 0.5,
-           "placement_strategy": "STRICT_SPREAD",
-           "timeouts": {"init_s": 180, "step_s": 300, "shutdown_s": 30, "jax_distributed_init_s": 60}}
 
 
 @pytest.fixture(scope="module")
