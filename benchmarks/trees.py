@@ -10,7 +10,9 @@ embedded Ray, the pipeline benchmark's job (`benchmarks.pipeline.checked_job`: t
 to their own core, the default executor), run by the tree's own `PipelineExecutor`; the step
 period is `benchmarks.formulas.call_period_s` of the steps after `warmup` (compile). The
 child prints JSON: the period, the steps' periods, the affinity each actor's step thread read
-back, the load average before and after.
+back, the load average before and after, and the CPU seconds per measured step of every process
+on the machine by role (`_cpu_by_role`: the stage actors — their XLA compute threads apart —,
+the driver, Ray's processes, the rest).
 
 The parent runs the two trees in pairs (before then after, then after then before, ...:
 `benchmarks.paired.block_order`), so a drift of the shared machine over a pair cancels in the
@@ -54,20 +56,24 @@ def child(size_name: str, steps: int, warmup: int) -> dict:
     plan = make_plan(checked)
     placement.connect(checked.cluster, namespace=f"meshpipe-trees-{size_name}")
     ex = PipelineExecutor(checked, plan.schedule, checked.data, f"trees-{size_name}")
-    walls, affinity, shares = [], {}, []
+    walls, affinity, shares, cpu0 = [], {}, [], None
     try:
         ex.start()
         for r in ex.steps(warmup + steps):
+            if r.step == warmup - 1:
+                cpu0 = _cpu_by_role()
             if r.step >= warmup:
                 walls.append(r.wall_s)
                 shares.append(1.0 - _busiest_compute_s(r.spans) / r.wall_s)
                 for st in r.stats:
                     if "affinity" in st:
                         affinity[f"{st['stage']}/{st.get('host', 0)}"] = st["affinity"]
+        cpu1 = _cpu_by_role()
     finally:
         ex.shutdown()
         ray.shutdown()
-    return {"step_s": call_period_s(walls, warmup, checked.cluster.calls_of_steps), "walls_s": walls,
+    cpu = {k: (cpu1[k] - cpu0.get(k, 0.0)) / len(walls) for k in cpu1}      # CPU seconds per measured step
+    return {"cpu_per_step_s": cpu, "step_s": call_period_s(walls, warmup, checked.cluster.calls_of_steps), "walls_s": walls,
             "noncompute_share": statistics.median(shares), "affinity": affinity, "load_before": load0, "load_after": os.getloadavg()}
 
 
@@ -84,6 +90,51 @@ def _busiest_compute_s(spans) -> float:
         if Action.parse(text).kind in kinds:
             busy[(stage, host)] = busy.get((stage, host), 0.0) + (t1 - t0)
     return max(busy.values(), default=0.0)
+
+
+def _cpu_by_role() -> dict:
+    """CPU seconds (user + system) so far of every process on the machine, summed by role: the
+    stage actors (`ray::StageWorker`), this driver, Ray's own processes, everything else; the
+    actors' also by thread: XLA's compute pool (`tf_XLAEigen`), the threads named after the actor
+    (the step thread — XLA:CPU runs part of each program on the calling thread —, the transport's,
+    Ray's executor's), Ray's others. The stage actors are pinned
+    to one core each and the machine has two: what the others take is taken from the actors.
+    When the same XLA programs take more XLA-thread CPU in one run than in another, the process,
+    not the tree, ran slower."""
+    import psutil
+
+    out = {"stage_actors": 0.0, "driver": 0.0, "ray": 0.0, "other": 0.0}
+    for p in psutil.process_iter(["pid", "name", "cmdline", "cpu_times"]):
+        t = p.info["cpu_times"]
+        if t is None:
+            continue
+        cmd = " ".join(p.info["cmdline"] or [])[:300] + " " + (p.info["name"] or "")
+        role = ("driver" if p.info["pid"] == os.getpid() else "stage_actors" if "StageWorker" in cmd
+                else "ray" if any(n in cmd for n in ("raylet", "gcs_server", "ray::", "dashboard", "log_monitor", "ray/"))
+                else "other")
+        out[role] += t.user + t.system
+        if role == "stage_actors":      # and by thread: XLA's compute pool, the actor's own threads, Ray's
+            for name, cpu_s in _threads(p.info["pid"]):
+                kind = "xla" if name.startswith("tf_XLA") else "own" if name.startswith("ray::") else "other"
+                out[f"actor_{kind}"] = out.get(f"actor_{kind}", 0.0) + cpu_s
+    return out
+
+
+def _threads(pid: int) -> list[tuple[str, float]]:
+    """(name with its digits dropped, CPU seconds) of each thread of `pid` (Linux /proc)."""
+    out, tick = [], os.sysconf("SC_CLK_TCK")
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+        except OSError:
+            continue
+        name, rest = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+        out.append((name.rstrip("0123456789_-"), (int(rest[11]) + int(rest[12])) / tick))
+    return out
 
 
 def _settle(deadline_s: float = 60.0, quiet_s: float = 5.0) -> float:
@@ -116,6 +167,14 @@ def run_tree(tree: Path, python: str, size: str, steps: int, warmup: int, timeou
     return {**json.loads(r.stdout.strip().splitlines()[-1]), "settle_s": settle_s}
 
 
+def _roles(run: dict) -> str:
+    return " ".join(f"{k}={v:.3f}" for k, v in run["cpu_per_step_s"].items() if k != "stage_actors")
+
+
+def _xla(run: dict) -> float:
+    return run["cpu_per_step_s"].get("actor_xla") or float("nan")
+
+
 def compare(trees: dict, sizes: list[str], pairs: int, steps: int, warmup: int, timeout: float) -> dict:
     from benchmarks.paired import block_order, median_interval
 
@@ -132,7 +191,8 @@ def compare(trees: dict, sizes: list[str], pairs: int, steps: int, warmup: int, 
             runs.append(pair)
             print(f"{size} pair {i}: before {pair['before']['step_s'] * 1e3:.2f} ms, after "
                   f"{pair['after']['step_s'] * 1e3:.2f} ms, ratio {pair['ratio']:.3f}; non-compute share "
-                  f"{pair['before']['noncompute_share']:.3f} -> {pair['after']['noncompute_share']:.3f}", file=sys.stderr, flush=True)
+                  f"{pair['before']['noncompute_share']:.3f} -> {pair['after']['noncompute_share']:.3f}; CPU s/step "
+                  f"{_roles(pair['before'])} -> {_roles(pair['after'])}", file=sys.stderr, flush=True)
         ratios = [p["ratio"] for p in runs]
         by_order = [[r for i, r in enumerate(ratios) if i % 2 == k] for k in (0, 1)]   # before first / after first
         out["sizes"][size] = {
@@ -144,6 +204,12 @@ def compare(trees: dict, sizes: list[str], pairs: int, steps: int, warmup: int, 
             "noncompute_share_ratio_median": statistics.median(p["share_ratio"] for p in runs),
             "noncompute_share_ratios": [p["share_ratio"] for p in runs],
             "ratio_median_after_first": statistics.median(by_order[1]) if by_order[1] else None,
+            # the same XLA programs' CPU per step (benchmarks.same_programs checks they are the same):
+            # its ratio is the two processes' speed; wall ÷ that ratio is the step with it divided out
+            "xla_cpu_ratios": [_xla(p["after"]) / _xla(p["before"]) for p in runs],
+            "wall_per_xla_cpu_ratio_median": statistics.median(p["ratio"] * _xla(p["before"]) / _xla(p["after"])
+                                                               for p in runs),
+            "cpu_per_step_s": {k: [p[k]["cpu_per_step_s"] for p in runs] for k in ("before", "after")},
             "settle_s": [p[k]["settle_s"] for p in runs for k in ("before", "after")],
             "affinity": [p[k]["affinity"] for p in runs for k in ("before", "after")],
             "load": [[p[k]["load_before"][0], p[k]["load_after"][0]] for p in runs for k in ("before", "after")]}
@@ -166,8 +232,10 @@ def main(argv: list[str]) -> None:
     args = ap.parse_args(argv)
     trees = {"before": (args.before.resolve(), args.before_python or str(args.before.resolve() / ".venv/bin/python")),
              "after": (HERE, sys.executable)}
-    t0 = time.time()
-    result = {**compare(trees, args.sizes.split(","), args.pairs, args.steps, args.warmup, args.timeout),
+    from benchmarks.common import machine_info
+
+    t0, machine = time.time(), machine_info()
+    result = {"machine": machine, **compare(trees, args.sizes.split(","), args.pairs, args.steps, args.warmup, args.timeout),
               "trees": {k: str(v[0]) for k, v in trees.items()}, "wall_s": time.time() - t0, "nproc": os.cpu_count()}
     text = json.dumps(result, indent=1)
     if args.out:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import re
+import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,11 @@ COMMANDS = {
     "tls_overhead.first": "python -m benchmarks.tls_overhead",
     "wake_latency": "python -m benchmarks.wake_latency",
     "zb_check": "python -m benchmarks.zb_check",
+    "trees.large": "python -m benchmarks.trees --before DIR --sizes large --pairs 12 --steps 20 --warmup 4",
+    "trees.large.second": "python -m benchmarks.trees --before DIR --sizes large --pairs 4 --steps 20 --warmup 4",
+    "trees.large.first": "python -m benchmarks.trees --before DIR --sizes large --pairs 4 --steps 20 --warmup 4",
+    "same_programs.large": "python -m benchmarks.same_programs --before DIR --size large",
+    "same_programs.tiny": "python -m benchmarks.same_programs --before DIR --size tiny",
 }
 TITLES = {     # runs whose files carry no title of their own
     "byo_ratio": "Bring-your-own-model step times (alternated pairs)",
@@ -63,6 +69,11 @@ TITLES = {     # runs whose files carry no title of their own
     "tls_overhead.first": "TLS on the transport's TCP links: overhead (first run)",
     "wake_latency": "Wake-up latency of a blocking receiver",
     "zb_check": "Zero-bubble check: ZB-H1 against 1F1B, live memory",
+    "trees.large": "A refactor's step time: two source trees, alternated pairs (large)",
+    "trees.large.second": "A refactor's step time (large, 4 pairs with the CPU by role)",
+    "trees.large.first": "A refactor's step time (large, first 4 pairs)",
+    "same_programs.large": "Same XLA programs in two source trees (large)",
+    "same_programs.tiny": "Same XLA programs in two source trees (tiny)",
 }
 DATE = re.compile(r"\d{4}-\d{2}-\d{2}(?:[ T]\d{2}:\d{2})?")
 
@@ -142,8 +153,8 @@ def _fmt(v: Any) -> str:
         return f"{v:.4g}"
     if isinstance(v, (list, tuple)) and all(not isinstance(x, (dict, list)) for x in v):
         if len(v) > 8:
-            nums = sorted(x for x in v if isinstance(x, (int, float)))
-            return f"{len(v)} values" + (f", median {_fmt(nums[len(nums) // 2])}" if nums else "")
+            nums = [x for x in v if isinstance(x, (int, float))]
+            return f"{len(v)} values" + (f", median {_fmt(float(statistics.median(nums)))}" if nums else "")
         return "[" + ", ".join(_fmt(x) for x in v) + "]"
     if isinstance(v, dict):
         return json.dumps(v, default=str)[:200]
