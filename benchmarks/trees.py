@@ -1,7 +1,7 @@
 """Step time of two meshpipe source trees, alternated: is a refactor free?
 
 Run:  python -m benchmarks.trees --before DIR [--before-python PY] [--sizes tiny,large]
-                                 [--pairs 6] [--steps 40] [--warmup 8] [--out FILE]
+                                 [--pairs 6] [--steps 40] [--warmup 8] [--quiet-s 5] [--out FILE]
 
 Each measurement is one child process in one tree (`TREE/… python -m benchmarks.trees
 child SIZE STEPS WARMUP`, with that tree first on its path and its own venv's python): an
@@ -157,8 +157,8 @@ def _settle(deadline_s: float = 60.0, quiet_s: float = 5.0) -> float:
     return time.monotonic() - t0
 
 
-def run_tree(tree: Path, python: str, size: str, steps: int, warmup: int, timeout: float) -> dict:
-    settle_s = _settle()
+def run_tree(tree: Path, python: str, size: str, steps: int, warmup: int, timeout: float, quiet_s: float = 5.0) -> dict:
+    settle_s = _settle(quiet_s=quiet_s)
     env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{HERE}", "JAX_PLATFORMS": "cpu"}
     r = subprocess.run([python, str(Path(__file__).resolve()), "child", size, str(steps), str(warmup)],
                        cwd=tree, env=env, capture_output=True, text=True, timeout=timeout)
@@ -175,17 +175,18 @@ def _xla(run: dict) -> float:
     return run["cpu_per_step_s"].get("actor_xla") or float("nan")
 
 
-def compare(trees: dict, sizes: list[str], pairs: int, steps: int, warmup: int, timeout: float) -> dict:
+def compare(trees: dict, sizes: list[str], pairs: int, steps: int, warmup: int, timeout: float,
+            quiet_s: float = 5.0) -> dict:
     from benchmarks.paired import block_order, median_interval
 
-    out: dict = {"m": M, "schedule": SCHEDULE, "steps": steps, "warmup": warmup, "sizes": {}}
+    out: dict = {"m": M, "schedule": SCHEDULE, "steps": steps, "warmup": warmup, "quiet_s": quiet_s, "sizes": {}}
     for size in sizes:
         runs = []
         for i in range(pairs):
             pair = {}
             for name in block_order(i, ("before", "after")):
                 tree, python = trees[name]
-                pair[name] = run_tree(tree, python, size, steps, warmup, timeout)
+                pair[name] = run_tree(tree, python, size, steps, warmup, timeout, quiet_s)
             pair["ratio"] = pair["after"]["step_s"] / pair["before"]["step_s"]
             pair["share_ratio"] = pair["after"]["noncompute_share"] / pair["before"]["noncompute_share"]
             runs.append(pair)
@@ -228,6 +229,7 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--warmup", type=int, default=8)
     ap.add_argument("--timeout", type=float, default=900.0)
+    ap.add_argument("--quiet-s", type=float, default=5.0, help="seconds to wait once the previous child's Ray is gone")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     trees = {"before": (args.before.resolve(), args.before_python or str(args.before.resolve() / ".venv/bin/python")),
@@ -235,7 +237,7 @@ def main(argv: list[str]) -> None:
     from benchmarks.common import machine_info
 
     t0, machine = time.time(), machine_info()
-    result = {"machine": machine, **compare(trees, args.sizes.split(","), args.pairs, args.steps, args.warmup, args.timeout),
+    result = {"machine": machine, **compare(trees, args.sizes.split(","), args.pairs, args.steps, args.warmup, args.timeout, args.quiet_s),
               "trees": {k: str(v[0]) for k, v in trees.items()}, "wall_s": time.time() - t0, "nproc": os.cpu_count()}
     text = json.dumps(result, indent=1)
     if args.out:
