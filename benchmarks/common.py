@@ -302,3 +302,31 @@ def to_jsonable(x):
     if isinstance(x, (list, tuple)):
         return [to_jsonable(v) for v in x]
     return x
+
+
+# ----------------------------------------------------------------------------- two source trees
+
+def two_tree_args(ap) -> None:
+    """`--before DIR`, `--before-python PY` and `--out FILE` of a benchmark that compares two trees."""
+    ap.add_argument("--before", required=True, type=Path, help="the other source tree (e.g. a git archive of main)")
+    ap.add_argument("--before-python", default=None, help="its venv's python (default: DIR/.venv/bin/python)")
+    ap.add_argument("--out", default=None)
+
+
+def run_in_tree(script: str, tree: Path, python: str, argv: list[str], timeout: float) -> dict:
+    """`python script child …argv` with `tree` first on the path (this tree after it, for what the
+    other tree lacks) and its working directory there; the JSON of its last stdout line."""
+    env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{ROOT}", "JAX_PLATFORMS": "cpu"}
+    r = subprocess.run([python, script, "child", *argv], cwd=tree, env=env, capture_output=True, text=True,
+                       timeout=timeout)
+    if r.returncode != 0:
+        raise RuntimeError(f"{tree} {' '.join(argv)}: exit {r.returncode}\n{r.stderr[-3000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def emit(result: dict, out: str | None) -> None:
+    """Print a benchmark's JSON result, and write it to `out` when given."""
+    text = json.dumps(result, indent=1)
+    if out:
+        Path(out).write_text(text)
+    print(text)

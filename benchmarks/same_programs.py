@@ -22,9 +22,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -102,15 +100,6 @@ def child(size_name: str) -> dict:
     return {"programs": out, "jax": jax.__version__}
 
 
-def run_tree(tree: Path, python: str, size: str, timeout: float) -> dict:
-    env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{HERE}", "JAX_PLATFORMS": "cpu"}
-    r = subprocess.run([python, str(Path(__file__).resolve()), "child", size], cwd=tree, env=env,
-                       capture_output=True, text=True, timeout=timeout)
-    if r.returncode != 0:
-        raise RuntimeError(f"{tree} {size}: exit {r.returncode}\n{r.stderr[-3000:]}")
-    return json.loads(r.stdout.strip().splitlines()[-1])
-
-
 def compare(before: dict, after: dict) -> dict:
     """Per program both trees build: same or different; and the programs only one tree has."""
     b, a = before["programs"], after["programs"]
@@ -124,24 +113,18 @@ def main(argv: list[str]) -> None:
     if argv and argv[0] == "child":
         print(json.dumps(child(argv[1])))
         return
+    from benchmarks.common import emit, machine_info, run_in_tree, two_tree_args
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--before", required=True, type=Path, help="the other source tree (e.g. a git archive of main)")
-    ap.add_argument("--before-python", default=None, help="its venv's python (default: DIR/.venv/bin/python)")
+    two_tree_args(ap)
     ap.add_argument("--size", default="large")
     ap.add_argument("--timeout", type=float, default=600.0)
-    ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    before_py = args.before_python or str(args.before.resolve() / ".venv/bin/python")
-    from benchmarks.common import machine_info
-
-    result = {"machine": machine_info(), "size": args.size, "trees": {"before": str(args.before.resolve()), "after": str(HERE)},
-              **compare(run_tree(args.before.resolve(), before_py, args.size, args.timeout),
-                        run_tree(HERE, sys.executable, args.size, args.timeout))}
-    text = json.dumps(result, indent=1)
-    if args.out:
-        Path(args.out).write_text(text)
-    print(text)
-
+    before, script = args.before.resolve(), str(Path(__file__).resolve())
+    before_py = args.before_python or str(before / ".venv/bin/python")
+    emit({"machine": machine_info(), "size": args.size, "trees": {"before": str(before), "after": str(HERE)},
+          **compare(run_in_tree(script, before, before_py, [args.size], args.timeout),
+                    run_in_tree(script, HERE, sys.executable, [args.size], args.timeout))}, args.out)
 
 if __name__ == "__main__":
     main(sys.argv[1:])

@@ -31,7 +31,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -158,13 +157,11 @@ def _settle(deadline_s: float = 60.0, quiet_s: float = 5.0) -> float:
 
 
 def run_tree(tree: Path, python: str, size: str, steps: int, warmup: int, timeout: float, quiet_s: float = 5.0) -> dict:
+    from benchmarks.common import run_in_tree
+
     settle_s = _settle(quiet_s=quiet_s)
-    env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{HERE}", "JAX_PLATFORMS": "cpu"}
-    r = subprocess.run([python, str(Path(__file__).resolve()), "child", size, str(steps), str(warmup)],
-                       cwd=tree, env=env, capture_output=True, text=True, timeout=timeout)
-    if r.returncode != 0:
-        raise RuntimeError(f"{tree} {size}: exit {r.returncode}\n{r.stderr[-3000:]}")
-    return {**json.loads(r.stdout.strip().splitlines()[-1]), "settle_s": settle_s}
+    return {**run_in_tree(str(Path(__file__).resolve()), tree, python, [size, str(steps), str(warmup)], timeout),
+            "settle_s": settle_s}
 
 
 def _roles(run: dict) -> str:
@@ -221,29 +218,24 @@ def main(argv: list[str]) -> None:
     if argv and argv[0] == "child":
         print(json.dumps(child(argv[1], int(argv[2]), int(argv[3]))))
         return
+    from benchmarks.common import emit, machine_info, two_tree_args
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--before", required=True, type=Path, help="the other source tree (e.g. a git archive of main)")
-    ap.add_argument("--before-python", default=None, help="its venv's python (default: DIR/.venv/bin/python)")
+    two_tree_args(ap)
     ap.add_argument("--sizes", default="tiny,large")
     ap.add_argument("--pairs", type=int, default=6)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--warmup", type=int, default=8)
     ap.add_argument("--timeout", type=float, default=900.0)
     ap.add_argument("--quiet-s", type=float, default=5.0, help="seconds to wait once the previous child's Ray is gone")
-    ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     trees = {"before": (args.before.resolve(), args.before_python or str(args.before.resolve() / ".venv/bin/python")),
              "after": (HERE, sys.executable)}
-    from benchmarks.common import machine_info
-
     t0, machine = time.time(), machine_info()
-    result = {"machine": machine, **compare(trees, args.sizes.split(","), args.pairs, args.steps, args.warmup, args.timeout, args.quiet_s),
+    result = {"machine": machine, **compare(trees, args.sizes.split(","), args.pairs, args.steps, args.warmup,
+                                            args.timeout, args.quiet_s),
               "trees": {k: str(v[0]) for k, v in trees.items()}, "wall_s": time.time() - t0, "nproc": os.cpu_count()}
-    text = json.dumps(result, indent=1)
-    if args.out:
-        Path(args.out).write_text(text)
-    print(text)
-
+    emit(result, args.out)
 
 if __name__ == "__main__":
     main(sys.argv[1:])
