@@ -69,6 +69,16 @@ def use_compile_cache(jax, path: str, who: str) -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
+def step_failure(stage: int, host: int, step: int, error: BaseException) -> StepFailure:
+    """The record of `error` failing `step` on this stage host: STORAGE when checkpoint.dir refused
+    a write (`orchestrator.core.recovery.storage_error`: no restart can help), else ERROR."""
+    text = str(error)[:300]
+    storage = storage_error(error)
+    return StepFailure(stage, host, step, f"{type(error).__name__}: {text.splitlines()[0] if text else ''}".rstrip(),
+                       kind="storage" if storage else "error",
+                       errno=storage[0] if storage else None, path=storage[1] if storage else None)
+
+
 class StageWorker:
     def __init__(self, cfg: WorkerConfig):
         self.cfg = cfg
@@ -342,16 +352,19 @@ class StageWorker:
         """A step failed here: the error gets this actor's `StepFailure` (how the driver learns where
         and in which step, `orchestrator.core.contract.FAILURE_ATTR`); this actor starts no further
         step (queued ones fail at once), and unless it was itself told by a peer, every other actor
-        gets `abort_step` with the same record (fire and forget)."""
+        gets `abort_step` with the same record (fire and forget).
+
+        Already aborted by a peer (or failed before): no echo, and an error after the abort is
+        left to the peer's record (it may be the abort's consequence) — except a refused checkpoint
+        write, which never is: when every stage's write fails in one step, the peer that failed
+        first aborts the others while their own writes fail, and each one's must still say STORAGE."""
+        failure = step_failure(self.cfg.stage, self.cfg.host, step, error)
         if self.inbox.closed:
-            return         # aborted by a peer (or the transport closed), or failed before: no echo
-        text = str(error)[:300]
-        storage = storage_error(error)     # checkpoint.dir refused a write: no restart can help
-        failure = StepFailure(self.cfg.stage, self.cfg.host, step,
-                              f"{type(error).__name__}: {text.splitlines()[0] if text else ''}".rstrip(),
-                              kind="storage" if storage else "error",
-                              errno=storage[0] if storage else None, path=storage[1] if storage else None)
+            if failure.kind == "storage" and getattr(error, FAILURE_ATTR, None) is None:
+                setattr(error, FAILURE_ATTR, failure)
+            return
         setattr(error, FAILURE_ATTR, failure)
+        text = str(error)[:300]
         reason = f"{self.cfg.who} failed in step {step}: {type(error).__name__}: {text}"
         self.inbox.close(reason, failure)
         for s, row in enumerate(self.actors):

@@ -51,6 +51,35 @@ def test_the_actor_types_a_refused_write_from_the_errno_field(tmp_path):
     assert storage_error(OSError(errno.EIO, "I/O error")) is None      # not one a restart cannot help
 
 
+
+def test_an_actor_already_aborted_by_a_peer_still_types_its_own_refused_write(tmp_path):
+    """Every stage's save of one step fails; the peer that failed first has already aborted this
+    actor (its mailbox closed with the peer's record) when this actor's own write fails. Its own
+    error must still carry STORAGE (CI saw the driver take it for the cause untyped and restart);
+    the "told to stop" error keeps the peer's record."""
+    from types import SimpleNamespace
+
+    from orchestrator.core.contract import StepFailure, failure_of
+    from stages.mailbox import Mailbox, MailboxClosed
+    from stages.worker import StageWorker
+
+    (tmp_path / "step_00000006").write_text("x")
+    me = SimpleNamespace(cfg=SimpleNamespace(stage=0, host=0, who="stage 0 host 0"), inbox=Mailbox("stage 0"),
+                         actors=[])
+    peer = StepFailure(1, 0, 5, "NotADirectoryError: ...", kind="storage", errno=errno.ENOTDIR, path="x")
+    me.inbox.close("stage 1 host 0 failed in step 5", peer)
+    try:
+        (tmp_path / "step_00000006" / "stage_0").mkdir(parents=True)
+    except OSError as e:
+        own = e
+    StageWorker._fail(me, 5, own)
+    got = failure_of(own)
+    assert got is not None and (got.kind, got.stage, got.step, got.errno) == ("storage", 0, 5, errno.ENOTDIR)
+    with pytest.raises(MailboxClosed) as told:
+        me.inbox.take("anything", timeout=0.1)
+    StageWorker._fail(me, 5, told.value)
+    assert failure_of(told.value) is peer
+
 def test_a_refused_commit_marker_is_a_storage_failure_naming_its_path(tmp_path):
     """The driver's half: the commit marker of step 2 cannot be written (a file stands at
     step_00000002): `CommitWriteError` with the errno and the marker's path, which the attempt
