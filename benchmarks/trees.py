@@ -58,6 +58,8 @@ def child(size_name: str, steps: int, warmup: int) -> dict:
     walls, affinity, shares, cpu0 = [], {}, [], None
     try:
         ex.start()
+        if warmup == 0:
+            cpu0 = _cpu_by_role()
         for r in ex.steps(warmup + steps):
             if r.step == warmup - 1:
                 cpu0 = _cpu_by_role()
@@ -229,6 +231,9 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--timeout", type=float, default=900.0)
     ap.add_argument("--quiet-s", type=float, default=5.0, help="seconds to wait once the previous child's Ray is gone")
     args = ap.parse_args(argv)
+    if args.steps < 1 or args.warmup < 0 or args.pairs < 1:
+        ap.error(f"--steps {args.steps}, --warmup {args.warmup}, --pairs {args.pairs}: need steps >= 1, "
+                 "warmup >= 0, pairs >= 1")
     trees = {"before": (args.before.resolve(), args.before_python or str(args.before.resolve() / ".venv/bin/python")),
              "after": (HERE, sys.executable)}
     t0, machine = time.time(), machine_info()
