@@ -313,6 +313,27 @@ def two_tree_args(ap) -> None:
     ap.add_argument("--out", default=None)
 
 
+def settle(deadline_s: float = 60.0, quiet_s: float = 5.0) -> float:
+    """Wait until the previous child's Ray is gone (no raylet, GCS or worker process left, at most
+    `deadline_s`), then `quiet_s` more; returns the seconds waited (`benchmarks.trees`,
+    `benchmarks.interleaved`). Without it the second run of
+    every pair was the slower one (tiny, 2026-12-06: before-first pairs 1.10-1.34, after-first
+    0.76-0.78): the first child's Ray was still tearing down on the same two cores."""
+    import psutil
+
+    t0 = time.monotonic()
+    names = ("raylet", "gcs_server", "ray::", "dashboard", "log_monitor")
+    while time.monotonic() - t0 < deadline_s:
+        left = [p for p in psutil.process_iter(["name", "cmdline"])
+                if any(n in (p.info["name"] or "") or n in " ".join(p.info["cmdline"] or [])[:200] for n in names)
+                and p.pid != os.getpid()]
+        if not left:
+            break
+        time.sleep(0.5)
+    time.sleep(quiet_s)
+    return time.monotonic() - t0
+
+
 def run_in_tree(script: str, tree: Path, python: str, argv: list[str], timeout: float) -> dict:
     """`python script child …argv` with `tree` first on the path (this tree after it, for what the
     other tree lacks) and its working directory there; the JSON of its last stdout line."""

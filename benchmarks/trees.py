@@ -14,6 +14,11 @@ back, the load average before and after, and the CPU seconds per measured step o
 on the machine by role (`_cpu_by_role`: the stage actors — their XLA compute threads apart —,
 the driver, Ray's processes, the rest).
 
+Where the rule is a few per cent (a refactor's cost at `tiny`), use `benchmarks.interleaved`:
+one child after the other, the pairs here compare two stretches of this VM as much as two
+trees (the same code runs up to 2× faster or slower in phases of seconds); there both trees
+are up at once and take turns.
+
 The parent runs the two trees in pairs (before then after, then after then before, ...:
 `benchmarks.paired.block_order`), so a drift of the shared machine over a pair cancels in the
 pair's ratio after ÷ before; it reports per size the median ratio, its order-statistic
@@ -138,30 +143,10 @@ def _threads(pid: int) -> list[tuple[str, float]]:
     return out
 
 
-def _settle(deadline_s: float = 60.0, quiet_s: float = 5.0) -> float:
-    """Wait until the previous child's Ray is gone (no raylet, GCS or worker process left, at most
-    `deadline_s`), then `quiet_s` more; returns the seconds waited. Without it the second run of
-    every pair was the slower one (tiny, 2026-12-06: before-first pairs 1.10-1.34, after-first
-    0.76-0.78): the first child's Ray was still tearing down on the same two cores."""
-    import psutil
-
-    t0 = time.monotonic()
-    names = ("raylet", "gcs_server", "ray::", "dashboard", "log_monitor")
-    while time.monotonic() - t0 < deadline_s:
-        left = [p for p in psutil.process_iter(["name", "cmdline"])
-                if any(n in (p.info["name"] or "") or n in " ".join(p.info["cmdline"] or [])[:200] for n in names)
-                and p.pid != os.getpid()]
-        if not left:
-            break
-        time.sleep(0.5)
-    time.sleep(quiet_s)
-    return time.monotonic() - t0
-
-
 def run_tree(tree: Path, python: str, size: str, steps: int, warmup: int, timeout: float, quiet_s: float = 5.0) -> dict:
-    from benchmarks.common import run_in_tree
+    from benchmarks.common import run_in_tree, settle
 
-    settle_s = _settle(quiet_s=quiet_s)
+    settle_s = settle(quiet_s=quiet_s)
     return {**run_in_tree(str(Path(__file__).resolve()), tree, python, [size, str(steps), str(warmup)], timeout),
             "settle_s": settle_s}
 

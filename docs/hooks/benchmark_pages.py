@@ -58,6 +58,8 @@ COMMANDS = {
     "trees.large.first": "python -m benchmarks.trees --before DIR --sizes large --pairs 4 --steps 20 --warmup 4",
     "same_programs.large": "python -m benchmarks.same_programs --before DIR --size large",
     "same_programs.tiny": "python -m benchmarks.same_programs --before DIR --size tiny",
+    "interleaved.tiny": "python -m benchmarks.interleaved --before DIR --sizes tiny --sessions 12 --rounds 100",
+    "interleaved.tiny.same_tree": "python -m benchmarks.interleaved --before . --sizes tiny --sessions 8 --rounds 100",
 }
 TITLES = {     # runs whose files carry no title of their own
     "byo_ratio": "Bring-your-own-model step times (alternated pairs)",
@@ -78,6 +80,8 @@ TITLES = {     # runs whose files carry no title of their own
     "trees.large.first": "A refactor's step time (large, first 4 pairs)",
     "same_programs.large": "Same XLA programs in two source trees (large)",
     "same_programs.tiny": "Same XLA programs in two source trees (tiny)",
+    "interleaved.tiny": "A refactor's step time: two source trees taking turns (tiny)",
+    "interleaved.tiny.same_tree": "The interleaved harness against itself: one tree on both sides (tiny)",
 }
 DATE = re.compile(r"\d{4}-\d{2}-\d{2}(?:[ T]\d{2}:\d{2})?")
 
