@@ -179,8 +179,9 @@ def compare(trees: dict, size: str, sessions: int, rounds: int, burst: int, warm
 
 def summary(runs: list[dict]) -> dict:
     """The sessions' verdict: the median of their median round ratios (the samples: see the module
-    docstring), its 90 % order-statistic interval, the spread, how many are above 1, the median
-    of the sessions each tree's child started first in, and the pooled rounds' median and quartiles.
+    docstring), the narrowest order-statistic interval covering it with at least 90 %, the
+    spread, how many are above 1, the median of the sessions each tree's child started first
+    in, and the pooled rounds' median and quartiles.
 
     Example:
         >>> runs = [{"ratio_median": r, "ratios": [r, r], "started_first": f}
