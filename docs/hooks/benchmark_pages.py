@@ -60,6 +60,7 @@ COMMANDS = {
     "same_programs.tiny": "python -m benchmarks.same_programs --before DIR --size tiny",
     "interleaved.tiny": "python -m benchmarks.interleaved --before DIR --sizes tiny --sessions 12 --rounds 100",
     "interleaved.tiny.same_tree": "python -m benchmarks.interleaved --before . --sizes tiny --sessions 8 --rounds 100",
+    "interleaved.large": "python -m benchmarks.interleaved --before DIR --sizes large --sessions 6 --rounds 10 --warmup 4",
 }
 TITLES = {     # runs whose files carry no title of their own
     "byo_ratio": "Bring-your-own-model step times (alternated pairs)",
@@ -82,6 +83,7 @@ TITLES = {     # runs whose files carry no title of their own
     "same_programs.tiny": "Same XLA programs in two source trees (tiny)",
     "interleaved.tiny": "A refactor's step time: two source trees taking turns (tiny)",
     "interleaved.tiny.same_tree": "The interleaved harness against itself: one tree on both sides (tiny)",
+    "interleaved.large": "A refactor's step time: two source trees taking turns (large)",
 }
 DATE = re.compile(r"\d{4}-\d{2}-\d{2}(?:[ T]\d{2}:\d{2})?")
 
