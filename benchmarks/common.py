@@ -334,6 +334,20 @@ def settle(deadline_s: float = 60.0, quiet_s: float = 5.0) -> float:
     return time.monotonic() - t0
 
 
+def before_tree(ap, args) -> tuple[Path, str]:
+    """The other tree and its python from `two_tree_args`' arguments: `--before-python`, else
+    DIR/.venv/bin/python, else — DIR being this tree — this python. A python that is not there
+    is refused naming the flag, before anything starts."""
+    tree = args.before.resolve()
+    python = args.before_python or str(tree / ".venv/bin/python")
+    if args.before_python is None and not Path(python).exists() and tree == ROOT:
+        python = sys.executable
+    if not tree.is_dir() or not Path(python).exists():
+        ap.error(f"--before {args.before} / --before-python {python}: need the other tree's directory and "
+                 "its venv's python (default DIR/.venv/bin/python)")
+    return tree, python
+
+
 def run_in_tree(script: str, tree: Path, python: str, argv: list[str], timeout: float) -> dict:
     """`python script child …argv` with `tree` first on the path (this tree after it, for what the
     other tree lacks) and its working directory there; the JSON of its last stdout line."""

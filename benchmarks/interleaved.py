@@ -207,7 +207,7 @@ def main(argv: list[str]) -> None:
     if argv and argv[0] == "child":
         child(argv[1], int(argv[2]), int(argv[3]), int(argv[4]))
         return
-    from benchmarks.common import emit, machine_info, settle, two_tree_args
+    from benchmarks.common import before_tree, emit, machine_info, settle, two_tree_args
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     two_tree_args(ap)
@@ -222,7 +222,7 @@ def main(argv: list[str]) -> None:
     if args.sessions < 1 or args.rounds < 2 or args.burst < 1 or args.warmup < 1:
         ap.error(f"--sessions {args.sessions}, --rounds {args.rounds}, --burst {args.burst}, --warmup {args.warmup}: "
                  "need sessions >= 1, rounds >= 2, burst >= 1, warmup >= 1")
-    trees = {"before": (args.before.resolve(), args.before_python or str(args.before.resolve() / ".venv/bin/python")),
+    trees = {"before": before_tree(ap, args),
              "after": (HERE, sys.executable)}
     t0, machine = time.time(), machine_info()
     sizes = {}

@@ -113,15 +113,14 @@ def main(argv: list[str]) -> None:
     if argv and argv[0] == "child":
         print(json.dumps(child(argv[1])))
         return
-    from benchmarks.common import emit, machine_info, run_in_tree, two_tree_args
+    from benchmarks.common import before_tree, emit, machine_info, run_in_tree, two_tree_args
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     two_tree_args(ap)
     ap.add_argument("--size", default="large")
     ap.add_argument("--timeout", type=float, default=600.0)
     args = ap.parse_args(argv)
-    before, script = args.before.resolve(), str(Path(__file__).resolve())
-    before_py = args.before_python or str(before / ".venv/bin/python")
+    (before, before_py), script = before_tree(ap, args), str(Path(__file__).resolve())
     emit({"machine": machine_info(), "size": args.size, "trees": {"before": str(before), "after": str(HERE)},
           **compare(run_in_tree(script, before, before_py, [args.size], args.timeout),
                     run_in_tree(script, HERE, sys.executable, [args.size], args.timeout))}, args.out)

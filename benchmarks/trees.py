@@ -205,7 +205,7 @@ def main(argv: list[str]) -> None:
     if argv and argv[0] == "child":
         print(json.dumps(child(argv[1], int(argv[2]), int(argv[3]))))
         return
-    from benchmarks.common import emit, machine_info, two_tree_args
+    from benchmarks.common import before_tree, emit, machine_info, two_tree_args
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     two_tree_args(ap)
@@ -219,7 +219,7 @@ def main(argv: list[str]) -> None:
     if args.steps < 1 or args.warmup < 0 or args.pairs < 1:
         ap.error(f"--steps {args.steps}, --warmup {args.warmup}, --pairs {args.pairs}: need steps >= 1, "
                  "warmup >= 0, pairs >= 1")
-    trees = {"before": (args.before.resolve(), args.before_python or str(args.before.resolve() / ".venv/bin/python")),
+    trees = {"before": before_tree(ap, args),
              "after": (HERE, sys.executable)}
     t0, machine = time.time(), machine_info()
     result = {"machine": machine, **compare(trees, args.sizes.split(","), args.pairs, args.steps, args.warmup,

@@ -32,3 +32,26 @@ def test_out_of_range_arguments_are_refused_naming_them(flag, value, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert f"{flag} {value}" in err and "need sessions >= 1" in err
+
+
+def test_a_before_tree_without_its_python_is_refused_naming_the_flag(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        interleaved.main(["--before", str(tmp_path)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--before-python" in err and str(tmp_path / ".venv/bin/python") in err
+
+
+def test_this_tree_against_itself_needs_no_python_named(monkeypatch):
+    """`--before .` from the repository root: this python, whatever venv it lives in."""
+    import argparse
+    import sys
+
+    from benchmarks.common import ROOT, before_tree, two_tree_args
+
+    ap = argparse.ArgumentParser()
+    two_tree_args(ap)
+    monkeypatch.chdir(ROOT)
+    tree, python = before_tree(ap, ap.parse_args(["--before", "."]))
+    assert tree == ROOT
+    assert python in (sys.executable, str(ROOT / ".venv/bin/python"))
