@@ -348,12 +348,16 @@ def before_tree(ap, args) -> tuple[Path, str]:
     return tree, python
 
 
+def tree_env(tree: Path) -> dict:
+    """The environment of a child run in `tree`: that tree first on the path (this tree after it,
+    for what the other tree lacks), CPU JAX. Its working directory is `tree` too."""
+    return {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{ROOT}", "JAX_PLATFORMS": "cpu"}
+
+
 def run_in_tree(script: str, tree: Path, python: str, argv: list[str], timeout: float) -> dict:
-    """`python script child …argv` with `tree` first on the path (this tree after it, for what the
-    other tree lacks) and its working directory there; the JSON of its last stdout line."""
-    env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{ROOT}", "JAX_PLATFORMS": "cpu"}
-    r = subprocess.run([python, script, "child", *argv], cwd=tree, env=env, capture_output=True, text=True,
-                       timeout=timeout)
+    """`python script child …argv` in `tree` (`tree_env`); the JSON of its last stdout line."""
+    r = subprocess.run([python, script, "child", *argv], cwd=tree, env=tree_env(tree), capture_output=True,
+                       text=True, timeout=timeout)
     if r.returncode != 0:
         raise RuntimeError(f"{tree} {' '.join(argv)}: exit {r.returncode}\n{r.stderr[-3000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])

@@ -38,6 +38,7 @@ import queue
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -93,12 +94,12 @@ class Child:
     """A child process of one tree and a reader of its marked lines (each read has a deadline)."""
 
     def __init__(self, tree: Path, python: str, argv: list[str]):
-        from benchmarks.common import ROOT
+        from benchmarks.common import tree_env
 
-        env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{ROOT}", "JAX_PLATFORMS": "cpu"}
-        self.proc = subprocess.Popen([python, str(Path(__file__).resolve()), "child", *argv], cwd=tree, env=env,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                     text=True, bufsize=1)
+        self.stderr = tempfile.TemporaryFile(mode="w+")      # a file, not a pipe: nothing reads it until the end
+        self.proc = subprocess.Popen([python, str(Path(__file__).resolve()), "child", *argv], cwd=tree,
+                                     env=tree_env(tree), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.stderr, text=True, bufsize=1)
         self.lines: queue.Queue = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -114,7 +115,9 @@ class Child:
         except queue.Empty:
             raise TimeoutError(f"no answer from the child of pid {self.proc.pid} within {timeout:.0f} s") from None
         if got is None:
-            raise RuntimeError(f"the child of pid {self.proc.pid} ended (exit {self.proc.wait(timeout)})")
+            code = self.proc.wait(timeout)
+            self.stderr.seek(0)
+            raise RuntimeError(f"the child of pid {self.proc.pid} ended (exit {code}):\n{self.stderr.read()[-3000:]}")
         return got
 
     def send(self, text: str) -> None:
@@ -133,6 +136,7 @@ class Child:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+            self.stderr.close()
 
 
 def session(trees: dict, size: str, rounds: int, burst: int, warmup: int, timeout: float, first: str) -> dict:

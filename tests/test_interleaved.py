@@ -42,16 +42,15 @@ def test_a_before_tree_without_its_python_is_refused_naming_the_flag(tmp_path, c
     assert "--before-python" in err and str(tmp_path / ".venv/bin/python") in err
 
 
-def test_this_tree_against_itself_needs_no_python_named(monkeypatch):
-    """`--before .` from the repository root: this python, whatever venv it lives in."""
+def test_this_tree_against_itself_needs_no_python_named(tmp_path, monkeypatch):
+    """`--before .` from the repository root when the tree has no .venv: this python."""
     import argparse
     import sys
 
-    from benchmarks.common import ROOT, before_tree, two_tree_args
+    from benchmarks import common
 
+    monkeypatch.setattr(common, "ROOT", tmp_path)      # a tree without .venv/bin/python
+    monkeypatch.chdir(tmp_path)
     ap = argparse.ArgumentParser()
-    two_tree_args(ap)
-    monkeypatch.chdir(ROOT)
-    tree, python = before_tree(ap, ap.parse_args(["--before", "."]))
-    assert tree == ROOT
-    assert python in (sys.executable, str(ROOT / ".venv/bin/python"))
+    common.two_tree_args(ap)
+    assert common.before_tree(ap, ap.parse_args(["--before", "."])) == (tmp_path, sys.executable)

@@ -51,7 +51,6 @@ def test_the_actor_types_a_refused_write_from_the_errno_field(tmp_path):
     assert storage_error(OSError(errno.EIO, "I/O error")) is None      # not one a restart cannot help
 
 
-
 def test_an_actor_already_aborted_by_a_peer_still_types_its_own_refused_write(tmp_path):
     """Every stage's save of one step fails; the peer that failed first has already aborted this
     actor (its mailbox closed with the peer's record) when this actor's own write fails. Its own
@@ -79,6 +78,7 @@ def test_an_actor_already_aborted_by_a_peer_still_types_its_own_refused_write(tm
         me.inbox.take("anything", timeout=0.1)
     StageWorker._fail(me, 5, told.value)
     assert failure_of(told.value) is peer
+
 
 def test_a_refused_commit_marker_is_a_storage_failure_naming_its_path(tmp_path):
     """The driver's half: the commit marker of step 2 cannot be written (a file stands at
