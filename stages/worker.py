@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 
 import numpy as np
@@ -92,6 +93,8 @@ class StageWorker:
         # what a RECV (and the end-of-step flush) waits: timeouts.step_s until the driver has
         # measured steps, then what it sets (`set_recv_deadline`: a multiple of its progress deadline)
         self.recv_s = float(cfg.timeouts.step_s)
+        self.recv_seq = -1               # the newest setting applied (`set_recv_deadline`'s seq)
+        self._recv_lock = threading.Lock()
         self.live_peak = LivePeak()      # live device bytes at the training steps' peak (telemetry)
         self._stash_sizes: dict = {}     # (kind, chunk) -> bytes of what that action keeps (`Stash`)
         self.ckpt = None                # stages.checkpoint.StageCheckpointer when checkpointing
@@ -332,14 +335,21 @@ class StageWorker:
     def _doing(self, step, what: str | None, waiting: bool = False) -> None:
         self.doing = (step, what, waiting, time.monotonic())
 
-    def set_recv_deadline(self, seconds: float) -> float:
+    def set_recv_deadline(self, seconds: float, seq: int = 0) -> float:
         """Called in the "io" group once steps are measured: the seconds a RECV of a step that starts
         from now on may wait (never above `timeouts.step_s`, never below 1 s), and the transport's
-        own waits (a frame under way, a blocked write: `Transport.set_io_timeout`); returns it."""
-        self.recv_s = min(max(float(seconds), 1.0), float(self.cfg.timeouts.step_s))
-        if getattr(self, "transport", None) is not None:
-            self.transport.set_io_timeout(self.recv_s)
-        return self.recv_s
+        own waits (a frame under way, a blocked write: `Transport.set_io_timeout`); returns the
+        deadline in force. `seq` numbers the driver's settings: the "io" group runs up to four calls
+        at once, so two settings sent back to back may run in either order, and one older than the
+        newest applied is ignored."""
+        with self._recv_lock:
+            if seq < self.recv_seq:
+                return self.recv_s
+            self.recv_seq = seq
+            self.recv_s = min(max(float(seconds), 1.0), float(self.cfg.timeouts.step_s))
+            if getattr(self, "transport", None) is not None:
+                self.transport.set_io_timeout(self.recv_s)
+            return self.recv_s
 
     def abort_step(self, reason: str, failure: StepFailure | None = None) -> None:
         """A peer's step failed (`failure`, from its `_fail`) or the driver stops the run: whatever
@@ -378,8 +388,6 @@ class StageWorker:
     def _pin_thread(self) -> None:
         """Pin the calling thread (threads it starts inherit it). Affinity is per thread: a Ray
         Compiled Graph runs steps on its own thread, which Ray started before any pinning."""
-        import threading
-
         tid = threading.get_ident()
         if self.pinned is not None and tid not in self.pinned_threads:
             os.sched_setaffinity(0, self.pinned)

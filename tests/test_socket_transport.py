@@ -198,7 +198,8 @@ def test_io_timeout_follows_the_recv_deadline_set_by_the_driver():
         assert conn.sock.gettimeout() == 5
         from orchestrator.core.contract import Timeouts
 
-        worker = SimpleNamespace(cfg=SimpleNamespace(timeouts=Timeouts(step_s=600.0)), transport=a, recv_s=600.0)
+        worker = SimpleNamespace(cfg=SimpleNamespace(timeouts=Timeouts(step_s=600.0)), transport=a, recv_s=600.0,
+                                 recv_seq=-1, _recv_lock=threading.Lock())
         assert StageWorker.set_recv_deadline(worker, 0.7) == 1.0        # the RECV deadline's floor
         assert a.io_timeout == a.listener.io_timeout == conn.io_timeout == 1.0
         a.send((1, "F", 0, 0), jax.device_put(x, sharding), Edge(1, geoms[1], axes))
@@ -222,6 +223,32 @@ def test_io_timeout_follows_the_recv_deadline_set_by_the_driver():
     finally:
         a.close()
         b.close()
+
+
+def test_the_newest_recv_deadline_setting_wins_whatever_order_they_run_in():
+    """The driver sends RECV deadlines fire and forget to the actor's "io" group, which runs up to
+    four calls at once, so two settings sent back to back may run in either order (CI once saw a
+    stale 79.6 s win over the 60 s sent after it): each is numbered and an older one is ignored."""
+    from types import SimpleNamespace
+
+    from orchestrator.core.contract import Timeouts
+    from stages.worker import StageWorker
+
+    class Io:
+        def __init__(self):
+            self.set = []
+
+        def set_io_timeout(self, seconds):
+            self.set.append(seconds)
+
+    io = Io()
+    worker = SimpleNamespace(cfg=SimpleNamespace(timeouts=Timeouts(step_s=600.0)), transport=io, recv_s=600.0,
+                             recv_seq=-1, _recv_lock=threading.Lock())
+    assert StageWorker.set_recv_deadline(worker, 60.0, 2) == 60.0       # the newer one runs first
+    assert StageWorker.set_recv_deadline(worker, 79.6, 1) == 60.0       # the older one arrives late
+    assert (worker.recv_s, worker.recv_seq, io.set) == (60.0, 2, [60.0])
+    assert StageWorker.set_recv_deadline(worker, 45.0, 3) == 45.0
+    assert (worker.recv_s, io.set) == (45.0, [60.0, 45.0])
 
 
 def test_send_returns_at_once_and_the_sender_threads_failure_surfaces_at_the_next_send_or_flush():

@@ -86,6 +86,7 @@ class PipelineExecutor:
         self.placement_wait, self.avoid_nodes = float(placement_wait), tuple(avoid_nodes)
         self.placement_s: float | None = None     # how long reserving the placement group took
         self.recv_s: float | None = None          # the RECV deadline last set on the actors (None: step_s)
+        self.recv_seq = 0                         # how many times it was set (the actors keep the newest)
         self.heartbeats: dict[str, dict] = {}     # label -> the last heartbeat answer (`unresponsive`)
         self.actors: list[list] = []     # [stage][host]
         self.labels: list[list[str]] = []
@@ -375,15 +376,16 @@ class PipelineExecutor:
 
     def _follow_deadline(self, flat: list) -> None:
         """Set every actor's RECV deadline to RECV_FACTOR × the progress deadline of a call (fire and
-        forget, in the "io" group) when it moved by more than a tenth since last set."""
+        forget, in the "io" group) when it moved by more than a tenth since last set; each setting is
+        numbered, and an actor keeps the newest whatever order its "io" threads run them in."""
         per_call = getattr(self.dispatcher, "per_call", 1)
         want = min(self.timeouts.step_s, RECV_FACTOR * self.deadline.call_s(per_call))
         if self.recv_s is not None and abs(want - self.recv_s) <= 0.1 * self.recv_s:
             return
-        self.recv_s = want
+        self.recv_s, self.recv_seq = want, self.recv_seq + 1
         for a in flat:
             try:
-                a.set_recv_deadline.options(concurrency_group="io").remote(want)
+                a.set_recv_deadline.options(concurrency_group="io").remote(want, self.recv_seq)
             except Exception:  # noqa: BLE001 - the actor keeps its deadline; a dead one fails its step anyway
                 pass
 
