@@ -385,7 +385,7 @@ def test_python_tag_in_job_file_never_runs(tmp_path):
 @pytest.mark.skipif(sys.flags.optimize > 0, reason="already running under python -O")
 def test_bad_input_suite_under_python_O():
     r = subprocess.run([sys.executable, "-O", "-m", "pytest", "tests/test_config.py",
-                        "tests/test_config_yaml.py", "tests/test_bad_input.py", "-q", "-p", "no:cacheprovider"],
+                        "tests/test_config_yaml.py", "tests/test_bad_input.py", "-q", "-p", "no:cacheprovider", "-n", "0"],
                        cwd=REPO, capture_output=True, text=True, timeout=300)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out

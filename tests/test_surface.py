@@ -470,7 +470,7 @@ def test_a_refused_resume_makes_and_moves_nothing(tmp_path):
 
 
 def test_quick_option_leaves_out_every_test_that_starts_ray():
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--quick", "--co",
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", "--quick", "--co",
                           "tests/test_surface.py"], cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
     assert out.returncode == 0, out.stdout + out.stderr
     ids = [ln for ln in out.stdout.splitlines() if ln.startswith("tests/")]
