@@ -178,6 +178,39 @@ def test_run_metrics_tags_and_counter_deltas(monkeypatch):
     mem = made["meshpipe_memory_bytes"].values
     assert {dict(k)["source"] for k in mem} == {"process_rss"}
 
+    m.close()
+    assert not m._keeper.is_alive()
+
+
+def test_run_metrics_sets_every_gauge_again_and_counters_never(monkeypatch):
+    """Ray's agent forgets a gauge 2 export intervals after its last set: `refresh` (the keeper's
+    work) sets each gauge's last value again, for every tag set it was set with; counters are not
+    touched (an inc would add)."""
+    import ray.util.metrics as rum
+
+    monkeypatch.setattr(rum, "Gauge", FakeMetric)
+    monkeypatch.setattr(rum, "Counter", FakeMetric)
+    FakeMetric.made = {}
+    low = lower(generate("1f1b", 2, 2))
+    sim = simulate(low, {"F": 1, "B": 2})
+    tel = RunTelemetry("demo", low, sim.bubble_fraction, global_batch=8)
+    m = metrics.RunMetrics("demo", sim.bubble_fraction, restarts=2)
+    m.close()                                  # refresh by hand below, not on the keeper's clock
+    hosts = [{"stage": s, "host": 0, "sent_bytes_to": {str(1 - s): 10}, "memory_bytes": 5 + s,
+              "memory_source": "process_rss", "compile_s": 1.0} for s in (0, 1)]
+    m.record(tel.add(0, 0.5, 1.0, as_measured(sim, 0.0), hosts), eval_loss=2.5)
+    m.plan(2, 1, 0.4)
+    made = FakeMetric.made
+    before = {name: dict(metric.values) for name, metric in made.items()}
+    for metric in made.values():
+        metric.values.clear()
+    m.refresh()
+    after = {name: dict(metric.values) for name, metric in made.items() if metric.values}
+    gauges = {name: v for name, v in before.items() if name != "meshpipe_reshard_bytes" and v}
+    assert after == gauges
+    assert after["meshpipe_restarts"] == {(("run", "demo"),): 2}
+    assert len(after["meshpipe_memory_bytes"]) == 2 and "meshpipe_data_wait_s" not in after
+
 
 def test_parse_prometheus_reads_labels_with_escapes():
     text = ('# TYPE ray_x gauge\nray_x{a="1",b="q\\"x",run="r"} 3.0\nray_y_total{edge="0->1"} 7\n'

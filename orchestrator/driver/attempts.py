@@ -283,7 +283,7 @@ class Session:
         self.recoveries.append(rec)
         self.record.extra["restarts"] = restarts
         if self.metrics is not None:
-            self.metrics.restarts.set(restarts, tags={"run": self.run_name})
+            self.metrics.set_restarts(restarts)
         msg = (f"restart {restarts} of {job.failure.max_restarts}: {recovery.describe(failed.failure, failed.where)}"
                f"; resuming from checkpoint step {self.ckpt.start} ({rec['steps_lost']} steps to run again)")
         log.info("%s", msg)      # echo prints it; a warning would reach the terminal a second time
@@ -431,8 +431,12 @@ class Session:
             except Exception as e:  # noqa: BLE001 - pictures must not hide the run's own error
                 log.warning("could not write trace.json/timeline.png: %s", e)
             self.record.extra.update(last_step_spans=[list(s) for s in self.last_spans], telemetry=self.tel.summary())
-        if ok and self.metrics is not None and self.checked.cluster.address is not None:
-            self.metrics.flush()   # a long-lived cluster: let the last values reach its metrics agent
+        if self.metrics is not None:
+            try:
+                if ok and self.checked.cluster.address is not None:
+                    self.metrics.flush()   # a long-lived cluster: let the last values reach its metrics agent
+            finally:
+                self.metrics.close()       # the keeper stops: the run's gauges age out of the agent
 
 
 def _predicted(checked):

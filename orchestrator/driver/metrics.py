@@ -1,9 +1,10 @@
 """Run metrics for Prometheus via `ray.util.metrics`, recorded by the driver after each step.
 
 Basic flow (`orchestrator.driver.runner`, only while Ray is connected):
-  m = RunMetrics(run, simulated_bubble)
+  m = RunMetrics(run, simulated_bubble)  # starts the keeper thread (see below)
   per step: m.record(step_stats)        # a telemetry.StepStats with the actors' stats
   at the end (attached to a long-lived cluster only): m.flush()
+  always, at the end: m.close()         # stops the keeper
 
 Ray exports every metric with a `ray_` prefix on each node's metrics export port
 (`ray.nodes()[i]["MetricsExportPort"]`, http://<node>:<port>/metrics), from where
@@ -27,13 +28,19 @@ Prometheus (and the dashboard's Grafana panels, when configured) read them:
 Tags are bounded (no step or microbatch ids). Why the driver records: one place
 that sees every stage's spans; the actors only return their numbers with the
 step result. Ray exports a process's metrics every `metrics_report_interval_ms`
-(10 s by default) and drops a gauge ~2 intervals after its last report, so a
-driver attached to a long-lived cluster waits at the end (`flush`, at most one
-interval + 2 s) until its own node's endpoint shows the final `steps_done`;
-with an embedded Ray that stops with the run there is nothing to wait for.
+(10 s by default), and its metrics agent drops a gauge 2 intervals after the
+last `set` (measured with Ray 2.60: a gauge set once was scraped for ~2 s at a
+1 s interval, then never again). A run's gauges hold for minutes (`restarts`,
+`hosts`, the last eval loss) and a step may outlast 2 intervals, so a keeper
+thread sets every gauge's last value again each half interval until `close()`:
+they stay on the endpoint for the whole run and age out after it. A driver
+attached to a long-lived cluster waits at the end (`flush`, at most one interval
++ 2 s) until its own node's endpoint shows the final `steps_done`; with an
+embedded Ray that stops with the run there is nothing to wait for.
 """
 from __future__ import annotations
 
+import threading
 import time
 
 RUN = ("run",)
@@ -67,30 +74,64 @@ class RunMetrics:
                                tag_keys=HOST + ("edge",))
         self._sent: dict[tuple[int, int, str], int] = {}
         self._simulated = float(simulated_bubble)
-        self.restarts.set(restarts, tags={"run": run})
-        self.bubble_simulated.set(self._simulated, tags={"run": run})
+        self._last: dict[tuple[int, tuple], tuple] = {}    # (gauge, tags) → (gauge, value, tags), last set
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
         self.done = 0
+        self.set_restarts(restarts)
+        self._set(self.bubble_simulated, self._simulated, {"run": run})
+        self._keeper = threading.Thread(target=self._keep, args=(export_interval_s() / 2,),
+                                        name=f"meshpipe-metrics-{run}", daemon=True)
+        self._keeper.start()
+
+    def _set(self, gauge, value: float, tags: dict[str, str]) -> None:
+        """Set a gauge and remember the value, which the keeper sets again until `close()`."""
+        with self._lock:
+            self._last[(id(gauge), tuple(sorted(tags.items())))] = (gauge, value, tags)
+        gauge.set(value, tags=tags)
+
+    def refresh(self) -> None:
+        """Set every gauge's last value again (Ray's agent forgets a gauge 2 intervals after its last set)."""
+        with self._lock:
+            live = list(self._last.values())
+        for gauge, value, tags in live:
+            gauge.set(value, tags=tags)
+
+    def _keep(self, every_s: float) -> None:
+        while not self._stop.wait(every_s):
+            try:
+                self.refresh()
+            except Exception:  # noqa: BLE001 - metrics are an aid: a failed refresh waits for the next
+                continue
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop the keeper (the run's gauges then age out of the agent within 2 intervals)."""
+        self._stop.set()
+        self._keeper.join(timeout_s)
+
+    def set_restarts(self, restarts: int) -> None:
+        self._set(self.restarts, restarts, {"run": self.run})
 
     def record(self, st, eval_loss: float | None = None) -> None:
         """Record one `telemetry.StepStats` (and the step's eval loss, when it evaluated)."""
         run = {"run": self.run}
         if eval_loss is not None:
-            self.eval_loss.set(eval_loss, tags=run)
-        self.step_time.set(st.wall_s, tags=run)
-        self.samples.set(st.samples_per_s, tags=run)
-        self.bubble_measured.set(st.measured_bubble, tags=run)
-        self.bubble_simulated.set(self._simulated, tags=run)
+            self._set(self.eval_loss, eval_loss, run)
+        self._set(self.step_time, st.wall_s, run)
+        self._set(self.samples, st.samples_per_s, run)
+        self._set(self.bubble_measured, st.measured_bubble, run)
+        self._set(self.bubble_simulated, self._simulated, run)
         for (stage, host), frac in st.busy.items():
-            self.busy.set(frac, tags=_host(self.run, stage, host))
+            self._set(self.busy, frac, _host(self.run, stage, host))
         for h in st.hosts:
             stage, host = h["stage"], h["host"]
             tags = _host(self.run, stage, host)
             if "memory_bytes" in h:
-                self.memory.set(h["memory_bytes"], tags={**tags, "source": h.get("memory_source", "")})
+                self._set(self.memory, h["memory_bytes"], {**tags, "source": h.get("memory_source", "")})
             if "compile_s" in h:
-                self.compile.set(h["compile_s"], tags=tags)
+                self._set(self.compile, h["compile_s"], tags)
             if "data_wait_s" in h:
-                self.data_wait.set(h["data_wait_s"], tags=tags)
+                self._set(self.data_wait, h["data_wait_s"], tags)
             for direction, total in (h.get("sent_bytes_to") or {}).items():
                 peer = int(direction)   # keyed by destination stage
                 key = (stage, host, direction)
@@ -99,14 +140,14 @@ class RunMetrics:
                 if delta > 0:
                     self.reshard.inc(delta, tags={**tags, "edge": f"{stage}->{peer}"})
         self.done = st.step + 1
-        self.steps_done.set(self.done, tags=run)
+        self._set(self.steps_done, self.done, run)
 
     def plan(self, hosts: int, replans: int, simulated_bubble: float) -> None:
         """The plan in use (`failure.elastic`): its hosts, its simulated bubble, the re-plans so far."""
         self._simulated = float(simulated_bubble)
-        self.bubble_simulated.set(self._simulated, tags={"run": self.run})
-        self.elastic["hosts"].set(hosts, tags={"run": self.run})
-        self.elastic["replans"].set(replans, tags={"run": self.run})
+        self._set(self.bubble_simulated, self._simulated, {"run": self.run})
+        self._set(self.elastic["hosts"], hosts, {"run": self.run})
+        self._set(self.elastic["replans"], replans, {"run": self.run})
 
     def flush(self, cap_s: float = 15.0) -> bool:
         """Poll this node's metrics endpoint until it shows the final steps_done (bounded); True if seen."""
