@@ -61,6 +61,33 @@ class FailStepOnce(WorkerHook):
 
 
 @dataclass(frozen=True)
+class FailStepAtVisit(WorkerHook):
+    """(stage, host) raises at the start of `step` the `visit`-th time any attempt gets there (one
+    file per visit in the directory `counter`): a failure in a later attempt only."""
+
+    stage: int
+    host: int
+    step: int
+    visit: int
+    counter: str
+
+    def on_step(self, cfg, step: int) -> None:
+        import os
+
+        if (cfg.stage, cfg.host, step) != (self.stage, self.host, self.step):
+            return
+        n = 1
+        while True:
+            try:
+                os.close(os.open(os.path.join(self.counter, str(n)), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+                break
+            except FileExistsError:
+                n += 1
+        if n == self.visit:
+            raise RuntimeError(f"{cfg.who}: injected failure at step {step}, visit {n}")
+
+
+@dataclass(frozen=True)
 class HoldAt(WorkerHook):
     """(stage, host) stops at the start of `step` — once `wait_for` exists (e.g. a commit marker;
     bounded by `timeout_s`) it creates `reached` and sleeps up to `timeout_s`, for a test to kill

@@ -264,6 +264,37 @@ def test_rollback_restores_the_commit_skips_the_bad_data_and_completes(tmp_path,
 
 
 @pytest.mark.ray
+def test_a_crash_after_a_rollback_restarts_from_the_same_commit_and_still_skips_the_bad_data(tmp_path, no_leaks):
+    """The rollback to commit 2 skips batches 2 and 3; then stage 1 fails at step 2 of the next
+    attempt (an error, not a health event) and the run restarts from commit 2 again. That restart
+    must skip the same batches: the commit's checkpoint predates the skip. (CI once saw the bad
+    batch trained again, a second rollback, and the restarts used up.)"""
+    from orchestrator.driver.runner import run_job
+
+    from tests.faults import FailStepAtVisit
+
+    v = poison_value(tmp_path)
+    job = poison_job(tmp_path, "rollback2", v, on_nonfinite="rollback", max_restarts=3)
+    job["checkpoint"] = {"dir": str(tmp_path / "ckpt"), "every_steps": 2}
+    checked = checked_of(job)
+    counter = tmp_path / "visits"
+    counter.mkdir()
+    crash = FailStepAtVisit(stage=1, host=0, step=2, visit=2, counter=str(counter))
+    pipe = run_job(checked, echo=lambda s: None, keep_params=True, hooks=[crash])
+    assert pipe["status"] == "completed" and pipe["restarts"] == 2, pipe.get("recoveries")
+    first, second = pipe["recoveries"]
+    assert (first["resumed_from"], second["resumed_from"]) == (2, 2)
+    assert "gradient norm non-finite" in first["error"] and "visit 2" in second["error"], second["error"]
+    events = read_summary(tmp_path, "rollback2")["health"]["events"]
+    assert [(e["step"], e["kind"], e["action"]) for e in events] == [(BAD_STEP, "gradient norm", "rollback")]
+    steps = checked.job.run.steps
+    batches = [0, 1] + [s + BAD_STEP + 1 - 2 for s in range(2, steps)]
+    losses, params = poison_oracle(checked, v, batches)
+    np.testing.assert_allclose(pipe["losses"], losses, rtol=RTOL, atol=ATOL)
+    assert_params_equal(pipe["params"], params, lambda n: n.split(".", 1)[1])
+
+
+@pytest.mark.ray
 def test_learning_rate_99_diverges_and_the_cli_exits_non_zero_naming_it(tmp_path):
     """The issue's own input: examples/gpt.yaml at learning rate 99 (loss 5.19 → 127,982 at step 1)."""
     out = subprocess.run(

@@ -8,7 +8,7 @@ Basic flow (`orchestrator.driver.runner._run_pipeline`):
   (`orchestrator.core.health`) is recorded with its step; then only the saves from before
   the bad step commit, and its action follows: stop (`HealthStop` ends the run) or roll back
   (`HealthRollback`: the attempt fails as a typed ROLLBACK at the bad step, and the restart
-  skips the data from the commit through it).
+  skips the data from the commit through it; so does every later restart from that commit).
   `Attempt` — one executor lifetime: reserve the placement, start the actors (restoring the
   checkpoint it is given), run the steps from `first`, flush the last saves. A failure
   leaves it as `AttemptFailed`: a typed `orchestrator.core.recovery.Failure` (cause, stage,
@@ -164,6 +164,7 @@ class Session:
         self.gone: set[str] = set()     # ids of nodes lost during the run (a restart's placement avoids them)
         self.recoveries: list[dict] = []
         record.extra.update(restarts=0, recoveries=self.recoveries)
+        self.skipped: dict[int, int] = {}   # commit step → batches training-health rollbacks to it skipped
         self.replans: list[dict] = []   # summary.json's `replans` (failure.elastic)
         self._pending = None            # the newest re-plan until its first step: (record, entry, times, rec)
         self._placing_since = 0.0       # when the newest restart began to wait for its placement
@@ -258,18 +259,13 @@ class Session:
         """Tear the failed attempt down, prepare the newest commit (as --resume latest), record the
         restart and roll the record back; returns (the step to start at, the restart's record)."""
         from orchestrator.driver import recovery
-        from orchestrator.driver.checkpoint import prepare
 
         checked, job = self.checked, self.checked.job
         t1 = time.perf_counter()
         torn = attempt.close(after_failure=True, hung=failed.hung)
         recovery.wait_released(self._actor_names(), f"meshpipe-{self.run_name}", checked.cluster.timeouts.shutdown_s)
         teardown_s = time.perf_counter() - t1
-        self.ckpt = prepare(checked, "latest")    # as --resume: checks, removes uncommitted saves
-        if failed.failure.cause == ROLLBACK:     # training health: skip the data from the commit through the bad step
-            spec = self.ckpt.spec
-            self.ckpt.spec = dataclasses.replace(spec, restore=dataclasses.replace(
-                spec.restore, skip_batches=skip_data(self.ckpt.start, failed.failure.step)))
+        self._latest(checked, rollback_at=failed.failure.step if failed.failure.cause == ROLLBACK else None)
         self.monitor.rollback(self.ckpt.start)       # the losses and skips from the commit on run again
         rec = recovery.record(failed.failure, failed.where, self.ckpt.start, failed.detected_at, failed.waited_s)
         rec.update(restart=restarts, teardown_s=teardown_s, teardown_graceful_s=torn["graceful_s"],
@@ -292,6 +288,24 @@ class Session:
         self.committer.pending.clear()       # saves of the failed attempt never commit
         self._placing_since = time.perf_counter()
         return self.ckpt.start, rec
+
+    def _latest(self, checked, rollback_at: Optional[int] = None) -> None:
+        """The newest commit prepared to restart from (as --resume latest: checked, uncommitted saves
+        removed), skipping the batches every rollback to it skipped. `rollback_at`: this restart is a
+        training-health rollback of that bad step, which skips the data from the commit through it.
+        Kept per commit because any later restart from the same commit (a crash, a re-plan) must skip
+        them again: that commit's checkpoint predates the skip (a later commit saves it in the stages'
+        `data_offset`)."""
+        from orchestrator.driver.checkpoint import prepare
+
+        self.ckpt = prepare(checked, "latest")
+        start = self.ckpt.start
+        if rollback_at is not None:      # on top of earlier rollbacks to this commit (step n trained batch n + them)
+            self.skipped[start] = self.skipped.get(start, 0) + skip_data(start, rollback_at)
+        if self.skipped.get(start):
+            spec = self.ckpt.spec
+            self.ckpt.spec = dataclasses.replace(spec, restore=dataclasses.replace(
+                spec.restore, skip_batches=self.skipped[start]))
 
     def placement_lost(self, e: BaseException) -> Decision:
         """Why a restart stops when its placement could not be reserved again (`e`)."""
@@ -354,11 +368,11 @@ class Session:
         from orchestrator.core.elastic import ReplanRecord, plan_hosts
         from orchestrator.core.plan import make_plan
         from orchestrator.core.recovery import ProgressDeadline
-        from orchestrator.driver.checkpoint import Committer, prepare
+        from orchestrator.driver.checkpoint import Committer
 
         before, checked = self.checked, replan.checked
         self.checked, self.plan = checked, make_plan(checked)
-        self.ckpt = prepare(checked, "latest")
+        self._latest(checked)
         commits = self.committer.commits
         self.committer = Committer(checked, checked.job.pipeline.schedule, plan_hosts(checked), self.record.losses)
         self.committer.commits = commits
