@@ -532,7 +532,8 @@ def test_restarts_used_up_stop_with_the_resume_command(tmp_path, no_leaks, unint
         _run(job, hooks=hooks, resume_command="meshpipe run j.yaml --resume", pids=tmp_path / "pids")
     _nothing_left(tmp_path / "pids", job, before)
     has_all(str(ei.value), "error: stage 0 host 0", "in step 6", "max_restarts = 1", "used up",
-            "last committed checkpoint: step", "Continue with: meshpipe run j.yaml --resume")
+            "last committed checkpoint: step", "Continue with: meshpipe run j.yaml --resume",
+            "restarted before: 1. error: stage 1 host 0 in step 5: ")       # what used the restart up
     s = _summary(job)
     assert s["status"] == "failed" and s["restarts"] == 1
     resumed = _run(job, hooks=hooks, resume="latest", pids=tmp_path / "pids-resumed")   # the faults are spent

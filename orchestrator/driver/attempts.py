@@ -430,6 +430,8 @@ class Session:
 
         f = failed.failure
         msg = recovery.stop_message(f, failed.where, decision, self.committed(), failed.steps_done, self.resume_command)
+        if self.recoveries:      # what the restarts so far were for (all of them, when they are used up)
+            msg = f"{msg}\n{recovery.earlier_restarts(self.recoveries)}"
         if f.cause == STORAGE:      # the directory, the step and the errno first; then what is lost, how to go on
             msg = f"{storage_stop(f, self.checked.job.checkpoint.dir)}\n{msg}"
         self.record.extra["failure"] = {**f.fields(), **failed.where}     # summary.json: the typed cause

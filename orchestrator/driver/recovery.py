@@ -318,6 +318,24 @@ def stop_message(f: Failure, where: dict, decision: Decision, committed: Optiona
     return f"{head}\nlast committed checkpoint: step {committed}; {what}. Continue with: {resume_command}"
 
 
+def earlier_restarts(recoveries: list[dict], width: int = 160) -> str:
+    """What the run was restarted for before the failure that stops it, a line each ('' for none;
+    summary.json's `recoveries` has them whole). A run whose restarts are used up says what used them.
+
+    >>> print(earlier_restarts([{"restart": 1, "cause": "error", "stage": 1, "host": 0, "step": 2,
+    ...                          "error": "boom\\ntraceback"}]))
+    restarted before: 1. error: stage 1 host 0 in step 2: boom
+    """
+    lines = []
+    for i, r in enumerate(recoveries, 1):
+        text = (str(r.get("error") or "").strip().splitlines() or [""])[0]
+        line = f"{r.get('restart', i)}. {r.get('cause')}: stage {r.get('stage')} host {r.get('host')} in step {r.get('step')}: {text}"
+        lines.append(line if len(line) <= width else line[:width - 1] + "…")
+    if not lines:
+        return ""
+    return "restarted before: " + lines[0] if len(lines) == 1 else "\n".join(["restarted before:", *(f"  {ln}" for ln in lines)])
+
+
 def record(f: Failure, where: dict, resumed_from: int, detected_at: float, waited_s: float) -> dict:
     """One restart's entry in summary.json's `recoveries` (recovery times are filled in later).
     `steps_lost`: the steps finished before the failure that run again — the failure's step (the
@@ -333,5 +351,6 @@ def record(f: Failure, where: dict, resumed_from: int, detected_at: float, waite
 
 
 __all__ = ["RECOVERABLE", "HeartbeatWatch", "RecoveryStopped", "classify", "is_hang", "committed_step", "describe",
+           "earlier_restarts",
            "lost_nodes", "NodeWatch",
            "raylet_answers", "record", "stop_message", "wait_released"]
