@@ -273,6 +273,48 @@ def test_raylet_probe_tells_a_listening_port_from_a_closed_one():
     assert not raylet_answers("127.0.0.1", port, 2.0)          # closed: refused at once
 
 
+@pytest.mark.ray
+def test_a_killed_actors_process_is_waited_for_after_ray_frees_its_name(ray_local, no_leaks, tmp_path):
+    """Ray frees a killed actor's name before its process ends, and the process runs on (here it
+    keeps rewriting a file): `wait_exited` returns only once the process is gone, so nothing it
+    writes can land after the next attempt's `prepare` cleaned checkpoint.dir. The state API
+    (how other nodes are checked) lists the live worker and then no longer does."""
+    import os
+    import threading
+    import time
+
+    import psutil
+    import ray
+
+    from orchestrator.driver.recovery import _alive_remote_workers, wait_exited, wait_released
+
+    @ray.remote(num_cpus=0)
+    class Writer:
+        def start(self, path: str) -> dict:
+            def loop():
+                n = 0
+                while True:
+                    Path(path).write_text(str(n))
+                    n += 1
+                    time.sleep(0.001)
+            threading.Thread(target=loop, daemon=True).start()
+            return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(), "stage": 0, "host": 0}
+
+    name = f"writer-{os.getpid()}"
+    a = Writer.options(name=name, namespace="meshpipe-tests").remote()
+    rec = ray.get(a.start.remote(str(tmp_path / "f")), timeout=60)
+    assert (rec["node_id"], rec["pid"]) in _alive_remote_workers(30.0)
+    ray.kill(a)
+    wait_released([name], "meshpipe-tests", 30.0)
+    assert wait_exited([rec], 30.0) == []
+    gone = not psutil.pid_exists(rec["pid"]) or psutil.Process(rec["pid"]).status() == psutil.STATUS_ZOMBIE
+    assert gone
+    before = (tmp_path / "f").stat().st_mtime_ns
+    time.sleep(0.2)
+    assert (tmp_path / "f").stat().st_mtime_ns == before          # nothing writes any more
+    assert wait_exited([], 1.0) == []
+
+
 def test_progress_deadline_follows_measured_steps():
     from orchestrator.core.recovery import ProgressDeadline
 

@@ -16,7 +16,8 @@ Basic flow (`orchestrator.driver.runner._run_pipeline` runs attempts in a loop):
      (`orchestrator.core.recovery.node_loss`), whichever error reached the driver first;
   3. the policy (`RestartPolicy.decide`) says restart or stop. Restart: the executor is shut
      down (survivors told to abort at once and killed after a short grace, placement group removed,
-     `wait_released` until Ray has let their names go), the newest committed checkpoint is
+     `wait_released` until Ray has let their names go, `wait_exited` until their processes are
+     gone), the newest committed checkpoint is
      prepared exactly as `--resume latest` would (`orchestrator.driver.checkpoint.prepare`),
      and a new attempt reserves the placement again — waiting up to `failure.placement_timeout_s`
      (default `timeouts.init_s`) for the cluster to fit it again, e.g. a replacement for a lost
@@ -273,6 +274,61 @@ def wait_released(names: list[str], namespace: str, timeout: float) -> None:
                            "were killed; not starting new ones under the same names")
 
 
+def wait_exited(info: list[dict], timeout: float) -> list[str]:
+    """Wait (bounded) until the processes of an attempt's killed actors (`info`: their setup
+    records, with `pid` and `node_id`) have exited; returns the labels of those still running at
+    the deadline (logged, not an error). Ray frees a killed actor's name before its process ends,
+    and the process runs on meanwhile (measured: still writing a file 50 ms after the name was
+    free; longer under load) — a checkpoint save's last files or rename would land after the
+    next attempt's `prepare` removed the uncommitted saves. The driver's own node is checked by
+    pid; other nodes through Ray's state API (best effort: without it only the deadline waits)."""
+    import psutil
+    import ray
+
+    me = ray.get_runtime_context().get_node_id()
+    running = {(r.get("node_id"), int(r["pid"])): f"stage{r.get('stage')}/host{r.get('host')}"
+               for r in info if r.get("pid")}
+    deadline = time.monotonic() + timeout
+    while running:
+        running = {k: v for k, v in running.items() if _process_running(k, me, psutil)}
+        remote = [k for k in running if k[0] != me]
+        if remote:
+            alive = _alive_remote_workers(max(1.0, deadline - time.monotonic()))
+            if alive is not None:
+                running = {k: v for k, v in running.items() if k[0] == me or k in alive}
+        if not running or time.monotonic() >= deadline:
+            break
+        time.sleep(0.02)
+    if running:
+        log.warning("recovery: the processes of %s still run %.0f s after they were killed",
+                    ", ".join(sorted(running.values())), timeout)
+    return sorted(running.values())
+
+
+def _process_running(key: tuple, me: str, psutil) -> bool:
+    node, pid = key
+    if node != me:
+        return True          # decided by the state API
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:     # gone (or no longer ours to see)
+        return False
+
+
+def _alive_remote_workers(timeout: float) -> Optional[set]:
+    """(node id, pid) of every live Ray worker process, or None when the state API does not answer."""
+    try:
+        import ray
+        from ray.util.state import list_workers
+
+        rows = list_workers(address=ray.get_runtime_context().gcs_address, filters=[("is_alive", "=", "True")],
+                            limit=10_000, timeout=int(min(timeout, 30)), raise_on_missing_output=False)
+    except Exception as e:  # noqa: BLE001 - best effort: the deadline still bounds the wait
+        log.debug("state API: %s", e)
+        return None
+    return {(w.node_id, int(w.pid)) for w in rows if w.pid is not None}
+
+
 def committed_step(checked) -> Optional[int]:
     """The newest committed checkpoint step of the job (None: none, or no `checkpoint:`)."""
     from orchestrator.core.checkpoint import committed
@@ -353,4 +409,4 @@ def record(f: Failure, where: dict, resumed_from: int, detected_at: float, waite
 __all__ = ["RECOVERABLE", "HeartbeatWatch", "RecoveryStopped", "classify", "is_hang", "committed_step", "describe",
            "earlier_restarts",
            "lost_nodes", "NodeWatch",
-           "raylet_answers", "record", "stop_message", "wait_released"]
+           "raylet_answers", "record", "stop_message", "wait_exited", "wait_released"]
