@@ -264,7 +264,7 @@ class Session:
         t1 = time.perf_counter()
         torn = attempt.close(after_failure=True, hung=failed.hung)
         recovery.wait_released(self._actor_names(), f"meshpipe-{self.run_name}", checked.cluster.timeouts.shutdown_s)
-        recovery.wait_exited(_info(attempt), checked.cluster.timeouts.shutdown_s)   # before prepare removes saves
+        recovery.wait_exited(_info(attempt), checked.cluster.timeouts.shutdown_s, self.gone)   # before prepare
         teardown_s = time.perf_counter() - t1
         self._latest(checked, rollback_at=failed.failure.step if failed.failure.cause == ROLLBACK else None)
         self.monitor.rollback(self.ckpt.start)       # the losses and skips from the commit on run again
@@ -352,7 +352,7 @@ class Session:
         attempt.close(after_failure=False, interrupted=True)     # the step in flight abandoned
         recovery.wait_released(self._actor_names(), f"meshpipe-{self.run_name}",
                                self.checked.cluster.timeouts.shutdown_s)
-        recovery.wait_exited(_info(attempt), self.checked.cluster.timeouts.shutdown_s)
+        recovery.wait_exited(_info(attempt), self.checked.cluster.timeouts.shutdown_s, self.gone)
         times = Timings(teardown_s=time.perf_counter() - t1, planning_s=grow.planning_s)
         rec = {"detected_at": grow.at, "steps_lost": max(0, len(self.record.losses) - grow.step),
                "restart": self.record.extra["restarts"]}     # (the attempt's workers file is numbered by it)

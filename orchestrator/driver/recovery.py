@@ -274,31 +274,30 @@ def wait_released(names: list[str], namespace: str, timeout: float) -> None:
                            "were killed; not starting new ones under the same names")
 
 
-def wait_exited(info: list[dict], timeout: float) -> list[str]:
+def wait_exited(info: list[dict], timeout: float, gone: set | frozenset = frozenset()) -> list[str]:
     """Wait (bounded) until the processes of an attempt's killed actors (`info`: their setup
     records, with `pid` and `node_id`) have exited; returns the labels of those still running at
     the deadline (logged, not an error). Ray frees a killed actor's name before its process ends,
     and the process runs on meanwhile (measured: still writing a file 50 ms after the name was
     free; longer under load) — a checkpoint save's last files or rename would land after the
     next attempt's `prepare` removed the uncommitted saves. The driver's own node is checked by
-    pid; other nodes through Ray's state API (best effort: without it only the deadline waits)."""
+    pid, the others through Ray's state API; actors on the nodes in `gone` (lost) are not waited
+    for, nor, when the state API does not answer, those on other nodes."""
     import psutil
     import ray
 
     me = ray.get_runtime_context().get_node_id()
     running = {(r.get("node_id"), int(r["pid"])): f"stage{r.get('stage')}/host{r.get('host')}"
-               for r in info if r.get("pid")}
+               for r in info if r.get("pid") and r.get("node_id") not in gone}
     deadline = time.monotonic() + timeout
     while running:
         running = {k: v for k, v in running.items() if _process_running(k, me, psutil)}
-        remote = [k for k in running if k[0] != me]
-        if remote:
+        if any(node != me for node, _ in running):
             alive = _alive_remote_workers(max(1.0, deadline - time.monotonic()))
-            if alive is not None:
-                running = {k: v for k, v in running.items() if k[0] == me or k in alive}
+            running = {k: v for k, v in running.items() if k[0] == me or (alive is not None and k in alive)}
         if not running or time.monotonic() >= deadline:
             break
-        time.sleep(0.02)
+        time.sleep(0.02 if all(node == me for node, _ in running) else 0.25)
     if running:
         log.warning("recovery: the processes of %s still run %.0f s after they were killed",
                     ", ".join(sorted(running.values())), timeout)
