@@ -241,6 +241,17 @@ def test_skip_drops_the_update_on_every_stage_and_matches_the_oracle(tmp_path, n
     assert_params_equal(pipe["params"], params, lambda n: n.split(".", 1)[1])
 
 
+def _one_rollback_then_the_oracle(tmp_path, name, checked, v, pipe) -> None:
+    """One rollback event at BAD_STEP, and the run equal to the oracle that trained steps 0, 1 on
+    batches 0, 1 and, from commit 2, skipped the batches through the bad one (2, 3)."""
+    events = read_summary(tmp_path, name)["health"]["events"]
+    assert [(e["step"], e["kind"], e["action"]) for e in events] == [(BAD_STEP, "gradient norm", "rollback")]
+    batches = [0, 1] + [s + BAD_STEP + 1 - 2 for s in range(2, checked.job.run.steps)]
+    losses, params = poison_oracle(checked, v, batches)
+    np.testing.assert_allclose(pipe["losses"], losses, rtol=RTOL, atol=ATOL)
+    assert_params_equal(pipe["params"], params, lambda n: n.split(".", 1)[1])
+
+
 @pytest.mark.ray
 def test_rollback_restores_the_commit_skips_the_bad_data_and_completes(tmp_path, no_leaks):
     from orchestrator.driver.runner import run_job
@@ -253,14 +264,7 @@ def test_rollback_restores_the_commit_skips_the_bad_data_and_completes(tmp_path,
     assert pipe["status"] == "completed" and pipe["restarts"] == 1
     (rec,) = pipe["recoveries"]
     assert rec["resumed_from"] == 2 and "gradient norm non-finite" in rec["error"]
-    events = read_summary(tmp_path, "rollback")["health"]["events"]
-    assert [(e["step"], e["kind"], e["action"]) for e in events] == [(BAD_STEP, "gradient norm", "rollback")]
-    # steps 0, 1 on batches 0, 1; from commit 2 the batches through the bad one (2, 3) are skipped
-    steps = checked.job.run.steps
-    batches = [0, 1] + [s + BAD_STEP + 1 - 2 for s in range(2, steps)]
-    losses, params = poison_oracle(checked, v, batches)
-    np.testing.assert_allclose(pipe["losses"], losses, rtol=RTOL, atol=ATOL)
-    assert_params_equal(pipe["params"], params, lambda n: n.split(".", 1)[1])
+    _one_rollback_then_the_oracle(tmp_path, "rollback", checked, v, pipe)
 
 
 @pytest.mark.ray
@@ -285,13 +289,7 @@ def test_a_crash_after_a_rollback_restarts_from_the_same_commit_and_still_skips_
     first, second = pipe["recoveries"]
     assert (first["resumed_from"], second["resumed_from"]) == (2, 2)
     assert "gradient norm non-finite" in first["error"] and "visit 2" in second["error"], second["error"]
-    events = read_summary(tmp_path, "rollback2")["health"]["events"]
-    assert [(e["step"], e["kind"], e["action"]) for e in events] == [(BAD_STEP, "gradient norm", "rollback")]
-    steps = checked.job.run.steps
-    batches = [0, 1] + [s + BAD_STEP + 1 - 2 for s in range(2, steps)]
-    losses, params = poison_oracle(checked, v, batches)
-    np.testing.assert_allclose(pipe["losses"], losses, rtol=RTOL, atol=ATOL)
-    assert_params_equal(pipe["params"], params, lambda n: n.split(".", 1)[1])
+    _one_rollback_then_the_oracle(tmp_path, "rollback2", checked, v, pipe)
 
 
 @pytest.mark.ray

@@ -141,7 +141,8 @@ class FakeMetric:
         self.values[key] = self.values.get(key, 0) + value
 
 
-def test_run_metrics_tags_and_counter_deltas(monkeypatch):
+def _fake_metrics(monkeypatch):
+    """Ray's Gauge and Counter replaced by FakeMetric (pure: no Ray); a 1F1B plan's simulation and telemetry."""
     import ray.util.metrics as rum
 
     monkeypatch.setattr(rum, "Gauge", FakeMetric)
@@ -149,7 +150,11 @@ def test_run_metrics_tags_and_counter_deltas(monkeypatch):
     FakeMetric.made = {}
     low = lower(generate("1f1b", 2, 2))
     sim = simulate(low, {"F": 1, "B": 2})
-    tel = RunTelemetry("demo", low, sim.bubble_fraction, global_batch=8)
+    return sim, RunTelemetry("demo", low, sim.bubble_fraction, global_batch=8)
+
+
+def test_run_metrics_tags_and_counter_deltas(monkeypatch):
+    sim, tel = _fake_metrics(monkeypatch)
     m = metrics.RunMetrics("demo", sim.bubble_fraction)
     hosts = lambda n: [  # noqa: E731
         {"stage": 0, "host": 0, "sent_bytes_to": {"1": 100 * n}, "memory_bytes": 5,
@@ -186,14 +191,7 @@ def test_run_metrics_sets_every_gauge_again_and_counters_never(monkeypatch):
     """Ray's agent forgets a gauge 2 export intervals after its last set: `refresh` (the keeper's
     work) sets each gauge's last value again, for every tag set it was set with; counters are not
     touched (an inc would add)."""
-    import ray.util.metrics as rum
-
-    monkeypatch.setattr(rum, "Gauge", FakeMetric)
-    monkeypatch.setattr(rum, "Counter", FakeMetric)
-    FakeMetric.made = {}
-    low = lower(generate("1f1b", 2, 2))
-    sim = simulate(low, {"F": 1, "B": 2})
-    tel = RunTelemetry("demo", low, sim.bubble_fraction, global_batch=8)
+    sim, tel = _fake_metrics(monkeypatch)
     m = metrics.RunMetrics("demo", sim.bubble_fraction, restarts=2)
     m.close()                                  # refresh by hand below, not on the keeper's clock
     hosts = [{"stage": s, "host": 0, "sent_bytes_to": {str(1 - s): 10}, "memory_bytes": 5 + s,
